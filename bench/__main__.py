@@ -1,0 +1,29 @@
+"""Run the benchmarks: `python -m bench [NAME ...]` (NAME is a module stem such as `synth_bench`).
+
+Each benchmark module has a `main()` that prints a markdown table with the machine it ran on and
+its ratios; BENCHMARKS.md records those tables with the command that produced them.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    here = Path(__file__).parent
+    available = sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name.endswith("_bench"))
+    chosen = argv or available
+    unknown = sorted(set(chosen) - set(available))
+    if unknown:
+        print(f"bench: unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(available)}", file=sys.stderr)
+        return 2
+    for name in chosen:
+        print(f"\n## {name}\n", flush=True)
+        importlib.import_module(f"bench.{name}").main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
