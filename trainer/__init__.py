@@ -1,0 +1,13 @@
+"""spottrain trainer: a PyTorch training loop that survives Spot preemption.
+
+It resumes exactly (weights, optimizer, scheduler, grad scaler, RNG, data position) from the newest
+valid checkpoint across three tiers, saves asynchronously, saves at once on a preemption notice,
+answers a TCP health check and keeps a goodput ledger. Entry point: ``python -m trainer``.
+"""
+from __future__ import annotations
+
+# Exit codes of `python -m trainer run` (a stable contract, documented in the README).
+EXIT_FINISHED = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by preemption after a successful save; run again to resume

@@ -1,0 +1,85 @@
+"""Command line: ``python -m trainer run ...`` and ``python -m trainer status ...`` (a stable contract).
+
+Exit codes: 0 finished (also: already finished), 75 stopped by preemption after a successful save
+(run the same command again to resume), 2 bad input or a resume with other settings, 1 failed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from trainer import EXIT_BAD_INPUT
+from trainer.config import ConfigError, load_run_config, load_status_config
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: same format and exit code as ours
+        self.print_usage(sys.stderr)
+        print(f"command line: {message}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _process_start() -> float:
+    """Wall time this process started (interpreter start-up counts as start-up badput)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        import os
+
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m trainer", description="Preemption-proof PyTorch trainer.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("run", help="train (or resume, or exit 0 at once if finished)")
+    r.add_argument("--run-dir", type=Path, help="persistent checkpoint tier (PD-SSD on a VM); holds the ledger")
+    r.add_argument("--steps", type=int, help="total optimizer steps of the job")
+    r.add_argument("--seed", type=int, help="seed of init, dropout and data order (default 0)")
+    r.add_argument("--gcs-uri", help="durable tier gs://BUCKET/PREFIX")
+    r.add_argument("--task", help="module:callable returning a trainer.task.Task (default trainer.tasks.gpt:build)")
+    r.add_argument("--checkpoint-every-steps", type=int, help="save every K steps")
+    r.add_argument("--checkpoint-every-seconds", type=float, help="save every T seconds")
+    r.add_argument("--local-dir", type=Path, help="optional fast tier (local SSD)")
+    r.add_argument("--health-port", type=int, help="TCP health port (default 8471; 0 = any free port)")
+    r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
+
+    s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
+    s.add_argument("--run-dir", type=Path)
+    s.add_argument("--gcs-uri")
+    s.add_argument("--local-dir", type=Path)
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = _process_start()
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            cli = {k: getattr(args, k) for k in (
+                "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
+                "checkpoint_every_seconds", "local_dir", "health_port")}
+            cfg = load_run_config(cli, args.config)
+        else:
+            scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
+                                       "local_dir": args.local_dir, "json_output": args.json})
+    except ConfigError as e:
+        for line in e.lines:
+            print(line, file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    if args.command == "run":
+        from trainer.train import run  # torch loads only once the input is known to be good
+
+        return run(cfg, process_start=started).code
+    from trainer.status import main as status_main
+
+    return status_main(scfg)

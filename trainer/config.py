@@ -1,0 +1,204 @@
+"""Typed, documented configuration of the trainer, validated once at the edge.
+
+Values come from three places, later ones winning: the field defaults, a TOML file given with
+``--config FILE`` (top-level keys are the field names below, ``[task_args]`` is a table), and the
+command-line flags. Any problem is reported as ``SOURCE: field: problem`` lines (SOURCE is the file
+or ``command line``) and the process exits 2 without a traceback.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_TASK = "trainer.tasks.gpt:build"
+DEFAULT_HEALTH_PORT = 8471
+
+
+class ConfigError(Exception):
+    """Bad user input; ``lines`` are ``SOURCE: field: problem`` strings, printed as they are."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def _check_gcs_uri(v: str) -> str:
+    rest = v.removeprefix("gs://")
+    if not v.startswith("gs://") or not rest or rest.startswith("/"):
+        raise ValueError("must look like gs://BUCKET/PREFIX")
+    return v
+
+
+GcsUri = Annotated[str, AfterValidator(_check_gcs_uri)]
+
+
+class RunConfig(BaseModel):
+    """Settings of `python -m trainer run`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_dir: Path
+    """Persistent checkpoint tier and home of the goodput ledger (the PD-SSD on a VM)."""
+    steps: int = Field(gt=0)
+    """Total optimizer steps of the whole job (across all restarts)."""
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    """Seeds the model init, dropout and the data order. Part of the resume fingerprint."""
+    gcs_uri: GcsUri | None = None
+    """Durable tier, ``gs://BUCKET/PREFIX``; also receives a mirror of the goodput ledger."""
+    local_dir: Path | None = None
+    """Optional fast tier (local SSD); lost with the VM, so never the only copy."""
+    task: str = DEFAULT_TASK
+    """``module:callable`` returning a :class:`trainer.task.Task`. Part of the fingerprint."""
+    task_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the task callable (e.g. model size). Part of the fingerprint."""
+    checkpoint_every_steps: int | None = Field(default=None, gt=0)
+    """Save every K optimizer steps. With neither interval set, the checkpointer picks the
+    interval itself from the measured save cost and ``mtbf_s`` (Young/Daly)."""
+    checkpoint_every_seconds: float | None = Field(default=None, gt=0)
+    """Save every T seconds of wall time (checked at step boundaries)."""
+    keep: int = Field(default=3, ge=1)
+    """Checkpoints kept on each tier (older valid ones are deleted after a newer one verifies)."""
+    mtbf_s: float = Field(default=6 * 3600, gt=0)
+    """Expected seconds between preemptions, for the automatic checkpoint interval."""
+    health_port: int | None = Field(default=DEFAULT_HEALTH_PORT, ge=0, le=65535)
+    """TCP port of the health server (0: any free port, logged at start-up; none in TOML: off)."""
+    health_host: str = "0.0.0.0"
+    """Address the health server binds to."""
+    health_request: str = "spottrain-health"
+    """The request bytes the health check sends; other requests get ``unknown\\n``."""
+    stall_timeout_s: float = Field(default=600.0, gt=0)
+    """Health answers ``stalled`` once no step has completed for this long (hung collective or
+    data loader), so that the managed instance group autoheals the VM."""
+    preemption_budget_s: float = Field(default=25.0, gt=0)
+    """Seconds from a preemption notice by which the emergency save must be durable (Spot VMs
+    get 30 s between the notice and the hard power-off)."""
+    watch_metadata: bool = True
+    """Follow the GCE metadata server's ``instance/preempted`` (fails quietly off GCE)."""
+    batch_size: int = Field(default=16, gt=0)
+    """Samples per micro-batch on each rank. Part of the fingerprint."""
+    grad_accum_steps: int = Field(default=1, gt=0)
+    """Micro-batches per optimizer step. Part of the fingerprint."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value (none: no clipping). Part of the fingerprint."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast dtype on CUDA; fp16 adds a grad scaler. CPU always trains in fp32."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` takes CUDA when available (one device per local rank)."""
+    threads: int = Field(default=1, gt=0)
+    """torch intra-op CPU threads; fixed so that CPU results are reproducible."""
+    deterministic: bool = True
+    """``torch.use_deterministic_algorithms`` (warn-only for ops without a deterministic kernel)."""
+    log_every_steps: int = Field(default=10, gt=0)
+    """One structured log line every this many steps."""
+    progress_every_s: float = Field(default=60.0, gt=0)
+    """Seconds between goodput progress events in the ledger."""
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        module, sep, attr = v.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError("must be module:callable, e.g. trainer.tasks.gpt:build")
+        return v
+
+    @field_validator("task_args")
+    @classmethod
+    def _task_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(v, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"must hold plain values (numbers, strings, lists, tables): {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _tiers(self) -> "RunConfig":
+        if self.local_dir is not None and self.local_dir.resolve() == self.run_dir.resolve():
+            raise ValueError("local_dir must differ from run_dir")
+        return self
+
+    def fingerprint(self, *, world_size: int, dataset_len: int) -> dict[str, Any]:
+        """Settings that must not change across a resume, or the result would not be the run's."""
+        return {
+            "seed": self.seed,
+            "steps": self.steps,
+            "task": self.task,
+            "task_args": self.task_args,
+            "batch_size": self.batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "grad_clip": self.grad_clip,
+            "precision": self.precision,
+            "world_size": world_size,
+            "dataset_len": dataset_len,
+        }
+
+
+class StatusConfig(BaseModel):
+    """Settings of `python -m trainer status`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_dir: Path
+    """Persistent tier to inspect."""
+    gcs_uri: GcsUri | None = None
+    """Durable tier to inspect (and the ledger mirror)."""
+    local_dir: Path | None = None
+    """Fast tier to inspect."""
+    json_output: bool = False
+    """Print one JSON object instead of the human report."""
+
+
+def settings_digest(fingerprint: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+
+
+def _errors(e: ValidationError, source_of: dict[str, str]) -> list[str]:
+    lines = []
+    for err in e.errors():
+        loc = [str(p) for p in err["loc"]]
+        field = ".".join(loc) if loc else "(config)"
+        source = source_of.get(loc[0], "command line") if loc else "command line"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown setting"
+        elif err["type"] == "missing":
+            msg = "required (flag --" + field.replace("_", "-") + ")"
+        lines.append(f"{source}: {field}: {msg}")
+    return lines
+
+
+def load_run_config(cli: dict[str, Any], config_file: Path | None) -> RunConfig:
+    """Merge defaults < TOML file < flags (those not None) and validate; raise ConfigError."""
+    values: dict[str, Any] = {}
+    source_of: dict[str, str] = {}
+    if config_file is not None:
+        try:
+            with open(config_file, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError([f"{config_file}: cannot read: {e.strerror}"]) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([f"{config_file}: not valid TOML: {e}"]) from None
+        # A TOML file cannot write null; "none" turns off an optional setting such as health_port.
+        for k, v in data.items():
+            values[k] = None if v == "none" else v
+            source_of[k] = str(config_file)
+    for k, v in cli.items():
+        if v is not None:
+            values[k] = v
+            source_of[k] = "command line"
+    try:
+        return RunConfig.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(_errors(e, source_of)) from None
+
+
+def load_status_config(cli: dict[str, Any]) -> StatusConfig:
+    try:
+        return StatusConfig.model_validate({k: v for k, v in cli.items() if v is not None})
+    except ValidationError as e:
+        raise ConfigError(_errors(e, {})) from None

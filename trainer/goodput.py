@@ -1,0 +1,259 @@
+"""The goodput ledger and its report.
+
+Every session (process start) appends events to ``RUN_DIR/goodput/ledger.jsonl`` (one JSON object
+per line, fsynced; a line torn by SIGKILL is skipped on read) and mirrors each event to the durable
+tier as its own immutable object ``goodput/<session>/<seq>.json``. A session that finds events in
+GCS its run dir lacks (the disk was lost) copies them back, so the report covers the whole job.
+
+Report (all sessions together), after ml-goodput-measurement:
+- ``wall_s``: first session start to the last event seen;
+- ``productive_s``: time spent in training steps whose result survived;
+- ``lost_s``: time spent on steps beyond the step a later session restored from;
+- ``startup_s``, ``restore_s``, ``checkpoint_blocked_s``: badput of start-up, restore, and the time
+  the loop was blocked by checkpoint snapshots and emergency saves;
+- ``downtime_s``: wall time outside any session (VM recreation) and after a session's last event;
+- ``goodput`` = productive_s / wall_s; ``preemptions``: preemption notices; ``crashes``: sessions
+  that ended without finishing or a preemption notice (SIGKILL, hard power-off, failure).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+LEDGER_DIR = "goodput"
+LEDGER_FILE = "ledger.jsonl"
+
+
+def new_session_id() -> str:
+    # Sortable by start time; unique across hosts.
+    return f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:8]}"
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """Events of a ledger file; a torn or garbled line (SIGKILL mid-write) is skipped."""
+    events = []
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    for line in raw.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and "session" in ev and "seq" in ev and "event" in ev:
+            events.append(ev)
+    return events
+
+
+def read_store_events(store: Any) -> list[dict[str, Any]]:
+    events = []
+    for key in store.list(LEDGER_DIR + "/"):
+        try:
+            ev = json.loads(store.get_bytes(key))
+        except (KeyError, ValueError):
+            continue
+        if isinstance(ev, dict) and "session" in ev and "seq" in ev and "event" in ev:
+            events.append(ev)
+    return events
+
+
+def _key(ev: dict[str, Any]) -> tuple[str, int]:
+    return (str(ev["session"]), int(ev["seq"]))
+
+
+def _object_key(ev: dict[str, Any]) -> str:
+    return f"{LEDGER_DIR}/{ev['session']}/{int(ev['seq']):06d}.json"
+
+
+def merge(*sources: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: dict[tuple[str, int], dict[str, Any]] = {}
+    for events in sources:
+        for ev in events:
+            seen.setdefault(_key(ev), ev)
+    return [seen[k] for k in sorted(seen)]
+
+
+class Ledger:
+    """This session's writer. Only rank 0 keeps one."""
+
+    def __init__(self, run_dir: Path, *, store: Any | None = None, session: str | None = None,
+                 log: logging.Logger | None = None):
+        self.path = run_dir / LEDGER_DIR / LEDGER_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.store = store
+        self.session = session or new_session_id()
+        self.log = log or logging.getLogger("trainer.goodput")
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # A line torn by SIGKILL must not swallow the next event: start on a fresh line.
+        size = os.fstat(self._fd).st_size
+        if size and not self.path.read_bytes()[-1:] == b"\n":
+            os.write(self._fd, b"\n")
+        self._mirror: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if store is not None:
+            self._recover_from_store()
+            self._thread = threading.Thread(target=self._mirror_loop, name="ledger-mirror", daemon=True)
+            self._thread.start()
+
+    def _recover_from_store(self) -> None:
+        """Copy events only the durable tier has (lost run dir) into the local file; queue the
+        local events the durable tier lacks (a mirror cut short by a kill)."""
+        try:
+            remote = read_store_events(self.store)
+        except Exception as e:  # the durable tier being down must not stop training
+            self.log.warning("event=ledger_recover ok=0 error=%r", e)
+            return
+        local = read_events(self.path)
+        local_keys, remote_keys = {_key(e) for e in local}, {_key(e) for e in remote}
+        missing_here = [e for e in remote if _key(e) not in local_keys]
+        for ev in sorted(missing_here, key=_key):
+            self._write_line(ev)
+        for ev in local:
+            if _key(ev) not in remote_keys:
+                self._mirror.put(ev)
+        if missing_here:
+            self.log.info("event=ledger_recover events=%d from=gcs", len(missing_here))
+
+    def _write_line(self, ev: dict[str, Any]) -> None:
+        os.write(self._fd, (json.dumps(ev, sort_keys=True) + "\n").encode())
+        os.fsync(self._fd)
+
+    def append(self, event: str, **fields: Any) -> None:
+        with self._lock:
+            ev = {"session": self.session, "seq": self._seq, "t": time.time(), "event": event, **fields}
+            self._seq += 1
+            self._write_line(ev)
+        if self._thread is not None:
+            self._mirror.put(ev)
+
+    def _mirror_loop(self) -> None:
+        while True:
+            ev = self._mirror.get()
+            try:
+                if ev is None:
+                    return
+                try:
+                    self.store.put_bytes(_object_key(ev), json.dumps(ev, sort_keys=True).encode())
+                except Exception as e:  # best effort: the local ledger is the record
+                    self.log.warning("event=ledger_mirror ok=0 key=%s error=%r", _object_key(ev), e)
+            finally:
+                self._mirror.task_done()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the mirror to catch up; True if it did."""
+        if self._thread is None:
+            return True
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self._mirror.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._mirror.unfinished_tasks
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.flush(timeout)
+        if self._thread is not None:
+            self._mirror.put(None)
+        os.close(self._fd)
+
+
+def session_start_fields(process_start_wall: float) -> dict[str, Any]:
+    return {"started": process_start_wall, "pid": os.getpid(), "host": socket.gethostname()}
+
+
+@dataclass
+class Report:
+    goodput: float
+    wall_s: float
+    productive_s: float
+    startup_s: float
+    restore_s: float
+    checkpoint_blocked_s: float
+    lost_s: float
+    downtime_s: float
+    preemptions: int
+    crashes: int
+    sessions: int
+    finished: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def _productive_at(points: list[tuple[int, float]], step: int) -> float:
+    """Productive seconds a session had spent when it completed ``step`` (linear in between)."""
+    if step <= points[0][0]:
+        return 0.0
+    for (s0, p0), (s1, p1) in zip(points, points[1:]):
+        if step <= s1:
+            return p0 + (p1 - p0) * (step - s0) / max(1, s1 - s0)
+    return points[-1][1]
+
+
+def report(events: list[dict[str, Any]]) -> Report:
+    by_session: dict[str, list[dict[str, Any]]] = {}
+    for ev in sorted(events, key=_key):
+        by_session.setdefault(str(ev["session"]), []).append(ev)
+    sessions = []
+    for sid, evs in by_session.items():
+        start = next((e for e in evs if e["event"] == "session_start"), None)
+        t0 = float(start["started"]) if start else float(evs[0]["t"])
+        restore = next((e for e in evs if e["event"] == "restore"), None)
+        start_step = int(restore["step"]) if restore else 0
+        points = [(start_step, 0.0)]
+        for e in evs:
+            if e["event"] in ("progress", "finish", "preempted") and "productive_s" in e:
+                points.append((int(e["step"]), float(e["productive_s"])))
+        sessions.append({
+            "t0": t0,
+            "t1": max(float(e["t"]) for e in evs),
+            "restored_step": start_step if restore else None,
+            "restore_s": float(restore["seconds"]) if restore else 0.0,
+            "startup_s": float(restore["startup_s"]) if restore else max(float(e["t"]) for e in evs) - t0,
+            "points": points,
+            "blocked": sum(float(e.get("blocked_s", 0.0)) for e in evs if e["event"] in ("checkpoint", "preempted")),
+            "preempted": any(e["event"] == "preemption_notice" for e in evs),
+            "finished": any(e["event"] == "finish" for e in evs),
+        })
+    sessions.sort(key=lambda s: s["t0"])
+    if not sessions:
+        return Report(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, False)
+    productive = lost = 0.0
+    for i, s in enumerate(sessions):
+        later = [x["restored_step"] for x in sessions[i + 1:] if x["restored_step"] is not None]
+        done = s["points"][-1][1]
+        if later:
+            kept = _productive_at(s["points"], min(later))
+            lost += done - kept
+            productive += kept
+        else:
+            productive += done
+    wall = max(s["t1"] for s in sessions) - sessions[0]["t0"]
+    spans = sum(s["t1"] - s["t0"] for s in sessions)
+    return Report(
+        goodput=productive / wall if wall > 0 else 0.0,
+        wall_s=wall,
+        productive_s=productive,
+        startup_s=sum(s["startup_s"] for s in sessions),
+        restore_s=sum(s["restore_s"] for s in sessions),
+        checkpoint_blocked_s=sum(s["blocked"] for s in sessions),
+        lost_s=lost,
+        downtime_s=max(0.0, wall - spans),
+        preemptions=sum(1 for s in sessions if s["preempted"]),
+        crashes=sum(1 for s in sessions if not s["preempted"] and not s["finished"] and s is not sessions[-1]),
+        sessions=len(sessions),
+        finished=sessions[-1]["finished"],
+    )

@@ -1,0 +1,90 @@
+"""The TCP health server the managed instance group's autohealer asks.
+
+Protocol (fixed with the stack): the check sends ``spottrain-health`` and passes only when the
+answer begins with ``ok``. Answers: ``starting`` during start-up and restore, ``ok`` while steps
+complete, ``stalled`` once no step has completed for the stall timeout (a hung collective or data
+loader: failing the check makes the group recreate the VM, which resumes from the checkpoint),
+``finished`` when the run is complete. Any other request gets ``unknown``.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import threading
+import time
+from typing import Callable
+
+
+class Health:
+    """The state the server reports; the loop calls ``beat()`` after every step."""
+
+    def __init__(self, stall_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.stall_timeout_s = stall_timeout_s
+        self.clock = clock
+        self._phase = "starting"
+        self._last_beat = clock()
+
+    def beat(self) -> None:
+        self._last_beat = self.clock()
+        self._phase = "running"
+
+    def finished(self) -> None:
+        self._phase = "finished"
+
+    def starting(self) -> None:
+        self._phase = "starting"
+
+    def answer(self) -> str:
+        if self._phase == "running":
+            return "stalled" if self.clock() - self._last_beat > self.stall_timeout_s else "ok"
+        return self._phase
+
+
+class HealthServer:
+    """A threaded TCP server answering ``request`` with the current :class:`Health` answer."""
+
+    def __init__(self, health: Health, *, host: str, port: int, request: str = "spottrain-health",
+                 log: logging.Logger | None = None):
+        self.health = health
+        expected = request.encode()
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                self.request.settimeout(5.0)
+                data = b""
+                try:
+                    while len(data) < len(expected) and expected.startswith(data):
+                        chunk = self.request.recv(len(expected) - len(data))
+                        if not chunk:
+                            break
+                        data += chunk
+                    answer = outer.health.answer() if data.strip() == expected else "unknown"
+                    self.request.sendall(answer.encode() + b"\n")
+                except OSError:
+                    pass
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True
+
+        self._server = Server((host, port), Handler)
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="health", daemon=True)
+        (log or logging.getLogger("trainer.health")).info("event=health_listening host=%s port=%d", host, self.port)
+
+    def start(self) -> "HealthServer":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def ask(host: str, port: int, request: str = "spottrain-health", timeout: float = 5.0) -> str:
+    """One health check, as the load balancer does it (for tests and `status`)."""
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(request.encode())
+        return s.makefile().readline().strip()

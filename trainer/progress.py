@@ -1,0 +1,99 @@
+"""Logs: structured ``key=value`` lines, plus a live progress line when stderr is a terminal.
+
+Every line the trainer logs is ``TIME LEVEL LOGGER event=NAME key=value ...`` so that journald,
+Cloud Logging and tests can pick fields out of it. One ``event=step`` line per logging interval
+carries the step, loss, learning rate, tokens/s and ETA; checkpoint, preemption, restore and
+health events have their own lines.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import TextIO
+
+
+class _LiveAwareHandler(logging.StreamHandler):
+    """Clears the live progress line before a log line, so the two do not interleave."""
+
+    live: "Progress | None" = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.live is not None:
+            self.live.clear()
+        super().emit(record)
+
+
+def setup_logging(rank: int = 0, stream: TextIO | None = None) -> logging.Logger:
+    stream = stream or sys.stderr
+    handler = _LiveAwareHandler(stream)
+    prefix = f"rank={rank} " if rank else ""
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s.%(msecs)03d %(levelname)s %(name)s {prefix}%(message)s", "%Y-%m-%dT%H:%M:%S"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return logging.getLogger("trainer")
+
+
+class Progress:
+    """Rate, ETA and the per-interval log line. ``update`` is called after every step."""
+
+    def __init__(self, log: logging.Logger, *, total_steps: int, start_step: int, every: int,
+                 tokens_per_step: int, stream: TextIO | None = None):
+        self.log = log
+        self.total, self.every = total_steps, every
+        self.tokens_per_step = tokens_per_step
+        self.stream = stream or sys.stderr
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._mark_step, self._mark_time = start_step, time.monotonic()
+        self._rate = 0.0
+        self._live_drawn = False
+        self._loss_sum, self._loss_n = 0.0, 0
+        for h in logging.getLogger().handlers:
+            if isinstance(h, _LiveAwareHandler):
+                h.live = self if self.live else None
+
+    def update(self, step: int, loss: float, lr: float, *, note: str = "") -> None:
+        """``step`` is the number of optimizer steps completed."""
+        self._loss_sum += loss
+        self._loss_n += 1
+        now = time.monotonic()
+        if step % self.every == 0 or step == self.total:
+            dt = now - self._mark_time
+            if dt > 0 and step > self._mark_step:
+                self._rate = (step - self._mark_step) / dt
+            eta = (self.total - step) / self._rate if self._rate > 0 else float("nan")
+            unit = "tokens_per_s" if self.tokens_per_step else "samples_per_s"
+            per_step = self.tokens_per_step or 1
+            self.log.info(
+                "event=step step=%d/%d loss=%.4f lr=%.3e steps_per_s=%.2f %s=%.0f eta_s=%.0f%s",
+                step, self.total, self._loss_sum / self._loss_n, lr, self._rate, unit,
+                self._rate * per_step, eta, f" {note}" if note else "",
+            )
+            self._loss_sum, self._loss_n = 0.0, 0
+            self._mark_step, self._mark_time = step, now
+        if self.live:
+            self._draw(step, loss)
+
+    def _draw(self, step: int, loss: float) -> None:
+        width = 30
+        done = int(width * step / max(1, self.total))
+        eta = (self.total - step) / self._rate if self._rate > 0 else 0.0
+        self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} "
+                          f"loss {loss:.4f} {self._rate:.1f} it/s eta {eta:.0f}s \x1b[K")
+        self.stream.flush()
+        self._live_drawn = True
+
+    def clear(self) -> None:
+        if self._live_drawn:
+            self.stream.write("\r\x1b[K")
+            self._live_drawn = False
+
+    def close(self) -> None:
+        self.clear()
+        for h in logging.getLogger().handlers:
+            if isinstance(h, _LiveAwareHandler):
+                h.live = None

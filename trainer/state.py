@@ -1,0 +1,132 @@
+"""The exact-resume state: what goes into a checkpoint, and putting it back.
+
+A checkpoint at step N holds everything that decides steps N+1.. of the run: the model, optimizer,
+LR scheduler and grad scaler state, the RNG state of Python, torch CPU and every CUDA device *on
+every rank*, the data position, the step, and the fingerprint of the settings that must not change
+across a resume. Restoring all of it makes the continued run bit-for-bit the uninterrupted one.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import torch
+
+from trainer.distributed import World
+from trainer.sampler import DataOrder
+
+FORMAT = 1
+
+
+class ResumeMismatch(Exception):
+    """The checkpoint was written with other settings; resuming would not continue that run."""
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np  # only if the task uses it; numpy is not a dependency
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
+
+
+def build(
+    *,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+    data: DataOrder,
+    fingerprint: dict[str, Any],
+    world: World,
+) -> dict[str, Any] | None:
+    """The state to save after ``step`` optimizer steps (on rank 0; None on the other ranks).
+
+    A collective under DDP: every rank must call it at the same step.
+    """
+    rngs = world.gather(rng_state())
+    if not world.is_main:
+        return None
+    return {
+        "format": FORMAT,
+        "step": step,
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        "rng": rngs,  # one per rank, indexed by rank
+        "data": data.state_dict(),
+        "fingerprint": fingerprint,
+    }
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    diffs = [
+        f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k) != current.get(k)
+    ]
+    if diffs:
+        raise ResumeMismatch(
+            "cannot resume: these settings differ from the run that wrote the checkpoint "
+            "(use the original settings, or a new --run-dir/--gcs-uri for a new run): " + "; ".join(diffs)
+        )
+
+
+def apply(
+    state: dict[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+    data: DataOrder,
+    world: World,
+) -> int:
+    """Load ``state`` into the live objects; returns the step to continue from.
+
+    The caller has already broadcast the state to every rank and checked the fingerprint.
+    """
+    unwrap(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    data.load_state_dict(state["data"])
+    set_rng_state(state["rng"][world.rank])
+    return int(state["step"])
+
+
+def model_digest(model_state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the model's tensors in a canonical order (name, dtype, shape, raw bytes)."""
+    h = hashlib.sha256()
+    for name in sorted(model_state):
+        t = model_state[name].detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,76 @@
+"""`python -m trainer status`: the checkpoints on each tier, the newest valid one, and goodput.
+
+Read-only: it never downloads into, repairs or deletes anything on a tier.
+``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
+checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
+(the checkpointer's per-tier description) and ``goodput`` (see ``goodput.Report``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
+from trainer.config import StatusConfig
+from trainer.goodput import merge, read_events, read_store_events, report
+from trainer.goodput import LEDGER_DIR, LEDGER_FILE
+
+
+def collect(cfg: StatusConfig) -> dict[str, Any]:
+    from trainer.checkpointer import Checkpointer
+    from trainer.state import model_digest
+
+    log = logging.getLogger("trainer.status")
+    ckpt = Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, log=log)
+    try:
+        tiers = ckpt.describe()
+        restored = ckpt.restore(download=False)
+        events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
+        if ckpt.gcs is not None:
+            events = merge(events, read_store_events(ckpt.gcs))
+    finally:
+        ckpt.close()
+    out: dict[str, Any] = {
+        "latest_step": restored.step if restored else None,
+        "model_digest": model_digest(restored.state["model"]) if restored else None,
+        "tier": restored.tier if restored else None,
+        "path": restored.path if restored else None,
+        "tiers": tiers,
+        "goodput": report(events).as_dict(),
+    }
+    if restored is not None and isinstance(restored.state, dict):
+        out["data"] = restored.state.get("data")
+        out["fingerprint"] = restored.state.get("fingerprint")
+    return out
+
+
+def _human(s: dict[str, Any]) -> str:
+    lines = []
+    if s["latest_step"] is None:
+        lines.append("newest valid checkpoint: none")
+    else:
+        lines.append(f"newest valid checkpoint: step {s['latest_step']} on {s['tier']} ({s['path']})")
+        lines.append(f"model digest: {s['model_digest']}")
+    lines.append("tiers:")
+    for tier, desc in (s["tiers"] or {}).items():
+        lines.append(f"  {tier}: {json.dumps(desc, default=str)}")
+    g = s["goodput"]
+    lines.append(
+        f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall over {g['sessions']} session(s); "
+        f"productive {g['productive_s']:.1f}s, start-up {g['startup_s']:.1f}s, restore {g['restore_s']:.1f}s, "
+        f"checkpoint blocked {g['checkpoint_blocked_s']:.1f}s, lost {g['lost_s']:.1f}s, "
+        f"down {g['downtime_s']:.1f}s; preemptions {g['preemptions']}, crashes {g['crashes']}, "
+        f"finished {'yes' if g['finished'] else 'no'}")
+    return "\n".join(lines)
+
+
+def main(cfg: StatusConfig) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+    if not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
+        print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    s = collect(cfg)
+    print(json.dumps(s, default=str, sort_keys=True) if cfg.json_output else _human(s))
+    return EXIT_FINISHED

@@ -1,0 +1,91 @@
+"""The user task protocol and ``module:callable`` loading.
+
+A task is a callable ``build(ctx: TaskContext, **task_args) -> Task``. It builds the model, the
+optimizer, an optional LR scheduler and a map-style dataset; the trainer owns everything else:
+the loop, the data order, mixed precision, gradient accumulation, clipping, DDP, checkpoints.
+
+The trainer seeds Python and torch from ``ctx.seed`` before calling the task, so a model built
+with ordinary ``torch.nn`` init is the same on every rank and in every restart.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What the trainer tells the task about the run."""
+
+    seed: int
+    steps: int  # total optimizer steps of the job, for LR schedules
+    device: torch.device
+    rank: int
+    world_size: int
+
+
+class Dataset(Protocol):
+    """Map-style: ``len(ds)`` samples; ``ds[i]`` is a tensor or a tuple of tensors.
+
+    Must be a pure function of ``i``: the trainer chooses the order and needs to replay it.
+    """
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> Any: ...
+
+
+@dataclass
+class Task:
+    """What a task callable returns.
+
+    ``model(*batch)`` must return the scalar loss, where ``batch`` is the collated micro-batch
+    (a tuple of tensors on the device), unless ``loss_fn(model, batch) -> loss`` is given.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: Sequence[Any] | Dataset
+    scheduler: Any | None = None  # torch.optim.lr_scheduler.LRScheduler (stepped once per step)
+    loss_fn: Callable[[torch.nn.Module, tuple], torch.Tensor] | None = None
+    tokens_per_sample: int = 0  # for the tokens/s figure in the logs; 0 reports samples/s
+    info: dict[str, Any] = field(default_factory=dict)  # free-form, logged once at start-up
+
+
+class TaskError(Exception):
+    """The task could not be loaded or returned something unusable (a user error: exit 2)."""
+
+
+def load(spec: str) -> Callable[..., Task]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TaskError(f"task: cannot import module {module_name!r}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise TaskError(f"task: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TaskError(f"task: {spec} is not callable")
+    return obj
+
+
+def build(spec: str, ctx: TaskContext, args: dict[str, Any]) -> Task:
+    fn = load(spec)
+    try:
+        inspect.signature(fn).bind(ctx, **args)
+    except TypeError as e:
+        raise TaskError(f"task_args: {spec} does not take these arguments: {e}") from None
+    except ValueError:  # no signature to inspect (a builtin): let the call decide
+        pass
+    task = fn(ctx, **args)
+    if not isinstance(task, Task):
+        raise TaskError(f"task: {spec} returned {type(task).__name__}, expected trainer.task.Task")
+    if len(task.dataset) == 0:
+        raise TaskError(f"task: {spec} returned an empty dataset")
+    return task
