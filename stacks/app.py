@@ -1,0 +1,35 @@
+"""The app entry: load every experiment, build one stack each, synthesize; errors exit 2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from stacks.budget import estimate
+from stacks.load import ExperimentError, ExperimentFile, load_all
+
+
+def build(experiments: list[ExperimentFile], outdir: str | None = None):  # -> cdktn.App
+    from cdktn import App  # heavy: imported only once the input is known to be good
+
+    from stacks.stack import TrainingStack
+
+    app = App(outdir=outdir) if outdir else App()
+    for e in experiments:
+        TrainingStack(app, e.name, e.spec)
+    return app
+
+
+def main(target: Path | None = None) -> int:
+    try:
+        experiments = load_all(target)
+    except ExperimentError as err:
+        for line in err.lines:
+            print(line, file=sys.stderr)
+        return 2
+    for e in experiments:
+        warning = estimate(e.spec).warning()
+        if warning:
+            print(f"{e.path}: {warning}", file=sys.stderr)
+    build(experiments).synth()
+    return 0

@@ -1,0 +1,458 @@
+"""The experiment file: a typed, documented pydantic model of one `experiments/*.toml`.
+
+Field-level rules (types, ranges, patterns, enums) are pydantic validators; rules that relate
+fields (GPU against machine type, zones against region, Spot combinations) are `problems()`
+methods that return every violation at once instead of stopping at the first. `load.py` runs both
+and is the only way in: constructs receive a model that has passed every rule.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from stacks import gcp_rules as R
+
+Problem = tuple[str, str]  # (dotted field path, "what is wrong and what is allowed")
+
+TASK = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+GCS_PREFIX = re.compile(r"^[A-Za-z0-9][-_.A-Za-z0-9/]{0,254}$")
+#: Flags the stack sets itself from other fields; repeating them in `args` would contradict those.
+MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port", "--local-dir")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    def problems(self) -> Iterator[Problem]:
+        """Rules across this section's fields; paths are relative to the section."""
+        return iter(())
+
+
+def _pattern(value: str, pattern: re.Pattern[str], allowed: str) -> str:
+    if not pattern.match(value):
+        raise ValueError(f"{value!r} is not valid; allowed: {allowed}")
+    return value
+
+
+class Gcp(Section):
+    """Where the experiment runs."""
+
+    project: str
+    """Google Cloud project id (6-30 characters: lowercase letters, digits, hyphens)."""
+    region: str
+    """Region of the network, the group and the checkpoint disks, e.g. "us-central1"."""
+    zones: list[str] = Field(min_length=1)
+    """Zones inside `region` the VMs may run in: one for a zonal group, two or more for a
+    regional group. A VM's checkpoint disk pins it to the zone it was first created in."""
+
+    @field_validator("project")
+    @classmethod
+    def _project(cls, v: str) -> str:
+        return _pattern(v, R.PROJECT_ID, "6-30 of a-z 0-9 -, starting with a letter")
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        return _pattern(v, R.REGION, 'a region name such as "us-central1"')
+
+    def problems(self) -> Iterator[Problem]:
+        if len(set(self.zones)) != len(self.zones):
+            yield "zones", f"lists a zone twice ({self.zones}); allowed: distinct zones"
+        for i, zone in enumerate(self.zones):
+            if not re.fullmatch(re.escape(self.region) + r"-[a-z]", zone):
+                yield (
+                    f"zones[{i}]",
+                    f"{zone!r} is not a zone of region {self.region!r}; "
+                    f'allowed: "{self.region}-a", "{self.region}-b", ...',
+                )
+
+
+class Machine(Section):
+    """The VM: machine type, GPUs, provisioning and image."""
+
+    machine_type: str
+    """Predefined machine type of family a2, a3, g2 (GPUs built in) or n1 (GPUs attached)."""
+    gpu_type: str
+    """GPU model, e.g. "nvidia-l4". Must be the built-in GPU on a2/a3/g2; on n1 one of
+    nvidia-tesla-t4, -v100, -p100, -p4."""
+    gpu_count: int = Field(ge=1)
+    """GPUs per VM: the built-in count on a2/a3/g2; 1, 2, 4 (or 8 for V100) on n1."""
+    provisioning: Literal["spot", "standard"] = "spot"
+    """"spot" (cheap, preemptible with a 30 s notice) or "standard" (on-demand)."""
+    termination_action: Literal["STOP", "DELETE"] = "STOP"
+    """What a Spot preemption does to the VM: "STOP" keeps its boot disk (faster restart, driver
+    already installed), "DELETE" removes it. The group recreates the VM either way and the
+    stateful checkpoint disk survives. Spot only."""
+    image_family: str = "pytorch-2-9-cu129-ubuntu-2204-nvidia-580"
+    """Deep Learning VM image family (it must exist today; older families have been removed)."""
+    image_project: str = "deeplearning-platform-release"
+    """Project that publishes `image_family`."""
+    boot_disk_gb: int = Field(default=200, ge=R.BOOT_DISK_MIN_GB, le=R.PD_SSD_MAX_GB)
+    """Boot disk size in GB (pd-balanced); the Deep Learning VM images need about 50 GB."""
+
+    @field_validator("image_family", "image_project")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _pattern(v, R.GCP_NAME, "lowercase letters, digits and hyphens")
+
+    @property
+    def shape(self) -> R.MachineShape:
+        return R.MACHINE_TYPES[self.machine_type]
+
+    def problems(self) -> Iterator[Problem]:
+        shape = R.MACHINE_TYPES.get(self.machine_type)
+        if shape is None:
+            fam = R.family(self.machine_type)
+            known = sorted(t for t in R.MACHINE_TYPES if R.family(t) == fam)
+            allowed = ", ".join(known) if known else "families " + ", ".join(R.FAMILIES)
+            yield "machine_type", f"unknown machine type {self.machine_type!r}; allowed: {allowed}"
+            return
+        if shape.gpu_type is not None:
+            if self.gpu_type != shape.gpu_type:
+                yield (
+                    "gpu_type",
+                    f"{self.machine_type} has {shape.gpu_type} built in, not {self.gpu_type!r}; "
+                    f'allowed: "{shape.gpu_type}"',
+                )
+            if self.gpu_count != shape.gpu_count:
+                yield (
+                    "gpu_count",
+                    f"{self.machine_type} has {shape.gpu_count} GPU(s) built in, not "
+                    f"{self.gpu_count}; allowed: {shape.gpu_count} (pick another size for more)",
+                )
+        else:
+            limits = R.N1_GPU_LIMITS.get(self.gpu_type)
+            if limits is None:
+                yield (
+                    "gpu_type",
+                    f"{self.gpu_type!r} cannot be attached to {self.machine_type}; allowed on n1: "
+                    + ", ".join(R.N1_GPU_LIMITS),
+                )
+            elif self.gpu_count not in limits:
+                yield (
+                    "gpu_count",
+                    f"{self.gpu_count} x {self.gpu_type} is not a valid count; allowed: "
+                    + ", ".join(map(str, limits)),
+                )
+            else:
+                lim = limits[self.gpu_count]
+                if shape.vcpus > lim.max_vcpus or shape.memory_gb > lim.max_memory_gb:
+                    yield (
+                        "machine_type",
+                        f"{self.machine_type} ({shape.vcpus} vCPU, {shape.memory_gb:g} GB) is too "
+                        f"large for {self.gpu_count} x {self.gpu_type}; allowed: at most "
+                        f"{lim.max_vcpus} vCPU and {lim.max_memory_gb:g} GB",
+                    )
+        if self.provisioning == "standard" and shape.spot_or_flex_only:
+            yield (
+                "provisioning",
+                f"{self.machine_type} is offered only as Spot (or flex-start); allowed: "
+                '"spot", or a3-highgpu-8g for standard',
+            )
+        if self.provisioning == "standard" and "termination_action" in self.model_fields_set:
+            yield (
+                "termination_action",
+                'applies only to provisioning = "spot"; allowed: remove it for "standard"',
+            )
+
+
+class Disk(Section):
+    """Checkpoint storage attached to each VM."""
+
+    checkpoint_disk_gb: int = Field(default=200, ge=R.PD_SSD_MIN_GB, le=R.PD_SSD_MAX_GB)
+    """Size of the pd-ssd checkpoint disk (stateful: kept across repair and preemption). Write
+    throughput grows with size (~0.48 MB/s per GB), which bounds the emergency save."""
+    local_ssd_count: int = 0
+    """Local NVMe SSDs (375 GB each) for the fastest checkpoint tier; lost on preemption.
+    0-8, 16 or 24 on n1 and a2-highgpu/megagpu; a3 and a2-ultragpu bring their own."""
+
+    @field_validator("local_ssd_count")
+    @classmethod
+    def _ssd(cls, v: int) -> int:
+        if v not in R.LOCAL_SSD_COUNTS:
+            raise ValueError(
+                f"{v} is not valid; allowed: " + ", ".join(map(str, R.LOCAL_SSD_COUNTS))
+            )
+        return v
+
+
+class Bucket(Section):
+    """The GCS bucket that holds the durable checkpoint tier."""
+
+    name: str | None = None
+    """Bucket name (globally unique, 3-63 of a-z 0-9 - _, no dots). Default:
+    "<project>-<experiment>-ckpt"."""
+    bucket_location: str = "US-CENTRAL1"
+    """Bucket location; keep it the region of the VMs to avoid egress charges."""
+    force_destroy: bool = False
+    """Let `destroy` delete the bucket with every checkpoint in it. Off by default: a destroy
+    then fails on a non-empty bucket instead of deleting checkpoints silently."""
+    keep_noncurrent_versions: int = Field(default=3, ge=1, le=100)
+    """Overwritten or deleted objects keep this many older versions."""
+    noncurrent_days: int = Field(default=7, ge=1, le=3650)
+    """Older versions are deleted this many days after they stopped being current."""
+    soft_delete_days: int = Field(default=7, ge=0, le=90)
+    """Deleted objects stay restorable this many days (0 turns soft delete off)."""
+
+    @field_validator("name")
+    @classmethod
+    def _bucket_name(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        return _check_bucket_name(v)
+
+    @field_validator("bucket_location")
+    @classmethod
+    def _location(cls, v: str) -> str:
+        return _pattern(v, re.compile(r"^[A-Za-z][-A-Za-z0-9]{1,40}$"),
+                        'a location such as "US-CENTRAL1", "US" or "EU"')
+
+
+def _check_bucket_name(v: str) -> str:
+    _pattern(v, R.BUCKET_NAME, "3-63 of a-z 0-9 - _, starting and ending with a letter or digit")
+    if v.startswith("goog") or "google" in v:
+        raise ValueError(f"{v!r} is not valid; allowed: names without a goog prefix or 'google'")
+    return v
+
+
+class Network(Section):
+    """The network the VMs live in. They never get external IPs."""
+
+    mode: Literal["dedicated", "existing"] = "dedicated"
+    """"dedicated": a new VPC and subnet with Private Google Access and Cloud NAT. "existing":
+    `network` and `subnetwork` name one you already have (it needs Private Google Access, and a
+    NAT if the VMs must reach the internet)."""
+    network: str | None = None
+    """Existing VPC network name (mode = "existing" only)."""
+    subnetwork: str | None = None
+    """Existing subnetwork name in `gcp.region` (mode = "existing" only)."""
+    subnetwork_project: str | None = None
+    """Host project of a shared-VPC subnetwork (mode = "existing" only; default: `gcp.project`)."""
+    subnet_cidr: str = "10.20.0.0/24"
+    """Primary range of the dedicated subnet (a private IPv4 range, /8 to /29)."""
+    iap_ssh: bool = True
+    """Open port 22 to Identity-Aware Proxy only (35.235.240.0/20) for `gcloud compute ssh
+    --tunnel-through-iap`. Nothing is ever open to 0.0.0.0/0."""
+
+    @field_validator("network", "subnetwork")
+    @classmethod
+    def _names(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, R.GCP_NAME, "a network or subnetwork name")
+
+    @field_validator("subnetwork_project")
+    @classmethod
+    def _subproject(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, R.PROJECT_ID, "a project id")
+
+    @field_validator("subnet_cidr")
+    @classmethod
+    def _cidr(cls, v: str) -> str:
+        try:
+            net = ipaddress.IPv4Network(v, strict=True)
+        except ValueError as e:
+            raise ValueError(f"{v!r} is not an IPv4 network ({e}); allowed: e.g. 10.20.0.0/24")
+        if not net.is_private or not 8 <= net.prefixlen <= 29:
+            raise ValueError(f"{v!r} is not valid; allowed: a private IPv4 range, /8 to /29")
+        return v
+
+    def problems(self) -> Iterator[Problem]:
+        if self.mode == "existing":
+            for key in ("network", "subnetwork"):
+                if getattr(self, key) is None:
+                    yield key, 'is required when mode = "existing"; allowed: an existing name'
+        else:
+            for key in ("network", "subnetwork", "subnetwork_project"):
+                if getattr(self, key) is not None:
+                    yield key, 'is set but mode = "dedicated"; allowed: set mode = "existing"'
+
+
+class Group(Section):
+    """The managed instance group that keeps the trainer running."""
+
+    workers: int = Field(default=1, ge=0, le=1)
+    """VMs in the group: 1 to train, 0 to pause (checkpoints stay). One for now: every worker
+    writes to the same checkpoint prefix, so multi-worker training is a later feature."""
+    placement: Literal["zonal", "regional"] = "zonal"
+    """"zonal": one zone (`gcp.zones` has one). "regional": the group spreads over two or more
+    zones of `gcp.zones`; its stateful constraints apply (no redistribution, no surge)."""
+    initial_delay_sec: int = Field(default=900, ge=0, le=3600)
+    """Seconds after a VM starts before autohealing judges it: driver install plus checkpoint
+    restore must fit."""
+
+
+class Trainer(Section):
+    """What the VM runs: `python3 -m trainer run ...`."""
+
+    task: str = "trainer.tasks.gpt:build"
+    """The training task as `module:callable`."""
+    steps: int = Field(ge=1)
+    """Total optimizer steps of the run."""
+    health_port: int = Field(default=8471, ge=1024, le=65535)
+    """TCP port of the trainer's health answer (1024-65535, not 22)."""
+    param_count: int | None = Field(default=None, ge=1)
+    """The model's parameter count, for the emergency-save budget (16 bytes per parameter)."""
+    state_bytes: int | None = Field(default=None, ge=1)
+    """Or the checkpoint size in bytes, when you know it better than the parameter count."""
+    args: list[str] = []
+    """Extra arguments for `python -m trainer run`, e.g. ["--checkpoint-every-steps", "200"]."""
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        return _pattern(v, TASK, 'a Python "package.module:callable"')
+
+    @field_validator("health_port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if v == 22:
+            raise ValueError("22 is SSH; allowed: 1024-65535")
+        return v
+
+    def problems(self) -> Iterator[Problem]:
+        if self.param_count is not None and self.state_bytes is not None:
+            yield "state_bytes", "is set together with param_count; allowed: one of the two"
+        for i, arg in enumerate(self.args):
+            if any(ord(c) < 32 or ord(c) == 127 for c in arg):
+                yield f"args[{i}]", "contains a control character; allowed: printable text"
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_FLAGS:
+                yield (
+                    f"args[{i}]",
+                    f"{flag} is set by the stack from other fields; allowed: any other flag",
+                )
+
+
+class Backend(Section):
+    """Where Terraform keeps this stack's state."""
+
+    type: Literal["local", "gcs"] = "local"
+    """"local": terraform.<experiment>.tfstate in the repository root. "gcs": a bucket you created
+    beforehand (versioned), shared by the team."""
+    bucket: str | None = None
+    """State bucket (type = "gcs" only)."""
+    prefix: str | None = None
+    """Object prefix inside the state bucket (type = "gcs"; default "spottrain/<experiment>")."""
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket(cls, v: str | None) -> str | None:
+        return v if v is None else _check_bucket_name(v)
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, GCS_PREFIX, "a/b/c of letters, digits, - _ .")
+
+    def problems(self) -> Iterator[Problem]:
+        if self.type == "gcs" and self.bucket is None:
+            yield "bucket", 'is required when type = "gcs"; allowed: an existing bucket name'
+        if self.type == "local":
+            for key in ("bucket", "prefix"):
+                if getattr(self, key) is not None:
+                    yield key, 'is set but type = "local"; allowed: set type = "gcs"'
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "gcp": Gcp, "machine": Machine, "disk": Disk, "bucket": Bucket, "network": Network,
+    "group": Group, "trainer": Trainer, "backend": Backend,
+}  # fmt: skip
+
+
+class Experiment(BaseModel):
+    """One training experiment; the file stem names it and its stack."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    labels: dict[str, str] = {}
+    """Labels on every resource (keys: a-z first, then a-z 0-9 - _; values: a-z 0-9 - _)."""
+    gcp: Gcp
+    """Project, region and zones."""
+    machine: Machine
+    """Machine type, GPUs, provisioning, image."""
+    disk: Disk = Disk()
+    """Checkpoint disk and local SSDs."""
+    bucket: Bucket = Bucket()
+    """The durable checkpoint bucket."""
+    network: Network = Network()
+    """Dedicated or existing network."""
+    group: Group = Group()
+    """The managed instance group."""
+    trainer: Trainer
+    """The training run."""
+    backend: Backend = Backend()
+    """Terraform state backend."""
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > R.MAX_LABELS - 1:  # one is ours: spottrain-experiment
+            raise ValueError(f"{len(v)} labels; allowed: at most {R.MAX_LABELS - 1}")
+        for key, value in v.items():
+            if not R.LABEL_KEY.match(key):
+                raise ValueError(
+                    f"key {key!r} is not valid; allowed: a-z first, then up to 62 of a-z 0-9 - _"
+                )
+            if not R.LABEL_VALUE.match(value):
+                raise ValueError(
+                    f"value {value!r} of {key!r} is not valid; allowed: up to 63 of a-z 0-9 - _"
+                )
+        return v
+
+    def problems(self, name: str) -> Iterator[Problem]:
+        """Every cross-field rule, section rules included; `name` is the experiment name."""
+        for key in SECTIONS:
+            for path, msg in getattr(self, key).problems():
+                yield f"{key}.{path}", msg
+        yield from cross_section_problems(self, name)
+
+    def bucket_name(self, name: str) -> str:
+        return self.bucket.name or f"{self.gcp.project}-{name}-ckpt"
+
+
+def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
+    zones = len(exp.gcp.zones)
+    if exp.group.placement == "zonal" and zones != 1:
+        yield (
+            "gcp.zones",
+            f'{zones} zones for placement = "zonal"; allowed: exactly one, or '
+            'placement = "regional"',
+        )
+    if exp.group.placement == "regional" and zones < 2:
+        yield (
+            "gcp.zones",
+            'one zone for placement = "regional"; allowed: two or more, or placement = "zonal"',
+        )
+    shape = R.MACHINE_TYPES.get(exp.machine.machine_type)
+    if shape is not None and exp.disk.local_ssd_count:
+        fam = R.family(exp.machine.machine_type)
+        if shape.bundled_local_ssd or fam == "g2":
+            yield (
+                "disk.local_ssd_count",
+                f"{exp.machine.machine_type} cannot take Local SSDs from this setting "
+                f"(a3 and a2-ultragpu bring their own; g2 is not supported yet); allowed: 0",
+            )
+    if exp.bucket.name is None and len(exp.bucket_name(name)) > 63:
+        yield (
+            "bucket.name",
+            f"the default name {exp.bucket_name(name)!r} is longer than 63 characters; "
+            "allowed: set bucket.name explicitly",
+        )
+    if exp.backend.bucket is not None and exp.backend.bucket == exp.bucket_name(name):
+        yield (
+            "backend.bucket",
+            "is the checkpoint bucket this stack creates; allowed: a separate, existing bucket",
+        )
+
+
+def check_name(name: str) -> Iterator[Problem]:
+    if not R.GCP_NAME.match(name) or len(name) > R.MAX_EXPERIMENT_NAME:
+        yield (
+            "(file name)",
+            f"{name!r} cannot name a stack; allowed: 1-{R.MAX_EXPERIMENT_NAME} of a-z 0-9 -, "
+            "starting with a letter, not ending with -",
+        )

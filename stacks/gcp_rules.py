@@ -1,0 +1,138 @@
+"""Google Cloud facts the provider does not check and the API enforces only at deploy time.
+
+Machine families and their GPUs, N1 attachment limits, naming rules, the Spot shutdown window and
+PD-SSD throughput. Sources: the GCE GPU, machine-family, Spot VM and persistent-disk performance
+pages (see shared/NOTES.md). Pure data and small lookups; the messages built from it live in
+`experiment.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# --- names ---------------------------------------------------------------------------------------
+
+#: RFC 1035 label, the shape of most Compute Engine resource names.
+GCP_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+PROJECT_ID = re.compile(r"^[a-z][-a-z0-9]{4,28}[a-z0-9]$")
+REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
+#: Bucket names without dots (dotted names need domain verification).
+BUCKET_NAME = re.compile(r"^[a-z0-9][-_a-z0-9]{1,61}[a-z0-9]$")
+LABEL_KEY = re.compile(r"^[a-z][-_a-z0-9]{0,62}$")
+LABEL_VALUE = re.compile(r"^[-_a-z0-9]{0,63}$")
+MAX_LABELS = 64
+#: Experiment names are suffixed into resource names; the service account id ("<name>-trainer",
+#: 6-30 characters) is the tightest fit.
+MAX_EXPERIMENT_NAME = 21
+SA_SUFFIX = "-trainer"
+
+# --- GPUs ----------------------------------------------------------------------------------------
+
+T4, V100, P100, P4 = "nvidia-tesla-t4", "nvidia-tesla-v100", "nvidia-tesla-p100", "nvidia-tesla-p4"
+L4 = "nvidia-l4"
+A100_40, A100_80 = "nvidia-tesla-a100", "nvidia-a100-80gb"
+H100, H100_MEGA = "nvidia-h100-80gb", "nvidia-h100-mega-80gb"
+
+
+@dataclass(frozen=True)
+class MachineShape:
+    """One predefined machine type: size and, for accelerator-optimized families, its GPUs."""
+
+    vcpus: int
+    memory_gb: float
+    gpu_type: str | None = None  # built-in GPU; None for N1, which takes attached GPUs
+    gpu_count: int = 0
+    bundled_local_ssd: bool = False  # the family attaches its own Local SSD
+    spot_or_flex_only: bool = False  # not offered with standard provisioning
+
+
+def _accelerator_optimized() -> dict[str, MachineShape]:
+    shapes: dict[str, MachineShape] = {}
+    for n, vcpu, mem in [(1, 26, 234), (2, 52, 468), (4, 104, 936), (8, 208, 1872)]:
+        shapes[f"a3-highgpu-{n}g"] = MachineShape(
+            vcpu, mem, H100, n, bundled_local_ssd=True, spot_or_flex_only=n < 8
+        )
+    shapes["a3-megagpu-8g"] = MachineShape(208, 1872, H100_MEGA, 8, bundled_local_ssd=True)
+    for n, vcpu, mem in [(1, 12, 85), (2, 24, 170), (4, 48, 340), (8, 96, 680)]:
+        shapes[f"a2-highgpu-{n}g"] = MachineShape(vcpu, mem, A100_40, n)
+    shapes["a2-megagpu-16g"] = MachineShape(96, 1360, A100_40, 16)
+    for n, vcpu, mem in [(1, 12, 170), (2, 24, 340), (4, 48, 680), (8, 96, 1360)]:
+        shapes[f"a2-ultragpu-{n}g"] = MachineShape(vcpu, mem, A100_80, n, bundled_local_ssd=True)
+    for vcpu, mem, n in [
+        (4, 16, 1), (8, 32, 1), (12, 48, 1), (16, 64, 1), (24, 96, 2), (32, 128, 1),
+        (48, 192, 4), (96, 384, 8),
+    ]:  # fmt: skip
+        shapes[f"g2-standard-{vcpu}"] = MachineShape(vcpu, mem, L4, n)
+    return shapes
+
+
+def _n1() -> dict[str, MachineShape]:
+    shapes: dict[str, MachineShape] = {}
+    per_vcpu = {"standard": 3.75, "highmem": 6.5, "highcpu": 0.9}
+    for kind, gb in per_vcpu.items():
+        for vcpu in (1, 2, 4, 8, 16, 32, 64, 96):
+            if kind != "standard" and vcpu == 1:
+                continue
+            shapes[f"n1-{kind}-{vcpu}"] = MachineShape(vcpu, vcpu * gb)
+    return shapes
+
+
+MACHINE_TYPES: dict[str, MachineShape] = {**_accelerator_optimized(), **_n1()}
+FAMILIES = ("a2", "a3", "g2", "n1")
+
+
+@dataclass(frozen=True)
+class AttachLimit:
+    """What an N1 VM may look like with this many attached GPUs of one type."""
+
+    max_vcpus: int
+    max_memory_gb: float
+
+
+#: N1 attached GPUs: allowed counts and, per count, the largest VM they may be attached to.
+N1_GPU_LIMITS: dict[str, dict[int, AttachLimit]] = {
+    T4: {1: AttachLimit(48, 312), 2: AttachLimit(48, 312), 4: AttachLimit(96, 624)},
+    V100: {
+        1: AttachLimit(12, 78), 2: AttachLimit(24, 156), 4: AttachLimit(48, 312),
+        8: AttachLimit(96, 624),
+    },  # fmt: skip
+    P100: {1: AttachLimit(16, 104), 2: AttachLimit(32, 208), 4: AttachLimit(64, 208)},
+    P4: {1: AttachLimit(24, 156), 2: AttachLimit(48, 312), 4: AttachLimit(96, 624)},
+}
+
+#: Local SSD counts a VM may take through the template (375 GB NVMe each).
+LOCAL_SSD_COUNTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 24)
+LOCAL_SSD_GB = 375
+
+
+def family(machine_type: str) -> str:
+    return machine_type.split("-", 1)[0]
+
+
+# --- disks, windows, health checks ---------------------------------------------------------------
+
+PD_SSD_MIN_GB, PD_SSD_MAX_GB = 10, 65536
+BOOT_DISK_MIN_GB = 50  # the Deep Learning VM images are ~50 GB
+PD_SSD_WRITE_MB_S_PER_GB = 0.48
+
+
+def pd_ssd_vm_write_cap_mb_s(vcpus: int) -> float:
+    """Per-VM PD-SSD write throughput cap (approximate, by vCPU count)."""
+    if vcpus < 8:
+        return 240.0
+    if vcpus < 16:
+        return 800.0
+    if vcpus < 32:
+        return 1000.0
+    return 1200.0
+
+
+#: Seconds between the ACPI soft-off and the hard power-off.
+SHUTDOWN_WINDOW_S = {"spot": 30, "standard": 120}
+#: Seconds of the window not available to the save: the shutdown script starting, the trainer
+#: noticing, fsync and unit teardown.
+SHUTDOWN_MARGIN_S = 10
+
+HEALTH_CHECK_RANGES = ("35.191.0.0/16", "130.211.0.0/22")
+IAP_RANGE = "35.235.240.0/20"

@@ -1,0 +1,163 @@
+"""The managed instance group that keeps one trainer VM alive, and its TCP health check.
+
+Repair on failure recreates preempted or failed VMs from the template; autohealing recreates a
+VM whose trainer stops answering `ok`. The checkpoint disk is stateful: kept and reattached on
+repair, deleted only when the instance is deleted for good. Zonal or regional; a regional
+stateful group takes the constraints the API imposes (no redistribution, no surge, at least one
+unavailable per zone, zone kept on repair).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cdktn import ITerraformDependable
+
+from cdktn_provider_google.compute_health_check import (
+    ComputeHealthCheck,
+    ComputeHealthCheckLogConfig,
+    ComputeHealthCheckTcpHealthCheck,
+)
+from cdktn_provider_google.compute_instance_group_manager import (
+    ComputeInstanceGroupManager,
+    ComputeInstanceGroupManagerAutoHealingPolicies,
+    ComputeInstanceGroupManagerInstanceLifecyclePolicy,
+    ComputeInstanceGroupManagerNamedPort,
+    ComputeInstanceGroupManagerStatefulDisk,
+    ComputeInstanceGroupManagerUpdatePolicy,
+    ComputeInstanceGroupManagerVersion,
+)
+from cdktn_provider_google.compute_region_instance_group_manager import (
+    ComputeRegionInstanceGroupManager,
+    ComputeRegionInstanceGroupManagerAutoHealingPolicies,
+    ComputeRegionInstanceGroupManagerInstanceLifecyclePolicy,
+    ComputeRegionInstanceGroupManagerInstanceLifecyclePolicyOnRepair,
+    ComputeRegionInstanceGroupManagerNamedPort,
+    ComputeRegionInstanceGroupManagerStatefulDisk,
+    ComputeRegionInstanceGroupManagerUpdatePolicy,
+    ComputeRegionInstanceGroupManagerVersion,
+)
+from constructs import Construct
+
+from stacks.boot import DEVICE_NAME
+
+#: The health protocol shared with the trainer: this request, and only an answer starting "ok"
+#: passes (the trainer answers "starting", "stalled" or "finished" otherwise).
+HEALTH_REQUEST = "spottrain-health"
+HEALTH_RESPONSE = "ok"
+#: Probe every 10 s with a 5 s timeout; 2 passes make a VM healthy, 6 failures (a minute) make it
+#: unhealthy, so one slow answer during a checkpoint never recreates a VM.
+CHECK_INTERVAL_S, TIMEOUT_S, HEALTHY_THRESHOLD, UNHEALTHY_THRESHOLD = 10, 5, 2, 6
+DELETE_RULE = "ON_PERMANENT_INSTANCE_DELETION"
+
+
+@dataclass(frozen=True)
+class GroupProps:
+    project: str
+    region: str
+    zones: tuple[str, ...]
+    name: str
+    regional: bool
+    workers: int
+    template_self_link: str
+    health_port: int
+    initial_delay_sec: int
+    depends_on: tuple[ITerraformDependable, ...] = field(default_factory=tuple)
+
+
+class TrainerGroup(Construct):
+    def __init__(self, scope: Construct, id_: str, props: GroupProps) -> None:
+        super().__init__(scope, id_)
+        self.health_check = ComputeHealthCheck(
+            self,
+            "health-check",
+            project=props.project,
+            name=f"{props.name}-health",
+            description="spottrain trainer answers ok while steps progress",
+            check_interval_sec=CHECK_INTERVAL_S,
+            timeout_sec=TIMEOUT_S,
+            healthy_threshold=HEALTHY_THRESHOLD,
+            unhealthy_threshold=UNHEALTHY_THRESHOLD,
+            tcp_health_check=ComputeHealthCheckTcpHealthCheck(
+                port=props.health_port, request=HEALTH_REQUEST, response=HEALTH_RESPONSE
+            ),
+            log_config=ComputeHealthCheckLogConfig(enable=True),
+        )
+        common = dict(
+            project=props.project,
+            name=f"{props.name}-group",
+            base_instance_name=props.name,
+            target_size=props.workers,
+            description=f"spottrain trainer group for {props.name}",
+            # Terraform returns at once; VMs take minutes (driver install, restore).
+            wait_for_instances=False,
+            depends_on=list(props.depends_on) or None,
+        )
+        if props.regional:
+            self.manager: ComputeInstanceGroupManager | ComputeRegionInstanceGroupManager = (
+                ComputeRegionInstanceGroupManager(
+                    self,
+                    "group",
+                    **common,
+                    region=props.region,
+                    distribution_policy_zones=list(props.zones),
+                    # Stateful regional groups: EVEN shape, no proactive redistribution.
+                    distribution_policy_target_shape="EVEN",
+                    version=[ComputeRegionInstanceGroupManagerVersion(
+                        name="trainer", instance_template=props.template_self_link)],
+                    named_port=[ComputeRegionInstanceGroupManagerNamedPort(
+                        name="health", port=props.health_port)],
+                    auto_healing_policies=ComputeRegionInstanceGroupManagerAutoHealingPolicies(
+                        health_check=self.health_check.id,
+                        initial_delay_sec=props.initial_delay_sec,
+                    ),
+                    stateful_disk=[ComputeRegionInstanceGroupManagerStatefulDisk(
+                        device_name=DEVICE_NAME, delete_rule=DELETE_RULE)],
+                    instance_lifecycle_policy=(
+                        ComputeRegionInstanceGroupManagerInstanceLifecyclePolicy(
+                            default_action_on_failure="REPAIR",
+                            force_update_on_repair="YES",
+                            # A zonal disk cannot follow its VM to another zone.
+                            on_repair=ComputeRegionInstanceGroupManagerInstanceLifecyclePolicyOnRepair(
+                                allow_changing_zone="NO"
+                            ),
+                        )
+                    ),
+                    update_policy=ComputeRegionInstanceGroupManagerUpdatePolicy(
+                        type="PROACTIVE",
+                        minimal_action="REPLACE",
+                        replacement_method="RECREATE",
+                        instance_redistribution_type="NONE",
+                        max_surge_fixed=0,
+                        max_unavailable_fixed=len(props.zones),
+                    ),
+                )
+            )
+        else:
+            self.manager = ComputeInstanceGroupManager(
+                self,
+                "group",
+                **common,
+                zone=props.zones[0],
+                version=[ComputeInstanceGroupManagerVersion(
+                    name="trainer", instance_template=props.template_self_link)],
+                named_port=[ComputeInstanceGroupManagerNamedPort(
+                    name="health", port=props.health_port)],
+                auto_healing_policies=ComputeInstanceGroupManagerAutoHealingPolicies(
+                    health_check=self.health_check.id, initial_delay_sec=props.initial_delay_sec
+                ),
+                stateful_disk=[ComputeInstanceGroupManagerStatefulDisk(
+                    device_name=DEVICE_NAME, delete_rule=DELETE_RULE)],
+                instance_lifecycle_policy=ComputeInstanceGroupManagerInstanceLifecyclePolicy(
+                    default_action_on_failure="REPAIR", force_update_on_repair="YES"
+                ),
+                # A template change replaces the VM (the trainer saves on SIGTERM); stateful
+                # disks need RECREATE, which also rules out surge.
+                update_policy=ComputeInstanceGroupManagerUpdatePolicy(
+                    type="PROACTIVE",
+                    minimal_action="REPLACE",
+                    replacement_method="RECREATE",
+                    max_surge_fixed=0,
+                    max_unavailable_fixed=1,
+                ),
+            )

@@ -1,0 +1,65 @@
+"""The trainer's identity: a dedicated service account and its least-privilege IAM.
+
+Object admin on the checkpoint bucket only (a bucket-level binding, not a project role), log
+writer and metric writer on the project. The VMs never run as the default compute account.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cdktn_provider_google.project_iam_member import ProjectIamMember
+from cdktn_provider_google.service_account import ServiceAccount
+from cdktn_provider_google.storage_bucket_iam_member import StorageBucketIamMember
+from constructs import Construct
+
+PROJECT_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
+BUCKET_ROLE = "roles/storage.objectAdmin"
+
+
+@dataclass(frozen=True)
+class IdentityProps:
+    project: str
+    account_id: str
+    experiment: str
+
+
+class Identity(Construct):
+    """Service account `<experiment>-trainer` with project log/metric roles."""
+
+    def __init__(self, scope: Construct, id_: str, props: IdentityProps) -> None:
+        super().__init__(scope, id_)
+        self.account = ServiceAccount(
+            self,
+            "account",
+            project=props.project,
+            account_id=props.account_id,
+            display_name=f"spottrain trainer for {props.experiment}",
+            description="Runs the spottrain trainer VMs; no roles beyond logs, metrics and "
+            "its checkpoint bucket.",
+        )
+        self.member = f"serviceAccount:{self.account.email}"
+        #: Every grant, so VMs can wait for them: a trainer that starts before its bucket role
+        #: exists cannot upload its first checkpoint.
+        self.grants: list[ProjectIamMember | StorageBucketIamMember] = []
+        for role in PROJECT_ROLES:
+            member = ProjectIamMember(
+                self,
+                role.split("/")[1],
+                project=props.project,
+                role=role,
+                member=self.member,
+            )
+            self.grants.append(member)
+
+    @property
+    def email(self) -> str:
+        return self.account.email
+
+    def grant_bucket(self, bucket_name: str) -> StorageBucketIamMember:
+        """Object admin on that one bucket: read, write and delete checkpoints."""
+        grant = StorageBucketIamMember(
+            self, "bucket-object-admin", bucket=bucket_name, role=BUCKET_ROLE, member=self.member
+        )
+        self.grants.append(grant)
+        return grant

@@ -1,0 +1,149 @@
+"""The trainer VM's instance template: machine, GPUs, scheduling, disks, boot scripts.
+
+Replaced, never edited: `name_prefix` plus create-before-destroy lets a changed template exist
+next to the old one until the group has moved over. Its metadata is a pure function of the
+experiment, so an unchanged experiment plans no diff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cdktn import TerraformResourceLifecycle
+from cdktn_provider_google.compute_instance_template import (
+    ComputeInstanceTemplate,
+    ComputeInstanceTemplateDisk,
+    ComputeInstanceTemplateGuestAccelerator,
+    ComputeInstanceTemplateNetworkInterface,
+    ComputeInstanceTemplateScheduling,
+    ComputeInstanceTemplateServiceAccount,
+    ComputeInstanceTemplateShieldedInstanceConfig,
+)
+from constructs import Construct
+
+from stacks import gcp_rules as R
+from stacks.boot import DEVICE_NAME, BootScripts
+
+
+@dataclass(frozen=True)
+class TemplateProps:
+    project: str
+    region: str
+    name: str
+    machine_type: str
+    gpu_type: str
+    gpu_count: int
+    attach_gpus: bool  # only N1 takes guest_accelerator; a2/a3/g2 have theirs built in
+    spot: bool
+    termination_action: str
+    image_project: str
+    image_family: str
+    boot_disk_gb: int
+    checkpoint_disk_gb: int
+    local_ssd_count: int
+    service_account_email: str
+    subnetwork: str
+    subnetwork_project: str | None
+    network_tag: str
+    scripts: BootScripts
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def scheduling(spot: bool, termination_action: str) -> ComputeInstanceTemplateScheduling:
+    if spot:
+        # The API's required Spot combination; GPUs also require TERMINATE on host maintenance.
+        return ComputeInstanceTemplateScheduling(
+            provisioning_model="SPOT",
+            preemptible=True,
+            automatic_restart=False,
+            on_host_maintenance="TERMINATE",
+            instance_termination_action=termination_action,
+        )
+    return ComputeInstanceTemplateScheduling(
+        provisioning_model="STANDARD",
+        preemptible=False,
+        automatic_restart=True,
+        on_host_maintenance="TERMINATE",
+    )
+
+
+class TrainerTemplate(Construct):
+    def __init__(self, scope: Construct, id_: str, props: TemplateProps) -> None:
+        super().__init__(scope, id_)
+        disks = [
+            ComputeInstanceTemplateDisk(
+                boot=True,
+                auto_delete=True,
+                source_image=f"projects/{props.image_project}/global/images/family/"
+                f"{props.image_family}",
+                disk_type="pd-balanced",
+                disk_size_gb=props.boot_disk_gb,
+                labels=props.labels,
+            ),
+            # The checkpoint disk; the group keeps it stateful by this device_name, and the
+            # startup script finds it at /dev/disk/by-id/google-<device_name>.
+            ComputeInstanceTemplateDisk(
+                boot=False,
+                auto_delete=True,
+                device_name=DEVICE_NAME,
+                disk_type="pd-ssd",
+                disk_size_gb=props.checkpoint_disk_gb,
+                type="PERSISTENT",
+                mode="READ_WRITE",
+                labels=props.labels,
+            ),
+        ]
+        disks += [
+            ComputeInstanceTemplateDisk(
+                type="SCRATCH", disk_type="local-ssd", interface="NVME",
+                disk_size_gb=R.LOCAL_SSD_GB, auto_delete=True,
+            )
+            for _ in range(props.local_ssd_count)
+        ]
+        self.template = ComputeInstanceTemplate(
+            self,
+            "template",
+            project=props.project,
+            region=props.region,
+            name_prefix=f"{props.name}-",
+            description=f"spottrain trainer VM for {props.name}",
+            machine_type=props.machine_type,
+            labels=props.labels,
+            tags=[props.network_tag],
+            disk=disks,
+            guest_accelerator=[
+                ComputeInstanceTemplateGuestAccelerator(type=props.gpu_type, count=props.gpu_count)
+            ]
+            if props.attach_gpus
+            else None,
+            scheduling=scheduling(props.spot, props.termination_action),
+            network_interface=[
+                # No access_config: no external IP. Egress goes through Cloud NAT.
+                ComputeInstanceTemplateNetworkInterface(
+                    subnetwork=props.subnetwork, subnetwork_project=props.subnetwork_project
+                )
+            ],
+            service_account=ComputeInstanceTemplateServiceAccount(
+                email=props.service_account_email,
+                # IAM on the dedicated account is what limits access; the scope only lets it apply.
+                scopes=["cloud-platform"],
+            ),
+            shielded_instance_config=ComputeInstanceTemplateShieldedInstanceConfig(
+                # The NVIDIA driver installed at first boot is not signed for Secure Boot.
+                enable_secure_boot=False,
+                enable_vtpm=True,
+                enable_integrity_monitoring=True,
+            ),
+            metadata={
+                "startup-script": props.scripts.startup,
+                "shutdown-script": props.scripts.shutdown,
+                "enable-oslogin": "TRUE",
+                "block-project-ssh-keys": "TRUE",
+                "install-nvidia-driver": "True",
+            },
+            lifecycle=TerraformResourceLifecycle(create_before_destroy=True),
+        )
+
+    @property
+    def self_link_unique(self) -> str:
+        return self.template.self_link_unique

@@ -1,0 +1,138 @@
+"""Reading experiment files: TOML in, validated `Experiment` out, or every problem at once.
+
+Each problem is one line, `experiments/x.toml: field.path: what is wrong and what is allowed`.
+All of a file's problems (and of every file asked for) are gathered before `ExperimentError` is
+raised, so a user fixes a file in one pass.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from stacks.experiment import SECTIONS, Experiment, check_name
+
+ENV_VAR = "SPOTTRAIN_EXPERIMENTS"
+DEFAULT_DIR = Path("experiments")
+
+
+class ExperimentError(Exception):
+    """Bad experiment input; `lines` holds one human-readable line per problem."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+@dataclass(frozen=True)
+class ExperimentFile:
+    """A validated experiment and where it came from."""
+
+    name: str
+    path: Path
+    spec: Experiment
+
+
+def display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _pydantic_lines(err: ValidationError, prefix: str, model: type[BaseModel]) -> list[str]:
+    lines = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(
+            f"[{p}]" if isinstance(p, int) else str(p) for p in (prefix, *e["loc"]) if p != ""
+        ).replace(".[", "[")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key; allowed: {', '.join(_allowed_keys(model, e['loc'][:-1]))}"
+        elif e["type"] == "missing":
+            msg = "is required"
+        elif e["type"] not in ("value_error",):
+            msg = f"{msg}, got {e.get('input')!r}"
+        lines.append(f"{loc}: {msg}")
+    return lines
+
+
+def _allowed_keys(model: type[BaseModel], parent: tuple[Any, ...]) -> list[str]:
+    for part in parent:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field else None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return []
+    return list(model.model_fields)
+
+
+def parse(data: dict[str, Any], name: str, source: str = "<experiment>") -> Experiment:
+    """Validate parsed TOML; raise ExperimentError naming every problem."""
+    problems = [f"{p}: {m}" for p, m in check_name(name)]
+    try:
+        exp = Experiment.model_validate(data)
+    except ValidationError as err:
+        problems += _pydantic_lines(err, "", Experiment)
+        # The whole file failed; still report the cross-field rules of every section that holds.
+        for key, cls in SECTIONS.items():
+            raw = data.get(key, {})
+            if not isinstance(raw, dict):
+                continue
+            known = {k: v for k, v in raw.items() if k in cls.model_fields}  # unknown keys
+            try:  # are already reported and never change what the other rules decide
+                section = cls.model_validate(known)
+            except ValidationError:
+                continue
+            problems += [f"{key}.{p}: {m}" for p, m in section.problems()]
+    else:
+        problems += [f"{p}: {m}" for p, m in exp.problems(name)]
+    if problems:
+        raise ExperimentError([f"{source}: {line}" for line in problems])
+    return exp
+
+
+def load_file(path: Path) -> ExperimentFile:
+    source = display(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:  # its message names the line and column
+        raise ExperimentError([f"{source}: TOML syntax error: {err}"]) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ExperimentError([f"{source}: cannot read: {err}"]) from None
+    return ExperimentFile(path.stem, path, parse(data, path.stem, source))
+
+
+def discover(target: Path | None = None) -> list[Path]:
+    """The experiment files: `target` (file or folder), else $SPOTTRAIN_EXPERIMENTS, else
+    experiments/."""
+    if target is None:
+        env = os.environ.get(ENV_VAR)
+        target = Path(env) if env else DEFAULT_DIR
+    if target.is_dir():
+        files = sorted(target.glob("*.toml"))
+        if not files:
+            raise ExperimentError([f"{display(target)}: no *.toml experiment files"])
+        return files
+    if target.is_file():
+        return [target]
+    raise ExperimentError([f"{display(target)}: no such experiment file or folder"])
+
+
+def load_all(target: Path | None = None) -> list[ExperimentFile]:
+    lines: list[str] = []
+    loaded: list[ExperimentFile] = []
+    for path in discover(target):
+        try:
+            loaded.append(load_file(path))
+        except ExperimentError as err:
+            lines += err.lines
+    if lines:
+        raise ExperimentError(lines)
+    return loaded

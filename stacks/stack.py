@@ -1,0 +1,160 @@
+"""`TrainingStack`: one experiment's whole training environment as one Terraform stack.
+
+Composes the constructs (identity, bucket, network, firewall, template, group), the provider,
+the state backend and the outputs a user needs next (bucket, group, account, log commands).
+"""
+
+from __future__ import annotations
+
+from cdktn import GcsBackend, LocalBackend, TerraformOutput, TerraformStack
+from cdktn_provider_google.provider import GoogleProvider
+from constructs import Construct
+
+from stacks import gcp_rules as R
+from stacks.boot import BootProps, render
+from stacks.bucket import CheckpointBucket, CheckpointBucketProps
+from stacks.experiment import Experiment
+from stacks.group import GroupProps, TrainerGroup
+from stacks.identity import Identity, IdentityProps
+from stacks.instance_template import TemplateProps, TrainerTemplate
+from stacks.network import FirewallProps, NetworkProps, TrainerFirewall, TrainerNetwork
+
+
+def state_path(name: str) -> str:
+    # Terraform runs in cdktf.out/stacks/<name>/; keep state in the repository root, where
+    # `make clean` (which removes cdktf.out) cannot delete it.
+    return f"../../../terraform.{name}.tfstate"
+
+
+class TrainingStack(TerraformStack):
+    def __init__(self, scope: Construct, name: str, exp: Experiment) -> None:
+        super().__init__(scope, name)
+        gcp, m = exp.gcp, exp.machine
+        labels = {**exp.labels, "spottrain-experiment": name}
+        tag = f"{name}-trainer"
+
+        GoogleProvider(self, "google", project=gcp.project, region=gcp.region)
+        if exp.backend.type == "gcs":
+            assert exp.backend.bucket  # validated upstream
+            GcsBackend(self, bucket=exp.backend.bucket,
+                       prefix=exp.backend.prefix or f"spottrain/{name}")
+        else:
+            LocalBackend(self, path=state_path(name))
+
+        identity = Identity(self, "identity", IdentityProps(
+            project=gcp.project, account_id=f"{name}{R.SA_SUFFIX}", experiment=name))
+        bucket = CheckpointBucket(self, "checkpoints", CheckpointBucketProps(
+            project=gcp.project,
+            name=exp.bucket_name(name),
+            location=exp.bucket.bucket_location,
+            force_destroy=exp.bucket.force_destroy,
+            keep_noncurrent_versions=exp.bucket.keep_noncurrent_versions,
+            noncurrent_days=exp.bucket.noncurrent_days,
+            soft_delete_days=exp.bucket.soft_delete_days,
+            labels=labels,
+        ))
+        identity.grant_bucket(bucket.name)
+
+        net = exp.network
+        network = TrainerNetwork(self, "network", NetworkProps(
+            project=gcp.project,
+            region=gcp.region,
+            name=name,
+            dedicated=net.mode == "dedicated",
+            subnet_cidr=net.subnet_cidr,
+            existing_network=net.network,
+            existing_subnetwork=net.subnetwork,
+            subnetwork_project=net.subnetwork_project,
+        ))
+        TrainerFirewall(self, "firewall", FirewallProps(
+            # Shared VPC: firewall rules live in the host project.
+            project=network.subnetwork_project or gcp.project,
+            name=name,
+            network=network.network_ref,
+            target_tag=tag,
+            health_port=exp.trainer.health_port,
+            iap_ssh=net.iap_ssh,
+        ))
+
+        scripts = render(BootProps(
+            name=name,
+            bucket=exp.bucket_name(name),
+            task=exp.trainer.task,
+            steps=exp.trainer.steps,
+            health_port=exp.trainer.health_port,
+            provisioning=m.provisioning,
+            local_ssd_count=exp.disk.local_ssd_count,
+            args=tuple(exp.trainer.args),
+        ))
+        template = TrainerTemplate(self, "template", TemplateProps(
+            project=gcp.project,
+            region=gcp.region,
+            name=name,
+            machine_type=m.machine_type,
+            gpu_type=m.gpu_type,
+            gpu_count=m.gpu_count,
+            attach_gpus=m.shape.gpu_type is None,
+            spot=m.provisioning == "spot",
+            termination_action=m.termination_action,
+            image_project=m.image_project,
+            image_family=m.image_family,
+            boot_disk_gb=m.boot_disk_gb,
+            checkpoint_disk_gb=exp.disk.checkpoint_disk_gb,
+            local_ssd_count=exp.disk.local_ssd_count,
+            service_account_email=identity.email,
+            subnetwork=network.subnetwork,
+            subnetwork_project=network.subnetwork_project,
+            network_tag=tag,
+            scripts=scripts,
+            labels=labels,
+        ))
+        regional = exp.group.placement == "regional"
+        group = TrainerGroup(self, "group", GroupProps(
+            project=gcp.project,
+            region=gcp.region,
+            zones=tuple(gcp.zones),
+            name=name,
+            regional=regional,
+            workers=exp.group.workers,
+            template_self_link=template.self_link_unique,
+            health_port=exp.trainer.health_port,
+            initial_delay_sec=exp.group.initial_delay_sec,
+            depends_on=tuple(identity.grants),
+        ))
+
+        self._outputs(name, exp, bucket.name, group, identity.email, regional)
+
+    def _outputs(self, name: str, exp: Experiment, bucket: str, group: TrainerGroup,
+                 email: str, regional: bool) -> None:
+        p = f"--project {exp.gcp.project}"
+        where = f"--region {exp.gcp.region}" if regional else f"--zone {exp.gcp.zones[0]}"
+        zone = "--zone ZONE" if regional else f"--zone {exp.gcp.zones[0]}"
+        group_name = f"{name}-group"
+        outputs = {
+            "bucket": (bucket, "Checkpoint bucket (durable tier: runs/<experiment>/)"),
+            "checkpoint_uri": (f"gs://{exp.bucket_name(name)}/runs/{name}",
+                               "Where the trainer's durable checkpoints go"),
+            "group_name": (group.manager.name, "Managed instance group"),
+            "group_self_link": (group.manager.self_link, "Managed instance group self link"),
+            "service_account": (email, "The trainer VMs' service account"),
+            "list_instances_command": (
+                f"gcloud compute instance-groups managed list-instances {group_name} {p} {where}",
+                "List the trainer VMs (name, zone, status, health)",
+            ),
+            "serial_log_command": (
+                f"gcloud compute instances get-serial-port-output INSTANCE {p} {zone}",
+                "Boot and startup-script log of one VM (INSTANCE from list-instances)",
+            ),
+            "trainer_log_command": (
+                f"gcloud compute ssh INSTANCE {p} {zone} --tunnel-through-iap -- "
+                "sudo journalctl -u spottrain.service -f",
+                "Follow the trainer's journal through IAP SSH",
+            ),
+            "scale_to_zero_command": (
+                f"gcloud compute instance-groups managed resize {group_name} --size 0 {p} "
+                f"{where}",
+                "Stop paying for the VM now (set group.workers = 0 to keep it so on deploy)",
+            ),
+        }
+        for key, (value, description) in outputs.items():
+            TerraformOutput(self, key, value=value, description=description)
