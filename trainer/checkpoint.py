@@ -1,0 +1,638 @@
+"""The checkpoint format: one ``step-NNNNNNNN/`` folder (or GCS prefix) per checkpoint.
+
+A checkpoint holds three files::
+
+    step-00001200/
+        tensors.bin    every tensor's raw bytes, 64-byte aligned, back to back
+        state.pt       the state's structure and plain Python objects (torch.save), with each
+                       tensor replaced by a reference into tensors.bin (offset, dtype, shape)
+        manifest.json  written LAST: format, step, time, torch version, world size, meta, and the
+                       size and sha256 of every other file, plus a sha256 of the manifest itself
+
+A checkpoint is valid only if its manifest parses, its self-checksum matches and every file it
+lists has the listed size and sha256. The manifest is the commit record: it is written last on
+every tier, so an interrupted write or upload never produces a valid checkpoint.
+
+On a directory tier the folder is assembled under a ``.tmp-`` name, every file and the folder are
+fsynced, and the folder becomes visible by one atomic ``rename`` (then the parent is fsynced). On
+GCS the payload objects are uploaded create-only, then the manifest.
+
+Why raw tensor bytes rather than one ``torch.save``: the snapshot already sits in one contiguous
+host buffer (see ``SnapshotBuffer``), so writing it is a handful of large ``os.write`` calls that
+run at disk bandwidth, while the sha256 runs on a second thread over the same memory. Loading maps
+every tensor as a view into one buffer read with ``readinto`` (no per-tensor allocation).
+
+This module also owns ``tensor_digest`` (a content digest of a model state dict).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import time
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, fsync_dir
+
+log = logging.getLogger(__name__)
+
+FORMAT = "spottrain-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE = "state.pt"
+TENSORS = "tensors.bin"
+PAYLOAD = (STATE, TENSORS)
+ALIGN = 64
+_IO_CHUNK = 32 << 20
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+class CheckpointInvalid(Exception):
+    """A checkpoint that must not be used; ``str(exc)`` is the reason for the log."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor references inside the pickled structure
+# --------------------------------------------------------------------------------------------
+
+
+class TensorRef:
+    """Stands in for a tensor inside ``state.pt``: index into the tensor table."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return (TensorRef, (self.index,))
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.index})"
+
+
+# Allow TensorRef in weights_only loads (the safe unpickler refuses unknown classes).
+torch.serialization.add_safe_globals([TensorRef])
+
+
+def _raw_ok(t: torch.Tensor) -> bool:
+    return (t.layout == torch.strided and not t.is_quantized and t.device.type != "meta"
+            and not t.is_nested and type(t) in (torch.Tensor, torch.nn.Parameter))
+
+
+def _replace_tensors(obj: Any, found: list[torch.Tensor], ids: dict[int, int]) -> Any:
+    """Copy of the container structure with plain tensors replaced by ``TensorRef``s.
+
+    The same tensor object appearing twice (tied weights) is stored once and restored as one
+    object. Tensors inside other objects stay where they are and are pickled by torch.save.
+    """
+    if isinstance(obj, torch.Tensor):
+        if not _raw_ok(obj):
+            return obj
+        i = ids.get(id(obj))
+        if i is None:
+            i = ids[id(obj)] = len(found)
+            found.append(obj)
+        return TensorRef(i)
+    t = type(obj)
+    if t is dict:
+        return {k: _replace_tensors(v, found, ids) for k, v in obj.items()}
+    if t is OrderedDict:
+        return OrderedDict((k, _replace_tensors(v, found, ids)) for k, v in obj.items())
+    if t is list:
+        return [_replace_tensors(v, found, ids) for v in obj]
+    if t is tuple:
+        return tuple(_replace_tensors(v, found, ids) for v in obj)
+    return obj
+
+
+def _resolve(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, TensorRef):
+        return tensors[obj.index]
+    t = type(obj)
+    if t is dict:
+        return {k: _resolve(v, tensors) for k, v in obj.items()}
+    if t is OrderedDict:
+        return OrderedDict((k, _resolve(v, tensors)) for k, v in obj.items())
+    if t is list:
+        return [_resolve(v, tensors) for v in obj]
+    if t is tuple:
+        return tuple(_resolve(v, tensors) for v in obj)
+    return obj
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointInvalid(f"unknown dtype {name!r} in tensor table")
+    return dt
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _byte_view(buf: torch.Tensor, nbytes: int | None = None) -> memoryview:
+    """A writable memoryview over a contiguous CPU uint8 tensor (no copy, no numpy needed)."""
+    n = buf.numel() if nbytes is None else nbytes
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * n).from_address(buf.data_ptr())).cast("B")
+
+
+# --------------------------------------------------------------------------------------------
+# Snapshot: the only part that blocks the training loop
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A point-in-time copy of a state in host memory, ready to be written by any thread."""
+
+    step: int
+    structure: bytes          # state.pt bytes
+    arena: torch.Tensor       # uint8 host buffer; tensors.bin is arena[:nbytes]
+    nbytes: int
+    meta: dict
+    created_unix: float
+
+    def tensor_bytes(self) -> memoryview:
+        return _byte_view(self.arena, self.nbytes)
+
+
+class SnapshotBuffer:
+    """Reusable host buffer for snapshots.
+
+    The buffer is allocated once (pinned when CUDA tensors are involved, so device-to-host copies
+    are DMA and asynchronous) and reused by every later save of the same or a smaller state: a
+    fresh 1 GB allocation would page-fault on every save, which costs more than the copy itself.
+    The buffer is pre-touched at allocation for the same reason. Only one snapshot may use the
+    buffer at a time; the checkpointer guarantees that (one save in flight).
+    """
+
+    def __init__(self) -> None:
+        self.arena: torch.Tensor | None = None
+        self.pinned = False
+        self.allocations = 0
+
+    def _ensure(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        a = self.arena
+        if a is None or a.numel() < nbytes or (pinned and not self.pinned):
+            self.arena = None  # drop the old one first: peak memory is one buffer
+            cap = max(nbytes, ALIGN)
+            a = torch.empty(cap, dtype=torch.uint8, pin_memory=pinned)
+            a.fill_(0)  # touch every page now, not during the first copy
+            self.arena, self.pinned = a, pinned
+            self.allocations += 1
+        return a
+
+    def take(self, step: int, state: Any, meta: dict | None = None) -> Snapshot:
+        found: list[torch.Tensor] = []
+        structure_obj = _replace_tensors(state, found, {})
+        table = []
+        off = 0
+        for t in found:
+            nbytes = t.numel() * t.element_size()
+            table.append((off, nbytes, str(t.dtype), tuple(t.shape),
+                          bool(t.requires_grad), type(t) is torch.nn.Parameter))
+            off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        any_cuda = any(t.device.type == "cuda" for t in found)
+        arena = self._ensure(off, pinned=any_cuda and torch.cuda.is_available())
+        for t, (o, n, _, shape, _, _) in zip(found, table):
+            if n == 0:
+                continue
+            dst = arena[o : o + n].view(t.dtype).view(shape)
+            dst.copy_(t.detach(), non_blocking=any_cuda)
+        if any_cuda:
+            torch.cuda.synchronize()
+        # Pickling here (while the loop waits) freezes the plain Python objects too: the loop may
+        # mutate them (data position, counters) as soon as save() returns.
+        buf = io.BytesIO()
+        torch.save({"format": FORMAT, "version": FORMAT_VERSION, "tree": structure_obj,
+                    "tensors": table}, buf)
+        return Snapshot(step=step, structure=buf.getvalue(), arena=arena, nbytes=off,
+                        meta=dict(meta or {}), created_unix=time.time())
+
+
+# --------------------------------------------------------------------------------------------
+# Manifest
+# --------------------------------------------------------------------------------------------
+
+
+def _canonical(obj: dict) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: float) -> bytes:
+    body = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "created_unix": created_unix,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created_unix)),
+        "torch_version": torch.__version__,
+        "world_size": int(meta.get("world_size", 1)) if isinstance(meta.get("world_size", 1), int) else 1,
+        "meta": meta,
+        "files": files,
+    }
+    body["manifest_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    return json.dumps(body, sort_keys=True, indent=1).encode()
+
+
+def parse_manifest(data: bytes, step: int | None = None) -> dict:
+    """Parse and self-check a manifest; raise ``CheckpointInvalid`` with the reason."""
+    try:
+        m = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointInvalid(f"manifest is not valid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointInvalid("manifest has no spottrain format marker")
+    if m.get("version") != FORMAT_VERSION:
+        raise CheckpointInvalid(f"unsupported checkpoint format version {m.get('version')!r}")
+    want = m.pop("manifest_sha256", None)
+    if want != hashlib.sha256(_canonical(m)).hexdigest():
+        raise CheckpointInvalid("manifest checksum mismatch (manifest corrupted)")
+    m["manifest_sha256"] = want
+    files = m.get("files")
+    if not isinstance(files, dict) or set(files) != set(PAYLOAD):
+        raise CheckpointInvalid("manifest file list is incomplete")
+    for name, info in files.items():
+        if not (isinstance(info, dict) and isinstance(info.get("size"), int)
+                and isinstance(info.get("sha256"), str)):
+            raise CheckpointInvalid(f"manifest entry for {name} is malformed")
+    if step is not None and m.get("step") != step:
+        raise CheckpointInvalid(f"manifest says step {m.get('step')!r}, folder says {step}")
+    return m
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def _write_hashed(path: Path, data: memoryview, pool: cf.ThreadPoolExecutor) -> dict:
+    """Write ``data`` to a new file with fsync; sha256 runs on ``pool`` overlapped with the writes."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        pending: cf.Future | None = None
+        for i in range(0, len(data), _IO_CHUNK):
+            chunk = data[i : i + _IO_CHUNK]
+            # hashlib releases the GIL on large buffers, as does os.write: they run in parallel.
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(h.update, chunk)
+            while chunk:
+                n = os.write(fd, chunk)
+                chunk = chunk[n:]
+        if pending is not None:
+            pending.result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": len(data), "sha256": h.hexdigest()}
+
+
+def write_dir(snap: Snapshot, root: Path) -> tuple[Path, dict]:
+    """Write ``snap`` as ``root/step-N/`` atomically; returns (folder, manifest dict).
+
+    Raises FileExistsError if a folder of that step is already there (the caller decides).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_name(snap.step)
+    if final.exists():
+        raise FileExistsError(str(final))
+    stage = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        with cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
+            files = {
+                TENSORS: _write_hashed(stage / TENSORS, snap.tensor_bytes(), pool),
+                STATE: _write_hashed(stage / STATE, memoryview(snap.structure), pool),
+            }
+        manifest = build_manifest(snap.step, files, snap.meta, snap.created_unix)
+        _write_hashed_plain(stage / MANIFEST, manifest)
+        fsync_dir(stage)
+        os.rename(stage, final)  # the commit point: the folder appears complete or not at all
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return final, json.loads(manifest)
+
+
+def _write_hashed_plain(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        mv = memoryview(data)
+        while mv:
+            mv = mv[os.write(fd, mv):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def upload_dir(src: Path, store: GcsStore, step: int, *, deadline: float | None = None) -> None:
+    """Upload a verified local checkpoint folder to GCS: payload create-only, manifest last.
+
+    With ``deadline`` (time.monotonic), the upload gives up when it passes; the manifest is never
+    uploaded after the deadline, so a late upload leaves only payload objects, which no restore
+    will choose.
+    """
+    prefix = step_name(step)
+    with store.deadline(deadline):
+        for name in PAYLOAD:
+            store.put_file(Path(src) / name, f"{prefix}/{name}")
+        if deadline is not None and time.monotonic() > deadline:
+            from trainer.storage import UploadAborted
+
+            raise UploadAborted("deadline passed before the manifest upload")
+        store.put_bytes(f"{prefix}/{MANIFEST}", (Path(src) / MANIFEST).read_bytes())
+
+
+def download_dir(store: Store, step: int, root: Path) -> Path:
+    """Copy ``step-N`` from ``store`` into ``root/step-N/`` atomically (manifest fetched last is
+    irrelevant here: the folder only appears after everything arrived and was verified)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_name(step)
+    stage = root / f"{TMP_PREFIX}{final.name}-dl-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        manifest_bytes = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
+        manifest = parse_manifest(manifest_bytes, step)
+        for name in PAYLOAD:
+            store.get_file(f"{step_name(step)}/{name}", stage / name)
+        for name in PAYLOAD:
+            _verify_file(stage / name, manifest["files"][name])
+        _write_hashed_plain(stage / MANIFEST, manifest_bytes)
+        fsync_dir(stage)
+        if final.exists():
+            raise FileExistsError(str(final))
+        os.rename(stage, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return final
+
+
+# --------------------------------------------------------------------------------------------
+# Verification and listing
+# --------------------------------------------------------------------------------------------
+
+
+def _hash_file(path: Path, into: torch.Tensor | None = None) -> tuple[int, str]:
+    """sha256 of a file, optionally reading it into ``into`` (uint8 tensor) at the same time."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f, cf.ThreadPoolExecutor(1) as pool:
+        pending: cf.Future | None = None
+        if into is not None:
+            mv = _byte_view(into)
+            while size < len(mv):
+                n = f.readinto(mv[size : size + _IO_CHUNK])
+                if not n:
+                    break
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(h.update, mv[size : size + n])
+                size += n
+            if f.read(1):
+                size += 1  # longer than the manifest says
+        else:
+            buf = [bytearray(_IO_CHUNK), bytearray(_IO_CHUNK)]
+            i = 0
+            while True:
+                b = buf[i]
+                n = f.readinto(b)
+                if not n:
+                    break
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(h.update, memoryview(b)[:n])
+                size += n
+                i ^= 1
+        if pending is not None:
+            pending.result()
+    return size, h.hexdigest()
+
+
+def _verify_file(path: Path, info: dict, into: torch.Tensor | None = None) -> None:
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{path.name} is missing") from None
+    if actual != info["size"]:
+        raise CheckpointInvalid(f"{path.name} is {actual} bytes, manifest says {info['size']} (truncated or partial)")
+    size, digest = _hash_file(path, into)
+    if size != info["size"]:
+        raise CheckpointInvalid(f"{path.name} changed size while reading")
+    if digest != info["sha256"]:
+        raise CheckpointInvalid(f"{path.name} sha256 mismatch (corrupted)")
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    """One checkpoint as seen on one tier by a quick check (manifest + sizes, no hashing)."""
+
+    step: int
+    valid: bool
+    reason: str           # "" when valid
+    bytes: int
+    location: str
+    created: str = ""
+    manifest: dict | None = None
+
+
+def _store_location(store: Store, step: int) -> str:
+    if isinstance(store, DirStore):
+        return str(store.root / step_name(step))
+    if isinstance(store, GcsStore):
+        return store.location(step_name(step))
+    return f"{store.name}:{step_name(step)}"
+
+
+def list_checkpoints(store: Store) -> list[CheckpointInfo]:
+    """Every ``step-N`` on the store, newest first, each quick-checked (manifest, file sizes)."""
+    if isinstance(store, DirStore) and not store.root.is_dir():
+        return []
+    sizes = store.sizes("step-") if hasattr(store, "sizes") else {k: -1 for k in store.list("step-")}
+    by_step: dict[int, dict[str, int]] = {}
+    for key, size in sizes.items():
+        folder, _, name = key.partition("/")
+        step = parse_step(folder)
+        if step is None or "/" in name:
+            continue
+        by_step.setdefault(step, {})[name] = size
+    out = []
+    for step in sorted(by_step, reverse=True):
+        files = by_step[step]
+        loc = _store_location(store, step)
+        total = sum(v for v in files.values() if v > 0)
+        if MANIFEST not in files:
+            out.append(CheckpointInfo(step, False, "no manifest (incomplete write or upload)", total, loc))
+            continue
+        try:
+            m = parse_manifest(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step)
+        except KeyError:
+            out.append(CheckpointInfo(step, False, "manifest vanished while listing", total, loc))
+            continue
+        except CheckpointInvalid as e:
+            out.append(CheckpointInfo(step, False, str(e), total, loc))
+            continue
+        reason = ""
+        for name, info in m["files"].items():
+            if name not in files:
+                reason = f"{name} is missing"
+                break
+            if files[name] >= 0 and files[name] != info["size"]:
+                reason = f"{name} is {files[name]} bytes, manifest says {info['size']} (truncated or partial)"
+                break
+        out.append(CheckpointInfo(step, not reason, reason, total, loc, m.get("created", ""),
+                                  m if not reason else None))
+    return out
+
+
+def verify_dir(folder: Path) -> dict:
+    """Full verification of a checkpoint folder (every sha256); returns the manifest."""
+    folder = Path(folder)
+    step = parse_step(folder.name)
+    try:
+        data = (folder / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointInvalid("no manifest (incomplete write)") from None
+    m = parse_manifest(data, step)
+    for name in PAYLOAD:
+        _verify_file(folder / name, m["files"][name])
+    return m
+
+
+def load_dir(folder: Path, *, verified_manifest: dict | None = None) -> tuple[dict, Any]:
+    """Verify every file of ``folder`` against its manifest and load the state.
+
+    Returns (manifest, state). Tensors come back on CPU, contiguous, as views into one buffer.
+    """
+    folder = Path(folder)
+    step = parse_step(folder.name)
+    if verified_manifest is None:
+        try:
+            data = (folder / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            raise CheckpointInvalid("no manifest (incomplete write)") from None
+        verified_manifest = parse_manifest(data, step)
+    m = verified_manifest
+    tinfo = m["files"][TENSORS]
+    buf = torch.empty(max(tinfo["size"], 1), dtype=torch.uint8)
+    _verify_file(folder / TENSORS, tinfo, into=buf[: tinfo["size"]])
+    try:
+        raw = (folder / STATE).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{STATE} is missing") from None
+    if len(raw) != m["files"][STATE]["size"]:
+        raise CheckpointInvalid(f"{STATE} is {len(raw)} bytes, manifest says "
+                                f"{m['files'][STATE]['size']} (truncated or partial)")
+    if hashlib.sha256(raw).hexdigest() != m["files"][STATE]["sha256"]:
+        raise CheckpointInvalid(f"{STATE} sha256 mismatch (corrupted)")
+    obj = _load_structure(raw, folder)
+    try:
+        table = obj["tensors"]
+        tensors = []
+        for off, nbytes, dtype_name, shape, requires_grad, is_param in table:
+            dtype = _dtype_from_name(dtype_name)
+            if off + nbytes > tinfo["size"]:
+                raise CheckpointInvalid("tensor table points past the end of tensors.bin")
+            t = buf[off : off + nbytes].view(dtype).view(tuple(shape))
+            if is_param:
+                t = torch.nn.Parameter(t, requires_grad=requires_grad)
+            elif requires_grad:
+                t.requires_grad_(True)
+            tensors.append(t)
+        state = _resolve(obj["tree"], tensors)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+        raise CheckpointInvalid(f"{STATE} structure is inconsistent ({type(e).__name__}: {e})") from None
+    return m, state
+
+
+def _load_structure(raw: bytes, folder: Path) -> dict:
+    # weights_only=True first: it unpickles only tensors, containers and primitive types, which is
+    # what most states are (RNG states from torch/random are tuples of ints and byte tensors).
+    # Some states hold plain Python objects the safe unpickler refuses (numpy's RNG state, user
+    # dataclasses). For those we fall back to weights_only=False, and ONLY here, after the bytes
+    # matched the sha256 in the manifest: the checksum proves they are exactly the bytes our own
+    # save wrote, not corrupted or half-written data. The run dir and bucket are as trusted as the
+    # code being run (whoever can write them can also change the startup script), so this does
+    # not widen what an attacker with write access can already do.
+    try:
+        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        log.info("%s: %s needs full unpickling (%s); loading with weights_only=False after its "
+                 "sha256 matched the manifest", folder, STATE, str(e).splitlines()[0][:120])
+        try:
+            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        except Exception as e2:  # noqa: BLE001 - any unpickling failure means unusable
+            raise CheckpointInvalid(f"{STATE} cannot be unpickled ({type(e2).__name__}: {e2})") from None
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointInvalid(f"{STATE} cannot be loaded ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise CheckpointInvalid(f"{STATE} is not a spottrain structure")
+    return obj
+
+
+def delete_checkpoint(store: Store, step: int) -> None:
+    """Delete ``step-N``: the manifest first, so an interrupted delete leaves an invalid folder
+    (never a folder that looks valid but lacks payload)."""
+    prefix = step_name(step)
+    if isinstance(store, DirStore):
+        store.delete(f"{prefix}/{MANIFEST}")
+    elif isinstance(store, GcsStore):
+        store.delete(f"{prefix}/{MANIFEST}")
+    store.delete_prefix(prefix + "/")
+
+
+# --------------------------------------------------------------------------------------------
+# Digest
+# --------------------------------------------------------------------------------------------
+
+
+def tensor_digest(state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over tensors in sorted key order: for each, the name, dtype, shape and raw bytes.
+
+    Equal digests mean bitwise-equal weights (used by ``python -m trainer status`` as
+    ``model_digest`` and by the resume tests).
+    """
+    items = state_dict.items() if isinstance(state_dict, dict) else state_dict
+    h = hashlib.sha256()
+    for name, t in sorted(items, key=lambda kv: kv[0]):
+        t = t.detach().to("cpu").contiguous()
+        h.update(name.encode() + b"\0")
+        h.update(str(t.dtype).encode() + b"\0")
+        h.update(json.dumps(list(t.shape)).encode() + b"\0")
+        if t.numel():
+            h.update(_byte_view(t.reshape(-1).view(torch.uint8)))
+        h.update(b"\1")
+    return h.hexdigest()

@@ -1,0 +1,538 @@
+"""The ``Checkpointer``: when to save, where to, in the background; what to restore from.
+
+Tiers, fastest first: ``local`` (a local-SSD dir, optional; lost with the VM), ``persistent``
+(the run dir on the stateful PD; survives preemption and repair in the same zone) and ``gcs``
+(optional; survives everything, including a restart in another zone with a fresh disk).
+
+Saving (CheckFreq's snapshot/persist split):
+
+* ``save()`` blocks the loop only while the state is copied into a reusable host buffer (pinned
+  when CUDA is involved) and its plain Python objects are pickled; that is the time it returns.
+* A background thread then writes every tier that is due: the disk tiers straight from the buffer
+  (``checkpoint.write_dir``: temporary folder, fsync, manifest last, atomic rename), then GCS from
+  the folder just written (payload create-only, manifest last), then applies retention.
+* One save is in flight at a time, because there is one host buffer. If a tier becomes due while a
+  save is in flight, ``due()`` answers False and the tier stays due: the save happens at the first
+  step after the in-flight one finished (counted in ``stats["deferred_steps"]``). The loop is never
+  made to wait for the disk or the network. An explicit ``save()`` while one is in flight waits for
+  it (counted in ``stats["waited"]``): the caller asked for that exact step to be saved.
+* Background failures (disk full, GCS unreachable after retries) are logged and counted; they never
+  raise into the loop and never leave anything a restore would choose.
+
+Restoring: the newest checkpoint that verifies (manifest self-check, sizes, sha256 of every file)
+across all tiers, preferring the fastest tier for equal steps. A GCS checkpoint newer than anything
+on disk is downloaded into the persistent tier (atomically) and loaded from there. Any invalid
+candidate is logged with the reason and the next older one is tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint import (CheckpointInfo, CheckpointInvalid, Snapshot, SnapshotBuffer,
+                                delete_checkpoint, download_dir, list_checkpoints, load_dir,
+                                step_name, upload_dir, verify_dir, write_dir)
+from trainer.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
+from trainer.storage import DirStore, GcsStore, Store, UploadAborted
+
+TIERS = ("local", "persistent", "gcs")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierPolicy:
+    """When to save to one tier and how many checkpoints to keep there."""
+
+    every_steps: int | None = None      # save every K steps
+    every_seconds: float | None = None  # and/or every T seconds
+    keep: int = 3                       # retention: last K valid checkpoints on this tier
+    # both None => automatic (Young/Daly from measured cost and mtbf_s)
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
+            raise ValueError(f"every_steps must be a positive integer, got {self.every_steps!r}")
+        if self.every_seconds is not None and not self.every_seconds > 0:
+            raise ValueError(f"every_seconds must be > 0, got {self.every_seconds!r}")
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {self.keep!r}")
+
+    @property
+    def automatic(self) -> bool:
+        return self.every_steps is None and self.every_seconds is None
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: dict          # exactly what was passed to save(), tensors on CPU
+    tier: str            # where it was read from
+    path: str            # folder/URI, for logs
+    seconds: float       # restore wall time
+
+
+@dataclasses.dataclass
+class EmergencyReport:
+    step: int
+    persistent_ok: bool
+    gcs_ok: bool | None   # None when no GCS tier
+    seconds: float        # notice -> durable
+    detail: str           # one human line: what was saved and what was not
+
+
+@dataclasses.dataclass
+class _Tier:
+    name: str
+    store: Store
+    policy: TierPolicy
+    auto: YoungDalyPolicy | None
+    last_step: int = 0
+    last_time: float | None = None
+    logged_interval: float | None = None
+
+    @property
+    def is_disk(self) -> bool:
+        return isinstance(self.store, DirStore)
+
+
+class Checkpointer:
+    """Asynchronous multi-tier checkpointing; see the module docstring."""
+
+    def __init__(self, *, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None,
+                 policies: dict[str, TierPolicy] | None = None,
+                 mtbf_s: float = DEFAULT_MTBF_S, log: logging.Logger | None = None,
+                 gcs_client: Any = None) -> None:
+        self.log = log or logging.getLogger("spottrain.checkpoint")
+        policies = dict(policies or {})
+        unknown = set(policies) - set(TIERS)
+        if unknown:
+            raise ValueError(f"unknown checkpoint tier(s) {sorted(unknown)}; expected {list(TIERS)}")
+        self.run_dir = Path(run_dir)
+        stores: list[Store] = []
+        if local_dir is not None:
+            stores.append(DirStore(Path(local_dir), "local"))
+        stores.append(DirStore(self.run_dir, "persistent"))
+        if gcs_uri:
+            stores.append(GcsStore(gcs_uri, client=gcs_client))
+        self._tiers: dict[str, _Tier] = {}
+        for st in stores:
+            pol = policies.get(st.name, TierPolicy())
+            auto = YoungDalyPolicy(mtbf_s=mtbf_s) if pol.automatic else None
+            self._tiers[st.name] = _Tier(st.name, st, pol, auto)
+        self._buffer = SnapshotBuffer()
+        self._thread: threading.Thread | None = None
+        self._restore_lock = threading.Lock()  # retention never deletes while a restore runs
+        self._started = time.monotonic()
+        self.stats: dict[str, Any] = {
+            "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
+            "waited": 0, "blocked_s_total": 0.0, "last_blocked_s": None, "last_error": None,
+        }
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def gcs(self) -> Store | None:
+        t = self._tiers.get("gcs")
+        return t.store if t else None
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return tuple(self._tiers)
+
+    def _busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------------------ scheduling
+    def interval_s(self, tier: str) -> float | None:
+        """The automatic interval currently in force for ``tier`` (None for fixed policies)."""
+        t = self._tiers[tier]
+        return t.auto.decide().seconds if t.auto else None
+
+    def _tier_due(self, t: _Tier, step: int, now: float) -> bool:
+        base = t.last_time if t.last_time is not None else self._started
+        if t.auto is not None:
+            d = t.auto.decide()
+            if changed_materially(t.logged_interval, d.seconds):
+                self.log.info("checkpoint interval for %s: %.0fs (%s)", t.name, d.seconds, d.reason)
+                t.logged_interval = d.seconds
+            return now - base >= d.seconds
+        p = t.policy
+        if p.every_steps is not None and step >= (t.last_step // p.every_steps + 1) * p.every_steps:
+            return True
+        return p.every_seconds is not None and now - base >= p.every_seconds
+
+    def _due_tiers(self, step: int) -> list[str]:
+        now = time.monotonic()
+        return [n for n, t in self._tiers.items() if self._tier_due(t, step, now)]
+
+    def due(self, step: int) -> bool:
+        """Whether to call ``save(step, ...)`` now; cheap, call it every step.
+
+        False while a save is in flight (the due tier stays due and is saved after it finished).
+        """
+        if not self._due_tiers(step):
+            return False
+        if self._busy():
+            self.stats["deferred_steps"] += 1
+            return False
+        return True
+
+    # ------------------------------------------------------------------------------ saving
+    def save(self, step: int, state: dict, *, meta: dict | None = None) -> float:
+        """Snapshot ``state`` and write it in the background; returns the seconds the caller was
+        blocked. Saves to the tiers that are due, or to every tier when none is (explicit save)."""
+        t0 = time.perf_counter()
+        meta = _check_meta(meta)
+        if self._busy():
+            self.stats["waited"] += 1
+            self._thread.join()  # type: ignore[union-attr]
+        names = self._due_tiers(step) or list(self._tiers)
+        if "gcs" in names and not any(self._tiers[n].is_disk for n in names):
+            names.append("persistent")  # GCS uploads from the persistent folder
+        names = [n for n in TIERS if n in names]
+        t_snap = time.perf_counter()
+        snap = self._buffer.take(step, state, meta)
+        snap_s = time.perf_counter() - t_snap
+        now = time.monotonic()
+        for n in names:
+            self._tiers[n].last_step, self._tiers[n].last_time = step, now
+        self.stats["saves"] += 1
+        self._thread = threading.Thread(target=self._persist, args=(snap, names, snap_s),
+                                        name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+        blocked = time.perf_counter() - t0
+        self.stats["blocked_s_total"] += blocked
+        self.stats["last_blocked_s"] = blocked
+        return blocked
+
+    def _persist(self, snap: Snapshot, names: list[str], snap_s: float) -> None:
+        """Background: write the due tiers; never raises."""
+        try:
+            for n in names:
+                t = self._tiers[n]
+                if t.auto is not None:
+                    t.auto.observe(blocked_s=snap_s)
+            written: dict[str, Path] = {}
+            for n in names:
+                t = self._tiers[n]
+                if not t.is_disk:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    written[n] = self._write_disk(t, snap)
+                except Exception as e:  # noqa: BLE001 - background: log, count, carry on
+                    self._failed(n, snap.step, e)
+                    continue
+                self._succeeded(t, snap.step, time.monotonic() - t0)
+            if "gcs" in names:
+                t = self._tiers["gcs"]
+                src = written.get("persistent") or written.get("local")
+                if src is None:
+                    self._failed("gcs", snap.step, RuntimeError("no disk copy was written to upload from"))
+                else:
+                    t0 = time.monotonic()
+                    try:
+                        self._upload(t, src, snap.step, deadline=None)
+                    except Exception as e:  # noqa: BLE001
+                        self._failed("gcs", snap.step, e)
+                    else:
+                        self._succeeded(t, snap.step, time.monotonic() - t0)
+        except BaseException as e:  # noqa: BLE001 - a background thread must not die silently
+            self._failed("?", snap.step, e)
+
+    def _succeeded(self, t: _Tier, step: int, write_s: float) -> None:
+        self.stats["tier_writes_ok"] += 1
+        if t.auto is not None:
+            t.auto.observe(write_s=write_s)
+        self.log.info("checkpoint step %d durable on %s in %.2fs", step, t.name, write_s)
+        try:
+            self._retain(t, step)
+        except Exception as e:  # noqa: BLE001
+            self.log.warning("retention on %s failed (nothing lost): %s: %s", t.name, type(e).__name__, e)
+
+    def _failed(self, tier: str, step: int, e: BaseException) -> None:
+        self.stats["tier_writes_failed"] += 1
+        self.stats["last_error"] = f"{tier} step {step}: {type(e).__name__}: {e}"
+        self.log.error("checkpoint step %d on %s failed (training continues; nothing partial is "
+                       "visible): %s: %s", step, tier, type(e).__name__, e)
+
+    def _write_disk(self, t: _Tier, snap: Snapshot) -> Path:
+        store = t.store
+        assert isinstance(store, DirStore)
+        folder = store.root / step_name(snap.step)
+        if folder.exists():
+            # Same step saved again (e.g. a save right after resuming, or an emergency save of a
+            # step that was just saved). Keep a valid one; replace an invalid one.
+            try:
+                verify_dir(folder)
+                return folder
+            except CheckpointInvalid as e:
+                self.log.warning("replacing invalid %s (%s)", folder, e)
+                delete_checkpoint(store, snap.step)
+        folder, _ = write_dir(snap, store.root)
+        return folder
+
+    def _upload(self, t: _Tier, src: Path, step: int, *, deadline: float | None) -> None:
+        store = t.store
+        assert isinstance(store, GcsStore)
+        existing = {i.step: i for i in list_checkpoints(store)}
+        info = existing.get(step)
+        if info is not None:
+            if info.valid:
+                return
+            # A leftover partial upload of this step (no manifest): its objects are create-only,
+            # so remove them first; they were never visible as a checkpoint.
+            delete_checkpoint(store, step)
+        upload_dir(src, store, step, deadline=deadline)
+
+    # ------------------------------------------------------------------------------ retention
+    def _retain(self, t: _Tier, newest_step: int) -> None:
+        keep = t.policy.keep
+        with self._restore_lock:
+            infos = list_checkpoints(t.store)
+            valid = [i for i in infos if i.valid or i.step == newest_step]
+            kept = {i.step for i in valid[:keep]}
+            if not kept:
+                return
+            oldest_kept = min(kept)
+            for i in infos:
+                if i.step < oldest_kept and i.step not in kept:
+                    self.log.info("retention: deleting %s step %d (%s)", t.name, i.step,
+                                  "older than the newest %d valid" % keep if i.valid else f"invalid: {i.reason}")
+                    delete_checkpoint(t.store, i.step)
+
+    # ------------------------------------------------------------------------------ restoring
+    def restore(self, *, download: bool = True) -> Restored | None:
+        """Load the newest valid checkpoint across all tiers (see the module docstring)."""
+        t_start = time.monotonic()
+        with self._restore_lock:
+            self.wait()
+            if download:
+                for t in self._tiers.values():
+                    if isinstance(t.store, DirStore):
+                        removed = t.store.clean_temporaries()
+                        if removed:
+                            self.log.info("removed leftovers of interrupted writes on %s: %s",
+                                          t.name, ", ".join(removed))
+            candidates: list[tuple[int, int, _Tier, CheckpointInfo]] = []
+            for rank, t in enumerate(self._tiers.values()):
+                try:
+                    infos = list_checkpoints(t.store)
+                except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
+                    self.log.warning("cannot list checkpoints on %s (%s: %s); ignoring that tier",
+                                     t.name, type(e).__name__, e)
+                    continue
+                for i in infos:
+                    if i.valid:
+                        candidates.append((i.step, rank, t, i))
+                    else:
+                        self.log.warning("ignoring %s checkpoint step %d at %s: %s",
+                                         t.name, i.step, i.location, i.reason)
+            candidates.sort(key=lambda c: (-c[0], c[1]))
+            for step, _, t, info in candidates:
+                try:
+                    state, path, tier = self._load(t, step, info, download=download)
+                except (CheckpointInvalid, Exception) as e:  # noqa: BLE001
+                    self.log.warning("checkpoint step %d on %s at %s is unusable: %s; falling back "
+                                     "to the next older one", step, t.name, info.location,
+                                     e if isinstance(e, CheckpointInvalid) else f"{type(e).__name__}: {e}")
+                    continue
+                seconds = time.monotonic() - t_start
+                self.log.info("restored step %d from %s (%s) in %.2fs", step, tier, path, seconds)
+                now = time.monotonic()
+                for x in self._tiers.values():
+                    x.last_step, x.last_time = step, now
+                return Restored(step=step, state=state, tier=tier, path=path, seconds=seconds)
+            self.log.info("no valid checkpoint on any tier; starting from scratch")
+            return None
+
+    def _load(self, t: _Tier, step: int, info: CheckpointInfo, *, download: bool) -> tuple[Any, str, str]:
+        if isinstance(t.store, DirStore):
+            folder = t.store.root / step_name(step)
+            _, state = load_dir(folder)
+            return state, str(folder), t.name
+        if download:
+            persistent = self._tiers["persistent"].store
+            assert isinstance(persistent, DirStore)
+            stale = persistent.root / step_name(step)
+            if stale.exists():
+                # The persistent copy of this step failed verification (or it would have been
+                # chosen first): replace it with the good one from GCS.
+                self.log.warning("replacing invalid persistent copy of step %d with the GCS one", step)
+                delete_checkpoint(persistent, step)
+            folder = download_dir(t.store, step, persistent.root)
+            self.log.info("downloaded step %d from %s into %s", step, info.location, folder)
+            _, state = load_dir(folder)
+            return state, info.location, t.name
+        tmp = Path(tempfile.mkdtemp(prefix="spottrain-restore-"))
+        try:
+            folder = download_dir(t.store, step, tmp)
+            _, state = load_dir(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return state, info.location, t.name
+
+    # ------------------------------------------------------------------------------ emergency
+    def emergency_save(self, step: int, state: dict, *, deadline: float,
+                       meta: dict | None = None) -> EmergencyReport:
+        """Save now, on a preemption notice: persistent synchronously, then GCS until ``deadline``
+        (time.monotonic). Returns when done or at the deadline, whichever is later for the
+        persistent write (that one always completes) and earlier for GCS. A second signal (Ctrl-C)
+        does not abort it."""
+        t0 = time.monotonic()
+        meta = _check_meta(meta)
+        result: list[EmergencyReport] = []
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                result.append(self._emergency(step, state, deadline, meta, t0))
+            except BaseException as e:  # noqa: BLE001
+                result.append(EmergencyReport(step, False, None if self.gcs is None else False,
+                                              time.monotonic() - t0,
+                                              f"step {step}: emergency save failed: {type(e).__name__}: {e}"))
+            finally:
+                done.set()
+
+        th = threading.Thread(target=work, name="checkpoint-emergency", daemon=True)
+        th.start()
+        while True:
+            try:
+                if done.wait(1.0):
+                    break
+            except KeyboardInterrupt:
+                self.log.warning("interrupt ignored: emergency checkpoint of step %d in progress", step)
+        report = result[0]
+        (self.log.info if report.persistent_ok else self.log.error)("emergency save: %s", report.detail)
+        return report
+
+    def _emergency(self, step: int, state: dict, deadline: float, meta: dict, t0: float) -> EmergencyReport:
+        gcs = self._tiers.get("gcs")
+        if self._busy():
+            # The in-flight save is older than this one: let its disk write finish (its buffer is
+            # the one we need), but cut its upload short (no manifest, so nothing visible).
+            if gcs is not None:
+                gcs.store.abort.set()  # type: ignore[attr-defined]
+            self._thread.join()  # type: ignore[union-attr]
+            if gcs is not None:
+                gcs.store.abort.clear()  # type: ignore[attr-defined]
+        snap = self._buffer.take(step, state, meta)
+        pers = self._tiers["persistent"]
+        parts = []
+        try:
+            folder = self._write_disk(pers, snap)
+            persistent_ok = True
+            t_pers = time.monotonic() - t0
+            parts.append(f"persistent saved ({folder}, {t_pers:.1f}s)")
+            pers.last_step, pers.last_time = step, time.monotonic()
+        except Exception as e:  # noqa: BLE001
+            persistent_ok = False
+            folder = None
+            parts.append(f"persistent FAILED ({type(e).__name__}: {e})")
+        gcs_ok: bool | None = None
+        if gcs is not None:
+            remaining = deadline - time.monotonic()
+            if folder is None:
+                gcs_ok = False
+                parts.append("GCS not attempted (no persistent copy to upload)")
+            elif remaining <= 0:
+                gcs_ok = False
+                parts.append("GCS not done (no time left before the deadline)")
+            else:
+                up: list[BaseException | None] = []
+
+                def upload() -> None:
+                    try:
+                        self._upload(gcs, folder, step, deadline=deadline)
+                        up.append(None)
+                    except BaseException as e:  # noqa: BLE001
+                        up.append(e)
+
+                th = threading.Thread(target=upload, name="checkpoint-emergency-upload", daemon=True)
+                th.start()
+                th.join(max(0.0, deadline - time.monotonic()))
+                if th.is_alive():
+                    gcs_ok = False
+                    parts.append(f"GCS not done by the deadline ({remaining:.1f}s were left; the "
+                                 "manifest will not be uploaded, so nothing partial is visible)")
+                elif up and up[0] is None:
+                    gcs_ok = True
+                    parts.append(f"GCS uploaded ({gcs.store.location(step_name(step))})")  # type: ignore[attr-defined]
+                    gcs.last_step, gcs.last_time = step, time.monotonic()
+                else:
+                    gcs_ok = False
+                    e = up[0] if up else None
+                    parts.append(f"GCS not done ({type(e).__name__}: {e})")
+        self._buffer_release_if_big()
+        return EmergencyReport(step=step, persistent_ok=persistent_ok, gcs_ok=gcs_ok,
+                               seconds=time.monotonic() - t0,
+                               detail=f"step {step}: " + "; ".join(parts))
+
+    def _buffer_release_if_big(self) -> None:
+        # After an emergency save the process is about to exit; nothing to do, kept as a hook.
+        return None
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Block until the background save (if any) finished."""
+        th = self._thread
+        if th is not None:
+            th.join()
+
+    def close(self) -> None:
+        """Finish background work and release the host buffer."""
+        self.wait()
+        self._buffer = SnapshotBuffer()
+
+    # ------------------------------------------------------------------------------ status
+    def describe(self, *, deep: bool = False) -> dict:
+        """Per tier: checkpoints (valid or not, with the reason), the newest valid, the policy.
+
+        ``deep`` also hashes every file of disk checkpoints (slow for big states); by default the
+        check is the manifest self-checksum plus file presence and sizes.
+        """
+        out: dict[str, Any] = {"tiers": {}, "stats": dict(self.stats)}
+        for name, t in self._tiers.items():
+            loc = str(t.store.root) if isinstance(t.store, DirStore) else getattr(t.store, "uri", name)
+            entry: dict[str, Any] = {
+                "location": loc,
+                "policy": dataclasses.asdict(t.policy) | {"automatic": t.policy.automatic},
+                "interval_s": t.auto.decide().seconds if t.auto else None,
+                "checkpoints": [], "newest_valid": None,
+            }
+            try:
+                infos = list_checkpoints(t.store)
+            except Exception as e:  # noqa: BLE001
+                entry["error"] = f"{type(e).__name__}: {e}"
+                infos = []
+            for i in infos:
+                valid, reason = i.valid, i.reason
+                if deep and valid and isinstance(t.store, DirStore):
+                    try:
+                        verify_dir(t.store.root / step_name(i.step))
+                    except CheckpointInvalid as e:
+                        valid, reason = False, str(e)
+                entry["checkpoints"].append({"step": i.step, "valid": valid, "reason": reason,
+                                             "bytes": i.bytes, "created": i.created,
+                                             "location": i.location})
+                if valid and entry["newest_valid"] is None:
+                    entry["newest_valid"] = i.step
+            out["tiers"][name] = entry
+        return out
+
+
+def _check_meta(meta: dict | None) -> dict:
+    meta = dict(meta or {})
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint meta must be JSON-serializable: {e}") from None
+    return meta
+
+
+__all__ = ["Checkpointer", "EmergencyReport", "Restored", "TierPolicy", "UploadAborted"]

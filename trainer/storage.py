@@ -1,0 +1,555 @@
+"""Blob stores for the checkpoint tiers: a directory on a local/persistent disk and a GCS prefix.
+
+This module owns the durability primitives every tier relies on:
+
+* ``DirStore``: keys are relative paths under a root directory. Every write goes to a temporary
+  name in the same directory, is fsynced, and becomes visible by an atomic ``link``/``rename``,
+  after which the directory itself is fsynced, so a crash leaves either the old state or the
+  complete new file, never a torn one. Temporary names start with ``.tmp-`` and are never listed.
+* ``GcsStore``: keys are object names under ``gs://bucket/prefix/``. Objects are immutable:
+  uploads are create-only (``if_generation_match=0``). Calls are retried with exponential backoff
+  and jitter on 429, 5xx and connection errors. A 412 on a create-only upload means the object
+  already exists (typically our own earlier attempt whose response was lost): it counts as done
+  when the existing object is identical (size and CRC32C), otherwise it is an error.
+
+Both implement the small ``Store`` protocol the checkpointer and the goodput ledger use.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator, Protocol, TypeVar, runtime_checkable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+_COPY_CHUNK = 16 << 20
+
+
+@runtime_checkable
+class Store(Protocol):
+    """One tier's blob store. Keys use ``/`` separators and never start with ``/``."""
+
+    name: str
+
+    def put_file(self, src: Path, key: str) -> None: ...
+    def put_bytes(self, key: str, data: bytes, *, overwrite: bool = False) -> None: ...
+    def get_bytes(self, key: str) -> bytes: ...
+    def get_file(self, key: str, dst: Path) -> None: ...
+    def list(self, prefix: str) -> list[str]: ...
+    def delete_prefix(self, prefix: str) -> None: ...
+
+
+class UploadAborted(Exception):
+    """An upload was stopped on purpose (deadline passed or the checkpointer is shutting down)."""
+
+
+def _check_key(key: str) -> str:
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in key.split("/")):
+        raise ValueError(f"invalid store key {key!r}")
+    return key
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that a rename/link/unlink inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+# --------------------------------------------------------------------------------------------
+# Directory store
+# --------------------------------------------------------------------------------------------
+
+
+class DirStore:
+    """A directory on a local or persistent disk (``name`` is ``"local"`` or ``"persistent"``)."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.root = Path(root)
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"DirStore({str(self.root)!r}, name={self.name!r})"
+
+    def path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def _tmp_sibling(self, dst: Path) -> Path:
+        return dst.parent / f"{TMP_PREFIX}{dst.name}-{uuid.uuid4().hex[:8]}"
+
+    def _publish(self, tmp: Path, dst: Path, *, overwrite: bool) -> None:
+        """Make the fsynced ``tmp`` visible as ``dst`` atomically (create-only unless overwrite)."""
+        if overwrite:
+            os.replace(tmp, dst)
+        else:
+            try:
+                # link() fails if dst exists: an atomic create-only publish.
+                os.link(tmp, dst)
+            except FileExistsError:
+                os.unlink(tmp)
+                raise
+            os.unlink(tmp)
+        fsync_dir(dst.parent)
+
+    def put_bytes(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+        dst = self.path(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if not overwrite and dst.exists():
+            if dst.read_bytes() == data:
+                return
+            raise FileExistsError(f"{dst} exists with different content")
+        tmp = self._tmp_sibling(dst)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, memoryview(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._publish(tmp, dst, overwrite=overwrite)
+
+    def put_file(self, src: Path, key: str) -> None:
+        dst = self.path(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.exists():
+            if _same_file_content(Path(src), dst):
+                return
+            raise FileExistsError(f"{dst} exists with different content")
+        tmp = self._tmp_sibling(dst)
+        copy_file_durable(Path(src), tmp)
+        self._publish(tmp, dst, overwrite=False)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self.path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise KeyError(key) from None
+
+    def get_file(self, key: str, dst: Path) -> None:
+        src = self.path(key)
+        if not src.is_file():
+            raise KeyError(key)
+        dst = Path(dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.parent / f"{TMP_PREFIX}{dst.name}-{uuid.uuid4().hex[:8]}"
+        copy_file_durable(src, tmp)
+        os.replace(tmp, dst)
+        fsync_dir(dst.parent)
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys starting with ``prefix`` (string prefix, as on GCS); temporary files excluded."""
+        base = self.root
+        head, _, _ = prefix.rpartition("/")
+        start = base / head if head else base
+        if not start.is_dir():
+            return []
+        out: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = [d for d in dirnames if not d.startswith((TMP_PREFIX, TRASH_PREFIX))]
+            rel = Path(dirpath).relative_to(base)
+            for f in filenames:
+                if f.startswith((TMP_PREFIX, TRASH_PREFIX)):
+                    continue
+                key = f if str(rel) == "." else f"{rel.as_posix()}/{f}"
+                if key.startswith(prefix):
+                    out.append(key)
+        return sorted(out)
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Key -> size for every key under ``prefix``."""
+        out = {}
+        for k in self.list(prefix):
+            with contextlib.suppress(FileNotFoundError):
+                out[k] = self.path(k).stat().st_size
+        return out
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix``; a prefix naming a folder (``a/b/``) removes it whole.
+
+        A folder is first renamed to a ``.trash-`` name (atomic, durable), so a crash midway never
+        leaves a half-deleted folder under its real name.
+        """
+        if prefix.endswith("/"):
+            d = self.root / _check_key(prefix.rstrip("/"))
+            if d.is_dir():
+                trash = d.parent / f"{TRASH_PREFIX}{d.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(d, trash)
+                fsync_dir(d.parent)
+                shutil.rmtree(trash, ignore_errors=True)
+                return
+        for k in self.list(prefix):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(k))
+
+    def delete(self, key: str) -> None:
+        """Delete one key (durably); absent keys are fine."""
+        p = self.path(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+            fsync_dir(p.parent)
+
+    def clean_temporaries(self) -> list[str]:
+        """Remove leftovers of interrupted writes/deletes in the root (never visible, never valid)."""
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        for p in self.root.iterdir():
+            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+                removed.append(p.name)
+        return removed
+
+
+def copy_file_durable(src: Path, dst: Path) -> None:
+    """Copy ``src`` to a new file ``dst`` and fsync it (the caller publishes it)."""
+    with open(src, "rb") as fin:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            buf = bytearray(_COPY_CHUNK)
+            mv = memoryview(buf)
+            while True:
+                n = fin.readinto(buf)
+                if not n:
+                    break
+                _write_all(fd, mv[:n])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _same_file_content(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(_COPY_CHUNK), fb.read(_COPY_CHUNK)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+# --------------------------------------------------------------------------------------------
+# GCS store
+# --------------------------------------------------------------------------------------------
+
+
+def parse_gcs_uri(uri: str) -> tuple[str, str]:
+    """``gs://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (prefix may be empty)."""
+    if not isinstance(uri, str) or not uri.startswith("gs://"):
+        raise ValueError(f"not a gs:// URI: {uri!r}")
+    rest = uri[len("gs://") :]
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    # Bucket naming rules (simplified): 3-222 chars of lowercase letters, digits, - _ .
+    if not (3 <= len(bucket) <= 222) or not all(c.islower() or c.isdigit() or c in "-_." for c in bucket):
+        raise ValueError(f"invalid bucket name in {uri!r}")
+    if not (bucket[0].isalnum() and bucket[-1].isalnum()):
+        raise ValueError(f"invalid bucket name in {uri!r}")
+    if any(p in (".", "..") for p in prefix.split("/")) or "//" in prefix:
+        raise ValueError(f"invalid object prefix in {uri!r}")
+    return bucket, prefix
+
+
+def default_gcs_client() -> Any:
+    """A real client; against the emulator when ``STORAGE_EMULATOR_HOST`` is set."""
+    from google.cloud import storage
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        project = os.environ.get("GOOGLE_CLOUD_PROJECT", "spottrain-emulator")
+        return storage.Client(project=project, credentials=AnonymousCredentials())
+    return storage.Client()
+
+
+def _status_code(exc: BaseException) -> int | None:
+    code = getattr(exc, "code", None)
+    if isinstance(code, int):
+        return code
+    resp = getattr(exc, "response", None)
+    sc = getattr(resp, "status_code", None)
+    return sc if isinstance(sc, int) else None
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """429, 5xx and transport/connection errors are transient; everything else is not."""
+    if isinstance(exc, UploadAborted):
+        return False
+    code = _status_code(exc)
+    if code is not None:
+        return code == 408 or code == 429 or 500 <= code <= 599
+    import requests
+    from google.auth import exceptions as auth_exc
+
+    transient = (ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout,
+                 auth_exc.TransportError)
+    try:
+        import urllib3.exceptions as u3
+
+        transient = transient + (u3.HTTPError,)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(exc, transient):
+        return True
+    # Transport errors are sometimes wrapped (e.g. by google-resumable-media); look at the cause.
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and is_retryable(cause)
+
+
+class _AbortableReader:
+    """File wrapper that stops an upload at a deadline or on an abort event (checked per read)."""
+
+    def __init__(self, f: BinaryIO, deadline: float | None, abort: threading.Event | None):
+        self._f, self._deadline, self._abort = f, deadline, abort
+
+    def _check(self) -> None:
+        if self._abort is not None and self._abort.is_set():
+            raise UploadAborted("upload aborted")
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise UploadAborted("deadline passed during upload")
+
+    def read(self, n: int = -1) -> bytes:
+        self._check()
+        return self._f.read(n)
+
+    def seek(self, *a: Any) -> int:
+        return self._f.seek(*a)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
+class GcsStore:
+    """Objects under ``gs://bucket/prefix/``; create-only uploads with retries (see module doc)."""
+
+    #: Resumable uploads are sent in chunks of this size, so an abort/deadline is noticed quickly.
+    CHUNK_SIZE = 16 << 20  # a multiple of 256 KiB, as GCS requires
+
+    def __init__(self, uri: str, *, client: Any = None, name: str = "gcs",
+                 retry_timeout_s: float = 300.0, initial_backoff_s: float = 0.5,
+                 max_backoff_s: float = 30.0, request_timeout_s: float = 60.0) -> None:
+        self.uri = uri.rstrip("/")
+        self.bucket_name, self.prefix = parse_gcs_uri(uri)
+        self.name = name
+        self._client = client if client is not None else default_gcs_client()
+        self._bucket = self._client.bucket(self.bucket_name)
+        #: Give up on one call after this many seconds of retrying (unless a deadline is sooner).
+        self.retry_timeout_s = retry_timeout_s
+        self.initial_backoff_s = initial_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.request_timeout_s = request_timeout_s
+        self._local = threading.local()
+        #: Set to make uploads and retry loops stop (close(), emergency preemption of a slow upload).
+        self.abort = threading.Event()
+
+    def __repr__(self) -> str:
+        return f"GcsStore({self.uri!r})"
+
+    # -- deadline scoping ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def deadline(self, deadline: float | None) -> Iterator[None]:
+        """Within this block (this thread), calls give up at ``deadline`` (time.monotonic)."""
+        old = getattr(self._local, "deadline", None)
+        self._local.deadline = deadline
+        try:
+            yield
+        finally:
+            self._local.deadline = old
+
+    def _deadline(self) -> float | None:
+        return getattr(self._local, "deadline", None)
+
+    def _object(self, key: str) -> str:
+        _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def location(self, key: str = "") -> str:
+        return f"gs://{self.bucket_name}/{self._object(key)}" if key else self.uri
+
+    def _timeout(self) -> float:
+        dl = self._deadline()
+        t = self.request_timeout_s
+        if dl is not None:
+            t = max(0.5, min(t, dl - time.monotonic()))
+        return t
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        start = time.monotonic()
+        give_up = start + self.retry_timeout_s
+        dl = self._deadline()
+        if dl is not None:
+            give_up = min(give_up, dl)
+        delay = self.initial_backoff_s
+        attempt = 0
+        while True:
+            attempt += 1
+            if self.abort.is_set():
+                raise UploadAborted(f"{what}: aborted")
+            try:
+                return fn()
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+                now = time.monotonic()
+                sleep = min(delay, self.max_backoff_s) * (0.5 + random.random() / 2)
+                if now + sleep >= give_up:
+                    raise
+                log.warning("gcs %s failed (attempt %d: %s: %s); retrying in %.1fs",
+                            what, attempt, type(exc).__name__, str(exc)[:200], sleep)
+                if self.abort.wait(sleep):
+                    raise UploadAborted(f"{what}: aborted") from exc
+                delay *= 2
+
+    # -- Store protocol ----------------------------------------------------------------------
+    def _blob(self, key: str) -> Any:
+        b = self._bucket.blob(self._object(key))
+        b.chunk_size = self.CHUNK_SIZE
+        return b
+
+    def put_file(self, src: Path, key: str) -> None:
+        src = Path(src)
+        size = src.stat().st_size
+
+        def upload() -> None:
+            blob = self._blob(key)
+            with open(src, "rb") as f:
+                blob.upload_from_file(_AbortableReader(f, self._deadline(), self.abort), size=size,
+                                      if_generation_match=0, retry=None, timeout=self._timeout())
+
+        self._create_only(key, upload, lambda: (size, _crc32c_file(src)))
+
+    def put_bytes(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+        def upload() -> None:
+            self._blob(key).upload_from_string(
+                data, if_generation_match=None if overwrite else 0, retry=None,
+                timeout=self._timeout())
+
+        if overwrite:
+            self._retry(f"upload {key}", upload)
+        else:
+            self._create_only(key, upload, lambda: (len(data), _crc32c_bytes(data)))
+
+    def _create_only(self, key: str, upload: Callable[[], None],
+                     identity: Callable[[], tuple[int, str]]) -> None:
+        from google.api_core import exceptions as gexc
+
+        try:
+            self._retry(f"upload {key}", upload)
+        except gexc.PreconditionFailed:
+            size, crc = identity()
+            blob = self._bucket.get_blob(self._object(key), timeout=self._timeout())
+            if blob is not None and blob.size == size and (blob.crc32c is None or blob.crc32c == crc):
+                log.info("gcs upload %s: object already exists with identical content; done", key)
+                return
+            raise FileExistsError(
+                f"{self.location(key)} already exists with different content (create-only upload)")
+
+    def get_bytes(self, key: str) -> bytes:
+        from google.api_core import exceptions as gexc
+
+        try:
+            return self._retry(f"download {key}", lambda: self._blob(key).download_as_bytes(
+                retry=None, timeout=self._timeout()))
+        except gexc.NotFound:
+            raise KeyError(key) from None
+
+    def get_file(self, key: str, dst: Path) -> None:
+        """Download to ``dst`` atomically (temporary sibling, fsync, rename)."""
+        from google.api_core import exceptions as gexc
+
+        dst = Path(dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.parent / f"{TMP_PREFIX}{dst.name}-{uuid.uuid4().hex[:8]}"
+
+        def download() -> None:
+            with open(tmp, "wb") as f:
+                self._blob(key).download_to_file(f, retry=None, timeout=self._timeout())
+                f.flush()
+                os.fsync(f.fileno())
+
+        try:
+            self._retry(f"download {key}", download)
+        except gexc.NotFound:
+            tmp.unlink(missing_ok=True)
+            raise KeyError(key) from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, dst)
+        fsync_dir(dst.parent)
+
+    def _list_blobs(self, prefix: str) -> list[Any]:
+        full = self._object(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        if prefix.endswith("/"):
+            full += "/" if not full.endswith("/") else ""
+        return self._retry(f"list {prefix or '/'}", lambda: list(
+            self._client.list_blobs(self._bucket, prefix=full, retry=None, timeout=self._timeout())))
+
+    def _key_of(self, name: str) -> str:
+        return name[len(self.prefix) + 1 :] if self.prefix else name
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(self._key_of(b.name) for b in self._list_blobs(prefix))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        return {self._key_of(b.name): int(b.size or 0) for b in self._list_blobs(prefix)}
+
+    def delete_prefix(self, prefix: str) -> None:
+        from google.api_core import exceptions as gexc
+
+        for key in self.list(prefix):
+            def delete(key: str = key) -> None:
+                with contextlib.suppress(gexc.NotFound):
+                    self._blob(key).delete(retry=None, timeout=self._timeout())
+
+            self._retry(f"delete {key}", delete)
+
+    def delete(self, key: str) -> None:
+        from google.api_core import exceptions as gexc
+
+        def delete() -> None:
+            with contextlib.suppress(gexc.NotFound):
+                self._blob(key).delete(retry=None, timeout=self._timeout())
+
+        self._retry(f"delete {key}", delete)
+
+
+def _crc32c_bytes(data: bytes) -> str:
+    import google_crc32c
+
+    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+
+
+def _crc32c_file(path: Path) -> str:
+    import google_crc32c
+
+    c = google_crc32c.Checksum()
+    with open(path, "rb") as f:
+        while chunk := f.read(_COPY_CHUNK):
+            c.update(chunk)
+    return base64.b64encode(c.digest()).decode()
