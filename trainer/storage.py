@@ -504,9 +504,9 @@ class GcsStore:
         fsync_dir(dst.parent)
 
     def _list_blobs(self, prefix: str) -> list[Any]:
-        full = self._object(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
-        if prefix.endswith("/"):
-            full += "/" if not full.endswith("/") else ""
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ValueError(f"invalid store prefix {prefix!r}")
+        full = (f"{self.prefix}/" if self.prefix else "") + prefix
         return self._retry(f"list {prefix or '/'}", lambda: list(
             self._client.list_blobs(self._bucket, prefix=full, retry=None, timeout=self._timeout())))
 
