@@ -1,0 +1,224 @@
+"""trainer.checkpoint: the on-disk/on-GCS format, verification and listing."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint import (MANIFEST, STATE, TENSORS, CheckpointInvalid, SnapshotBuffer,
+                                delete_checkpoint, download_dir, list_checkpoints, load_dir,
+                                parse_step, step_name, tensor_digest, upload_dir, verify_dir,
+                                write_dir)
+from trainer.storage import DirStore, GcsStore
+
+
+def nested_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 6, generator=g)
+    return {
+        "model": OrderedDict([("w", w), ("tied", w), ("b", torch.zeros(6, dtype=torch.bfloat16))]),
+        "optim": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(8, 6, generator=g)}},
+                  "param_groups": [{"lr": 1e-3, "params": [0]}]},
+        "odd": [torch.arange(12).reshape(3, 4).t(),  # non-contiguous
+                torch.zeros(0, 3), torch.tensor([True, False]), torch.randn(2, dtype=torch.complex64, generator=g),
+                torch.nn.Parameter(torch.ones(2))],
+        "rng": {"python": random.Random(1).getstate(), "torch": torch.get_rng_state()},
+        "data": {"epoch": 2, "index": 1234, "order": (3, 1, 2), "name": "tiny", "none": None, "set": {1, 2}},
+        "step": 42,
+    }
+
+
+def assert_same(a, b) -> None:
+    assert type(a) is type(b) or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        assert type(a) is type(b) and a.requires_grad == b.requires_grad
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def write(root: Path, step: int, state=None, meta=None) -> Path:
+    snap = SnapshotBuffer().take(step, nested_state() if state is None else state, meta or {"world_size": 4})
+    folder, _ = write_dir(snap, root)
+    return folder
+
+
+def test_roundtrip_nested_state(tmp_path: Path) -> None:
+    state = nested_state()
+    folder = write(tmp_path, 42, state)
+    assert folder.name == "step-00000042" and parse_step(folder.name) == 42
+    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, STATE, TENSORS]
+    manifest, loaded = load_dir(folder)
+    assert_same(state, loaded)
+    # Tied weights stay tied; nothing else aliases.
+    assert loaded["model"]["w"] is loaded["model"]["tied"]
+    assert loaded["model"]["b"].data_ptr() != loaded["model"]["w"].data_ptr()
+
+
+def test_manifest_contents(tmp_path: Path) -> None:
+    folder = write(tmp_path, 7, meta={"world_size": 4, "fingerprint": "abc"})
+    m = json.loads((folder / MANIFEST).read_text())
+    assert m["step"] == 7 and m["world_size"] == 4 and m["meta"]["fingerprint"] == "abc"
+    assert m["torch_version"] == torch.__version__ and m["created"].endswith("Z")
+    import hashlib
+
+    for name in (STATE, TENSORS):
+        data = (folder / name).read_bytes()
+        assert m["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert verify_dir(folder)["step"] == 7
+
+
+def test_snapshot_is_isolated_from_later_mutation(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(4), "pos": {"i": 1}, "hist": [1]}
+    buf = SnapshotBuffer()
+    snap = buf.take(1, state)
+    state["w"].add_(5)
+    state["pos"]["i"] = 99
+    state["hist"].append(2)
+    folder, _ = write_dir(snap, tmp_path)
+    _, loaded = load_dir(folder)
+    assert torch.equal(loaded["w"], torch.zeros(4))
+    assert loaded["pos"] == {"i": 1} and loaded["hist"] == [1]
+
+
+def test_snapshot_buffer_is_reused(tmp_path: Path) -> None:
+    buf = SnapshotBuffer()
+    state = {"a": torch.randn(100), "b": torch.randn(10)}
+    a1 = buf.take(1, state).arena
+    a2 = buf.take(2, state).arena
+    assert buf.allocations == 1 and a1.data_ptr() == a2.data_ptr()
+    buf.take(3, {"a": torch.randn(50)})  # smaller: reused
+    assert buf.allocations == 1
+    buf.take(4, {"a": torch.randn(1000)})  # bigger: reallocated once
+    assert buf.allocations == 2
+
+
+def test_python_objects_needing_full_unpickling_load_after_verification(tmp_path: Path, logwatch) -> None:
+    np = pytest.importorskip("numpy")
+    state = {"np_rng": np.random.RandomState(3).get_state(), "w": torch.ones(3)}
+    _, loaded = load_dir(write(tmp_path, 1, state))
+    assert all((x == y).all() if hasattr(x, "all") else x == y for x, y in zip(state["np_rng"], loaded["np_rng"]))
+    assert "weights_only=False after its sha256 matched" in logwatch.text()
+
+
+def truncate(p: Path) -> None:
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+
+
+def flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda f: truncate(f / TENSORS), "truncated"),
+    (lambda f: flip(f / TENSORS), "sha256 mismatch"),
+    (lambda f: flip(f / STATE), "sha256 mismatch"),
+    (lambda f: (f / STATE).unlink(), "missing"),
+    (lambda f: (f / MANIFEST).unlink(), "no manifest"),
+    (lambda f: truncate(f / MANIFEST), "not valid JSON"),
+    (lambda f: (f / MANIFEST).write_text((f / MANIFEST).read_text().replace('"step": 5', '"step": 6')),
+     "manifest checksum mismatch"),
+])
+def test_corruption_is_detected(tmp_path: Path, damage, reason: str) -> None:
+    folder = write(tmp_path, 5)
+    damage(folder)
+    with pytest.raises(CheckpointInvalid, match=reason):
+        load_dir(folder)
+    with pytest.raises(CheckpointInvalid):
+        verify_dir(folder)
+
+
+def test_listing_quick_check(tmp_path: Path) -> None:
+    store = DirStore(tmp_path, "persistent")
+    for s in (1, 2, 3):
+        write(tmp_path, s)
+    (tmp_path / step_name(2) / MANIFEST).unlink()
+    truncate(tmp_path / step_name(3) / TENSORS)
+    (tmp_path / ".tmp-step-00000009-x").mkdir()  # an interrupted write: invisible
+    (tmp_path / "ledger.json").write_text("{}")   # other files in the run dir are ignored
+    infos = list_checkpoints(store)
+    assert [(i.step, i.valid) for i in infos] == [(3, False), (2, False), (1, True)]
+    assert "truncated" in infos[0].reason and "no manifest" in infos[1].reason
+    delete_checkpoint(store, 3)
+    assert [i.step for i in list_checkpoints(store)] == [2, 1]
+
+
+def test_write_refuses_existing_step(tmp_path: Path) -> None:
+    write(tmp_path, 1)
+    with pytest.raises(FileExistsError):
+        write(tmp_path, 1)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_gcs_upload_download_and_partial_uploads(gcs_emulator, tmp_path: Path) -> None:
+    gcs = GcsStore(gcs_emulator.uri, client=gcs_emulator.client)
+    state = nested_state()
+    folder = write(tmp_path / "src", 10, state)
+    upload_dir(folder, gcs, 10)
+    # Partial upload: payload without a manifest.
+    f11 = write(tmp_path / "src", 11)
+    gcs.put_file(f11 / TENSORS, f"{step_name(11)}/{TENSORS}")
+    gcs.put_file(f11 / STATE, f"{step_name(11)}/{STATE}")
+    # Manifest referencing a missing object.
+    f12 = write(tmp_path / "src", 12)
+    gcs.put_file(f12 / STATE, f"{step_name(12)}/{STATE}")
+    gcs.put_bytes(f"{step_name(12)}/{MANIFEST}", (f12 / MANIFEST).read_bytes())
+    # Manifest referencing a short object.
+    f13 = write(tmp_path / "src", 13)
+    gcs.put_bytes(f"{step_name(13)}/{TENSORS}", (f13 / TENSORS).read_bytes()[:100])
+    gcs.put_file(f13 / STATE, f"{step_name(13)}/{STATE}")
+    gcs.put_bytes(f"{step_name(13)}/{MANIFEST}", (f13 / MANIFEST).read_bytes())
+    infos = {i.step: i for i in list_checkpoints(gcs)}
+    assert infos[10].valid
+    assert not infos[11].valid and "no manifest" in infos[11].reason
+    assert not infos[12].valid and "missing" in infos[12].reason
+    assert not infos[13].valid and "truncated or partial" in infos[13].reason
+    got = download_dir(gcs, 10, tmp_path / "dst")
+    assert got == tmp_path / "dst" / step_name(10)
+    _, loaded = load_dir(got)
+    assert_same(state, loaded)
+    with pytest.raises(CheckpointInvalid):
+        download_dir(gcs, 13, tmp_path / "dst")
+    assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == [step_name(10)]
+
+
+def test_upload_after_deadline_leaves_no_manifest(gcs_emulator, tmp_path: Path) -> None:
+    import time
+
+    from trainer.storage import UploadAborted
+
+    gcs = GcsStore(gcs_emulator.uri, client=gcs_emulator.client)
+    folder = write(tmp_path, 3)
+    with pytest.raises(UploadAborted):
+        upload_dir(folder, gcs, 3, deadline=time.monotonic() - 1)
+    assert all(not i.valid for i in list_checkpoints(gcs))
+
+
+def test_tensor_digest() -> None:
+    a = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3)}
+    d = tensor_digest(a)
+    assert d == tensor_digest({"b": torch.zeros(3), "w": torch.arange(6.0).reshape(2, 3)})
+    assert d == tensor_digest({"w": torch.arange(6.0).reshape(3, 2).t().contiguous().t().reshape(2, 3), "b": torch.zeros(3)})
+    assert d != tensor_digest({"w": torch.arange(6.0).reshape(3, 2), "b": torch.zeros(3)})  # shape
+    assert d != tensor_digest({"w": torch.arange(6.0).reshape(2, 3).double(), "b": torch.zeros(3)})  # dtype
+    assert d != tensor_digest({"v": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3)})  # name
+    c = {k: v.clone() for k, v in a.items()}
+    c["w"][1, 2] += 1e-6
+    assert d != tensor_digest(c)  # one value
+    assert len(d) == 64
