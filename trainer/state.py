@@ -38,13 +38,19 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    # A restored tensor may be a view into a shared load buffer; the RNG setters need a
+    # standalone contiguous ByteTensor (torch segfaults on some views), so copy first.
+    torch.set_rng_state(_own(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_own(t) for t in state["cuda"]])
     if "numpy" in state:
         import numpy as np
 
         np.random.set_state(state["numpy"])
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.uint8).contiguous().clone()
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

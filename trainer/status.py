@@ -25,7 +25,7 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
     log = logging.getLogger("trainer.status")
     ckpt = Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, log=log)
     try:
-        tiers = ckpt.describe()
+        tiers = ckpt.describe().get("tiers", {})
         restored = ckpt.restore(download=False)
         events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
         if ckpt.gcs is not None:
@@ -55,7 +55,11 @@ def _human(s: dict[str, Any]) -> str:
         lines.append(f"model digest: {s['model_digest']}")
     lines.append("tiers:")
     for tier, desc in (s["tiers"] or {}).items():
-        lines.append(f"  {tier}: {json.dumps(desc, default=str)}")
+        cps = ", ".join(f"{c['step']}" + ("" if c["valid"] else f" (INVALID: {c['reason']})")
+                        for c in desc.get("checkpoints", []))
+        err = f" error: {desc['error']}" if desc.get("error") else ""
+        lines.append(f"  {tier} {desc.get('location')}: newest valid {desc.get('newest_valid')}; "
+                     f"steps: {cps or 'none'}{err}")
     g = s["goodput"]
     lines.append(
         f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall over {g['sessions']} session(s); "

@@ -1,0 +1,132 @@
+"""Exact resume across real SIGTERM preemptions and SIGKILL crashes (`python -m trainer run`).
+
+Random points are chosen with a seeded RNG and reached by reading the trainer's own log lines
+(synchronisation, not sleeping). The final `model_digest` must equal an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.support import run_to_end, start, status, write_config
+
+STEPS = 40
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run every interrupted one must match (computed once per worker)."""
+    d = tmp_path_factory.mktemp("reference")
+    run_to_end(d / "run", STEPS, write_config(d), "--checkpoint-every-steps", "10")
+    s = status(d / "run")
+    assert s["latest_step"] == STEPS
+    return s
+
+
+def _sigterm_at(run_dir: Path, config: Path, step: int, *extra: str) -> int:
+    """Start, SIGTERM once step `step` is logged, expect exit 75; return the saved step."""
+    p = start(run_dir, STEPS, config, *extra)
+    p.wait_for(rf"event=step step={step}/")
+    p.signal(signal.SIGTERM)
+    rc = p.wait()
+    assert rc == 75, p.output[-3000:]
+    saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    # At most the step in flight is lost: the save is at the signalled step or the one after.
+    assert step <= saved <= step + 1, p.output[-3000:]
+    return saved
+
+
+def test_sigterm_several_times_resumes_exactly(tmp_path: Path, reference: dict) -> None:
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    rng = random.Random(20261122)
+    at = 0
+    for _ in range(3):
+        at = rng.randint(at + 2, at + 10)
+        saved = _sigterm_at(run_dir, config, at, "--checkpoint-every-steps", "10")
+        p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10")
+        assert int(p.wait_for(r"event=restore step=(\d+)").group(1)) == saved
+        at = saved
+        p.signal(signal.SIGTERM)  # right after the restore: nothing new to lose
+        assert p.wait() == 75, p.output[-3000:]
+    run_to_end(run_dir, STEPS, config, "--checkpoint-every-steps", "10")
+    s = status(run_dir)
+    assert s["latest_step"] == STEPS
+    assert s["model_digest"] == reference["model_digest"]
+    g = s["goodput"]
+    assert g["preemptions"] == 6 and g["finished"] and g["sessions"] == 7
+    assert 0 < g["goodput"] < 1 and g["lost_s"] == 0
+
+
+def test_resume_with_other_checkpoint_interval_and_second_signal(tmp_path: Path, reference: dict) -> None:
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    _sigterm_at(run_dir, config, 9, "--checkpoint-every-steps", "3")
+    # A second SIGTERM (and a SIGINT) right behind the first must not abort the save.
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "7")
+    p.wait_for(r"event=step step=21/")
+    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
+        p.signal(sig)
+    assert p.wait() == 75, p.output[-3000:]
+    saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    p = run_to_end(run_dir, STEPS, config, "--checkpoint-every-seconds", "0.2")
+    assert int(p.wait_for(r"event=restore step=(\d+)").group(1)) == saved
+    assert status(run_dir)["model_digest"] == reference["model_digest"]
+
+
+def test_finished_run_exits_at_once_and_mismatch_is_refused(tmp_path: Path, reference: dict) -> None:
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    _sigterm_at(run_dir, config, 5)
+    p = start(run_dir, STEPS, config, "--seed", "7")
+    assert p.wait() == 2
+    assert "seed: checkpoint has 0, this run has 7" in p.output
+    assert "Traceback" not in p.output
+    run_to_end(run_dir, STEPS, config)
+    p = run_to_end(run_dir, STEPS, config)
+    p.wait_for(r"event=finished step=40 \(already complete\)")
+    assert "event=step " not in p.output
+    assert status(run_dir)["model_digest"] == reference["model_digest"]
+
+
+def _kill_run(tmp_path: Path, reference: dict, seed: int, kills: int) -> None:
+    """SIGKILL at random moments (on a step, just after a save started, just after a save was
+    durable), `kills` times, restarting each time; the end result must be exact."""
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    rng = random.Random(seed)
+    args = ("--checkpoint-every-steps", "3")
+    restored = 0
+    for k in range(kills):
+        p = start(run_dir, STEPS, config, *args)
+        got = int(p.wait_for(r"event=restore step=(\d+)").group(1))
+        assert got >= restored, f"kill {k}: restored {got}, but step {restored} had been restored before"
+        restored = got
+        moment = rng.choice(["step", "save", "durable"])
+        target = rng.randint(restored + 1, restored + 3)  # 10 kills stay below STEPS
+        if moment == "step":
+            p.wait_for(rf"event=step step={target}/")
+        elif moment == "save":
+            p.wait_for(r"event=checkpoint_save step=\d+")  # the write is in flight now
+        else:
+            p.wait_for(r"checkpoint step \d+ durable")
+        p.signal(signal.SIGKILL)
+        assert p.wait() == -signal.SIGKILL
+    p = run_to_end(run_dir, STEPS, config, *args)
+    assert status(run_dir)["model_digest"] == reference["model_digest"], p.output[-3000:]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_sigkill_crash_consistency(tmp_path: Path, reference: dict, seed: int) -> None:
+    _kill_run(tmp_path, reference, seed, kills=10)
+
+
+@pytest.mark.soak
+def test_sigkill_soak(tmp_path: Path, reference: dict) -> None:
+    total = int(os.environ.get("SPOTTRAIN_SOAK_KILLS", "300"))
+    done = 0
+    seed = 1000
+    while done < total:
+        n = min(10, total - done)
+        _kill_run(tmp_path / f"r{seed}", reference, seed, kills=n)
+        done, seed = done + n, seed + 1

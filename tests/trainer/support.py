@@ -1,0 +1,203 @@
+"""Shared helpers for the trainer tests: a real trainer subprocess that is read line by line,
+a fake GCE metadata server speaking the real protocol on loopback, free ports."""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT = 240.0  # a failure guard only: this box is small and shared
+
+# Tiny model and short logging interval: every step logs a line the tests synchronise on.
+TEST_CONFIG = """\
+log_every_steps = 1
+batch_size = 4
+progress_every_s = 0.5
+[task_args]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+stride = 32
+warmup_steps = 5
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def closed_metadata_host() -> str:
+    """A loopback address nothing listens on: the watcher's 'off GCE' case, without DNS."""
+    return f"127.0.0.1:{free_port()}"
+
+
+def write_config(dir: Path, extra: str = "") -> Path:
+    path = dir / "trainer.toml"
+    head, _, tail = TEST_CONFIG.partition("[task_args]")
+    path.write_text(head + extra + "\n[task_args]" + tail)
+    return path
+
+
+def trainer_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.setdefault("GCE_METADATA_HOST", closed_metadata_host())
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A subprocess whose merged stdout/stderr is read line by line by a thread."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, new_session: bool = False):
+        self.argv = argv
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                  env=env or trainer_env(), cwd=REPO, start_new_session=new_session)
+        self.lines: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = TIMEOUT) -> re.Match[str]:
+        """Block until an output line matches ``pattern``; fail if the process ends first."""
+        rx = re.compile(pattern)
+        while True:
+            try:
+                line = self._q.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout}s:\n{self.output[-3000:]}")
+            if line is None:
+                self._q.put(None)
+                raise AssertionError(f"process ended (rc={self.p.wait()}) before {pattern!r}:\n{self.output[-3000:]}")
+            m = rx.search(line)
+            if m:
+                return m
+
+    def signal(self, sig: int, group: bool = False) -> None:
+        if group:
+            os.killpg(self.p.pid, sig)
+        else:
+            self.p.send_signal(sig)
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        rc = self.p.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return rc
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def run_args(run_dir: Path, steps: int, config: Path, *extra: str, seed: int = 0) -> list[str]:
+    return [sys.executable, "-m", "trainer", "run", "--run-dir", str(run_dir), "--steps", str(steps),
+            "--seed", str(seed), "--health-port", "0", "--config", str(config), *extra]
+
+
+def start(run_dir: Path, steps: int, config: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
+    return Proc(run_args(run_dir, steps, config, *extra), env=env)
+
+
+def run_to_end(run_dir: Path, steps: int, config: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
+    p = start(run_dir, steps, config, *extra, env=env)
+    rc = p.wait()
+    assert rc == 0, p.output[-4000:]
+    return p
+
+
+def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "trainer", "status", "--run-dir", str(run_dir), "--json", *extra],
+                         capture_output=True, text=True, env=env or trainer_env(), cwd=REPO, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+class FakeMetadataServer:
+    """Speaks the GCE metadata protocol for ``instance/preempted`` on 127.0.0.1.
+
+    Requires ``Metadata-Flavor: Google``; answers ``FALSE``/``TRUE`` with an ETag; with
+    ``wait_for_change=true`` it blocks until the value differs from ``last_etag``'s.
+    """
+
+    def __init__(self) -> None:
+        self.value = "FALSE"
+        self.version = 0
+        self.cond = threading.Condition()
+        self.waiting = threading.Event()  # a client is blocked in wait_for_change
+        self.requests: list[tuple[str, str | None]] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                q = dict(urllib.parse.parse_qsl(url.query))
+                outer.requests.append((self.path, self.headers.get("Metadata-Flavor")))
+                if self.headers.get("Metadata-Flavor") != "Google":
+                    self.send_error(403, "Missing Metadata-Flavor:Google header")
+                    return
+                if url.path != "/computeMetadata/v1/instance/preempted":
+                    self.send_error(404)
+                    return
+                with outer.cond:
+                    if q.get("wait_for_change") == "true":
+                        etag = q.get("last_etag")
+                        outer.waiting.set()
+                        while etag is not None and etag == outer.etag:
+                            outer.cond.wait()
+                    body, etag = outer.value.encode(), outer.etag
+                self.send_response(200)
+                self.send_header("Metadata-Flavor", "Google")
+                self.send_header("ETag", etag)
+                self.send_header("Content-Type", "application/text")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def etag(self) -> str:
+        return f"etag-{self.version}"
+
+    def set(self, value: str) -> None:
+        with self.cond:
+            self.value, self.version = value, self.version + 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        self.set(self.value)  # release blocked handlers
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,94 @@
+"""trainer/config.py and the CLI's handling of bad input: `SOURCE: field: problem`, exit 2."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.cli import main
+from trainer.config import ConfigError, RunConfig, load_run_config
+from tests.trainer.support import REPO, trainer_env
+
+
+def test_flags_override_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('steps = 10\nseed = 3\nbatch_size = 2\n[task_args]\nn_layer = 1\n')
+    cfg = load_run_config({"run_dir": tmp_path / "r", "steps": 20, "seed": None}, f)
+    assert (cfg.steps, cfg.seed, cfg.batch_size, cfg.task_args) == (20, 3, 2, {"n_layer": 1})
+
+
+def test_file_errors_name_file_and_field(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('steps = -1\nbogus = 1\nprecision = "fp8"\n')
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"run_dir": tmp_path}, f)
+    lines = e.value.lines
+    assert f"{f}: steps: Input should be greater than 0" in lines
+    assert f"{f}: bogus: unknown setting" in lines
+    assert any(line.startswith(f"{f}: precision: ") for line in lines)
+
+
+def test_command_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"run_dir": tmp_path, "steps": 5, "gcs_uri": "s3://x"}, None)
+    assert e.value.lines == ["command line: gcs_uri: must look like gs://BUCKET/PREFIX"]
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"steps": 5}, None)
+    assert e.value.lines == ["command line: run_dir: required (flag --run-dir)"]
+
+
+def test_none_in_toml_turns_health_off(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('health_port = "none"\n')
+    assert load_run_config({"run_dir": tmp_path, "steps": 1}, f).health_port is None
+
+
+def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("steps = = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"run_dir": tmp_path}, f)
+    assert e.value.lines[0].startswith(f"{f}: not valid TOML")
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"run_dir": tmp_path}, tmp_path / "nope.toml")
+    assert e.value.lines[0].startswith(f"{tmp_path / 'nope.toml'}: cannot read")
+
+
+def test_fingerprint_excludes_checkpoint_cadence(tmp_path: Path) -> None:
+    a = RunConfig(run_dir=tmp_path, steps=5, checkpoint_every_steps=2)
+    b = RunConfig(run_dir=tmp_path, steps=5, checkpoint_every_steps=3, checkpoint_every_seconds=9)
+    assert a.fingerprint(world_size=1, dataset_len=7) == b.fingerprint(world_size=1, dataset_len=7)
+    c = RunConfig(run_dir=tmp_path, steps=5, seed=1)
+    assert a.fingerprint(world_size=1, dataset_len=7) != c.fingerprint(world_size=1, dataset_len=7)
+
+
+def test_cli_exit_2_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--run-dir", str(tmp_path), "--steps", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "command line: steps: Input should be greater than 0"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--steps", "x"])
+    assert e.value.code == 2
+
+
+def test_bad_config_subprocess_has_no_traceback(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('batch_size = "big"\n')
+    out = subprocess.run([sys.executable, "-m", "trainer", "run", "--run-dir", str(tmp_path / "r"), "--steps", "3",
+                          "--config", str(f)], capture_output=True, text=True, env=trainer_env(), cwd=REPO, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"{f}: batch_size: Input should be a valid integer, unable to parse string as an integer"
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "r").exists()  # nothing was touched
+
+
+def test_unknown_task_is_bad_input(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('watch_metadata = false\n')
+    out = subprocess.run([sys.executable, "-m", "trainer", "run", "--run-dir", str(tmp_path / "r"), "--steps", "3",
+                          "--task", "no_such_module:build", "--health-port", "0", "--config", str(f)],
+                         capture_output=True, text=True, env=trainer_env(), cwd=REPO, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "task: cannot import module 'no_such_module'" in out.stderr
+    assert "Traceback" not in out.stderr
