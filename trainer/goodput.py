@@ -215,7 +215,7 @@ def report(events: list[dict[str, Any]]) -> Report:
         start_step = int(restore["step"]) if restore else 0
         points = [(start_step, 0.0)]
         for e in evs:
-            if e["event"] in ("progress", "finish", "preempted") and "productive_s" in e:
+            if e["event"] in ("progress", "checkpoint", "finish", "preempted") and "productive_s" in e:
                 points.append((int(e["step"]), float(e["productive_s"])))
         sessions.append({
             "t0": t0,
@@ -224,7 +224,8 @@ def report(events: list[dict[str, Any]]) -> Report:
             "restore_s": float(restore["seconds"]) if restore else 0.0,
             "startup_s": float(restore["startup_s"]) if restore else max(float(e["t"]) for e in evs) - t0,
             "points": points,
-            "blocked": sum(float(e.get("blocked_s", 0.0)) for e in evs if e["event"] in ("checkpoint", "preempted")),
+            "blocked": sum(float(e.get("blocked_s", 0.0)) for e in evs
+                           if e["event"] in ("checkpoint", "preempted", "finish")),
             "preempted": any(e["event"] == "preemption_notice" for e in evs),
             "finished": any(e["event"] == "finish" for e in evs),
         })

@@ -93,11 +93,11 @@ class MetadataWatcher(threading.Thread):
         self.log = log
         self.max_backoff_s = max_backoff_s
         self.poll_timeout_s = poll_timeout_s
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self.connected = threading.Event()  # set after the first successful answer (tests, logs)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     def _get(self, etag: str | None) -> tuple[str, str | None]:
         query = {}
@@ -110,7 +110,7 @@ class MetadataWatcher(threading.Thread):
 
     def run(self) -> None:
         backoff, etag, complained = 0.5, None, False
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             try:
                 value, new_etag = self._get(etag)
             except (OSError, urllib.error.URLError, ValueError) as e:
@@ -119,7 +119,7 @@ class MetadataWatcher(threading.Thread):
                     self.log.debug("metadata server not reachable at %s (%s); retrying with backoff", self.base, e)
                     complained = True
                 etag = None
-                if self._stop.wait(backoff):
+                if self._stopping.wait(backoff):
                     return
                 backoff = min(backoff * 2, self.max_backoff_s)
                 continue

@@ -1,0 +1,53 @@
+"""trainer/health.py: the states and the TCP protocol the managed instance group uses."""
+from __future__ import annotations
+
+import socket
+
+from trainer.health import Health, HealthServer, ask
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_states() -> None:
+    clock = Clock()
+    h = Health(stall_timeout_s=30, clock=clock)
+    assert h.answer() == "starting"
+    clock.t += 1000  # a long restore is still start-up, not a stall
+    assert h.answer() == "starting"
+    h.beat()
+    assert h.answer() == "ok"
+    clock.t += 30
+    assert h.answer() == "ok"
+    clock.t += 0.5
+    assert h.answer() == "stalled"
+    h.beat()
+    assert h.answer() == "ok"
+    h.finished()
+    clock.t += 1000
+    assert h.answer() == "finished"
+
+
+def test_server_answers_the_configured_request_only() -> None:
+    clock = Clock()
+    h = Health(stall_timeout_s=5, clock=clock)
+    srv = HealthServer(h, host="127.0.0.1", port=0).start()
+    try:
+        assert ask("127.0.0.1", srv.port) == "starting"
+        h.beat()
+        assert ask("127.0.0.1", srv.port) == "ok"
+        clock.t += 6
+        assert ask("127.0.0.1", srv.port) == "stalled"
+        assert ask("127.0.0.1", srv.port, request="GET / HTTP/1.0\r\n\r\n") == "unknown"
+        # A check that sends the request in pieces still gets its answer.
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(b"spottrain-")
+            s.sendall(b"health")
+            assert s.makefile().readline() == "stalled\n"
+    finally:
+        srv.close()
