@@ -28,8 +28,16 @@ STOP_SLACK_S = 5
 
 def shquote(value: object) -> str:
     """Quote one value as a single shell word; control characters are refused outright."""
-    text = str(value)
-    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+    return _quote(str(value), allowed="")
+
+
+def shquote_text(value: object) -> str:
+    """Quote multi-line text (a whole file) as one shell word; newlines are kept."""
+    return _quote(str(value), allowed="\n")
+
+
+def _quote(text: str, allowed: str) -> str:
+    if any((ord(c) < 32 or ord(c) == 127) and c not in allowed for c in text):
         raise ValueError(f"refusing to put a control character into a script: {text!r}")
     return shlex.quote(text)
 
@@ -46,6 +54,7 @@ class BootProps:
     provisioning: str
     local_ssd_count: int = 0
     args: tuple[str, ...] = field(default_factory=tuple)
+    workdir: str = WORKDIR  # where the trainer package lives on the VM
 
     @property
     def gcs_uri(self) -> str:
@@ -67,6 +76,7 @@ def _env() -> jinja2.Environment:
         comment_end_string="#%>",
     )
     env.filters["shquote"] = shquote
+    env.filters["shquote_text"] = shquote_text
     return env
 
 
@@ -87,7 +97,7 @@ def render(props: BootProps) -> BootScripts:
         "run_dir": RUN_DIR,
         "local_mount_dir": LOCAL_MOUNT_DIR,
         "local_dir": LOCAL_DIR,
-        "workdir": WORKDIR,
+        "workdir": props.workdir,
         "local_ssd_count": props.local_ssd_count,
         "steps": props.steps,
         "gcs_uri": props.gcs_uri,

@@ -73,6 +73,14 @@ def _allowed_keys(model: type[BaseModel], parent: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+_ORDER = ["(file name)", "labels", *SECTIONS]
+
+
+def _file_order(line: str) -> int:
+    head = line.split(":", 1)[0].split(".", 1)[0].split("[", 1)[0]
+    return _ORDER.index(head) if head in _ORDER else len(_ORDER)
+
+
 def parse(data: dict[str, Any], name: str, source: str = "<experiment>") -> Experiment:
     """Validate parsed TOML; raise ExperimentError naming every problem."""
     problems = [f"{p}: {m}" for p, m in check_name(name)]
@@ -94,6 +102,7 @@ def parse(data: dict[str, Any], name: str, source: str = "<experiment>") -> Expe
     else:
         problems += [f"{p}: {m}" for p, m in exp.problems(name)]
     if problems:
+        problems.sort(key=_file_order)  # stable: within a section, pydantic's order
         raise ExperimentError([f"{source}: {line}" for line in problems])
     return exp
 
@@ -101,9 +110,13 @@ def parse(data: dict[str, Any], name: str, source: str = "<experiment>") -> Expe
 def load_file(path: Path) -> ExperimentFile:
     source = display(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:  # its message names the line and column
-        raise ExperimentError([f"{source}: TOML syntax error: {err}"]) from None
+        text = path.read_text(encoding="utf-8")
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:  # its message names the line and column...
+        msg = str(err)
+        if "end of document" in msg:  # ...except at the very end
+            msg = f"{msg.rstrip(')')}, line {len(text.rstrip().splitlines())})"
+        raise ExperimentError([f"{source}: TOML syntax error: {msg}"]) from None
     except (OSError, UnicodeDecodeError) as err:
         raise ExperimentError([f"{source}: cannot read: {err}"]) from None
     return ExperimentFile(path.stem, path, parse(data, path.stem, source))

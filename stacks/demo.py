@@ -1,0 +1,85 @@
+"""`python -m stacks.demo [FILE]`: synthesize one experiment and say what it would create.
+
+Default FILE: experiments/example.toml. Prints the resources with their key settings, the
+emergency-save budget and the outputs; writes nothing outside a temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from stacks.budget import estimate
+from stacks.load import ExperimentError, display, load_file
+
+EXAMPLE = Path("experiments/example.toml")
+
+
+def _summary(kind: str, r: dict) -> str:
+    if kind == "google_compute_instance_template":
+        s = r["scheduling"]
+        gpus = r.get("guest_accelerator") or []
+        gpu = f", attached {gpus[0]['count']} x {gpus[0]['type']}" if gpus else ", GPUs built in"
+        disks = ", ".join(f"{d.get('disk_type')} {d.get('disk_size_gb')} GB"
+                          + (f" ({d['device_name']})" if d.get("device_name") else "")
+                          for d in r["disk"])
+        return (f"{r['name_prefix']}*  {r['machine_type']}{gpu}, {s['provisioning_model']}"
+                f"{' -> ' + s['instance_termination_action'] if 'instance_termination_action' in s else ''}"
+                f", disks: {disks}, no external IP, shielded")
+    if kind.endswith("instance_group_manager"):
+        where = r.get("zone") or ",".join(r.get("distribution_policy_zones", []))
+        return (f"{r['name']}  size {r['target_size']} in {where}, autoheal after "
+                f"{r['auto_healing_policies']['initial_delay_sec']} s, stateful disk "
+                f"{r['stateful_disk'][0]['device_name']}, update {r['update_policy']['type']}"
+                f"/{r['update_policy']['replacement_method']}")
+    if kind == "google_storage_bucket":
+        return (f"{r['name']}  {r['location']}, versioned, public access {r['public_access_prevention']}"
+                f", force_destroy={str(r['force_destroy']).lower()}")
+    if kind == "google_compute_firewall":
+        ports = ",".join(p for a in r["allow"] for p in a["ports"])
+        return f"{r['name']}  tcp:{ports} from {', '.join(r['source_ranges'])}"
+    if kind == "google_compute_health_check":
+        t = r["tcp_health_check"]
+        return (f"{r['name']}  tcp:{t['port']} sends {t['request']!r}, expects {t['response']!r}, "
+                f"every {r['check_interval_sec']} s")
+    if kind.endswith("iam_member"):
+        return f"{r['role']}" + (" on the checkpoint bucket" if "bucket" in r else " on the project")
+    return str(r.get("name") or r.get("account_id") or "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0]) if args else EXAMPLE
+    try:
+        exp = load_file(path)
+    except ExperimentError as err:
+        print("\n".join(err.lines), file=sys.stderr)
+        return 2
+    from stacks.app import build
+
+    with tempfile.TemporaryDirectory(prefix="spottrain-demo-") as out:
+        build([exp], outdir=out).synth()
+        stack = json.loads((Path(out) / "stacks" / exp.name / "cdk.tf.json").read_text())
+    print(f"{display(path)} -> stack {exp.name!r} in project {exp.spec.gcp.project}, "
+          f"region {exp.spec.gcp.region}")
+    print()
+    for kind, resources in sorted(stack["resource"].items()):
+        for r in resources.values():
+            print(f"  {kind.removeprefix('google_'):34} {_summary(kind, r)}")
+    print()
+    budget = estimate(exp.spec)
+    print(budget.warning() or budget.describe())
+    print()
+    backend = next(iter(stack["terraform"]["backend"].items()))
+    print(f"state backend: {backend[0]} {json.dumps(backend[1])}")
+    print("outputs after deploy:")
+    for key, out_ in stack["output"].items():
+        value = out_["value"]
+        print(f"  {key:24} {value if not value.startswith('${') else '(known after deploy)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Fixtures for the stack tests: every variant synthesized once per session.
+
+Synthesis is cheap once cdktn is imported (~0.1 s) but the import is not (~5 s), so the tests
+that synthesize share these; `xdist_group("stacks")` keeps them on one worker.
+"""
+
+from __future__ import annotations
+
+import glob
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from stack_support import VARIANTS, Synthesized, variant
+
+
+@pytest.fixture(scope="session")
+def outdirs_cleanup():
+    """Remove the /tmp/cdktf.outdir.* folders Testing leaves behind (only those made here)."""
+    pattern = str(Path(tempfile.gettempdir()) / "cdktf.outdir.*")
+    before = set(glob.glob(pattern))
+    yield
+    for path in set(glob.glob(pattern)) - before:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def synthesized(outdirs_cleanup) -> dict[str, Synthesized]:
+    return {name: Synthesized(name, variant(o, name)) for name, o in VARIANTS.items()}
+
+
+@pytest.fixture(scope="session")
+def example(synthesized) -> Synthesized:
+    return synthesized["example"]

@@ -1,0 +1,99 @@
+"""Helpers for the stack tests: experiment variants built from the shipped example.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import stacks  # noqa: F401  (environment defaults before cdktn loads)
+from stacks.experiment import Experiment
+from stacks.load import parse
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "experiments" / "example.toml"
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def example_data() -> dict[str, Any]:
+    return tomllib.loads(EXAMPLE.read_text())
+
+
+def merged(overrides: dict[str, Any], base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The example with `overrides` deep-merged in; a value of None removes the key."""
+    data = copy.deepcopy(base if base is not None else example_data())
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = merged(value, data[key])
+        elif value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    return data
+
+
+def variant(overrides: dict[str, Any], name: str = "example") -> Experiment:
+    return parse(merged(overrides), name, f"{name}.toml")
+
+
+#: Every configuration the suite synthesizes, by stack name.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "example": {},
+    "regional": {
+        "gcp": {"zones": ["us-central1-a", "us-central1-b", "us-central1-c"]},
+        "group": {"placement": "regional"},
+    },
+    "a3-h100": {"machine": {"machine_type": "a3-highgpu-8g", "gpu_type": "nvidia-h100-80gb",
+                            "gpu_count": 8}},
+    "a2-a100-40": {"machine": {"machine_type": "a2-highgpu-2g", "gpu_type": "nvidia-tesla-a100",
+                               "gpu_count": 2}, "disk": {"local_ssd_count": 2}},
+    "a2-a100-80": {"machine": {"machine_type": "a2-ultragpu-1g", "gpu_type": "nvidia-a100-80gb",
+                               "gpu_count": 1}},
+    "g2-l4x4": {"machine": {"machine_type": "g2-standard-48", "gpu_type": "nvidia-l4",
+                            "gpu_count": 4}},
+    "n1-t4": {"machine": {"machine_type": "n1-standard-8", "gpu_type": "nvidia-tesla-t4",
+                          "gpu_count": 1}},
+    "n1-v100": {"machine": {"machine_type": "n1-highmem-8", "gpu_type": "nvidia-tesla-v100",
+                            "gpu_count": 2}},
+    "n1-p100": {"machine": {"machine_type": "n1-standard-16", "gpu_type": "nvidia-tesla-p100",
+                            "gpu_count": 1}},
+    "n1-p4": {"machine": {"machine_type": "n1-standard-4", "gpu_type": "nvidia-tesla-p4",
+                          "gpu_count": 4}},
+    "standard": {"machine": {"provisioning": "standard", "termination_action": None}},
+    "existing-net": {
+        "network": {"mode": "existing", "network": "shared-vpc", "subnetwork": "trainers",
+                    "subnetwork_project": "host-project-42", "subnet_cidr": None,
+                    "iap_ssh": False},
+        "backend": {"type": "gcs", "bucket": "team-tf-state", "prefix": "spottrain/existing"},
+        "bucket": {"name": "explicit-ckpt-bucket", "force_destroy": True},
+    },
+}
+
+
+
+
+class Synthesized:
+    """One variant: its model, its stack JSON (Testing.synth) and its cdk.tf.json path."""
+
+    def __init__(self, name: str, spec: Experiment) -> None:
+        from cdktn import Testing
+
+        from stacks.stack import TrainingStack
+
+        self.name, self.spec = name, spec
+        app = Testing.app()
+        self.stack = TrainingStack(app, name, spec)
+        self.text = Testing.synth(self.stack)
+        self.json = json.loads(self.text)
+        self.file = Path(Testing.full_synth(self.stack)) / "stacks" / name / "cdk.tf.json"
+
+    def resources(self, kind: str) -> list[dict[str, Any]]:
+        return list(self.json.get("resource", {}).get(kind, {}).values())
+
+    def one(self, kind: str) -> dict[str, Any]:
+        found = self.resources(kind)
+        assert len(found) == 1, f"{len(found)} x {kind}"
+        return found[0]

@@ -1,0 +1,30 @@
+"""`python -m stacks.demo`: what `make demo` prints for the example."""
+
+from __future__ import annotations
+
+import pytest
+
+from stacks import demo
+
+pytestmark = pytest.mark.xdist_group("stacks")
+
+
+def test_demo_summarizes_the_example(capsys, monkeypatch):
+    from stack_support import ROOT
+
+    monkeypatch.chdir(ROOT)
+    assert demo.main([]) == 0
+    out = capsys.readouterr().out
+    assert "experiments/example.toml -> stack 'example'" in out
+    assert "g2-standard-8, GPUs built in, SPOT -> STOP" in out
+    assert "tcp:8471 from 35.191.0.0/16, 130.211.0.0/22" in out
+    assert "roles/storage.objectAdmin on the checkpoint bucket" in out
+    assert "emergency save: 1.98 GB" in out and ": fits" in out
+    assert "scale_to_zero_command" in out
+
+
+def test_demo_bad_file_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("labels = 3\n")
+    assert demo.main([str(bad)]) == 2
+    assert "labels: Input should be a valid dictionary" in capsys.readouterr().err

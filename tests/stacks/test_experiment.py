@@ -1,0 +1,222 @@
+"""One test per validation rule: the line it prints names the file, the field, what is wrong and
+what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+from stack_support import merged
+
+from stacks.experiment import Experiment
+from stacks.load import ExperimentError, parse
+
+SRC = "experiments/x.toml"
+
+# (id, overrides, expected line: exactly one line of the error must equal it)
+RULES = [
+    ("project-id", {"gcp": {"project": "My_Project"}},
+     "gcp.project: 'My_Project' is not valid; allowed: 6-30 of a-z 0-9 -, starting with a letter"),
+    ("region", {"gcp": {"region": "central"}},
+     "gcp.region: 'central' is not valid; allowed: a region name such as \"us-central1\""),
+    ("zone-outside-region", {"gcp": {"zones": ["europe-west4-a"]}},
+     "gcp.zones[0]: 'europe-west4-a' is not a zone of region 'us-central1'; allowed: "
+     "\"us-central1-a\", \"us-central1-b\", ..."),
+    ("zones-duplicate", {"gcp": {"zones": ["us-central1-a", "us-central1-a"]},
+                         "group": {"placement": "regional"}},
+     "gcp.zones: lists a zone twice (['us-central1-a', 'us-central1-a']); allowed: distinct "
+     "zones"),
+    ("zones-empty", {"gcp": {"zones": []}},
+     "gcp.zones: List should have at least 1 item after validation, not 0, got []"),
+    ("machine-type-unknown", {"machine": {"machine_type": "g2-standard-6"}},
+     "machine.machine_type: unknown machine type 'g2-standard-6'; allowed: g2-standard-12, "
+     "g2-standard-16, g2-standard-24, g2-standard-32, g2-standard-4, g2-standard-48, "
+     "g2-standard-8, g2-standard-96"),
+    ("machine-family-unknown", {"machine": {"machine_type": "e2-standard-4"}},
+     "machine.machine_type: unknown machine type 'e2-standard-4'; allowed: families a2, a3, g2, "
+     "n1"),
+    ("built-in-gpu-type", {"machine": {"gpu_type": "nvidia-tesla-t4"}},
+     "machine.gpu_type: g2-standard-8 has nvidia-l4 built in, not 'nvidia-tesla-t4'; allowed: "
+     "\"nvidia-l4\""),
+    ("built-in-gpu-count", {"machine": {"gpu_count": 2}},
+     "machine.gpu_count: g2-standard-8 has 1 GPU(s) built in, not 2; allowed: 1 (pick another "
+     "size for more)"),
+    ("a2-ultra-needs-80gb", {"machine": {"machine_type": "a2-ultragpu-1g",
+                                         "gpu_type": "nvidia-tesla-a100"}},
+     "machine.gpu_type: a2-ultragpu-1g has nvidia-a100-80gb built in, not 'nvidia-tesla-a100'; "
+     "allowed: \"nvidia-a100-80gb\""),
+    ("n1-gpu-type", {"machine": {"machine_type": "n1-standard-8", "gpu_type": "nvidia-l4"}},
+     "machine.gpu_type: 'nvidia-l4' cannot be attached to n1-standard-8; allowed on n1: "
+     "nvidia-tesla-t4, nvidia-tesla-v100, nvidia-tesla-p100, nvidia-tesla-p4"),
+    ("n1-gpu-count", {"machine": {"machine_type": "n1-standard-8",
+                                  "gpu_type": "nvidia-tesla-t4", "gpu_count": 8}},
+     "machine.gpu_count: 8 x nvidia-tesla-t4 is not a valid count; allowed: 1, 2, 4"),
+    ("n1-size-limit", {"machine": {"machine_type": "n1-standard-16",
+                                   "gpu_type": "nvidia-tesla-v100", "gpu_count": 1}},
+     "machine.machine_type: n1-standard-16 (16 vCPU, 60 GB) is too large for 1 x "
+     "nvidia-tesla-v100; allowed: at most 12 vCPU and 78 GB"),
+    ("gpu-count-positive", {"machine": {"gpu_count": 0}},
+     "machine.gpu_count: Input should be greater than or equal to 1, got 0"),
+    ("spot-only-machine", {"machine": {"machine_type": "a3-highgpu-1g",
+                                       "gpu_type": "nvidia-h100-80gb", "gpu_count": 1,
+                                       "provisioning": "standard", "termination_action": None}},
+     "machine.provisioning: a3-highgpu-1g is offered only as Spot (or flex-start); allowed: "
+     "\"spot\", or a3-highgpu-8g for standard"),
+    ("termination-action-spot-only", {"machine": {"provisioning": "standard"}},
+     "machine.termination_action: applies only to provisioning = \"spot\"; allowed: remove it "
+     "for \"standard\""),
+    ("provisioning-enum", {"machine": {"provisioning": "preemptible"}},
+     "machine.provisioning: Input should be 'spot' or 'standard', got 'preemptible'"),
+    ("termination-action-enum", {"machine": {"termination_action": "stop"}},
+     "machine.termination_action: Input should be 'STOP' or 'DELETE', got 'stop'"),
+    ("image-family-name", {"machine": {"image_family": "PyTorch Latest"}},
+     "machine.image_family: 'PyTorch Latest' is not valid; allowed: lowercase letters, digits "
+     "and hyphens"),
+    ("boot-disk-size", {"machine": {"boot_disk_gb": 20}},
+     "machine.boot_disk_gb: Input should be greater than or equal to 50, got 20"),
+    ("checkpoint-disk-min", {"disk": {"checkpoint_disk_gb": 5}},
+     "disk.checkpoint_disk_gb: Input should be greater than or equal to 10, got 5"),
+    ("checkpoint-disk-max", {"disk": {"checkpoint_disk_gb": 70000}},
+     "disk.checkpoint_disk_gb: Input should be less than or equal to 65536, got 70000"),
+    ("local-ssd-count", {"disk": {"local_ssd_count": 9}},
+     "disk.local_ssd_count: 9 is not valid; allowed: 0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 24"),
+    ("local-ssd-family", {"disk": {"local_ssd_count": 1}},
+     "disk.local_ssd_count: g2-standard-8 cannot take Local SSDs from this setting (a3 and "
+     "a2-ultragpu bring their own; g2 is not supported yet); allowed: 0"),
+    ("bucket-name-chars", {"bucket": {"name": "My.Bucket"}},
+     "bucket.name: 'My.Bucket' is not valid; allowed: 3-63 of a-z 0-9 - _, starting and ending "
+     "with a letter or digit"),
+    ("bucket-name-google", {"bucket": {"name": "my-google-ckpt"}},
+     "bucket.name: 'my-google-ckpt' is not valid; allowed: names without a goog prefix or "
+     "'google'"),
+    ("bucket-name-length", {"bucket": {"name": "b" * 64}},
+     f"bucket.name: '{'b' * 64}' is not valid; allowed: 3-63 of a-z 0-9 - _, starting and "
+     "ending with a letter or digit"),
+    ("bucket-location", {"bucket": {"bucket_location": "us central"}},
+     "bucket.bucket_location: 'us central' is not valid; allowed: a location such as "
+     "\"US-CENTRAL1\", \"US\" or \"EU\""),
+    ("soft-delete-range", {"bucket": {"soft_delete_days": 91}},
+     "bucket.soft_delete_days: Input should be less than or equal to 90, got 91"),
+    ("existing-network-needs-names", {"network": {"mode": "existing"}},
+     "network.network: is required when mode = \"existing\"; allowed: an existing name"),
+    ("dedicated-network-rejects-names", {"network": {"subnetwork": "mine"}},
+     "network.subnetwork: is set but mode = \"dedicated\"; allowed: set mode = \"existing\""),
+    ("subnet-cidr", {"network": {"subnet_cidr": "8.8.8.0/24"}},
+     "network.subnet_cidr: '8.8.8.0/24' is not valid; allowed: a private IPv4 range, /8 to /29"),
+    ("network-mode-enum", {"network": {"mode": "default"}},
+     "network.mode: Input should be 'dedicated' or 'existing', got 'default'"),
+    ("zonal-needs-one-zone", {"gcp": {"zones": ["us-central1-a", "us-central1-b"]}},
+     "gcp.zones: 2 zones for placement = \"zonal\"; allowed: exactly one, or placement = "
+     "\"regional\""),
+    ("regional-needs-two-zones", {"group": {"placement": "regional"}},
+     "gcp.zones: one zone for placement = \"regional\"; allowed: two or more, or placement = "
+     "\"zonal\""),
+    ("workers-range", {"group": {"workers": 2}},
+     "group.workers: Input should be less than or equal to 1, got 2"),
+    ("initial-delay-range", {"group": {"initial_delay_sec": 4000}},
+     "group.initial_delay_sec: Input should be less than or equal to 3600, got 4000"),
+    ("task-format", {"trainer": {"task": "trainer/tasks/gpt.py"}},
+     "trainer.task: 'trainer/tasks/gpt.py' is not valid; allowed: a Python "
+     "\"package.module:callable\""),
+    ("steps-positive", {"trainer": {"steps": 0}},
+     "trainer.steps: Input should be greater than or equal to 1, got 0"),
+    ("steps-integer", {"trainer": {"steps": "many"}},
+     "trainer.steps: Input should be a valid integer, unable to parse string as an integer, "
+     "got 'many'"),
+    ("port-range", {"trainer": {"health_port": 80}},
+     "trainer.health_port: Input should be greater than or equal to 1024, got 80"),
+    ("port-max", {"trainer": {"health_port": 70000}},
+     "trainer.health_port: Input should be less than or equal to 65535, got 70000"),
+    ("param-count-xor-state-bytes", {"trainer": {"state_bytes": 1000}},
+     "trainer.state_bytes: is set together with param_count; allowed: one of the two"),
+    ("args-managed-flag", {"trainer": {"args": ["--steps=5"]}},
+     "trainer.args[0]: --steps is set by the stack from other fields; allowed: any other flag"),
+    ("args-control-char", {"trainer": {"args": ["a\nb"]}},
+     "trainer.args[0]: contains a control character; allowed: printable text"),
+    ("labels", {"labels": {"Team": "ml"}},
+     "labels: key 'Team' is not valid; allowed: a-z first, then up to 62 of a-z 0-9 - _"),
+    ("label-value", {"labels": {"team": "ML Ops"}},
+     "labels: value 'ML Ops' of 'team' is not valid; allowed: up to 63 of a-z 0-9 - _"),
+    ("backend-gcs-needs-bucket", {"backend": {"type": "gcs"}},
+     "backend.bucket: is required when type = \"gcs\"; allowed: an existing bucket name"),
+    ("backend-local-rejects-bucket", {"backend": {"bucket": "state-bucket"}},
+     "backend.bucket: is set but type = \"local\"; allowed: set type = \"gcs\""),
+    ("backend-not-the-checkpoint-bucket", {"backend": {"type": "gcs",
+                                                       "bucket": "my-project-123456-x-ckpt"}},
+     "backend.bucket: is the checkpoint bucket this stack creates; allowed: a separate, "
+     "existing bucket"),
+    ("unknown-key", {"machine": {"gpus": 1}},
+     "machine.gpus: unknown key; allowed: machine_type, gpu_type, gpu_count, provisioning, "
+     "termination_action, image_family, image_project, boot_disk_gb"),
+    ("unknown-section", {"cluster": {"size": 2}},
+     "cluster: unknown key; allowed: labels, gcp, machine, disk, bucket, network, group, "
+     "trainer, backend"),
+    ("missing-required", {"trainer": {"steps": None}}, "trainer.steps: is required"),
+]
+
+
+def problems(overrides: dict, name: str = "x") -> list[str]:
+    with pytest.raises(ExperimentError) as info:
+        parse(merged(overrides), name, SRC)
+    return info.value.lines
+
+
+@pytest.mark.parametrize(("overrides", "line"), [r[1:] for r in RULES], ids=[r[0] for r in RULES])
+def test_rule(overrides, line):
+    assert f"{SRC}: {line}" in problems(overrides)
+
+
+@pytest.mark.parametrize("name", ["Example", "9lives", "ends-", "a" * 22, "has_underscore"])
+def test_file_name_must_make_a_stack_name(name):
+    """The stem prefixes every resource; 21 keeps "<name>-trainer" a valid account id."""
+    assert problems({}, name) == [
+        f"{SRC}: (file name): {name!r} cannot name a stack; allowed: 1-21 of a-z 0-9 -, "
+        "starting with a letter, not ending with -"
+    ]
+
+
+def test_every_problem_is_reported_at_once():
+    lines = problems({
+        "gcp": {"zones": ["europe-west4-a"]},
+        "machine": {"gpu_type": "nvidia-tesla-t4", "bogus": True},
+        "trainer": {"steps": -1, "task": "nope"},
+        "network": {"subnet_cidr": "1.2.3.4/8"},
+    })
+    fields = [line.split(": ")[1] for line in lines]
+    # machine has an unknown key *and* a cross-field problem: both are reported.
+    assert sorted(fields) == sorted([
+        "gcp.zones[0]", "machine.bogus", "machine.gpu_type", "trainer.steps", "trainer.task",
+        "network.subnet_cidr",
+    ])
+    assert all(line.startswith(f"{SRC}: ") for line in lines)
+
+
+def test_longest_names_still_make_a_valid_default_bucket_name():
+    exp = parse(merged({"gcp": {"project": "a" * 30}}), "b" * 21)
+    assert len(exp.bucket_name("b" * 21)) <= 63
+
+
+def test_example_is_valid_and_fully_documented():
+    exp = parse(merged({}), "example")
+    assert exp.trainer.health_port == 8471
+    assert exp.trainer.task == "trainer.tasks.gpt:build"
+
+    def undocumented(model) -> list[str]:
+        missing = [f for f, info in model.model_fields.items() if not info.description]
+        for info in model.model_fields.values():
+            ann = info.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                missing += undocumented(ann)
+        return missing
+
+    assert undocumented(Experiment) == []
+
+
+def test_issue_keys_exist_under_their_names():
+    from stacks.experiment import SECTIONS
+
+    keys = {k for cls in SECTIONS.values() for k in cls.model_fields} | set(
+        Experiment.model_fields)
+    for key in ["project", "region", "zones", "machine_type", "gpu_type", "gpu_count",
+                "provisioning", "termination_action", "workers", "image_family",
+                "image_project", "checkpoint_disk_gb", "local_ssd_count", "bucket_location",
+                "force_destroy", "health_port", "task", "steps", "labels"]:
+        assert key in keys, key

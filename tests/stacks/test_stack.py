@@ -1,0 +1,377 @@
+"""The synthesized stacks: every resource and property the training environment depends on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from stack_support import VARIANTS, Synthesized, variant
+
+from stacks.boot import DEVICE_NAME
+
+pytestmark = pytest.mark.xdist_group("stacks")
+
+GPU_FAMILIES = {
+    # variant: (machine_type, gpu_type, count, attached)
+    "a3-h100": ("a3-highgpu-8g", "nvidia-h100-80gb", 8, False),
+    "a2-a100-40": ("a2-highgpu-2g", "nvidia-tesla-a100", 2, False),
+    "a2-a100-80": ("a2-ultragpu-1g", "nvidia-a100-80gb", 1, False),
+    "example": ("g2-standard-8", "nvidia-l4", 1, False),
+    "g2-l4x4": ("g2-standard-48", "nvidia-l4", 4, False),
+    "n1-t4": ("n1-standard-8", "nvidia-tesla-t4", 1, True),
+    "n1-v100": ("n1-highmem-8", "nvidia-tesla-v100", 2, True),
+    "n1-p100": ("n1-standard-16", "nvidia-tesla-p100", 1, True),
+    "n1-p4": ("n1-standard-4", "nvidia-tesla-p4", 4, True),
+}
+
+
+def ref(s: Synthesized, kind: str) -> str:
+    """The Terraform address prefix of the one resource of `kind`, as other resources cite it."""
+    (key,) = s.json["resource"][kind].keys()
+    return f"${{{kind}.{key}"
+
+
+# --- identity ------------------------------------------------------------------------------------
+
+
+def test_dedicated_service_account_with_least_privilege(example):
+    sa = example.one("google_service_account")
+    assert sa["account_id"] == "example-trainer"
+    member = f"serviceAccount:{ref(example, 'google_service_account')}.email}}"
+    roles = {m["role"] for m in example.resources("google_project_iam_member")}
+    assert roles == {"roles/logging.logWriter", "roles/monitoring.metricWriter"}
+    assert all(m["member"] == member for m in example.resources("google_project_iam_member"))
+    # Object admin on the checkpoint bucket only, as a bucket-level binding.
+    grant = example.one("google_storage_bucket_iam_member")
+    assert grant["role"] == "roles/storage.objectAdmin"
+    assert grant["member"] == member
+    assert grant["bucket"] == f"{ref(example, 'google_storage_bucket')}.name}}"
+    assert not any("storage" in m["role"] for m in example.resources("google_project_iam_member"))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_no_default_compute_service_account_anywhere(synthesized, name):
+    s = synthesized[name]
+    text = s.text
+    assert "-compute@developer.gserviceaccount.com" not in text
+    template = s.one("google_compute_instance_template")
+    assert template["service_account"]["email"] == (
+        f"{ref(s, 'google_service_account')}.email}}"
+    )
+
+
+def test_group_waits_for_every_grant(example):
+    group = example.one("google_compute_instance_group_manager")
+    grants = [f"{kind}.{key}" for kind in ("google_project_iam_member",
+                                           "google_storage_bucket_iam_member")
+              for key in example.json["resource"][kind]]
+    assert sorted(group["depends_on"]) == sorted(grants)
+
+
+# --- bucket --------------------------------------------------------------------------------------
+
+
+def test_checkpoint_bucket_is_private_versioned_and_pruned(example):
+    b = example.one("google_storage_bucket")
+    assert b["name"] == "my-project-123456-example-ckpt"
+    assert b["location"] == "US-CENTRAL1"
+    assert b["uniform_bucket_level_access"] is True
+    assert b["public_access_prevention"] == "enforced"
+    assert b["versioning"] == {"enabled": True}
+    assert b["force_destroy"] is False
+    assert b["soft_delete_policy"] == {"retention_duration_seconds": 7 * 86400}
+    assert b["labels"] == {"team": "ml", "purpose": "example", "spottrain-experiment": "example"}
+    conditions = [r["condition"] for r in b["lifecycle_rule"]]
+    assert all(r["action"] == {"type": "Delete"} for r in b["lifecycle_rule"])
+    assert {"with_state": "ARCHIVED", "num_newer_versions": 3} in conditions
+    assert {"with_state": "ARCHIVED", "days_since_noncurrent_time": 7} in conditions
+    # No rule ever touches live (current) checkpoints.
+    assert all(c["with_state"] == "ARCHIVED" for c in conditions)
+
+
+def test_force_destroy_only_when_the_experiment_opts_in(synthesized):
+    assert synthesized["existing-net"].one("google_storage_bucket")["force_destroy"] is True
+    assert synthesized["existing-net"].one("google_storage_bucket")["name"] == (
+        "explicit-ckpt-bucket"
+    )
+    for name in VARIANTS:
+        if name != "existing-net":
+            assert synthesized[name].one("google_storage_bucket")["force_destroy"] is False
+
+
+# --- network -------------------------------------------------------------------------------------
+
+
+def test_dedicated_network_is_private_with_nat(example):
+    vpc = example.one("google_compute_network")
+    assert vpc["auto_create_subnetworks"] is False
+    subnet = example.one("google_compute_subnetwork")
+    assert subnet["private_ip_google_access"] is True
+    assert subnet["ip_cidr_range"] == "10.20.0.0/24"
+    assert subnet["region"] == "us-central1"
+    assert subnet["network"] == f"{ref(example, 'google_compute_network')}.id}}"
+    router = example.one("google_compute_router")
+    nat = example.one("google_compute_router_nat")
+    assert nat["router"] == f"{ref(example, 'google_compute_router')}.name}}"
+    assert router["network"] == f"{ref(example, 'google_compute_network')}.id}}"
+    assert nat["nat_ip_allocate_option"] == "AUTO_ONLY"
+    template = example.one("google_compute_instance_template")
+    (nic,) = template["network_interface"]
+    assert nic["subnetwork"] == f"{ref(example, 'google_compute_subnetwork')}.id}}"
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_no_external_ip_and_nothing_open_to_the_world(synthesized, name):
+    s = synthesized[name]
+    for nic in s.one("google_compute_instance_template")["network_interface"]:
+        assert "access_config" not in nic
+    assert "0.0.0.0/0" not in s.text
+    for rule in s.resources("google_compute_firewall"):
+        assert rule["direction"] == "INGRESS"
+        assert rule["target_tags"] == [f"{name}-trainer"]
+
+
+def test_firewall_admits_health_checkers_to_the_health_port_and_iap_to_ssh(example):
+    rules = {r["name"]: r for r in example.resources("google_compute_firewall")}
+    hc = rules["example-allow-health-check"]
+    assert hc["source_ranges"] == ["35.191.0.0/16", "130.211.0.0/22"]
+    assert hc["allow"] == [{"protocol": "tcp", "ports": ["8471"]}]
+    ssh = rules["example-allow-iap-ssh"]
+    assert ssh["source_ranges"] == ["35.235.240.0/20"]
+    assert ssh["allow"] == [{"protocol": "tcp", "ports": ["22"]}]
+    template = example.one("google_compute_instance_template")
+    assert template["tags"] == ["example-trainer"]
+
+
+def test_existing_network_creates_no_network_and_targets_the_host_project(synthesized):
+    s = synthesized["existing-net"]
+    for kind in ("google_compute_network", "google_compute_subnetwork", "google_compute_router",
+                 "google_compute_router_nat"):
+        assert s.resources(kind) == []
+    (nic,) = s.one("google_compute_instance_template")["network_interface"]
+    assert nic == {"subnetwork": "trainers", "subnetwork_project": "host-project-42"}
+    (rule,) = s.resources("google_compute_firewall")  # iap_ssh = false: health check only
+    assert rule["network"] == "projects/host-project-42/global/networks/shared-vpc"
+    assert rule["project"] == "host-project-42"
+    assert rule["allow"] == [{"protocol": "tcp", "ports": ["8471"]}]
+
+
+# --- instance template ---------------------------------------------------------------------------
+
+
+def test_template_is_replaced_not_edited(example):
+    t = example.one("google_compute_instance_template")
+    assert t["name_prefix"] == "example-"
+    assert "name" not in t
+    assert t["lifecycle"] == {"create_before_destroy": True}
+
+
+def test_spot_scheduling(example):
+    assert example.one("google_compute_instance_template")["scheduling"] == {
+        "provisioning_model": "SPOT",
+        "preemptible": True,
+        "automatic_restart": False,
+        "on_host_maintenance": "TERMINATE",
+        "instance_termination_action": "STOP",
+    }
+
+
+def test_delete_termination_action_reaches_the_template():
+    from cdktn import Testing
+
+    from stacks.stack import TrainingStack
+
+    stack = TrainingStack(Testing.app(), "deleting",
+                          variant({"machine": {"termination_action": "DELETE"}}, "deleting"))
+    t = json.loads(Testing.synth(stack))["resource"]["google_compute_instance_template"]
+    (template,) = t.values()
+    assert template["scheduling"]["instance_termination_action"] == "DELETE"
+
+
+def test_standard_provisioning(synthesized):
+    assert synthesized["standard"].one("google_compute_instance_template")["scheduling"] == {
+        "provisioning_model": "STANDARD",
+        "preemptible": False,
+        "automatic_restart": True,
+        "on_host_maintenance": "TERMINATE",
+    }
+
+
+@pytest.mark.parametrize("name", list(GPU_FAMILIES))
+def test_gpus_attached_only_where_the_family_needs_it(synthesized, name):
+    machine_type, gpu_type, count, attached = GPU_FAMILIES[name]
+    t = synthesized[name].one("google_compute_instance_template")
+    assert t["machine_type"] == machine_type
+    if attached:
+        assert t["guest_accelerator"] == [{"type": gpu_type, "count": count}]
+    else:
+        assert "guest_accelerator" not in t
+    assert t["scheduling"]["on_host_maintenance"] == "TERMINATE"
+
+
+def test_image_shielded_vm_and_metadata(example):
+    t = example.one("google_compute_instance_template")
+    boot = next(d for d in t["disk"] if d.get("boot"))
+    assert boot["source_image"] == (
+        "projects/deeplearning-platform-release/global/images/family/"
+        "pytorch-2-9-cu129-ubuntu-2204-nvidia-580"
+    )
+    assert boot["disk_size_gb"] == 200
+    assert t["shielded_instance_config"] == {
+        "enable_secure_boot": False, "enable_vtpm": True, "enable_integrity_monitoring": True,
+    }
+    md = t["metadata"]
+    assert md["enable-oslogin"] == "TRUE"
+    assert md["block-project-ssh-keys"] == "TRUE"
+    assert md["install-nvidia-driver"] == "True"
+    assert md["startup-script"].startswith("#!/bin/bash\n")
+    assert md["shutdown-script"].startswith("#!/bin/bash\n")
+    assert "--gcs-uri gs://my-project-123456-example-ckpt/runs/example" in md["startup-script"]
+    assert "serial-port-enable" not in md
+    assert t["labels"]["spottrain-experiment"] == "example"
+
+
+def test_checkpoint_disk_is_pd_ssd_with_the_fixed_device_name(example):
+    t = example.one("google_compute_instance_template")
+    (disk,) = [d for d in t["disk"] if d.get("device_name") == DEVICE_NAME]
+    assert disk["disk_type"] == "pd-ssd"
+    assert disk["disk_size_gb"] == 300
+    assert disk["type"] == "PERSISTENT"
+    assert not disk["boot"]
+    assert f"/dev/disk/by-id/google-{DEVICE_NAME}" in t["metadata"]["startup-script"]
+
+
+def test_local_ssds_are_optional(example, synthesized):
+    def scratch(s):
+        return [d for d in s.one("google_compute_instance_template")["disk"]
+                if d.get("type") == "SCRATCH"]
+
+    assert scratch(example) == []
+    ssds = scratch(synthesized["a2-a100-40"])
+    assert len(ssds) == 2
+    assert all(d["disk_type"] == "local-ssd" and d["interface"] == "NVME" for d in ssds)
+    startup = synthesized["a2-a100-40"].one("google_compute_instance_template")["metadata"][
+        "startup-script"]
+    assert "--local-dir /mnt/localssd/run" in startup
+
+
+def test_metadata_is_deterministic(example):
+    """An unchanged experiment must plan no diff: a second synthesis is byte-identical."""
+    from cdktn import Testing
+
+    from stacks.stack import TrainingStack
+
+    again = Testing.synth(TrainingStack(Testing.app(), "example", example.spec))
+    assert again == example.text
+
+
+# --- health check and group ----------------------------------------------------------------------
+
+
+def test_tcp_health_check_speaks_the_trainer_protocol(example):
+    hc = example.one("google_compute_health_check")
+    assert hc["tcp_health_check"] == {"port": 8471, "request": "spottrain-health", "response": "ok"}
+    assert (hc["check_interval_sec"], hc["timeout_sec"]) == (10, 5)
+    assert (hc["healthy_threshold"], hc["unhealthy_threshold"]) == (2, 6)
+
+
+def test_zonal_group(example):
+    g = example.one("google_compute_instance_group_manager")
+    assert example.resources("google_compute_region_instance_group_manager") == []
+    assert g["zone"] == "us-central1-a"
+    assert g["target_size"] == 1
+    assert g["version"] == [{
+        "name": "trainer",
+        "instance_template": f"{ref(example, 'google_compute_instance_template')}"
+                             ".self_link_unique}",
+    }]
+    assert g["auto_healing_policies"] == {
+        "health_check": f"{ref(example, 'google_compute_health_check')}.id}}",
+        "initial_delay_sec": 900,
+    }
+    assert g["stateful_disk"] == [
+        {"device_name": DEVICE_NAME, "delete_rule": "ON_PERMANENT_INSTANCE_DELETION"}
+    ]
+    assert g["instance_lifecycle_policy"]["default_action_on_failure"] == "REPAIR"
+    assert g["update_policy"] == {
+        "type": "PROACTIVE", "minimal_action": "REPLACE", "replacement_method": "RECREATE",
+        "max_surge_fixed": 0, "max_unavailable_fixed": 1,
+    }
+    assert g["named_port"] == [{"name": "health", "port": 8471}]
+
+
+def test_regional_group_takes_the_stateful_constraints(synthesized):
+    s = synthesized["regional"]
+    assert s.resources("google_compute_instance_group_manager") == []
+    g = s.one("google_compute_region_instance_group_manager")
+    assert g["region"] == "us-central1"
+    assert g["distribution_policy_zones"] == ["us-central1-a", "us-central1-b", "us-central1-c"]
+    assert g["distribution_policy_target_shape"] == "EVEN"
+    assert g["stateful_disk"] == [
+        {"device_name": DEVICE_NAME, "delete_rule": "ON_PERMANENT_INSTANCE_DELETION"}
+    ]
+    assert g["update_policy"] == {
+        "type": "PROACTIVE", "minimal_action": "REPLACE", "replacement_method": "RECREATE",
+        "instance_redistribution_type": "NONE", "max_surge_fixed": 0, "max_unavailable_fixed": 3,
+    }
+    assert g["instance_lifecycle_policy"] == {
+        "default_action_on_failure": "REPAIR", "force_update_on_repair": "YES",
+        "on_repair": {"allow_changing_zone": "NO"},
+    }
+    assert g["auto_healing_policies"]["initial_delay_sec"] == 900
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_stateful_device_name_matches_a_template_disk(synthesized, name):
+    s = synthesized[name]
+    groups = (s.resources("google_compute_instance_group_manager")
+              + s.resources("google_compute_region_instance_group_manager"))
+    (group,) = groups
+    devices = {d.get("device_name") for d in s.one("google_compute_instance_template")["disk"]}
+    for stateful in group["stateful_disk"]:
+        assert stateful["device_name"] in devices
+
+
+# --- provider, backend, outputs ------------------------------------------------------------------
+
+
+def test_provider_and_local_backend(example):
+    assert example.json["provider"]["google"] == [
+        {"project": "my-project-123456", "region": "us-central1"}
+    ]
+    assert example.json["terraform"]["required_providers"]["google"]["version"] == "8.7.0"
+    assert example.json["terraform"]["backend"] == {
+        "local": {"path": "../../../terraform.example.tfstate"}
+    }
+
+
+def test_gcs_backend(synthesized):
+    assert synthesized["existing-net"].json["terraform"]["backend"] == {
+        "gcs": {"bucket": "team-tf-state", "prefix": "spottrain/existing"}
+    }
+
+
+def test_outputs(example, synthesized):
+    out = {k: v["value"] for k, v in example.json["output"].items()}
+    assert out["bucket"] == f"{ref(example, 'google_storage_bucket')}.name}}"
+    assert out["group_name"] == f"{ref(example, 'google_compute_instance_group_manager')}.name}}"
+    assert out["group_self_link"].endswith(".self_link}")
+    assert out["service_account"] == f"{ref(example, 'google_service_account')}.email}}"
+    assert out["checkpoint_uri"] == "gs://my-project-123456-example-ckpt/runs/example"
+    assert "journalctl -u spottrain.service" in out["trainer_log_command"]
+    assert "--tunnel-through-iap" in out["trainer_log_command"]
+    assert "get-serial-port-output" in out["serial_log_command"]
+    assert out["scale_to_zero_command"] == (
+        "gcloud compute instance-groups managed resize example-group --size 0 "
+        "--project my-project-123456 --zone us-central1-a"
+    )
+    regional = {k: v["value"] for k, v in synthesized["regional"].json["output"].items()}
+    assert "--region us-central1" in regional["scale_to_zero_command"]
+
+
+def test_example_snapshot(example, snapshot):
+    """The example stack as synthesized: a change to the infrastructure shows up in review.
+    After an intended change: `pytest tests/stacks --snapshot-update`, and commit the JSON."""
+    from syrupy.extensions.json import JSONSnapshotExtension
+
+    assert json.loads(example.text) == snapshot.use_extension(JSONSnapshotExtension)
