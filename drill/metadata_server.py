@@ -1,0 +1,258 @@
+"""A fake GCE metadata server on loopback that speaks the real protocol, for the drill and tests.
+
+Only what cannot exist off GCE is faked; clients (curl in the boot scripts, google-auth, the
+trainer's preemption watcher) talk plain HTTP to it exactly as they would to
+`metadata.google.internal`, pointed here by `GCE_METADATA_HOST=127.0.0.1:PORT`.
+
+Protocol kept (https://cloud.google.com/compute/docs/metadata/querying-metadata):
+- every request must carry `Metadata-Flavor: Google` (else 403) and must not carry
+  `X-Forwarded-For` (else 403); every answer carries `Metadata-Flavor: Google` and an `ETag`;
+- `GET .../instance/preempted` answers `FALSE` until `preempt()`, then `TRUE`;
+- `?wait_for_change=true` blocks until the value differs from the one at request time (or from
+  `last_etag=`), up to `timeout_sec=` (then answers the unchanged value, as GCE does);
+- `instance/attributes/KEY` (custom metadata, 404 when absent; `?recursive=true` on the folder
+  gives JSON), a few fixed instance/project values, a service-account token;
+- guest attributes: `PUT/GET instance/guest-attributes/NAMESPACE/KEY`, and the folder as JSON.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+PREFIX = "/computeMetadata/v1/"
+
+
+def _etag(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
+class MetadataServer:
+    """The metadata server of one fake VM.
+
+    Use as a context manager, or `start()`/`stop()`. `host` is what goes into
+    `GCE_METADATA_HOST`. State changes (`preempt()`, `set_attribute()`, guest attributes written
+    by the VM) wake every blocked `wait_for_change` request.
+    """
+
+    def __init__(self, *, attributes: dict[str, str] | None = None, instance_name: str = "spottrain-drill-vm",
+                 zone: str = "europe-west4-a", project_id: str = "spottrain-drill") -> None:
+        self._cond = threading.Condition()
+        self._closing = False
+        # Path under PREFIX -> value; directories are derived from the keys.
+        self._values: dict[str, str] = {
+            "instance/preempted": "FALSE",
+            "instance/maintenance-event": "NONE",
+            "instance/name": instance_name,
+            "instance/hostname": f"{instance_name}.c.{project_id}.internal",
+            "instance/id": "4242424242424242",
+            "instance/zone": f"projects/424242/zones/{zone}",
+            "project/project-id": project_id,
+            "project/numeric-project-id": "424242",
+            "instance/service-accounts/default/email": f"trainer@{project_id}.iam.gserviceaccount.com",
+            "instance/service-accounts/default/scopes": "https://www.googleapis.com/auth/cloud-platform",
+        }
+        for key, value in (attributes or {}).items():
+            self._values[f"instance/attributes/{key}"] = value
+        self._guest: dict[str, str] = {}
+        self.requests: list[tuple[str, str]] = []   # (method, path) seen, for tests and the drill log
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "MetadataServer":
+        server = self
+
+        class Handler(_Handler):
+            metadata = server
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metadata-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> "MetadataServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        assert self._httpd is not None, "server not started"
+        return self._httpd.server_address[1]
+
+    @property
+    def host(self) -> str:
+        """`127.0.0.1:PORT`, the value for GCE_METADATA_HOST."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}{PREFIX}"
+
+    # --- what the drill does to the VM -----------------------------------------------------
+    def preempt(self) -> None:
+        """The preemption notice: `instance/preempted` turns TRUE (waking waiters)."""
+        self.set_value("instance/preempted", "TRUE")
+
+    def reset(self) -> None:
+        """A fresh VM from the template: not preempted, guest attributes gone."""
+        with self._cond:
+            self._values["instance/preempted"] = "FALSE"
+            self._guest.clear()
+            self._cond.notify_all()
+
+    def set_attribute(self, key: str, value: str) -> None:
+        """Custom instance metadata (`instance/attributes/KEY`)."""
+        self.set_value(f"instance/attributes/{key}", value)
+
+    def set_value(self, path: str, value: str) -> None:
+        with self._cond:
+            self._values[path.strip("/")] = value
+            self._cond.notify_all()
+
+    def guest_attributes(self) -> dict[str, str]:
+        """`NAMESPACE/KEY` -> value written by the VM."""
+        with self._cond:
+            return dict(self._guest)
+
+    def wait_guest_attribute(self, key: str, timeout: float) -> str | None:
+        """Block until the VM has written guest attribute `NAMESPACE/KEY`; None on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key not in self._guest:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    return None
+                self._cond.wait(left)
+            return self._guest[key]
+
+    # --- protocol internals ----------------------------------------------------------------
+    def _lookup(self, path: str, recursive: bool) -> tuple[int, str, str]:
+        """(status, body, content type) for a GET of `path` (relative to PREFIX)."""
+        if path.startswith("instance/guest-attributes"):
+            sub = path[len("instance/guest-attributes"):].strip("/")
+            if sub in self._guest:
+                return 200, self._guest[sub], "application/text"
+            keys = sorted(k for k in self._guest if not sub or k.startswith(sub + "/"))
+            if not keys:
+                return 404, "guest attribute not found\n", "text/plain"
+            listing = [{"namespace": k.split("/", 1)[0], "key": k.split("/", 1)[1], "value": self._guest[k]}
+                       for k in keys]
+            return 200, json.dumps({"queryValue": {"items": listing}}), "application/json"
+        if path == "instance/service-accounts/default/token":
+            return 200, json.dumps({"access_token": "drill-fake-token", "expires_in": 3599,
+                                    "token_type": "Bearer"}), "application/json"
+        if path in self._values:
+            return 200, self._values[path], "application/text"
+        folder = path.rstrip("/")
+        children = {k[len(folder) + 1:]: v for k, v in self._values.items()
+                    if not folder or k.startswith(folder + "/")}
+        if not children:
+            return 404, "not found\n", "text/html"
+        if recursive:
+            tree: dict = {}
+            for key, value in children.items():
+                node = tree
+                *dirs, leaf = key.split("/")
+                for d in dirs:
+                    node = node.setdefault(d, {})
+                node[leaf] = value
+            return 200, json.dumps(tree), "application/json"
+        names = sorted({k.split("/", 1)[0] + ("/" if "/" in k else "") for k in children})
+        return 200, "\n".join(names) + "\n", "application/text"
+
+    def _get(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, str]:
+        recursive = query.get("recursive", ["false"])[0].lower() == "true"
+        wait = query.get("wait_for_change", ["false"])[0].lower() == "true"
+        with self._cond:
+            status, body, ctype = self._lookup(path, recursive)
+            if not wait or status != 200:
+                return status, body, ctype
+            last = query.get("last_etag", [None])[0] or _etag(body)
+            timeout = float(query.get("timeout_sec", ["3600"])[0])
+            deadline = time.monotonic() + timeout
+            while True:
+                status, body, ctype = self._lookup(path, recursive)
+                if status != 200 or _etag(body) != last or self._closing:
+                    return status, body, ctype
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return status, body, ctype
+                self._cond.wait(left)
+
+    def _put_guest(self, path: str, value: str) -> int:
+        sub = path[len("instance/guest-attributes"):].strip("/")
+        if sub.count("/") != 1:
+            return 400
+        with self._cond:
+            self._guest[sub] = value
+            self._cond.notify_all()
+        return 200
+
+
+class _Handler(BaseHTTPRequestHandler):
+    metadata: MetadataServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+        pass  # the drill keeps its own record in `requests`
+
+    def _answer(self, status: int, body: str = "", ctype: str = "application/text", etag: bool = True) -> None:
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Metadata-Flavor", "Google")
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        if etag and status == 200:
+            self.send_header("ETag", _etag(body))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _route(self) -> tuple[str, dict[str, list[str]]] | None:
+        self.metadata.requests.append((self.command, self.path))
+        if self.headers.get("Metadata-Flavor") != "Google" or self.headers.get("X-Forwarded-For"):
+            self._answer(HTTPStatus.FORBIDDEN, "Missing Metadata-Flavor:Google header.\n", "text/html", etag=False)
+            return None
+        url = urlsplit(self.path)
+        if not url.path.startswith(PREFIX) and url.path != PREFIX.rstrip("/"):
+            self._answer(HTTPStatus.NOT_FOUND, "not found\n", "text/html", etag=False)
+            return None
+        return url.path[len(PREFIX):], parse_qs(url.query)
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        routed = self._route()
+        if routed is not None:
+            self._answer(*self.metadata._get(*routed))
+
+    do_HEAD = do_GET
+
+    def do_PUT(self) -> None:  # noqa: N802 - stdlib name
+        routed = self._route()
+        if routed is None:
+            return
+        path, _ = routed
+        value = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+        if not path.startswith("instance/guest-attributes/"):
+            self._answer(HTTPStatus.METHOD_NOT_ALLOWED, "only guest attributes are writable\n", "text/plain", etag=False)
+            return
+        self._answer(self.metadata._put_guest(path, value), "", etag=False)
