@@ -18,7 +18,8 @@ from pydantic import BaseModel, ValidationError
 from stacks.experiment import SECTIONS, Experiment, check_name
 
 ENV_VAR = "SPOTTRAIN_EXPERIMENTS"
-DEFAULT_DIR = Path("experiments")
+#: The repository's experiments/, wherever the app is started from.
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "experiments"
 
 
 class ExperimentError(Exception):

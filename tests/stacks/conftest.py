@@ -17,12 +17,17 @@ from stack_support import VARIANTS, Synthesized, variant
 
 @pytest.fixture(scope="session")
 def outdirs_cleanup():
-    """Remove the /tmp/cdktf.outdir.* folders Testing leaves behind (only those made here)."""
+    """Remove the /tmp/cdktf.outdir.* folders Testing leaves behind: those that appeared during
+    this session and hold nothing but our stacks (another process's folders stay)."""
     pattern = str(Path(tempfile.gettempdir()) / "cdktf.outdir.*")
     before = set(glob.glob(pattern))
     yield
+    ours = {*VARIANTS, "deleting", "example"}
     for path in set(glob.glob(pattern)) - before:
-        shutil.rmtree(path, ignore_errors=True)
+        stacks = Path(path) / "stacks"
+        names = {p.name for p in stacks.iterdir()} if stacks.is_dir() else set()
+        if names <= ours:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
