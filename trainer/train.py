@@ -40,6 +40,8 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     process_start = process_start or time.time()
     world = distributed.init()
     log = setup_logging(world.rank)
+    if not world.is_main:  # rank 0 speaks for the job; the others only warn
+        logging.getLogger().setLevel(logging.WARNING)
     preempt = Preemption(log.getChild("preemption"))
     preempt.install_signal_handlers()
     session = _Session(cfg, world, log, preempt, make_checkpointer, process_start)

@@ -94,6 +94,14 @@ class Proc:
             if m:
                 return m
 
+    def seen(self, pattern: str) -> re.Match[str]:
+        """A line already read that matches ``pattern`` (for lines that precede a waited-for one)."""
+        for line in list(self.lines):
+            m = re.search(pattern, line)
+            if m:
+                return m
+        raise AssertionError(f"no line matching {pattern!r} so far:\n{self.output[-3000:]}")
+
     def signal(self, sig: int, group: bool = False) -> None:
         if group:
             os.killpg(self.p.pid, sig)
