@@ -462,7 +462,8 @@ class GcsStore:
             self._retry(f"upload {key}", upload)
         except gexc.PreconditionFailed:
             size, crc = identity()
-            blob = self._bucket.get_blob(self._object(key), timeout=self._timeout())
+            blob = self._retry(f"stat {key}", lambda: self._bucket.get_blob(
+                self._object(key), retry=None, timeout=self._timeout()))
             if blob is not None and blob.size == size and (blob.crc32c is None or blob.crc32c == crc):
                 log.info("gcs upload %s: object already exists with identical content; done", key)
                 return

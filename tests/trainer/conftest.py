@@ -171,7 +171,7 @@ class FaultyBlob:
             raise gexc.PreconditionFailed("injected 412")
         if f is not None and f.kind == "hook" and f.hook is not None:
             f.hook()
-        if self._enforce and kwargs.get("if_generation_match") == 0 and self._blob.bucket.get_blob(self._blob.name) is not None:
+        if self._enforce and kwargs.get("if_generation_match") == 0 and self._blob.bucket.get_blob(self._blob.name, retry=None, timeout=10) is not None:
             raise gexc.PreconditionFailed("object exists (create-only precondition, enforced by the test wrapper)")
         out = fn()
         if f is not None and f.kind == "412-after":

@@ -1,0 +1,448 @@
+"""trainer.checkpointer: tiers, async saves, restore with fallback, retention, emergency save."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint import MANIFEST, STATE, TENSORS, list_checkpoints, step_name, verify_dir
+from trainer.checkpointer import Checkpointer, TierPolicy
+
+GUARD = 60.0  # failure guard for waits; never reached when the code is right
+
+
+def make_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)},
+            "optim": {"state": {0: {"exp_avg": torch.randn(16, 8, generator=g)}}, "param_groups": [{"lr": 0.1}]},
+            "rng": torch.get_rng_state(), "data": {"index": step * 10, "epoch": 0}, "step": step}
+
+
+def same(a: dict, b: dict) -> bool:
+    return (torch.equal(a["model"]["w"], b["model"]["w"]) and torch.equal(a["model"]["b"], b["model"]["b"])
+            and torch.equal(a["optim"]["state"][0]["exp_avg"], b["optim"]["state"][0]["exp_avg"])
+            and torch.equal(a["rng"], b["rng"]) and a["data"] == b["data"] and a["step"] == b["step"])
+
+
+EVERY = TierPolicy(every_steps=1, keep=10)
+
+
+def ckpt(tmp_path: Path, emu=None, *, client=None, with_local=True, **policies) -> Checkpointer:
+    pol = {"local": EVERY, "persistent": EVERY, "gcs": EVERY}
+    pol.update(policies)
+    return Checkpointer(run_dir=tmp_path / "run", local_dir=(tmp_path / "local") if with_local else None,
+                        gcs_uri=emu.uri if emu else None, gcs_client=client or (emu.client if emu else None),
+                        policies={k: v for k, v in pol.items() if v is not None})
+
+
+def save_steps(c: Checkpointer, steps) -> None:
+    for s in steps:
+        c.save(s, make_state(s), meta={"world_size": 1})
+        c.wait()
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("tier", ["local", "persistent", "gcs"])
+def test_roundtrip_from_each_tier(gcs_emulator, tmp_path: Path, tier: str) -> None:
+    c = ckpt(tmp_path, gcs_emulator)
+    save_steps(c, [3])
+    c.close()
+    # Leave the checkpoint only on the tier under test.
+    if tier != "local":
+        shutil.rmtree(tmp_path / "local")
+    if tier != "persistent":
+        shutil.rmtree(tmp_path / "run" / step_name(3))
+    if tier != "gcs":
+        c.gcs.delete_prefix(step_name(3) + "/")
+    r = ckpt(tmp_path, gcs_emulator).restore(download=False)
+    assert r is not None and r.step == 3 and r.tier == tier and same(r.state, make_state(3))
+    if tier == "gcs":  # download=False leaves the persistent tier alone
+        assert not (tmp_path / "run" / step_name(3)).exists()
+
+
+def test_fresh_run_restores_nothing(tmp_path: Path, logwatch) -> None:
+    assert ckpt(tmp_path).restore() is None
+    assert "starting from scratch" in logwatch.text()
+
+
+def test_restore_prefers_fastest_tier_for_equal_steps(gcs_emulator, tmp_path: Path) -> None:
+    c = ckpt(tmp_path, gcs_emulator)
+    save_steps(c, [1, 2])
+    r = ckpt(tmp_path, gcs_emulator).restore()
+    assert (r.step, r.tier) == (2, "local")
+
+
+def test_lost_disks_resume_from_gcs(gcs_emulator, tmp_path: Path, logwatch) -> None:
+    c = ckpt(tmp_path, gcs_emulator)
+    save_steps(c, [1, 2])
+    c.close()
+    # The VM came back in another zone: fresh local SSD and a fresh persistent disk.
+    shutil.rmtree(tmp_path / "local")
+    shutil.rmtree(tmp_path / "run")
+    c2 = ckpt(tmp_path, gcs_emulator)
+    r = c2.restore()
+    assert (r.step, r.tier) == (2, "gcs") and same(r.state, make_state(2))
+    # Downloaded into the persistent tier, atomically and verified.
+    assert verify_dir(tmp_path / "run" / step_name(2))["step"] == 2
+    assert "downloaded step 2" in logwatch.text()
+    # The next start finds it on disk.
+    assert ckpt(tmp_path, gcs_emulator).restore().tier == "persistent"
+
+
+def test_gcs_newer_than_disk_is_downloaded(gcs_emulator, tmp_path: Path) -> None:
+    c = ckpt(tmp_path, gcs_emulator, with_local=False)
+    save_steps(c, [1, 2, 3])
+    shutil.rmtree(tmp_path / "run" / step_name(3))  # persistent has 2, GCS has 3
+    r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
+    assert (r.step, r.tier) == (3, "gcs")
+    assert (tmp_path / "run" / step_name(3) / MANIFEST).exists()
+
+
+# ----------------------------------------------------------------------------- corruption
+
+
+def _truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[:-7])
+
+
+def _flip(p: Path) -> None:
+    b = bytearray(p.read_bytes())
+    b[len(b) // 3] ^= 1
+    p.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda f: _truncate(f / TENSORS), "truncated"),
+    (lambda f: (f / MANIFEST).unlink(), "no manifest"),
+    (lambda f: _flip(f / TENSORS), "sha256 mismatch"),
+    (lambda f: _flip(f / STATE), "sha256 mismatch"),
+])
+def test_corrupt_newest_falls_back_and_logs_why(tmp_path: Path, logwatch, damage, reason) -> None:
+    c = ckpt(tmp_path, with_local=False)
+    save_steps(c, [1, 2])
+    damage(tmp_path / "run" / step_name(2))
+    r = ckpt(tmp_path, with_local=False).restore()
+    assert r.step == 1 and same(r.state, make_state(1))
+    line = next(x for x in logwatch.records if "step 2" in x and reason in x)
+    assert "persistent" in line
+
+
+def test_corrupt_everywhere_falls_back_across_tiers(gcs_emulator, tmp_path: Path, logwatch) -> None:
+    c = ckpt(tmp_path, gcs_emulator)
+    save_steps(c, [1, 2])
+    _flip(tmp_path / "local" / step_name(2) / TENSORS)
+    _truncate(tmp_path / "run" / step_name(2) / STATE)
+    r = ckpt(tmp_path, gcs_emulator).restore()
+    # Step 2 is still intact on GCS: it wins over step 1 and replaces the bad persistent copy.
+    assert (r.step, r.tier) == (2, "gcs") and same(r.state, make_state(2))
+    verify_dir(tmp_path / "run" / step_name(2))
+    assert "replacing invalid persistent copy of step 2" in logwatch.text()
+
+
+def test_partial_gcs_uploads_are_never_chosen(gcs_emulator, tmp_path: Path, logwatch) -> None:
+    c = ckpt(tmp_path, gcs_emulator, with_local=False)
+    save_steps(c, [1, 2, 3, 4])
+    c.close()
+    shutil.rmtree(tmp_path / "run")
+    gcs = c.gcs
+    gcs.delete(f"{step_name(4)}/{MANIFEST}")                  # payload without manifest
+    gcs.delete(f"{step_name(3)}/{TENSORS}")                   # manifest -> missing object
+    data = gcs.get_bytes(f"{step_name(2)}/{TENSORS}")
+    gcs.delete(f"{step_name(2)}/{TENSORS}")
+    gcs.put_bytes(f"{step_name(2)}/{TENSORS}", data[:-1])     # manifest -> short object
+    r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
+    assert (r.step, r.tier) == (1, "gcs") and same(r.state, make_state(1))
+    text = logwatch.text()
+    assert "step 4" in text and "no manifest" in text
+    assert "step 3" in text and "missing" in text
+    assert "step 2" in text and "truncated or partial" in text
+
+
+def test_corrupt_payload_on_gcs_with_right_sizes_falls_back(gcs_emulator, tmp_path: Path, logwatch) -> None:
+    c = ckpt(tmp_path, gcs_emulator, with_local=False)
+    save_steps(c, [1, 2])
+    shutil.rmtree(tmp_path / "run")
+    data = bytearray(c.gcs.get_bytes(f"{step_name(2)}/{TENSORS}"))
+    data[5] ^= 0xFF
+    c.gcs.delete(f"{step_name(2)}/{TENSORS}")
+    c.gcs.put_bytes(f"{step_name(2)}/{TENSORS}", bytes(data))
+    r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
+    assert r.step == 1
+    assert "sha256 mismatch" in logwatch.text()
+    assert not (tmp_path / "run" / step_name(2)).exists()  # the bad download never became visible
+
+
+# ----------------------------------------------------------------------------- GCS outages
+
+
+def test_emulator_down_mid_upload_then_back(gcs_emulator, faulty_gcs, tmp_path: Path, logwatch) -> None:
+    emu = gcs_emulator.emulator
+    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, with_local=False)
+    c.gcs.initial_backoff_s = 0.05
+    c.gcs.max_backoff_s = 0.2
+    # The first payload upload finds the emulator gone.
+    faulty_gcs.plan.add("upload", f"*{step_name(5)}/{STATE}", "hook", hook=emu.stop)
+    c.save(5, make_state(5))
+    logwatch.wait_for("retrying", GUARD)
+    # Training goes on meanwhile: the loop is not blocked and no second save starts.
+    assert c._busy() and not c.due(6)
+    assert c.stats["deferred_steps"] == 1
+    emu.start()
+    c.wait()
+    assert c.stats["tier_writes_failed"] == 0
+    infos = {i.step: i for i in list_checkpoints(c.gcs)}
+    assert infos[5].valid
+    shutil.rmtree(tmp_path / "run")
+    r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
+    assert (r.step, r.tier) == (5, "gcs") and same(r.state, make_state(5))
+
+
+def test_emulator_down_upload_fails_cleanly(gcs_emulator, faulty_gcs, tmp_path: Path, logwatch) -> None:
+    emu = gcs_emulator.emulator
+    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, with_local=False)
+    save_steps(c, [1])
+    c.gcs.retry_timeout_s = 0.5
+    c.gcs.initial_backoff_s = 0.05
+    # Outage right before the manifest: payload is up, the manifest never makes it.
+    faulty_gcs.plan.add("upload", f"*{step_name(2)}/{MANIFEST}", "hook", hook=emu.stop)
+    c.save(2, make_state(2))
+    c.wait()
+    assert c.stats["tier_writes_failed"] == 1
+    assert "on gcs failed" in logwatch.text() and "training continues" in logwatch.text()
+    emu.start()  # back, but empty (in-memory): nothing on GCS at all now
+    r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
+    assert (r.step, r.tier) == (2, "persistent")
+
+
+def test_manifest_without_payload_after_outage_is_not_chosen(gcs_emulator, faulty_gcs, tmp_path: Path) -> None:
+    # The emulator restarts empty between the payload and the manifest: the retried manifest lands
+    # and references objects that are gone. Restore must see that and skip it.
+    emu = gcs_emulator.emulator
+    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, with_local=False)
+    c.gcs.initial_backoff_s = 0.05
+
+    def bounce() -> None:
+        emu.stop()
+        emu.start()
+
+    faulty_gcs.plan.add("upload", f"*{step_name(2)}/{MANIFEST}", "hook", hook=bounce)
+    save_steps(c, [2])
+    infos = {i.step: i for i in list_checkpoints(c.gcs)}
+    assert not infos[2].valid and "missing" in infos[2].reason
+    shutil.rmtree(tmp_path / "run")
+    assert ckpt(tmp_path, gcs_emulator, with_local=False).restore() is None
+
+
+# ----------------------------------------------------------------------------- async
+
+
+def test_save_does_not_wait_for_the_write_and_one_is_in_flight(gcs_emulator, faulty_gcs, tmp_path: Path,
+                                                                logwatch) -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    def block() -> None:
+        entered.set()
+        assert release.wait(GUARD)
+
+    faulty_gcs.plan.add("upload", f"*{step_name(1)}/{TENSORS}", "hook", hook=block)
+    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs)
+    done = threading.Event()
+    threading.Thread(target=lambda: (c.save(1, make_state(1)), done.set()), daemon=True).start()
+    assert done.wait(GUARD), "save() blocked on the background upload"
+    assert entered.wait(GUARD) and not release.is_set()  # the upload is still held
+    # While in flight: due() says no (and counts it), and a forced save waits for the first one.
+    assert not c.due(2) and c.stats["deferred_steps"] == 1
+    second = threading.Thread(target=lambda: c.save(2, make_state(2)), daemon=True)
+    second.start()
+    release.set()
+    second.join(GUARD)
+    c.wait()
+    assert c.stats["waited"] == 1
+    text = logwatch.records
+    i1 = next(i for i, x in enumerate(text) if "step 1 durable on gcs" in x)
+    i2 = next(i for i, x in enumerate(text) if "step 2 durable on local" in x)
+    assert i1 < i2, "the second save started before the first finished"
+    assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {1, 2}
+
+
+def test_background_error_never_raises_into_the_loop(tmp_path: Path, logwatch) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    c = Checkpointer(run_dir=tmp_path / "file" / "run", policies={"persistent": EVERY})
+    c.save(1, make_state(1))  # returns; the failure happens in the background
+    c.wait()
+    assert c.stats["tier_writes_failed"] == 1 and "persistent step 1" in c.stats["last_error"]
+    assert "failed (training continues" in logwatch.text()
+
+
+def test_meta_must_be_json(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="JSON"):
+        ckpt(tmp_path).save(1, make_state(1), meta={"x": object()})
+
+
+def test_unknown_tier_policy_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown checkpoint tier"):
+        Checkpointer(run_dir=tmp_path, policies={"ram": TierPolicy()})
+    for bad in ({"every_steps": 0}, {"every_seconds": -1.0}, {"keep": 0}):
+        with pytest.raises(ValueError):
+            TierPolicy(**bad)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def test_due_by_steps_per_tier(tmp_path: Path) -> None:
+    c = Checkpointer(run_dir=tmp_path / "run", local_dir=tmp_path / "local",
+                     policies={"local": TierPolicy(every_steps=2), "persistent": TierPolicy(every_steps=5)})
+    assert [s for s in range(1, 7) if c._due_tiers(s)] == [2, 3, 4, 5, 6]  # nothing saved yet: stays due
+    c.save(2, make_state(2))
+    c.wait()
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == [step_name(2)]
+    assert not (tmp_path / "run").exists()  # persistent was not due at step 2
+    assert c._due_tiers(3) == [] and c._due_tiers(4) == ["local"] and c._due_tiers(5) == ["local", "persistent"]
+
+
+def test_due_after_restore_counts_from_the_restored_step(tmp_path: Path) -> None:
+    c = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=10))
+    c.save(13, make_state(13))
+    c.wait()
+    c2 = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=10))
+    assert c2.restore().step == 13
+    assert not c2.due(14) and not c2.due(19) and c2.due(20)
+
+
+def test_due_by_seconds(tmp_path: Path) -> None:
+    c = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_seconds=3600))
+    assert not c.due(1)
+    c2 = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_seconds=1e-9))
+    assert c2.due(1)
+
+
+def test_automatic_interval_uses_measured_cost(tmp_path: Path, logwatch) -> None:
+    c = Checkpointer(run_dir=tmp_path / "run", mtbf_s=3600)
+    assert c.interval_s("persistent") == 60.0 and not c.due(1)  # first save after 60 s
+    c.save(1, make_state(1))
+    c.wait()
+    auto = c._tiers["persistent"].auto
+    assert auto.blocked_s is not None and auto.write_s is not None
+    assert c.interval_s("persistent") == auto.decide().seconds
+    c.due(2)
+    assert "Young/Daly" in logwatch.text()
+
+
+# ----------------------------------------------------------------------------- retention
+
+
+def test_retention_keeps_last_k_per_tier(gcs_emulator, tmp_path: Path) -> None:
+    c = ckpt(tmp_path, gcs_emulator, local=TierPolicy(every_steps=1, keep=1),
+             persistent=TierPolicy(every_steps=1, keep=2), gcs=TierPolicy(every_steps=1, keep=3))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / step_name(0)).mkdir()  # an old invalid leftover
+    save_steps(c, range(1, 6))
+    steps = lambda tier: [i.step for i in list_checkpoints(c._tiers[tier].store)]  # noqa: E731
+    assert steps("local") == [5]
+    assert steps("persistent") == [5, 4]
+    assert steps("gcs") == [5, 4, 3]
+
+
+def test_retention_never_deletes_the_newest_valid(tmp_path: Path) -> None:
+    c = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=1, keep=1))
+    save_steps(c, [1])
+    # A newer, corrupt checkpoint appears (e.g. bit rot on an old disk); then a save of an older
+    # step (after resuming from step 1). The valid newest is the one just written; the corrupt
+    # newer folder is not counted as valid and step 1 stays... until a newer valid exists.
+    (tmp_path / "run" / step_name(9)).mkdir()
+    save_steps(c, [2])
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert step_name(2) in names and step_name(1) not in names and step_name(9) in names
+
+
+# ----------------------------------------------------------------------------- emergency
+
+
+def test_emergency_save_within_deadline(gcs_emulator, tmp_path: Path) -> None:
+    c = ckpt(tmp_path, gcs_emulator)
+    rep = c.emergency_save(7, make_state(7), deadline=time.monotonic() + 120, meta={"world_size": 1})
+    assert rep.step == 7 and rep.persistent_ok and rep.gcs_ok is True
+    assert "persistent saved" in rep.detail and "GCS uploaded" in rep.detail and "\n" not in rep.detail
+    verify_dir(tmp_path / "run" / step_name(7))
+    assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {7}
+    assert not (tmp_path / "local").exists()  # the local SSD does not survive a preemption
+
+
+def test_emergency_save_without_gcs(tmp_path: Path) -> None:
+    rep = ckpt(tmp_path, with_local=False).emergency_save(3, make_state(3), deadline=time.monotonic() + 60)
+    assert rep.persistent_ok and rep.gcs_ok is None
+
+
+def test_emergency_deadline_too_short_for_gcs(gcs_emulator, tmp_path: Path) -> None:
+    c = ckpt(tmp_path, gcs_emulator)
+    rep = c.emergency_save(8, make_state(8), deadline=time.monotonic() - 1)
+    assert rep.persistent_ok and rep.gcs_ok is False and "GCS not done" in rep.detail
+    assert not [i for i in list_checkpoints(c.gcs) if i.valid]
+    r = ckpt(tmp_path, gcs_emulator).restore()
+    assert (r.step, r.tier) == (8, "persistent")
+
+
+def test_emergency_upload_running_past_deadline_leaves_nothing_valid(gcs_emulator, faulty_gcs,
+                                                                     tmp_path: Path) -> None:
+    release = threading.Event()
+    faulty_gcs.plan.add("upload", f"*{step_name(9)}/{TENSORS}", "hook", hook=lambda: release.wait(GUARD))
+    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs)
+    # The upload is held until after emergency_save has returned, i.e. past the deadline.
+    rep = c.emergency_save(9, make_state(9), deadline=time.monotonic() + 1.0)
+    assert rep.persistent_ok and rep.gcs_ok is False and "GCS not done" in rep.detail
+    release.set()
+    for th in threading.enumerate():
+        if th.name == "checkpoint-emergency-upload":
+            th.join(GUARD)
+    assert not [i for i in list_checkpoints(c.gcs) if i.valid]
+    assert not any(name.endswith(MANIFEST) for name in c.gcs.list(""))
+    assert ckpt(tmp_path, gcs_emulator).restore().tier in ("persistent",)
+
+
+def test_emergency_cuts_short_an_in_flight_upload(gcs_emulator, faulty_gcs, tmp_path: Path, logwatch) -> None:
+    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs)
+    # The periodic upload of step 4 hangs until the emergency save aborts it.
+    faulty_gcs.plan.add("upload", f"*{step_name(4)}/{TENSORS}", "hook", hook=lambda: c.gcs.abort.wait(GUARD))
+    c.save(4, make_state(4))
+    rep = c.emergency_save(5, make_state(5), deadline=time.monotonic() + 120)
+    assert rep.persistent_ok and rep.gcs_ok is True
+    valid = {i.step for i in list_checkpoints(c.gcs) if i.valid}
+    assert valid == {5}
+    assert "step 4 on gcs failed" in logwatch.text()
+    assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {4, 5}
+
+
+def test_emergency_save_of_an_already_saved_step(gcs_emulator, tmp_path: Path) -> None:
+    c = ckpt(tmp_path, gcs_emulator)
+    save_steps(c, [6])
+    rep = c.emergency_save(6, make_state(6), deadline=time.monotonic() + 60)
+    assert rep.persistent_ok and rep.gcs_ok is True
+
+
+# ----------------------------------------------------------------------------- describe
+
+
+def test_describe(gcs_emulator, tmp_path: Path) -> None:
+    c = ckpt(tmp_path, gcs_emulator)
+    save_steps(c, [1, 2])
+    (tmp_path / "run" / step_name(2) / MANIFEST).unlink()
+    d = c.describe()
+    assert set(d["tiers"]) == {"local", "persistent", "gcs"}
+    p = d["tiers"]["persistent"]
+    assert p["newest_valid"] == 1
+    assert [(x["step"], x["valid"]) for x in p["checkpoints"]] == [(2, False), (1, True)]
+    assert "no manifest" in p["checkpoints"][0]["reason"]
+    assert d["tiers"]["gcs"]["newest_valid"] == 2 and d["tiers"]["local"]["newest_valid"] == 2
+    _flip(tmp_path / "local" / step_name(2) / TENSORS)
+    deep = c.describe(deep=True)["tiers"]["local"]
+    assert deep["newest_valid"] == 1 and "sha256" in deep["checkpoints"][0]["reason"]
+    assert d["stats"]["saves"] == 2
