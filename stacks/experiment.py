@@ -169,7 +169,8 @@ class Disk(Section):
     throughput grows with size (~0.48 MB/s per GB), which bounds the emergency save."""
     local_ssd_count: int = 0
     """Local NVMe SSDs (375 GB each) for the fastest checkpoint tier; lost on preemption.
-    0-8, 16 or 24 on n1 and a2-highgpu/megagpu; a3 and a2-ultragpu bring their own."""
+    0-8, 16 or 24 on n1; on a2-highgpu/megagpu the counts each size allows (e.g. 1, 2, 4, 8 on
+    a2-highgpu-1g); a3 and a2-ultragpu bring their own."""
 
     @field_validator("local_ssd_count")
     @classmethod
@@ -436,6 +437,12 @@ def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
                 "disk.local_ssd_count",
                 f"{exp.machine.machine_type} cannot take Local SSDs from this setting "
                 f"(a3 and a2-ultragpu bring their own; g2 is not supported yet); allowed: 0",
+            )
+        elif shape.local_ssd_counts and exp.disk.local_ssd_count not in shape.local_ssd_counts:
+            yield (
+                "disk.local_ssd_count",
+                f"{exp.machine.machine_type} takes {exp.disk.local_ssd_count} Local SSDs in no "
+                f"configuration; allowed: " + ", ".join(map(str, shape.local_ssd_counts)),
             )
     if exp.backend.bucket is not None and exp.backend.bucket == exp.bucket_name(name):
         yield (

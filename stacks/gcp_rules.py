@@ -45,18 +45,26 @@ class MachineShape:
     gpu_count: int = 0
     bundled_local_ssd: bool = False  # the family attaches its own Local SSD
     spot_or_flex_only: bool = False  # not offered with standard provisioning
+    local_ssd_counts: tuple[int, ...] | None = None  # None: the N1 rule (LOCAL_SSD_COUNTS)
+    gvnic_required: bool = False  # the family boots only with the gVNIC network interface
 
 
 def _accelerator_optimized() -> dict[str, MachineShape]:
     shapes: dict[str, MachineShape] = {}
     for n, vcpu, mem in [(1, 26, 234), (2, 52, 468), (4, 104, 936), (8, 208, 1872)]:
         shapes[f"a3-highgpu-{n}g"] = MachineShape(
-            vcpu, mem, H100, n, bundled_local_ssd=True, spot_or_flex_only=n < 8
+            vcpu, mem, H100, n, bundled_local_ssd=True, spot_or_flex_only=n < 8,
+            gvnic_required=True,
         )
-    shapes["a3-megagpu-8g"] = MachineShape(208, 1872, H100_MEGA, 8, bundled_local_ssd=True)
+    shapes["a3-megagpu-8g"] = MachineShape(
+        208, 1872, H100_MEGA, 8, bundled_local_ssd=True, gvnic_required=True
+    )
+    a2_ssds = {1: (1, 2, 4, 8), 2: (2, 4, 8), 4: (4, 8), 8: (8,)}
     for n, vcpu, mem in [(1, 12, 85), (2, 24, 170), (4, 48, 340), (8, 96, 680)]:
-        shapes[f"a2-highgpu-{n}g"] = MachineShape(vcpu, mem, A100_40, n)
-    shapes["a2-megagpu-16g"] = MachineShape(96, 1360, A100_40, 16)
+        shapes[f"a2-highgpu-{n}g"] = MachineShape(
+            vcpu, mem, A100_40, n, local_ssd_counts=(0, *a2_ssds[n])
+        )
+    shapes["a2-megagpu-16g"] = MachineShape(96, 1360, A100_40, 16, local_ssd_counts=(0, 8))
     for n, vcpu, mem in [(1, 12, 170), (2, 24, 340), (4, 48, 680), (8, 96, 1360)]:
         shapes[f"a2-ultragpu-{n}g"] = MachineShape(vcpu, mem, A100_80, n, bundled_local_ssd=True)
     for vcpu, mem, n in [

@@ -34,6 +34,7 @@ class TemplateProps:
     gpu_type: str
     gpu_count: int
     attach_gpus: bool  # only N1 takes guest_accelerator; a2/a3/g2 have theirs built in
+    gvnic: bool  # A3 boots only with the gVNIC interface
     spot: bool
     termination_action: str
     image_project: str
@@ -120,7 +121,9 @@ class TrainerTemplate(Construct):
             network_interface=[
                 # No access_config: no external IP. Egress goes through Cloud NAT.
                 ComputeInstanceTemplateNetworkInterface(
-                    subnetwork=props.subnetwork, subnetwork_project=props.subnetwork_project
+                    subnetwork=props.subnetwork,
+                    subnetwork_project=props.subnetwork_project,
+                    nic_type="GVNIC" if props.gvnic else None,
                 )
             ],
             service_account=ComputeInstanceTemplateServiceAccount(

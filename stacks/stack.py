@@ -94,6 +94,7 @@ class TrainingStack(TerraformStack):
             gpu_type=m.gpu_type,
             gpu_count=m.gpu_count,
             attach_gpus=m.shape.gpu_type is None,
+            gvnic=m.shape.gvnic_required,
             spot=m.provisioning == "spot",
             termination_action=m.termination_action,
             image_project=m.image_project,

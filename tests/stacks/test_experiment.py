@@ -81,6 +81,11 @@ RULES = [
     ("local-ssd-family", {"disk": {"local_ssd_count": 1}},
      "disk.local_ssd_count: g2-standard-8 cannot take Local SSDs from this setting (a3 and "
      "a2-ultragpu bring their own; g2 is not supported yet); allowed: 0"),
+    ("local-ssd-a2-size", {"machine": {"machine_type": "a2-highgpu-2g",
+                                       "gpu_type": "nvidia-tesla-a100", "gpu_count": 2},
+                           "disk": {"local_ssd_count": 1}},
+     "disk.local_ssd_count: a2-highgpu-2g takes 1 Local SSDs in no configuration; allowed: "
+     "0, 2, 4, 8"),
     ("bucket-name-chars", {"bucket": {"name": "My.Bucket"}},
      "bucket.name: 'My.Bucket' is not valid; allowed: 3-63 of a-z 0-9 - _, starting and ending "
      "with a letter or digit"),

@@ -207,6 +207,8 @@ def test_gpus_attached_only_where_the_family_needs_it(synthesized, name):
     else:
         assert "guest_accelerator" not in t
     assert t["scheduling"]["on_host_maintenance"] == "TERMINATE"
+    (nic,) = t["network_interface"]
+    assert nic.get("nic_type") == ("GVNIC" if machine_type.startswith("a3-") else None)
 
 
 def test_image_shielded_vm_and_metadata(example):
