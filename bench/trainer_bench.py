@@ -1,0 +1,117 @@
+"""Trainer loop throughput with checkpointing against the same loop without it.
+
+Runs the real loop in-process (`trainer.train.run`) on a bigger GPT than the test one, side by
+side, alternating variants so that the load of the machine hits both alike:
+
+- ``no checkpoints``: a checkpointer that is never due (the baseline);
+- ``defaults``: the real Checkpointer with the default (automatic Young/Daly) interval;
+- ``every N steps``: the real Checkpointer saving asynchronously every N steps (the worst case a
+  user may configure), to show what one async snapshot costs the loop.
+
+Goal: steps/s with checkpointing at the defaults / without >= 0.99.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_TASK_ARGS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "stride": 16}
+
+
+class _NeverDue:
+    """The same loop with checkpointing switched off."""
+
+    gcs = None
+    stats: dict[str, Any] = {"saves": 0, "blocked_s_total": 0.0}
+
+    def restore(self, *, download: bool = True) -> None:
+        return None
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def wait(self) -> None:
+        pass
+
+    def save(self, step: int, state: dict, *, meta: dict | None = None) -> float:
+        return 0.0  # the final save at the end of the run: outside the timed loop, skipped here
+
+    def close(self) -> None:
+        pass
+
+
+def _one(variant: str, steps: int, every: int, root: Path) -> dict[str, Any]:
+    from trainer.config import RunConfig
+    from trainer.train import _default_checkpointer, run
+
+    run_dir = Path(tempfile.mkdtemp(dir=root))
+    cfg = RunConfig(run_dir=run_dir, steps=steps, health_port=None, watch_metadata=False,
+                    log_every_steps=10**9, batch_size=16, task_args=BENCH_TASK_ARGS,
+                    checkpoint_every_steps=every if variant == "every" else None)
+    made: list[Any] = []
+
+    def make(c: RunConfig) -> Any:
+        made.append(_NeverDue() if variant == "none" else _default_checkpointer(c))
+        return made[0]
+
+    out = run(cfg, make_checkpointer=make)
+    assert out.code == 0, f"bench run failed ({variant}): exit {out.code}"
+    stats = made[0].stats
+    return {"steps_per_s": out.steps_run / out.loop_s, "loop_s": out.loop_s,
+            "saves": stats["saves"], "blocked_s": stats["blocked_s_total"]}
+
+
+def measure(steps: int, rounds: int, every: int) -> dict[str, list[dict[str, Any]]]:
+    import logging
+
+    results: dict[str, list[dict[str, Any]]] = {"none": [], "defaults": [], "every": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        _one("none", 20, every, Path(tmp))  # warm-up: allocator, caches, lazy imports
+        for _ in range(rounds):
+            for variant in results:
+                results[variant].append(_one(variant, steps, every, Path(tmp)))
+                logging.getLogger().setLevel(logging.WARNING)
+    return results
+
+
+def table(results: dict[str, list[dict[str, Any]]], steps: int, every: int) -> str:
+    import torch
+
+    base = statistics.median(r["steps_per_s"] for r in results["none"])
+    names = {"none": "no checkpoints", "defaults": "checkpointing at the defaults (auto interval)",
+             "every": f"async checkpoint every {every} steps"}
+    lines = [
+        f"Trainer loop, GPT {BENCH_TASK_ARGS} batch 16, {steps} steps x {len(results['none'])} rounds, "
+        f"1 torch thread, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "",
+        "| variant | steps/s (median) | ratio vs no checkpoints | saves per run | loop blocked by saves (s, median) |",
+        "|---|---|---|---|---|",
+    ]
+    for key, rs in results.items():
+        sps = statistics.median(r["steps_per_s"] for r in rs)
+        lines.append(f"| {names[key]} | {sps:.2f} | {sps / base:.3f} | {statistics.median(r['saves'] for r in rs):.0f} "
+                     f"| {statistics.median(r['blocked_s'] for r in rs):.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--every", type=int, default=50)
+    a = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    t0 = time.monotonic()
+    results = measure(a.steps, a.rounds, a.every)
+    print(table(results, a.steps, a.every))
+    print(f"\n(measured in {time.monotonic() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
