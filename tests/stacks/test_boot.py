@@ -90,11 +90,15 @@ def _fake_python(tmp_path: Path) -> tuple[Path, Path]:
 def test_hostile_args_reach_the_trainer_verbatim_and_execute_nothing(tmp_path):
     canary = tmp_path / "pwned"
     args = tuple(a.format(canary=canary) for a in HOSTILE_ARGS)
+    # They pass validation: the quoting, not the validator, is what keeps them inert.
+    exp = variant({"trainer": {"args": list(args), "task": "pkg.mod:build", "steps": 7,
+                               "health_port": 9000}}, "x")
     work = tmp_path / "work dir $(touch x)"
     work.mkdir()
     scripts = render(BootProps(
-        name="x", bucket="b", task="pkg.mod:build", steps=7, health_port=9000,
-        provisioning="spot", local_ssd_count=1, args=args, workdir=str(work)))
+        name="x", bucket="b", task=exp.trainer.task, steps=exp.trainer.steps,
+        health_port=exp.trainer.health_port, provisioning="spot", local_ssd_count=1,
+        args=tuple(exp.trainer.args), workdir=str(work)))
     script = tmp_path / "trainer.sh"
     script.write_text(scripts.trainer_sh)
     bin_dir, argv_file = _fake_python(tmp_path)
