@@ -294,25 +294,19 @@ class Trainer(Section):
     steps: int = Field(ge=1)
     """Total optimizer steps of the run."""
     health_port: int = Field(default=8471, ge=1024, le=65535)
-    """TCP port of the trainer's health answer (1024-65535, not 22)."""
+    """TCP port of the trainer's health answer (1024-65535: unprivileged, never SSH)."""
     param_count: int | None = Field(default=None, ge=1)
     """The model's parameter count, for the emergency-save budget (16 bytes per parameter)."""
     state_bytes: int | None = Field(default=None, ge=1)
     """Or the checkpoint size in bytes, when you know it better than the parameter count."""
     args: list[str] = []
-    """Extra arguments for `python -m trainer run`, e.g. ["--checkpoint-every-steps", "200"]."""
+    """Extra arguments for `python -m trainer run`, e.g. ["--checkpoint-every-steps", "200"].
+    Passed verbatim, each shell-quoted; the flags the stack sets itself are refused."""
 
     @field_validator("task")
     @classmethod
     def _task(cls, v: str) -> str:
         return _pattern(v, TASK, 'a Python "package.module:callable"')
-
-    @field_validator("health_port")
-    @classmethod
-    def _port(cls, v: int) -> int:
-        if v == 22:
-            raise ValueError("22 is SSH; allowed: 1024-65535")
-        return v
 
     def problems(self) -> Iterator[Problem]:
         if self.param_count is not None and self.state_bytes is not None:

@@ -8,7 +8,7 @@ raised, so a user fixes a file in one pass.
 from __future__ import annotations
 
 import os
-import tomllib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,11 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from stacks.experiment import SECTIONS, Experiment, check_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 ENV_VAR = "SPOTTRAIN_EXPERIMENTS"
 #: The repository's experiments/, wherever the app is started from.
