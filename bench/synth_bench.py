@@ -97,8 +97,9 @@ def main() -> None:
             for key, cmd in cases.items():
                 times[key].append(timed(cmd, envs.get(key, env)))
     floor = statistics.median(times["import floor (cdktn + provider bindings)"])
-    print(f"### synth_bench: {platform.node() or 'host'}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {repeats} repeats\n")
+    cpu = platform.processor() or platform.machine()
+    print(f"### synth_bench: {platform.node() or 'host'}, {cpu}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}, {repeats} repeats\n")
     print("| measurement | median s | min s | max s | x import floor |")
     print("|---|---:|---:|---:|---:|")
     for key, samples in times.items():

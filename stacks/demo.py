@@ -20,13 +20,14 @@ EXAMPLE = Path("experiments/example.toml")
 def _summary(kind: str, r: dict) -> str:
     if kind == "google_compute_instance_template":
         s = r["scheduling"]
+        action = s.get("instance_termination_action")
         gpus = r.get("guest_accelerator") or []
         gpu = f", attached {gpus[0]['count']} x {gpus[0]['type']}" if gpus else ", GPUs built in"
         disks = ", ".join(f"{d.get('disk_type')} {d.get('disk_size_gb')} GB"
                           + (f" ({d['device_name']})" if d.get("device_name") else "")
                           for d in r["disk"])
         return (f"{r['name_prefix']}*  {r['machine_type']}{gpu}, {s['provisioning_model']}"
-                f"{' -> ' + s['instance_termination_action'] if 'instance_termination_action' in s else ''}"
+                f"{' -> ' + action if action else ''}"
                 f", disks: {disks}, no external IP, shielded")
     if kind.endswith("instance_group_manager"):
         where = r.get("zone") or ",".join(r.get("distribution_policy_zones", []))
@@ -35,8 +36,8 @@ def _summary(kind: str, r: dict) -> str:
                 f"{r['stateful_disk'][0]['device_name']}, update {r['update_policy']['type']}"
                 f"/{r['update_policy']['replacement_method']}")
     if kind == "google_storage_bucket":
-        return (f"{r['name']}  {r['location']}, versioned, public access {r['public_access_prevention']}"
-                f", force_destroy={str(r['force_destroy']).lower()}")
+        return (f"{r['name']}  {r['location']}, versioned, public access "
+                f"{r['public_access_prevention']}, force_destroy={str(r['force_destroy']).lower()}")
     if kind == "google_compute_firewall":
         ports = ",".join(p for a in r["allow"] for p in a["ports"])
         return f"{r['name']}  tcp:{ports} from {', '.join(r['source_ranges'])}"
@@ -45,7 +46,7 @@ def _summary(kind: str, r: dict) -> str:
         return (f"{r['name']}  tcp:{t['port']} sends {t['request']!r}, expects {t['response']!r}, "
                 f"every {r['check_interval_sec']} s")
     if kind.endswith("iam_member"):
-        return f"{r['role']}" + (" on the checkpoint bucket" if "bucket" in r else " on the project")
+        return r["role"] + (" on the checkpoint bucket" if "bucket" in r else " on the project")
     return str(r.get("name") or r.get("account_id") or "")
 
 

@@ -31,7 +31,7 @@ from cdktn_provider_google.compute_region_instance_group_manager import (
     ComputeRegionInstanceGroupManager,
     ComputeRegionInstanceGroupManagerAutoHealingPolicies,
     ComputeRegionInstanceGroupManagerInstanceLifecyclePolicy,
-    ComputeRegionInstanceGroupManagerInstanceLifecyclePolicyOnRepair,
+    ComputeRegionInstanceGroupManagerInstanceLifecyclePolicyOnRepair as OnRepair,
     ComputeRegionInstanceGroupManagerNamedPort,
     ComputeRegionInstanceGroupManagerStatefulDisk,
     ComputeRegionInstanceGroupManagerUpdatePolicy,
@@ -118,9 +118,7 @@ class TrainerGroup(Construct):
                             default_action_on_failure="REPAIR",
                             force_update_on_repair="YES",
                             # A zonal disk cannot follow its VM to another zone.
-                            on_repair=ComputeRegionInstanceGroupManagerInstanceLifecyclePolicyOnRepair(
-                                allow_changing_zone="NO"
-                            ),
+                            on_repair=OnRepair(allow_changing_zone="NO"),
                         )
                     ),
                     update_policy=ComputeRegionInstanceGroupManagerUpdatePolicy(

@@ -17,7 +17,8 @@ from stacks.boot import BootProps, BootScripts, render, shquote
 SHELLCHECK = str(Path(sys.prefix) / "bin" / "shellcheck")
 HOSTILE_ARGS = (
     "$(touch {canary})", "`touch {canary}`", "; touch {canary}", "' ; touch {canary} ; '",
-    '" && touch {canary} "', "--flag=$HOME", "*", "a b", "\\", "%n %%", "${{IFS}}", "SPOTTRAIN_TRAINER_SH",
+    '" && touch {canary} "', "--flag=$HOME", "*", "a b", "\\", "%n %%", "${{IFS}}",
+    "SPOTTRAIN_TRAINER_SH",
 )
 
 
@@ -37,7 +38,8 @@ def shellcheck(tmp_path: Path, scripts: BootScripts, *options: str) -> None:
         f = tmp_path / f"{key}.sh"
         f.write_text(getattr(scripts, key))
         files.append(str(f))
-    proc = subprocess.run([SHELLCHECK, "--shell=bash", *options, *files], capture_output=True, text=True)
+    proc = subprocess.run([SHELLCHECK, "--shell=bash", *options, *files],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

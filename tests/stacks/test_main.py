@@ -15,15 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_main(tmp_path: Path, target: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SPOTTRAIN_EXPERIMENTS": str(target), "CDKTF_OUTDIR": str(tmp_path / "out"),
-           "CHECKPOINT_DISABLE": "1", "DISABLE_VERSION_CHECK": "1"}
+    env = {**os.environ, "SPOTTRAIN_EXPERIMENTS": str(target),
+           "CDKTF_OUTDIR": str(tmp_path / "out"), "CHECKPOINT_DISABLE": "1",
+           "DISABLE_VERSION_CHECK": "1"}
     return subprocess.run([sys.executable, str(ROOT / "main.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
 def test_bad_file_exits_2_with_one_line_per_problem_and_no_traceback(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text(EXAMPLE.read_text().replace('gpu_type = "nvidia-l4"', 'gpu_type = "nvidia-tesla-t4"')
+    bad.write_text(EXAMPLE.read_text()
+                   .replace('gpu_type = "nvidia-l4"', 'gpu_type = "nvidia-tesla-t4"')
                    .replace("steps = 20000", "steps = -5"))
     proc = run_main(tmp_path, bad)
     assert proc.returncode == 2
