@@ -276,8 +276,9 @@ class Group(Section):
     """The managed instance group that keeps the trainer running."""
 
     workers: int = Field(default=1, ge=0, le=1)
-    """VMs in the group: 1 to train, 0 to pause (checkpoints stay). One for now: every worker
-    writes to the same checkpoint prefix, so multi-worker training is a later feature."""
+    """VMs in the group: 1 to train, 0 to stop. At 0 the VM and its checkpoint disk are deleted
+    (permanent deletion); the bucket keeps the checkpoints to resume from. One for now: every
+    worker would write to the same checkpoint prefix; multi-worker training is a later feature."""
     placement: Literal["zonal", "regional"] = "zonal"
     """"zonal": one zone (`gcp.zones` has one). "regional": the group spreads over two or more
     zones of `gcp.zones`; its stateful constraints apply (no redistribution, no surge)."""
