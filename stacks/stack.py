@@ -154,7 +154,8 @@ class TrainingStack(TerraformStack):
             "scale_to_zero_command": (
                 f"gcloud compute instance-groups managed resize {group_name} --size 0 {p} "
                 f"{where}",
-                "Stop paying for the VM now (set group.workers = 0 to keep it so on deploy)",
+                "Stop paying now: deletes the VM and its checkpoint disk, the bucket keeps the "
+                "checkpoints (set group.workers = 0 so the next deploy agrees)",
             ),
         }
         for key, (value, description) in outputs.items():
