@@ -75,9 +75,13 @@ def test_manifest_contents(tmp_path: Path) -> None:
     assert m["torch_version"] == torch.__version__ and m["created"].endswith("Z")
     import hashlib
 
+    def tree(data: bytes) -> str:  # independent re-implementation of the documented digest
+        chunks = [data[i : i + (64 << 20)] for i in range(0, len(data), 64 << 20)]
+        return hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest()
+
     for name in (STATE, TENSORS):
         data = (folder / name).read_bytes()
-        assert m["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert m["files"][name] == {"size": len(data), "sha256": tree(data)}
     assert verify_dir(folder)["step"] == 7
 
 
@@ -222,3 +226,25 @@ def test_tensor_digest() -> None:
     c["w"][1, 2] += 1e-6
     assert d != tensor_digest(c)  # one value
     assert len(d) == 64
+
+
+def test_multi_chunk_hashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    import trainer.checkpoint as ck
+
+    monkeypatch.setattr(ck, "HASH_CHUNK", 4096)  # many chunks with small tensors
+    state = {"w": torch.randn(10000), "v": torch.randn(333)}
+    folder = write(tmp_path, 1, state)
+    data = (folder / TENSORS).read_bytes()
+    chunks = [data[i : i + 4096] for i in range(0, len(data), 4096)]
+    assert len(chunks) > 5
+    want = hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest()
+    assert json.loads((folder / MANIFEST).read_text())["files"][TENSORS]["sha256"] == want
+    _, loaded = load_dir(folder)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["v"], state["v"])
+    b = bytearray(data)
+    b[3 * 4096 + 17] ^= 0x10  # one bit in a middle chunk
+    (folder / TENSORS).write_bytes(bytes(b))
+    with pytest.raises(CheckpointInvalid, match="sha256 mismatch"):
+        load_dir(folder)
