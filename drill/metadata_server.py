@@ -70,7 +70,7 @@ class MetadataServer:
         class Handler(_Handler):
             metadata = server
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd = _Server(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metadata-server", daemon=True)
         self._thread.start()
@@ -207,6 +207,14 @@ class MetadataServer:
             self._guest[sub] = value
             self._cond.notify_all()
         return 200
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client that hangs up mid-answer (a VM killed while it waits for a change) is normal.
+        import sys
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

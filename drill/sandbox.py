@@ -249,11 +249,15 @@ class Sandbox:
         return subprocess.run(["nsenter", "-t", str(pid), "-m", "-p", "--", *argv], env={**self.env, **(env or {})},
                               capture_output=True, text=True, timeout=timeout, cwd="/")
 
-    def wait_event(self, pred: Callable[[dict[str, Any]], bool], timeout: float, *, since: int = 0) -> dict[str, Any]:
+    def wait_event(self, pred: Callable[[dict[str, Any]], bool], timeout: float, *, since: int = 0,
+                   check: Callable[[], None] | None = None) -> dict[str, Any]:
         """The first event (from index `since`) matching `pred`; raises TimeoutError after
-        `timeout` (a failure guard) or as soon as the VM is gone without it."""
+        `timeout` (a failure guard) or as soon as the VM is gone without it. `check` runs on
+        every poll and may raise to give up early (e.g. a failed unit)."""
         deadline = time.monotonic() + timeout
         while True:
+            if check is not None:
+                check()
             gone = not self.running
             for ev in self.events()[since:]:
                 if pred(ev):
@@ -264,10 +268,13 @@ class Sandbox:
                 raise TimeoutError(f"no awaited event within {timeout}s; journal tail:\n{self.tail()}")
             time.sleep(0.05)  # polling a file the VM appends to; not a synchronisation sleep
 
-    def wait_journal(self, pred: Callable[[str], Any], timeout: float, *, since: int = 0) -> Any:
-        """The first truthy `pred(line)` over journal lines from byte offset `since`."""
+    def wait_journal(self, pred: Callable[[str], Any], timeout: float, *, since: int = 0,
+                     check: Callable[[], None] | None = None) -> Any:
+        """The first truthy `pred(line)` over journal lines from character offset `since`."""
         deadline = time.monotonic() + timeout
         while True:
+            if check is not None:
+                check()
             gone = not self.running
             text = self.journal()[since:]
             for line in text.splitlines():
@@ -344,7 +351,7 @@ class Sandbox:
 
 
 def disk_status(disk: Disk, argv: list[str], *, mount_at: str = "/mnt/spottrain", timeout: float = 300,
-                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+                env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     """Run `argv` on the host with `disk` mounted read-only at `mount_at` in a private mount
     namespace (for `python -m trainer status` after the VM is gone). A blank disk is not
     mounted: `mount_at` is then an empty directory."""
@@ -354,7 +361,7 @@ def disk_status(disk: Disk, argv: list[str], *, mount_at: str = "/mnt/spottrain"
                   'if blkid "$2" >/dev/null; then mount -o ro "$2" "$1"; fi; shift 2; exec "$@"')
         return subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", script, "drill",
                                mount_at, device, *argv], capture_output=True, text=True, timeout=timeout,
-                              cwd=REPO, env={**os.environ, **(env or {})})
+                              cwd=cwd, env={**os.environ, **(env or {})})
     finally:
         disk.detach()
 

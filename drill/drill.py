@@ -1,0 +1,380 @@
+"""The preemption drill: the real boot scripts and the real trainer, preempted K times on a laptop.
+
+1. Render the experiment's real startup/shutdown scripts (`stacks.boot.render`), with the step
+   count and health port overridden so that the run is short and parallel-safe.
+2. Reference: one VM (`drill.sandbox`) with a blank disk, its own gcp-storage-emulator and fake
+   metadata server, trains from start to finish uninterrupted; its final model digest is kept.
+3. Drill: the same on fresh fakes, but each round's VM is preempted the way GCE does it once the
+   trainer has passed a seeded random step (plus a seeded random fraction of a logging interval):
+   the metadata `preempted` flag turns TRUE, the shutdown script runs (ACPI soft-off), and what is
+   still alive when the window closes is killed with the VM. Optionally the disk is replaced by
+   a blank one between rounds (the VM was recreated in another zone: restore from GCS). After K
+   preemptions a last VM trains to the end.
+4. The final digest (`python -m trainer status --json`) must equal the reference's; the report
+   shows goodput, its badput parts, work lost per preemption and each emergency save's time
+   against the window.
+
+The drill waits on events (journal lines, unit state changes, a process exit), never on sleeps;
+the timeouts are failure guards.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from drill.gcs_emulator import StorageEmulator, free_port
+from drill.metadata_server import MetadataServer
+from drill.sandbox import REPO, Disk, Sandbox, disk_status
+
+DEVICE_NAME = "spottrain-checkpoints"
+MOUNT_DIR = "/mnt/spottrain"
+UNIT = "spottrain.service"
+STEP_RE = re.compile(r"\bevent=step step=(\d+)/(\d+)\b.*?steps_per_s=([\d.]+)")
+RESTORE_RE = re.compile(r"\bevent=restore step=(\d+)(?: tier=(\S+))?")
+PREEMPTED_RE = re.compile(r"\bevent=preempted step=(\d+)(?: persistent_ok=(\d) gcs_ok=(\S+) seconds=([\d.]+))?")
+EXIT_PREEMPTED = 75
+
+
+class DrillFailure(Exception):
+    """The drill could not run to the end (a VM failed, a guard timed out)."""
+
+
+@dataclass(frozen=True)
+class DrillConfig:
+    """One drill. Defaults are `make demo`'s short run."""
+
+    experiment: Path = REPO / "experiments" / "example.toml"
+    steps: int = 300
+    """Total optimizer steps (overrides the experiment's)."""
+    preemptions: int = 2
+    wipe_disk_after: tuple[int, ...] = ()
+    """1-based preemptions after which the next VM gets a blank disk (restore from GCS)."""
+    seed: int = 0
+    """Seeds the preemption moments (the trainer's own seed stays the experiment's)."""
+    window_s: float = 30.0
+    """Seconds from the preemption notice to the hard power-off (GCE: 30 for Spot)."""
+    checkpoint_every_steps: int | None = None
+    """Periodic save cadence in the drill (default: steps // 6); replaces the experiment's."""
+    disk_mb: int = 128
+    guard_s: float = 600.0
+    """Failure guard for any single wait (a VM that never trains, a save that never ends)."""
+    workdir: Path | None = None
+    """Where VM state, disks and logs go (default: a temp dir, removed unless keep)."""
+    keep: bool = False
+
+
+@dataclass
+class Preemption:
+    index: int
+    boot: int
+    resumed_from: int | None = None
+    resumed_tier: str | None = None
+    target_step: int = 0
+    notice_after_step: int = 0
+    saved_step: int | None = None
+    save_s: float | None = None
+    persistent_ok: bool | None = None
+    gcs_ok: str | None = None
+    trainer_exit: int | None = None
+    unit_stopped_s: float | None = None
+    off_s: float = 0.0
+    killed: bool = False
+    wiped_after: bool = False
+    next_resumed_from: int | None = None
+    steps_per_s: float = 0.0
+
+    @property
+    def steps_lost(self) -> int | None:
+        if self.next_resumed_from is None:
+            return None
+        reached = self.saved_step if self.saved_step is not None else self.notice_after_step
+        return max(0, reached - self.next_resumed_from)
+
+
+@dataclass
+class DrillResult:
+    config: DrillConfig
+    reference_digest: str | None
+    digest: str | None
+    status: dict[str, Any]
+    preemptions: list[Preemption] = field(default_factory=list)
+    reference_s: float = 0.0
+    drill_s: float = 0.0
+    final_resumed_from: int | None = None
+    workdir: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.digest is not None and self.digest == self.reference_digest
+
+
+# --- the boot scripts ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rendered:
+    startup: str
+    shutdown: str
+    name: str
+    bucket: str
+    gcs_uri: str
+
+
+def render(cfg: DrillConfig, health_port: int) -> Rendered:
+    """The experiment's real scripts, as the stack renders them, with the drill's overrides."""
+    from stacks.boot import BootProps, render as render_boot
+    from stacks.load import load_file
+
+    ef = load_file(cfg.experiment)
+    exp = ef.spec
+    every = cfg.checkpoint_every_steps or max(1, cfg.steps // 6)
+    args = _replace_flag(list(exp.trainer.args), "--checkpoint-every-steps", str(every))
+    props = BootProps(
+        name=ef.name,
+        bucket=exp.bucket_name(ef.name),
+        task=exp.trainer.task,
+        steps=cfg.steps,
+        health_port=health_port,
+        provisioning=exp.machine.provisioning,
+        local_ssd_count=exp.disk.local_ssd_count,
+        args=tuple(args),
+    )
+    scripts = render_boot(props)
+    return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri)
+
+
+def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        if a.startswith(flag + "="):
+            continue
+        out.append(a)
+    return out + [flag, value]
+
+
+# --- one experiment deployment: fakes + disk + successive VMs -----------------------------------
+class Deployment:
+    """What `cdktn deploy` would have made, faked: a bucket, a metadata server carrying the
+    scripts, a checkpoint disk; VMs come and go on top of it."""
+
+    def __init__(self, root: Path, rendered: Rendered, cfg: DrillConfig, say: Callable[[str], None],
+                 image: Path) -> None:
+        """`image`: a directory holding the `trainer` package the VMs run (a snapshot, so that
+        every VM and the final `status` run the same code)."""
+        self.root = root
+        self.image = image
+        self.r = rendered
+        self.cfg = cfg
+        self.say = say
+        root.mkdir(parents=True, exist_ok=True)
+        self.gcs = StorageEmulator(rendered.bucket, log=root / "gcs-emulator.log")
+        self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
+                                                   "shutdown-script": rendered.shutdown})
+        self.disk = Disk(root / "checkpoint-disk.img", cfg.disk_mb)
+        self.vm: Sandbox | None = None
+
+    def __enter__(self) -> "Deployment":
+        self.gcs.start()
+        self.metadata.start()
+        fakes = {"GCE_METADATA_HOST": self.metadata.host, "STORAGE_EMULATOR_HOST": self.gcs.host}
+        # The fakes' addresses reach the scripts through the manager's environment and every unit
+        # through systemd's DefaultEnvironment= (on GCE neither is needed: the defaults are real).
+        self.vm = Sandbox(self.root / "vm", env=fakes,
+                          default_environment={**fakes, "OMP_NUM_THREADS": "1"},
+                          disks={DEVICE_NAME: self.disk},
+                          image_files={"/opt/spottrain/trainer": self.image / "trainer"})
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.vm is not None:
+            self.vm.close()
+        self.metadata.stop()
+        self.gcs.stop()
+        self.disk.detach()
+
+    def boot(self) -> tuple[int, int]:
+        """Power on a fresh VM; (journal offset, events offset) where this boot begins."""
+        assert self.vm is not None
+        self.metadata.reset()
+        offsets = (len(self.vm.journal()), len(self.vm.events()))
+        self.vm.boot()
+        return offsets
+
+    def wait_line(self, regex: re.Pattern[str], since: int, accept: Callable[[re.Match[str]], bool] = lambda m: True,
+                  *, events_since: int | None = None) -> re.Match[str]:
+        assert self.vm is not None
+        check = None if events_since is None else (lambda: self.check_unit(events_since))
+
+        def hit(line: str) -> re.Match[str] | None:
+            m = regex.search(line)
+            return m if m and accept(m) else None
+
+        return self.vm.wait_journal(hit, self.cfg.guard_s, since=since, check=check)
+
+    def check_unit(self, since_events: int) -> None:
+        """Fail fast when the trainer unit failed (anything but finished or preempted)."""
+        assert self.vm is not None
+        for ev in self.vm.events()[since_events:]:
+            if ev["event"] == "startup-script-exited" and ev["rc"] != 0:
+                raise DrillFailure(f"startup script failed with status {ev['rc']}; journal tail:\n{self.vm.tail()}")
+            if ev["event"] == "unit-exited" and ev["unit"] == UNIT and not ev["clean"]:
+                raise DrillFailure(f"{UNIT} failed ({ev['code']} {ev['status']}); journal tail:\n{self.vm.tail()}")
+
+    def status(self) -> dict[str, Any]:
+        """`python -m trainer status --json` over the disk (mounted read-only) and the bucket."""
+        out = disk_status(self.disk, [sys.executable, "-m", "trainer", "status", "--run-dir", f"{MOUNT_DIR}/run",
+                                      "--gcs-uri", self.r.gcs_uri, "--json"],
+                          env={"STORAGE_EMULATOR_HOST": self.gcs.host, "OMP_NUM_THREADS": "1"}, cwd=self.image)
+        if out.returncode != 0:
+            raise DrillFailure(f"trainer status failed ({out.returncode}):\n{out.stderr[-4000:]}")
+        return json.loads(out.stdout)
+
+    def run_to_end(self) -> tuple[int | None, str | None]:
+        """Boot a VM, wait until the trainer finished, power it off normally. (resumed step, tier)"""
+        assert self.vm is not None
+        j0, e0 = self.boot()
+        restore = self.wait_line(RESTORE_RE, j0, events_since=e0)
+        self.vm.wait_event(lambda ev: ev["event"] == "unit-exited" and ev["unit"] == UNIT and ev["status"] == 0,
+                           self.cfg.guard_s, since=e0, check=lambda: self.check_unit(e0))
+        self.vm.power_off(self.cfg.window_s)
+        return int(restore.group(1)), restore.group(2)
+
+
+# --- the drill -------------------------------------------------------------------------------
+def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResult:
+    if cfg.preemptions < 0 or cfg.steps < 1:
+        raise ValueError("steps must be >= 1 and preemptions >= 0")
+    bad = [n for n in cfg.wipe_disk_after if not 1 <= n <= cfg.preemptions]
+    if bad:
+        raise ValueError(f"wipe_disk_after: {bad} is not a preemption between 1 and {cfg.preemptions}")
+    import tempfile
+
+    workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="spottrain-drill-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(cfg.seed)
+    try:
+        image = workdir / "image"
+        shutil.copytree(REPO / "trainer", image / "trainer", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        rendered = render(cfg, free_port())
+        say(f"drill: experiment {rendered.name}, {cfg.steps} steps, {cfg.preemptions} preemption(s) "
+            f"(seed {cfg.seed}), {cfg.window_s:g} s window"
+            + (f", disk wiped after preemption {', '.join(map(str, cfg.wipe_disk_after))}" if cfg.wipe_disk_after else ""))
+
+        t0 = time.monotonic()
+        say("reference: one VM, no preemption ...")
+        with Deployment(workdir / "reference", rendered, cfg, say, image) as ref:
+            ref.run_to_end()
+            ref_status = ref.status()
+        reference_s = time.monotonic() - t0
+        say(f"reference: step {ref_status['latest_step']}, digest {str(ref_status['model_digest'])[:16]}, {reference_s:.1f} s")
+
+        t1 = time.monotonic()
+        preemptions: list[Preemption] = []
+        with Deployment(workdir / "drill", rendered, cfg, say, image) as dep:
+            assert dep.vm is not None
+            for i in range(1, cfg.preemptions + 1):
+                p = _preempt_round(dep, cfg, i, rng, say)
+                if preemptions:
+                    preemptions[-1].next_resumed_from = p.resumed_from
+                preemptions.append(p)
+                if i in cfg.wipe_disk_after:
+                    dep.disk.blank()
+                    p.wiped_after = True
+                    say("  disk wiped: the next VM gets a blank checkpoint disk (recreated in another zone)")
+            say(f"round {cfg.preemptions + 1}: VM trains to the end ...")
+            resumed, tier = dep.run_to_end()
+            if preemptions:
+                preemptions[-1].next_resumed_from = resumed
+            say(f"  resumed from step {resumed}" + (f" ({tier})" if tier else "") + "; finished")
+            status = dep.status()
+        drill_s = time.monotonic() - t1
+        result = DrillResult(cfg, ref_status.get("model_digest"), status.get("model_digest"), status,
+                             preemptions, reference_s, drill_s, resumed, workdir)
+        say(report(result))
+        return result
+    finally:
+        if not cfg.keep and not cfg.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _preempt_round(dep: Deployment, cfg: DrillConfig, i: int, rng: random.Random, say: Callable[[str], None]) -> Preemption:
+    assert dep.vm is not None
+    j0, e0 = dep.boot()
+    p = Preemption(index=i, boot=dep.vm.boots)
+    restore = dep.wait_line(RESTORE_RE, j0, events_since=e0)
+    p.resumed_from, p.resumed_tier = int(restore.group(1)), restore.group(2)
+    # Spread the remaining preemptions over what is left of the run; keep clear of the end so the
+    # notice always lands while the trainer is still stepping.
+    left = cfg.preemptions - i + 1
+    span = (cfg.steps - p.resumed_from) / (left + 1)
+    p.target_step = min(cfg.steps - 1, p.resumed_from + max(1, int(span * rng.uniform(0.3, 1.0))))
+    m = dep.wait_line(STEP_RE, j0, accept=lambda m: int(m.group(1)) >= p.target_step, events_since=e0)
+    p.notice_after_step, p.steps_per_s = int(m.group(1)), float(m.group(3))
+    # A random moment between two logged steps (up to one logging interval).
+    interval_s = 10 / max(p.steps_per_s, 1e-3)
+    time.sleep(rng.uniform(0.0, 0.9) * interval_s)  # the injected randomness, not a synchronisation
+    say(f"round {i}: resumed from step {p.resumed_from}" + (f" ({p.resumed_tier})" if p.resumed_tier else "")
+        + f"; preempting after step {p.notice_after_step} ...")
+    events_before = len(dep.vm.events())
+    t_notice = time.monotonic()
+    dep.metadata.preempt()
+    off = dep.vm.power_off(cfg.window_s)
+    p.off_s, p.killed = float(off["seconds"]), bool(off["killed"])
+    notice_wall = time.time() - (time.monotonic() - t_notice)
+    for ev in dep.vm.events()[events_before:]:
+        if ev["event"] == "unit-exited" and ev["unit"] == UNIT and p.trainer_exit is None:
+            p.trainer_exit = ev["status"] if ev["code"] == "exited" else -ev["status"]
+            p.unit_stopped_s = ev["t"] - notice_wall
+    saved = PREEMPTED_RE.search(dep.vm.journal()[j0:])
+    if saved:
+        p.saved_step = int(saved.group(1))
+        if saved.group(4):
+            p.persistent_ok, p.gcs_ok, p.save_s = saved.group(2) == "1", saved.group(3), float(saved.group(4))
+    say(f"  notice -> saved step {p.saved_step} in {_f(p.save_s)} s (trainer exit {p.trainer_exit}, "
+        f"unit down after {_f(p.unit_stopped_s)} s); VM off after {p.off_s:.1f} s of {cfg.window_s:g}"
+        + (" (KILLED at the end of the window)" if p.killed else ""))
+    return p
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def report(r: DrillResult) -> str:
+    g = r.status.get("goodput", {})
+    lines = ["", "## Preemption drill", "",
+             "| # | resumed from | notice after step | saved step | emergency save s | unit down s | "
+             "window s | VM off s | killed | trainer exit | steps lost | disk wiped |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in r.preemptions:
+        lines.append(f"| {p.index} | {p.resumed_from} ({p.resumed_tier or '-'}) | {p.notice_after_step} | "
+                     f"{p.saved_step if p.saved_step is not None else '-'} | {_f(p.save_s)} | {_f(p.unit_stopped_s)} | "
+                     f"{r.config.window_s:g} | {p.off_s:.2f} | {'yes' if p.killed else 'no'} | {p.trainer_exit} | "
+                     f"{p.steps_lost if p.steps_lost is not None else '-'} | {'yes' if p.wiped_after else 'no'} |")
+    if g:
+        wall = g.get("wall_s") or 0.0
+        lines += ["", f"goodput {100 * g.get('goodput', 0):.1f}% of {wall:.1f} s wall over {g.get('sessions')} "
+                  f"session(s); preemptions {g.get('preemptions')}, crashes {g.get('crashes')}, "
+                  f"finished {'yes' if g.get('finished') else 'no'}", "",
+                  "| part | seconds | share of wall |", "|---|---|---|"]
+        for key, label in (("productive_s", "productive"), ("startup_s", "badput: start-up"),
+                           ("restore_s", "badput: restore"), ("checkpoint_blocked_s", "badput: checkpoint blocked"),
+                           ("lost_s", "badput: work lost"), ("downtime_s", "badput: down (no trainer)")):
+            v = float(g.get(key) or 0.0)
+            lines.append(f"| {label} | {v:.2f} | {100 * v / wall if wall else 0:.1f}% |")
+    lines += ["", f"reference digest {r.reference_digest}", f"drill digest     {r.digest}",
+              f"digest {'MATCHES' if r.ok else 'DIFFERS'}: reference run {r.reference_s:.1f} s, drill {r.drill_s:.1f} s"]
+    return "\n".join(lines)
