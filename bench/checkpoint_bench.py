@@ -164,7 +164,7 @@ def main() -> None:
         # (3) emergency save latency against size (persistent tier, synchronous, durable on return).
         for frac in (0.25, 0.5, 1.0):
             sub = dict(state)
-            keys = list(state["model"])
+            keys = [k for k in state["model"] if k.endswith(".weight")]
             sub["model"] = {k: state["model"][k] for k in keys[: max(1, int(len(keys) * frac))]}
             sz = _nbytes(sub)
             c = Checkpointer(run_dir=d / f"em{frac}", policies={"persistent": TierPolicy(every_steps=1)})

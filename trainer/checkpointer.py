@@ -310,8 +310,8 @@ class Checkpointer:
     def restore(self, *, download: bool = True) -> Restored | None:
         """Load the newest valid checkpoint across all tiers (see the module docstring)."""
         t_start = time.monotonic()
+        self.wait()  # outside the lock: the background thread takes it for retention
         with self._restore_lock:
-            self.wait()
             if download:
                 for t in self._tiers.values():
                     if isinstance(t.store, DirStore):
@@ -322,7 +322,7 @@ class Checkpointer:
             candidates: list[tuple[int, int, _Tier, CheckpointInfo]] = []
             for rank, t in enumerate(self._tiers.values()):
                 try:
-                    infos = list_checkpoints(t.store)
+                    infos = self._list(t)
                 except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
                     self.log.warning("cannot list checkpoints on %s (%s: %s); ignoring that tier",
                                      t.name, type(e).__name__, e)
@@ -350,6 +350,16 @@ class Checkpointer:
                 return Restored(step=step, state=state, tier=tier, path=path, seconds=seconds)
             self.log.info("no valid checkpoint on any tier; starting from scratch")
             return None
+
+    #: Listing a tier gives up after this long (GCS unreachable at start-up must not stall the
+    #: restore for the full upload retry budget; the disk tiers are still tried).
+    LIST_TIMEOUT_S = 60.0
+
+    def _list(self, t: _Tier) -> list[CheckpointInfo]:
+        if isinstance(t.store, GcsStore):
+            with t.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):
+                return list_checkpoints(t.store)
+        return list_checkpoints(t.store)
 
     def _load(self, t: _Tier, step: int, info: CheckpointInfo, *, download: bool) -> tuple[Any, str, str]:
         if isinstance(t.store, DirStore):
@@ -506,7 +516,7 @@ class Checkpointer:
                 "checkpoints": [], "newest_valid": None,
             }
             try:
-                infos = list_checkpoints(t.store)
+                infos = self._list(t)
             except Exception as e:  # noqa: BLE001
                 entry["error"] = f"{type(e).__name__}: {e}"
                 infos = []

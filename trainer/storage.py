@@ -464,7 +464,7 @@ class GcsStore:
             size, crc = identity()
             blob = self._retry(f"stat {key}", lambda: self._bucket.get_blob(
                 self._object(key), retry=None, timeout=self._timeout()))
-            if blob is not None and blob.size == size and (blob.crc32c is None or blob.crc32c == crc):
+            if blob is not None and blob.size == size and blob.crc32c == crc:
                 log.info("gcs upload %s: object already exists with identical content; done", key)
                 return
             raise FileExistsError(

@@ -446,3 +446,32 @@ def test_describe(gcs_emulator, tmp_path: Path) -> None:
     deep = c.describe(deep=True)["tiers"]["local"]
     assert deep["newest_valid"] == 1 and "sha256" in deep["checkpoints"][0]["reason"]
     assert d["stats"]["saves"] == 2
+
+
+def test_restore_waits_for_an_in_flight_save_without_deadlock(gcs_emulator, faulty_gcs, tmp_path: Path) -> None:
+    release = threading.Event()
+    faulty_gcs.plan.add("upload", f"*{step_name(2)}/{TENSORS}", "hook", hook=lambda: release.wait(GUARD))
+    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, gcs=TierPolicy(every_steps=1, keep=1))
+    save_steps(c, [1])
+    c.save(2, make_state(2))
+    got: list = []
+    th = threading.Thread(target=lambda: got.append(c.restore()), daemon=True)
+    th.start()
+    release.set()
+    th.join(GUARD)
+    assert not th.is_alive() and got[0].step == 2
+    # Retention of the finished save ran: GCS keeps only step 2.
+    assert [i.step for i in list_checkpoints(c.gcs)] == [2]
+
+
+def test_restore_with_gcs_unreachable_uses_disk(gcs_emulator, tmp_path: Path, logwatch) -> None:
+    c = ckpt(tmp_path, gcs_emulator, with_local=False)
+    save_steps(c, [1])
+    gcs_emulator.emulator.stop()
+    c2 = ckpt(tmp_path, gcs_emulator, with_local=False)
+    c2.LIST_TIMEOUT_S = 0.5
+    c2.gcs.initial_backoff_s = 0.05
+    r = c2.restore()
+    assert (r.step, r.tier) == (1, "persistent")
+    assert "cannot list checkpoints on gcs" in logwatch.text()
+    assert "error" in c2.describe()["tiers"]["gcs"]
