@@ -188,7 +188,8 @@ class Deployment:
     def __enter__(self) -> "Deployment":
         self.gcs.start()
         self.metadata.start()
-        fakes = {"GCE_METADATA_HOST": self.metadata.host, "STORAGE_EMULATOR_HOST": self.gcs.host}
+        fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
+                 "STORAGE_EMULATOR_HOST": self.gcs.host}
         # The fakes' addresses reach the scripts through the manager's environment and every unit
         # through systemd's DefaultEnvironment= (on GCE neither is needed: the defaults are real).
         self.vm = Sandbox(self.root / "vm", env=fakes,

@@ -59,6 +59,7 @@ class MetadataServer:
         for key, value in (attributes or {}).items():
             self._values[f"instance/attributes/{key}"] = value
         self._guest: dict[str, str] = {}
+        self.waiting = 0   # requests blocked in wait_for_change right now
         self.requests: list[tuple[str, str]] = []   # (method, path) seen, for tests and the drill log
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -129,6 +130,17 @@ class MetadataServer:
             self._values[path.strip("/")] = value
             self._cond.notify_all()
 
+    def wait_waiters(self, n: int, timeout: float) -> bool:
+        """Block until at least `n` requests are blocked in wait_for_change (for tests)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.waiting < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
     def guest_attributes(self) -> dict[str, str]:
         """`NAMESPACE/KEY` -> value written by the VM."""
         with self._cond:
@@ -190,14 +202,19 @@ class MetadataServer:
             last = query.get("last_etag", [None])[0] or _etag(body)
             timeout = float(query.get("timeout_sec", ["3600"])[0])
             deadline = time.monotonic() + timeout
-            while True:
-                status, body, ctype = self._lookup(path, recursive)
-                if status != 200 or _etag(body) != last or self._closing:
-                    return status, body, ctype
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return status, body, ctype
-                self._cond.wait(left)
+            self.waiting += 1
+            self._cond.notify_all()
+            try:
+                while True:
+                    status, body, ctype = self._lookup(path, recursive)
+                    if status != 200 or _etag(body) != last or self._closing:
+                        return status, body, ctype
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return status, body, ctype
+                    self._cond.wait(left)
+            finally:
+                self.waiting -= 1
 
     def _put_guest(self, path: str, value: str) -> int:
         sub = path[len("instance/guest-attributes"):].strip("/")
@@ -242,6 +259,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(HTTPStatus.FORBIDDEN, "Missing Metadata-Flavor:Google header.\n", "text/html", etag=False)
             return None
         url = urlsplit(self.path)
+        listing = {"/": "computeMetadata/\n", "/computeMetadata/": "v1/\n"}.get(url.path)
+        if listing is not None:  # google-auth's ping() GETs the root
+            self._answer(HTTPStatus.OK, listing)
+            return None
         if not url.path.startswith(PREFIX) and url.path != PREFIX.rstrip("/"):
             self._answer(HTTPStatus.NOT_FOUND, "not found\n", "text/html", etag=False)
             return None
