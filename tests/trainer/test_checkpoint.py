@@ -26,7 +26,9 @@ def nested_state() -> dict:
                   "param_groups": [{"lr": 1e-3, "params": [0]}]},
         "odd": [torch.arange(12).reshape(3, 4).t(),  # non-contiguous
                 torch.zeros(0, 3), torch.tensor([True, False]), torch.randn(2, dtype=torch.complex64, generator=g),
-                torch.nn.Parameter(torch.ones(2))],
+                torch.nn.Parameter(torch.ones(2)),
+                torch.randn(3, dtype=torch.complex64, generator=g).conj(),  # lazy conjugate view
+                torch.randn(4, generator=g)[1:3]],  # view with a storage offset
         "rng": {"python": random.Random(1).getstate(), "torch": torch.get_rng_state()},
         "data": {"epoch": 2, "index": 1234, "order": (3, 1, 2), "name": "tiny", "none": None, "set": {1, 2}},
         "step": 42,
