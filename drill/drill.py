@@ -69,6 +69,8 @@ class DrillConfig:
     workdir: Path | None = None
     """Where VM state, disks and logs go (default: a temp dir, removed unless keep)."""
     keep: bool = False
+    trainer_source: Path = REPO / "trainer"
+    """The trainer package the VMs get (snapshotted once per drill)."""
 
 
 @dataclass
@@ -267,7 +269,7 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
     rng = random.Random(cfg.seed)
     try:
         image = workdir / "image"
-        shutil.copytree(REPO / "trainer", image / "trainer", dirs_exist_ok=True,
+        shutil.copytree(cfg.trainer_source, image / "trainer", dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         rendered = render(cfg, free_port())
         say(f"drill: experiment {rendered.name}, {cfg.steps} steps, {cfg.preemptions} preemption(s) "

@@ -1,0 +1,42 @@
+"""The preemption drill end to end: real scripts, real trainer, two preemptions, one wiped disk."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from drill.__main__ import main as drill_main
+from drill.drill import EXIT_PREEMPTED, DrillConfig, run_drill
+from drill_support import needs_root
+
+
+@needs_root
+def test_drill_two_preemptions_one_wiped_disk(tmp_path: Path) -> None:
+    lines: list[str] = []
+    cfg = DrillConfig(steps=120, preemptions=2, wipe_disk_after=(1,), seed=3, window_s=10.0,
+                      checkpoint_every_steps=25, disk_mb=64, workdir=tmp_path / "drill")
+    result = run_drill(cfg, say=lines.append)
+
+    assert result.reference_digest is not None
+    assert result.digest == result.reference_digest, "\n".join(lines)
+    assert result.ok
+    assert [p.index for p in result.preemptions] == [1, 2]
+    for p in result.preemptions:
+        assert p.trainer_exit == EXIT_PREEMPTED, "\n".join(lines)   # saved, then stopped
+        assert p.saved_step is not None and p.resumed_from is not None
+        assert p.resumed_from < p.saved_step < cfg.steps
+        assert p.next_resumed_from == p.saved_step                  # nothing lost
+        assert p.steps_lost == 0
+    # The first VM's disk was wiped: the second restored from the durable tier.
+    assert result.preemptions[0].wiped_after
+    assert result.preemptions[1].resumed_tier == "gcs"
+    g = result.status["goodput"]
+    assert g["finished"] is True and g["sessions"] == 3
+    assert result.status["latest_step"] == cfg.steps
+    report = "\n".join(lines)
+    assert "digest MATCHES" in report and "| 2 |" in report and "goodput" in report
+
+
+def test_cli_rejects_a_wipe_round_beyond_the_preemptions(capsys: pytest.CaptureFixture[str]) -> None:
+    assert drill_main(["--preemptions", "1", "--wipe-disk-round", "2"]) == 2
+    assert "wipe_disk_after" in capsys.readouterr().err
