@@ -439,6 +439,11 @@ def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
                 f"{exp.machine.machine_type} takes {exp.disk.local_ssd_count} Local SSDs in no "
                 f"configuration; allowed: " + ", ".join(map(str, shape.local_ssd_counts)),
             )
+    if exp.bucket.name is None and not any(check_name(name)):  # a bad name is reported once
+        try:
+            _check_bucket_name(exp.bucket_name(name))
+        except ValueError as err:
+            yield "bucket.name", f"the default name: {err}; or set bucket.name"
     if exp.backend.bucket is not None and exp.backend.bucket == exp.bucket_name(name):
         yield (
             "backend.bucket",

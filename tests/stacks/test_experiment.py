@@ -194,6 +194,14 @@ def test_every_problem_is_reported_at_once():
     assert all(line.startswith(f"{SRC}: ") for line in lines)
 
 
+def test_default_bucket_name_follows_the_bucket_rules():
+    assert problems({}, "google-run") == [
+        f"{SRC}: bucket.name: the default name: 'my-project-123456-google-run-ckpt' is not valid; "
+        "allowed: names without a goog prefix or 'google'; or set bucket.name"
+    ]
+    parse(merged({"bucket": {"name": "my-ckpt-bucket"}}), "google-run")  # the way out
+
+
 def test_longest_names_still_make_a_valid_default_bucket_name():
     exp = parse(merged({"gcp": {"project": "a" * 30}}), "b" * 21)
     assert len(exp.bucket_name("b" * 21)) <= 63
