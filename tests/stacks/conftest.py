@@ -12,7 +12,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from stack_support import VARIANTS, Synthesized, variant
+from stack_support import FIXTURES, VARIANTS, Synthesized, variant
+
+from stacks.load import load_all
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +24,7 @@ def outdirs_cleanup():
     pattern = str(Path(tempfile.gettempdir()) / "cdktf.outdir.*")
     before = set(glob.glob(pattern))
     yield
-    ours = {*VARIANTS, "deleting", "example"}
+    ours = {*VARIANTS, "deleting", "example", *(p.stem for p in FIXTURES.glob("*.toml"))}
     for path in set(glob.glob(pattern)) - before:
         stacks = Path(path) / "stacks"
         names = {p.name for p in stacks.iterdir()} if stacks.is_dir() else set()
@@ -32,7 +34,11 @@ def outdirs_cleanup():
 
 @pytest.fixture(scope="session")
 def synthesized(outdirs_cleanup) -> dict[str, Synthesized]:
-    return {name: Synthesized(name, variant(o, name)) for name, o in VARIANTS.items()}
+    """Every variant, plus the experiment files under fixtures/ (checkov sees them all)."""
+    found = {name: Synthesized(name, variant(o, name)) for name, o in VARIANTS.items()}
+    for e in load_all(FIXTURES):
+        found[e.name] = Synthesized(e.name, e.spec)
+    return found
 
 
 @pytest.fixture(scope="session")
