@@ -126,6 +126,7 @@ class Rendered:
     name: str
     bucket: str
     gcs_uri: str
+    termination_action: str
 
 
 def render(cfg: DrillConfig, health_port: int) -> Rendered:
@@ -148,7 +149,8 @@ def render(cfg: DrillConfig, health_port: int) -> Rendered:
         args=tuple(args),
     )
     scripts = render_boot(props)
-    return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri)
+    return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri,
+                    exp.machine.termination_action)
 
 
 def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
@@ -186,6 +188,7 @@ class Deployment:
                                                    "shutdown-script": rendered.shutdown})
         self.disk = Disk(root / "checkpoint-disk.img", cfg.disk_mb)
         self.vm: Sandbox | None = None
+        self.finished_guest_attributes: dict[str, str] = {}
 
     def __enter__(self) -> "Deployment":
         self.gcs.start()
@@ -207,12 +210,14 @@ class Deployment:
         self.gcs.stop()
         self.disk.detach()
 
-    def boot(self) -> tuple[int, int]:
-        """Power on a fresh VM; (journal offset, events offset) where this boot begins."""
+    def boot(self, *, recreated: bool = False) -> tuple[int, int]:
+        """Power on the VM; (journal offset, events offset) where this boot begins. With the
+        experiment's termination_action STOP the boot disk survives a preemption (the group
+        starts the same VM again) unless the VM was `recreated` (another zone: new boot disk)."""
         assert self.vm is not None
         self.metadata.reset()
         offsets = (len(self.vm.journal()), len(self.vm.events()))
-        self.vm.boot()
+        self.vm.boot(keep_boot_disk=self.r.termination_action == "STOP" and not recreated)
         return offsets
 
     def wait_line(self, regex: re.Pattern[str], since: int, accept: Callable[[re.Match[str]], bool] = lambda m: True,
@@ -244,13 +249,14 @@ class Deployment:
             raise DrillFailure(f"trainer status failed ({out.returncode}):\n{out.stderr[-4000:]}")
         return json.loads(out.stdout)
 
-    def run_to_end(self) -> tuple[int | None, str | None]:
+    def run_to_end(self, *, recreated: bool = False) -> tuple[int | None, str | None]:
         """Boot a VM, wait until the trainer finished, power it off normally. (resumed step, tier)"""
         assert self.vm is not None
-        j0, e0 = self.boot()
+        j0, e0 = self.boot(recreated=recreated)
         restore = self.wait_line(RESTORE_RE, j0, events_since=e0)
         self.vm.wait_event(lambda ev: ev["event"] == "unit-exited" and ev["unit"] == UNIT and ev["status"] == 0,
                            self.cfg.guard_s, since=e0, check=lambda: self.check_unit(e0))
+        self.finished_guest_attributes = self.metadata.guest_attributes()
         self.vm.power_off(self.cfg.window_s)
         return int(restore.group(1)), restore.group(2)
 
@@ -289,19 +295,20 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
         with Deployment(workdir / "drill", rendered, cfg, say, image) as dep:
             assert dep.vm is not None
             for i in range(1, cfg.preemptions + 1):
-                p = _preempt_round(dep, cfg, i, rng, say)
+                p = _preempt_round(dep, cfg, i, rng, say, recreated=i - 1 in cfg.wipe_disk_after)
                 if preemptions:
                     preemptions[-1].next_resumed_from = p.resumed_from
                 preemptions.append(p)
                 if i in cfg.wipe_disk_after:
                     dep.disk.blank()
                     p.wiped_after = True
-                    say("  disk wiped: the next VM gets a blank checkpoint disk (recreated in another zone)")
+                    say("  disk wiped: the next VM is recreated elsewhere, with a blank checkpoint disk and a new boot disk")
             say(f"round {cfg.preemptions + 1}: VM trains to the end ...")
-            resumed, tier = dep.run_to_end()
+            resumed, tier = dep.run_to_end(recreated=cfg.preemptions in cfg.wipe_disk_after)
             if preemptions:
                 preemptions[-1].next_resumed_from = resumed
-            say(f"  resumed from step {resumed}" + (f" ({tier})" if tier else "") + "; finished")
+            say(f"  resumed from step {resumed}" + (f" ({tier})" if tier else "") + "; finished; guest attributes: "
+                + (", ".join(f"{k}={v}" for k, v in dep.finished_guest_attributes.items()) or "none"))
             status = dep.status()
         drill_s = time.monotonic() - t1
         result = DrillResult(cfg, ref_status.get("model_digest"), status.get("model_digest"), status,
@@ -313,9 +320,10 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _preempt_round(dep: Deployment, cfg: DrillConfig, i: int, rng: random.Random, say: Callable[[str], None]) -> Preemption:
+def _preempt_round(dep: Deployment, cfg: DrillConfig, i: int, rng: random.Random, say: Callable[[str], None],
+                   *, recreated: bool) -> Preemption:
     assert dep.vm is not None
-    j0, e0 = dep.boot()
+    j0, e0 = dep.boot(recreated=recreated)
     p = Preemption(index=i, boot=dep.vm.boots)
     restore = dep.wait_line(RESTORE_RE, j0, events_since=e0)
     p.resumed_from, p.resumed_tier = int(restore.group(1)), restore.group(2)

@@ -162,13 +162,15 @@ class Sandbox:
         (self.state / "nvidia-smi.mode").write_text(mode)
 
     # --- the VM's life --------------------------------------------------------------------
-    def _image(self) -> None:
-        """Fresh overlay uppers for this boot: the stubs, the disks' by-id links, the console."""
-        for sub in ("upper", "work", "hold"):
+    def _image(self, keep_boot_disk: bool) -> None:
+        """The overlay uppers for this boot: the stubs, the disks' by-id links, the console.
+        `keep_boot_disk` keeps what earlier boots wrote (a STOPped VM restarted); /dev is fresh
+        on every boot either way, /mnt and /run are tmpfs."""
+        for sub in ("work", "hold", "upper/dev") if keep_boot_disk else ("upper", "work", "hold"):
             shutil.rmtree(self.state / sub, ignore_errors=True)
         upper = self.state / "upper"
         usr_bin = upper / "usr" / "bin"
-        usr_bin.mkdir(parents=True)
+        usr_bin.mkdir(parents=True, exist_ok=True)
         subs = {"@PYTHON@": sys.executable, "@STATE@": str(self.state), "@HOSTNAME@": self.hostname}
         for stub in STUBS.iterdir():
             if stub.name.startswith((".", "_")) or not stub.is_file():
@@ -176,10 +178,12 @@ class Sandbox:
             text = stub.read_text()
             for k, v in subs.items():
                 text = text.replace(k, v)
+            (usr_bin / stub.name).unlink(missing_ok=True)
             (usr_bin / stub.name).write_text(text)
             (usr_bin / stub.name).chmod(0o755)
         # The image's Python with torch: the project's venv interpreter.
         for name in ("python3", "python"):
+            (usr_bin / name).unlink(missing_ok=True)
             (usr_bin / name).write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
             (usr_bin / name).chmod(0o755)
         by_id = upper / "dev" / "disk" / "by-id"
@@ -190,6 +194,8 @@ class Sandbox:
             (upper / "dev" / tty).symlink_to(self.console)
         for vm_path, src in self.image_files.items():
             dst = upper / vm_path.lstrip("/")
+            if dst.exists():
+                continue  # a kept boot disk already has it
             dst.parent.mkdir(parents=True, exist_ok=True)
             if Path(src).is_dir():
                 shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -197,10 +203,12 @@ class Sandbox:
                 shutil.copy2(src, dst)
 
     def boot(self, *, startup_script_file: Path | None = None, shutdown_script_file: Path | None = None,
-             exit_after_startup: bool = False) -> None:
-        """Start the VM: PID 1 mounts the VM view and runs the startup script."""
+             exit_after_startup: bool = False, keep_boot_disk: bool = False) -> None:
+        """Start the VM: PID 1 mounts the VM view and runs the startup script. `keep_boot_disk`:
+        the boot disk keeps what the previous boot wrote (a STOPped Spot VM started again);
+        otherwise it is the pristine image (a VM created or recreated from the template)."""
         assert self.proc is None or self.proc.poll() is not None, "VM already running"
-        self._image()
+        self._image(keep_boot_disk and self.boots > 0)
         self.boots += 1
         self.journal_path.touch()
         with open(self.events_path, "a") as f:
