@@ -292,19 +292,23 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------ retention
     def _retain(self, t: _Tier, newest_step: int) -> None:
+        """Keep the checkpoint just written plus the newest ``keep - 1`` valid older ones.
+
+        Only checkpoints older than the one just written (and verified while writing) are ever
+        deleted. Newer folders are left alone: they may be valid checkpoints a restore skipped
+        because of a transient error, or corrupt ones that look valid to the quick check (which
+        must not make us delete the good checkpoint we just wrote).
+        """
         keep = t.policy.keep
         with self._restore_lock:
-            infos = list_checkpoints(t.store)
-            valid = [i for i in infos if i.valid or i.step == newest_step]
-            kept = {i.step for i in valid[:keep]}
-            if not kept:
-                return
-            oldest_kept = min(kept)
-            for i in infos:
-                if i.step < oldest_kept and i.step not in kept:
-                    self.log.info("retention: deleting %s step %d (%s)", t.name, i.step,
-                                  "older than the newest %d valid" % keep if i.valid else f"invalid: {i.reason}")
-                    delete_checkpoint(t.store, i.step)
+            older = [i for i in list_checkpoints(t.store) if i.step < newest_step]
+            keep_older = {i.step for i in [x for x in older if x.valid][: keep - 1]}
+            for i in older:
+                if i.step in keep_older:
+                    continue
+                self.log.info("retention: deleting %s step %d (%s)", t.name, i.step,
+                              f"beyond the newest {keep} valid" if i.valid else f"invalid: {i.reason}")
+                delete_checkpoint(t.store, i.step)
 
     # ------------------------------------------------------------------------------ restoring
     def restore(self, *, download: bool = True) -> Restored | None:

@@ -328,12 +328,16 @@ def test_due_by_seconds(tmp_path: Path) -> None:
 def test_automatic_interval_uses_measured_cost(tmp_path: Path, logwatch) -> None:
     c = Checkpointer(run_dir=tmp_path / "run", mtbf_s=3600)
     assert c.interval_s("persistent") == 60.0 and not c.due(1)  # first save after 60 s
-    c.save(1, make_state(1))
+    for s in range(2, 50):
+        c.due(s)
+    first = [x for x in logwatch.records if "checkpoint interval for persistent" in x]
+    assert len(first) == 1 and "no cost measured yet" in first[0]  # logged once, not per step
+    c.save(50, make_state(50))
     c.wait()
     auto = c._tiers["persistent"].auto
     assert auto.blocked_s is not None and auto.write_s is not None
     assert c.interval_s("persistent") == auto.decide().seconds
-    c.due(2)
+    c.due(51)
     assert "Young/Daly" in logwatch.text()
 
 
@@ -475,3 +479,15 @@ def test_restore_with_gcs_unreachable_uses_disk(gcs_emulator, tmp_path: Path, lo
     assert (r.step, r.tier) == (1, "persistent")
     assert "cannot list checkpoints on gcs" in logwatch.text()
     assert "error" in c2.describe()["tiers"]["gcs"]
+
+
+def test_retention_after_falling_back_keeps_what_was_just_written(tmp_path: Path) -> None:
+    c = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=1, keep=2))
+    save_steps(c, [2, 9])
+    _flip(tmp_path / "run" / step_name(9) / TENSORS)  # sizes still right: passes the quick check
+    c2 = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=1, keep=1))
+    assert c2.restore().step == 2
+    save_steps(c2, [3])
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert names == [step_name(3), step_name(9)]  # 3 (just written) kept; newer 9 untouched
+    assert ckpt(tmp_path, with_local=False).restore().step == 3
