@@ -515,45 +515,50 @@ def _store_location(store: Store, step: int) -> str:
     return f"{store.name}:{step_name(step)}"
 
 
-def list_checkpoints(store: Store) -> list[CheckpointInfo]:
-    """Every ``step-N`` on the store, newest first, each quick-checked (manifest, file sizes)."""
+def _sizes(store: Store, prefix: str) -> dict[str, int]:
     if isinstance(store, DirStore) and not store.root.is_dir():
-        return []
-    sizes = store.sizes("step-") if hasattr(store, "sizes") else {k: -1 for k in store.list("step-")}
+        return {}
+    return store.sizes(prefix) if hasattr(store, "sizes") else {k: -1 for k in store.list(prefix)}
+
+
+def _quick_check(store: Store, step: int, files: dict[str, int]) -> CheckpointInfo:
+    loc = _store_location(store, step)
+    total = sum(v for v in files.values() if v > 0)
+    if MANIFEST not in files:
+        return CheckpointInfo(step, False, "no manifest (incomplete write or upload)", total, loc)
+    try:
+        m = parse_manifest(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step)
+    except KeyError:
+        return CheckpointInfo(step, False, "manifest vanished while listing", total, loc)
+    except CheckpointInvalid as e:
+        return CheckpointInfo(step, False, str(e), total, loc)
+    for name, info in m["files"].items():
+        if name not in files:
+            return CheckpointInfo(step, False, f"{name} is missing", total, loc, m.get("created", ""))
+        if files[name] >= 0 and files[name] != info["size"]:
+            return CheckpointInfo(step, False, f"{name} is {files[name]} bytes, manifest says "
+                                  f"{info['size']} (truncated or partial)", total, loc, m.get("created", ""))
+    return CheckpointInfo(step, True, "", total, loc, m.get("created", ""), m)
+
+
+def list_checkpoints(store: Store) -> list[CheckpointInfo]:
+    """Every ``step-N`` on the store, newest first, each quick-checked (manifest self-checksum,
+    every listed file present with the listed size; no hashing of payloads)."""
     by_step: dict[int, dict[str, int]] = {}
-    for key, size in sizes.items():
+    for key, size in _sizes(store, "step-").items():
         folder, _, name = key.partition("/")
         step = parse_step(folder)
         if step is None or "/" in name:
             continue
         by_step.setdefault(step, {})[name] = size
-    out = []
-    for step in sorted(by_step, reverse=True):
-        files = by_step[step]
-        loc = _store_location(store, step)
-        total = sum(v for v in files.values() if v > 0)
-        if MANIFEST not in files:
-            out.append(CheckpointInfo(step, False, "no manifest (incomplete write or upload)", total, loc))
-            continue
-        try:
-            m = parse_manifest(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step)
-        except KeyError:
-            out.append(CheckpointInfo(step, False, "manifest vanished while listing", total, loc))
-            continue
-        except CheckpointInvalid as e:
-            out.append(CheckpointInfo(step, False, str(e), total, loc))
-            continue
-        reason = ""
-        for name, info in m["files"].items():
-            if name not in files:
-                reason = f"{name} is missing"
-                break
-            if files[name] >= 0 and files[name] != info["size"]:
-                reason = f"{name} is {files[name]} bytes, manifest says {info['size']} (truncated or partial)"
-                break
-        out.append(CheckpointInfo(step, not reason, reason, total, loc, m.get("created", ""),
-                                  m if not reason else None))
-    return out
+    return [_quick_check(store, step, by_step[step]) for step in sorted(by_step, reverse=True)]
+
+
+def check_checkpoint(store: Store, step: int) -> CheckpointInfo | None:
+    """Quick check of one step (None when nothing of it exists on the store)."""
+    prefix = step_name(step) + "/"
+    files = {k[len(prefix):]: v for k, v in _sizes(store, prefix).items() if "/" not in k[len(prefix):]}
+    return _quick_check(store, step, files) if files else None
 
 
 def verify_dir(folder: Path) -> dict:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import (CheckpointInfo, CheckpointInvalid, Snapshot, SnapshotBuffer,
-                                delete_checkpoint, download_dir, list_checkpoints, load_dir,
+                                check_checkpoint, delete_checkpoint, download_dir, list_checkpoints, load_dir,
                                 step_name, upload_dir, verify_dir, write_dir)
 from trainer.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
 from trainer.storage import DirStore, GcsStore, Store, UploadAborted
@@ -280,15 +280,16 @@ class Checkpointer:
     def _upload(self, t: _Tier, src: Path, step: int, *, deadline: float | None) -> None:
         store = t.store
         assert isinstance(store, GcsStore)
-        existing = {i.step: i for i in list_checkpoints(store)}
-        info = existing.get(step)
-        if info is not None:
-            if info.valid:
-                return
-            # A leftover partial upload of this step (no manifest): its objects are create-only,
-            # so remove them first; they were never visible as a checkpoint.
-            delete_checkpoint(store, step)
-        upload_dir(src, store, step, deadline=deadline)
+        with store.deadline(deadline):
+            info = check_checkpoint(store, step)
+            if info is not None:
+                if info.valid:
+                    return
+                # A leftover partial upload of this step: its objects are create-only, so remove
+                # them first; they were never visible as a checkpoint.
+                self.log.info("removing partial upload of step %d on gcs (%s)", step, info.reason)
+                delete_checkpoint(store, step)
+            upload_dir(src, store, step, deadline=deadline)
 
     # ------------------------------------------------------------------------------ retention
     def _retain(self, t: _Tier, newest_step: int) -> None:

@@ -491,3 +491,24 @@ def test_retention_after_falling_back_keeps_what_was_just_written(tmp_path: Path
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
     assert names == [step_name(3), step_name(9)]  # 3 (just written) kept; newer 9 untouched
     assert ckpt(tmp_path, with_local=False).restore().step == 3
+
+
+def test_reupload_replaces_a_partial_upload_of_the_same_step(gcs_emulator, faulty_gcs, tmp_path: Path,
+                                                             logwatch) -> None:
+    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, with_local=False)
+    c.gcs.retry_timeout_s = 0.0  # fail at once
+    faulty_gcs.plan.add("upload", f"*{step_name(4)}/{MANIFEST}", "503")
+    save_steps(c, [4])
+    assert c.stats["tier_writes_failed"] == 1
+    info = {i.step: i for i in list_checkpoints(c.gcs)}[4]
+    assert not info.valid
+    # Resumed from an older step, trained to step 4 again (different bytes): uploads cleanly,
+    # although the leftover objects are create-only.
+    shutil.rmtree(tmp_path / "run" / step_name(4))
+    c.gcs.retry_timeout_s = 30.0
+    c.save(4, make_state(40))
+    c.wait()
+    assert "removing partial upload of step 4" in logwatch.text()
+    shutil.rmtree(tmp_path / "run")
+    r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
+    assert r.step == 4 and same(r.state, make_state(40))
