@@ -41,6 +41,7 @@ STEP_RE = re.compile(r"\bevent=step step=(\d+)/(\d+)\b.*?steps_per_s=([\d.]+)")
 RESTORE_RE = re.compile(r"\bevent=restore step=(\d+)(?: tier=(\S+))?")
 PREEMPTED_RE = re.compile(r"\bevent=preempted step=(\d+)(?: persistent_ok=(\d) gcs_ok=(\S+) seconds=([\d.]+))?")
 EXIT_PREEMPTED = 75
+MIN_STEPS_PER_ROUND = 30
 
 
 class DrillFailure(Exception):
@@ -263,8 +264,12 @@ class Deployment:
 
 # --- the drill -------------------------------------------------------------------------------
 def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResult:
-    if cfg.preemptions < 0 or cfg.steps < 1:
-        raise ValueError("steps must be >= 1 and preemptions >= 0")
+    if cfg.preemptions < 0:
+        raise ValueError("preemptions must be >= 0")
+    if cfg.steps < MIN_STEPS_PER_ROUND * (cfg.preemptions + 1):
+        # Preemptions are placed on logged steps (every 10) and must land before the end.
+        raise ValueError(f"steps: {cfg.steps} is too few for {cfg.preemptions} preemption(s); "
+                         f"allowed: at least {MIN_STEPS_PER_ROUND * (cfg.preemptions + 1)}")
     bad = [n for n in cfg.wipe_disk_after if not 1 <= n <= cfg.preemptions]
     if bad:
         raise ValueError(f"wipe_disk_after: {bad} is not a preemption between 1 and {cfg.preemptions}")

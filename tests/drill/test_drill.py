@@ -40,3 +40,8 @@ def test_drill_two_preemptions_one_wiped_disk(tmp_path: Path) -> None:
 def test_cli_rejects_a_wipe_round_beyond_the_preemptions(capsys: pytest.CaptureFixture[str]) -> None:
     assert drill_main(["--preemptions", "1", "--wipe-disk-round", "2"]) == 2
     assert "wipe_disk_after" in capsys.readouterr().err
+
+
+def test_cli_rejects_too_few_steps_for_the_preemptions(capsys: pytest.CaptureFixture[str]) -> None:
+    assert drill_main(["--preemptions", "3", "--steps", "50"]) == 2
+    assert "steps: 50 is too few" in capsys.readouterr().err
