@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from drill.drill import DrillConfig, DrillFailure, run_drill
+from drill.drill import DrillConfig, DrillFailure, check, render, run_drill
 
 #: `--soak`: a longer run with more preemptions, two of them on a wiped disk.
 SOAK = {"steps": 3000, "preemptions": 8, "wipe_disk_after": (3, 6)}
@@ -32,10 +32,24 @@ def main(argv: list[str] | None = None) -> int:
             base[key] = value
     if a.wipe is not None:
         base["wipe_disk_after"] = tuple(a.wipe)
+    cfg = DrillConfig(experiment=a.experiment, seed=a.seed, window_s=a.window, workdir=a.keep, **base)
+    from stacks.load import ExperimentError
+
+    try:
+        check(cfg)
+        render(cfg, health_port=8471)  # the experiment file: validated before anything starts
+    except ValueError as e:
+        print(f"drill: {e}", file=sys.stderr)
+        return 2
+    except ExperimentError as e:
+        print("\n".join(e.lines), file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"drill: {a.experiment}: {e.strerror or e}", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("drill: needs root (mount and PID namespaces, loop devices)", file=sys.stderr)
         return 2
-    cfg = DrillConfig(experiment=a.experiment, seed=a.seed, window_s=a.window, workdir=a.keep, **base)
     try:
         result = run_drill(cfg)
     except ValueError as e:

@@ -263,7 +263,8 @@ class Deployment:
 
 
 # --- the drill -------------------------------------------------------------------------------
-def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResult:
+def check(cfg: DrillConfig) -> None:
+    """Refuse a drill that cannot work; ValueError names the setting."""
     if cfg.preemptions < 0:
         raise ValueError("preemptions must be >= 0")
     if cfg.steps < MIN_STEPS_PER_ROUND * (cfg.preemptions + 1):
@@ -273,6 +274,10 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
     bad = [n for n in cfg.wipe_disk_after if not 1 <= n <= cfg.preemptions]
     if bad:
         raise ValueError(f"wipe_disk_after: {bad} is not a preemption between 1 and {cfg.preemptions}")
+
+
+def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResult:
+    check(cfg)
     import tempfile
 
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="spottrain-drill-"))

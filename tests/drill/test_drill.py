@@ -45,3 +45,14 @@ def test_cli_rejects_a_wipe_round_beyond_the_preemptions(capsys: pytest.CaptureF
 def test_cli_rejects_too_few_steps_for_the_preemptions(capsys: pytest.CaptureFixture[str]) -> None:
     assert drill_main(["--preemptions", "3", "--steps", "50"]) == 2
     assert "steps: 50 is too few" in capsys.readouterr().err
+
+
+def test_cli_names_the_file_and_field_of_a_bad_experiment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text((Path(__file__).resolve().parents[2] / "experiments" / "example.toml").read_text()
+                   .replace("steps = 20000", "steps = -1"))
+    assert drill_main(["--experiment", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.toml" in err and "trainer.steps" in err
+    assert drill_main(["--experiment", str(tmp_path / "missing.toml")]) == 2
+    assert "missing.toml" in capsys.readouterr().err
