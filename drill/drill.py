@@ -175,11 +175,13 @@ class Deployment:
     scripts, a checkpoint disk; VMs come and go on top of it."""
 
     def __init__(self, root: Path, rendered: Rendered, cfg: DrillConfig, say: Callable[[str], None],
-                 image: Path) -> None:
+                 image: Path, *, preinstall_trainer: bool = True) -> None:
         """`image`: a directory holding the `trainer` package the VMs run (a snapshot, so that
-        every VM and the final `status` run the same code)."""
+        every VM and the final `status` run the same code). `preinstall_trainer` puts it on the
+        VM image at /opt/spottrain/trainer: the boot scripts do not deliver it yet."""
         self.root = root
         self.image = image
+        self.preinstall_trainer = preinstall_trainer
         self.r = rendered
         self.cfg = cfg
         self.say = say
@@ -201,7 +203,7 @@ class Deployment:
         self.vm = Sandbox(self.root / "vm", env=fakes,
                           default_environment={**fakes, "OMP_NUM_THREADS": "1"},
                           disks={DEVICE_NAME: self.disk},
-                          image_files={"/opt/spottrain/trainer": self.image / "trainer"})
+                          image_files={"/opt/spottrain/trainer": self.image / "trainer"} if self.preinstall_trainer else {})
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -72,3 +72,16 @@ def test_a_disk_with_a_filesystem_is_never_reformatted(deployment: Deployment, t
     assert vm.exec(["blkid", "-s", "UUID", "-o", "value", f"/dev/disk/by-id/google-{DEVICE_NAME}"]).stdout == uuid
     assert vm.path("/mnt/spottrain/keep-me").read_text() == "checkpoints live here\n"
     assert "formatting" not in vm.journal()
+
+
+def test_a_missing_trainer_fails_loudly_and_starts_nothing(tmp_path: Path) -> None:
+    cfg = DrillConfig(steps=1000, disk_mb=64)
+    with Deployment(tmp_path / "dep", render(cfg, free_port()), cfg, lambda s: None, REPO,
+                    preinstall_trainer=False) as dep:
+        assert dep.vm is not None
+        _, e0 = dep.boot()
+        ev = dep.vm.wait_event(lambda e: e["event"] == "startup-script-exited", STARTUP_GUARD_S, since=e0)
+        assert ev["rc"] != 0
+        failure = [line for line in dep.vm.journal().splitlines() if "spottrain-startup" in line][-1]
+        assert "trainer" in failure, failure
+        assert not any(e["event"] == "unit-started" for e in dep.vm.events()[e0:])
