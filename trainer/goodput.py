@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,16 +58,35 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return events
 
 
-def read_store_events(store: Any) -> list[dict[str, Any]]:
-    events = []
+def _parse_object_key(key: str) -> tuple[str, int] | None:
+    parts = key.rsplit("/", 2)
+    if len(parts) < 3 or not parts[2].endswith(".json"):
+        return None
+    try:
+        return parts[1], int(parts[2][: -len(".json")])
+    except ValueError:
+        return None
+
+
+def read_store_events(store: Any, *, skip: set[tuple[str, int]] | frozenset = frozenset()) -> list[dict[str, Any]]:
+    """Events mirrored on the durable tier, except those whose (session, seq) is in ``skip``:
+    one listing, then only the missing objects are fetched (in parallel)."""
+    wanted = []
     for key in store.list(LEDGER_DIR + "/"):
+        k = _parse_object_key(key)
+        if k is not None and k not in skip:
+            wanted.append(key)
+
+    def fetch(key: str) -> dict[str, Any] | None:
         try:
             ev = json.loads(store.get_bytes(key))
         except (KeyError, ValueError):
-            continue
-        if isinstance(ev, dict) and "session" in ev and "seq" in ev and "event" in ev:
-            events.append(ev)
-    return events
+            return None
+        ok = isinstance(ev, dict) and "session" in ev and "seq" in ev and "event" in ev
+        return ev if ok else None
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return [ev for ev in pool.map(fetch, wanted) if ev is not None]
 
 
 def _key(ev: dict[str, Any]) -> tuple[str, int]:
@@ -112,14 +132,14 @@ class Ledger:
     def _recover_from_store(self) -> None:
         """Copy events only the durable tier has (lost run dir) into the local file; queue the
         local events the durable tier lacks (a mirror cut short by a kill)."""
+        local = read_events(self.path)
+        local_keys = {_key(e) for e in local}
         try:
-            remote = read_store_events(self.store)
+            remote_keys = {k for k in map(_parse_object_key, self.store.list(LEDGER_DIR + "/")) if k}
+            missing_here = read_store_events(self.store, skip=local_keys)
         except Exception as e:  # the durable tier being down must not stop training
             self.log.warning("event=ledger_recover ok=0 error=%r", e)
             return
-        local = read_events(self.path)
-        local_keys, remote_keys = {_key(e) for e in local}, {_key(e) for e in remote}
-        missing_here = [e for e in remote if _key(e) not in local_keys]
         for ev in sorted(missing_here, key=_key):
             self._write_line(ev)
         for ev in local:

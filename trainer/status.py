@@ -29,7 +29,7 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
         restored = ckpt.restore(download=False)
         events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
         if ckpt.gcs is not None:
-            events = merge(events, read_store_events(ckpt.gcs))
+            events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
     finally:
         ckpt.close()
     out: dict[str, Any] = {

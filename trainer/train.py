@@ -75,10 +75,9 @@ class _Session:
         cfg, world, log = self.cfg, self.world, self.log
         t_start = time.monotonic()
         torch.set_num_threads(cfg.threads)
-        if cfg.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=True)
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         device = _device(cfg, world)
+        if cfg.deterministic:
+            _deterministic(device)
 
         # Machinery that only one process per job runs: health, checkpoints, the ledger.
         if world.is_main:
@@ -284,6 +283,20 @@ class _StepFn:
 def _seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _deterministic(device: torch.device) -> None:
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        # Same switch without the public function's import of the compiler's config, which costs
+        # more than a second of start-up on every restart.
+        setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+        if setter is not None:
+            setter(True, warn_only=True)
+        else:
+            torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _device(cfg: RunConfig, world: distributed.World) -> torch.device:

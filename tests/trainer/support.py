@@ -18,6 +18,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 240.0  # a failure guard only: this box is small and shared
+REFERENCE_STEPS = 40  # steps of the uninterrupted reference run (e2e conftest)
 
 # Tiny model and short logging interval: every step logs a line the tests synchronise on.
 TEST_CONFIG = """\
@@ -139,7 +140,14 @@ def run_to_end(run_dir: Path, steps: int, config: Path, *extra: str, env: dict[s
     return p
 
 
-def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: bool = False) -> dict[str, Any]:
+    """`python -m trainer status --json` (in this process unless ``cli``: torch is loaded here)."""
+    if not cli:
+        from trainer.config import StatusConfig
+        from trainer.status import collect
+
+        gcs = extra[extra.index("--gcs-uri") + 1] if "--gcs-uri" in extra else None
+        return json.loads(json.dumps(collect(StatusConfig(run_dir=run_dir, gcs_uri=gcs)), default=str))
     out = subprocess.run([sys.executable, "-m", "trainer", "status", "--run-dir", str(run_dir), "--json", *extra],
                          capture_output=True, text=True, env=env or trainer_env(), cwd=REPO, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr

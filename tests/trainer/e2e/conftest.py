@@ -9,7 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer.support import REFERENCE_STEPS, run_to_end, status, write_config
+
 HERE = Path(__file__).parent
+
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """`status` of an uninterrupted 40-step run with the test config (once per worker); the
+    checkpoint cadence is not part of the run, so every interrupted run must end at this digest."""
+    d = tmp_path_factory.mktemp("reference")
+    run_to_end(d / "run", REFERENCE_STEPS, write_config(d), "--checkpoint-every-steps", "10")
+    s = status(d / "run")
+    assert s["latest_step"] == REFERENCE_STEPS
+    return s
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
