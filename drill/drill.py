@@ -128,6 +128,7 @@ class Rendered:
     bucket: str
     gcs_uri: str
     termination_action: str
+    local_ssd_count: int
 
 
 def render(cfg: DrillConfig, health_port: int) -> Rendered:
@@ -151,7 +152,7 @@ def render(cfg: DrillConfig, health_port: int) -> Rendered:
     )
     scripts = render_boot(props)
     return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri,
-                    exp.machine.termination_action)
+                    exp.machine.termination_action, exp.disk.local_ssd_count)
 
 
 def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
@@ -190,6 +191,9 @@ class Deployment:
         self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
                                                    "shutdown-script": rendered.shutdown})
         self.disk = Disk(root / "checkpoint-disk.img", cfg.disk_mb)
+        # Local NVMe SSDs: blank on every boot (Spot VMs lose them on preemption).
+        self.local_ssds = {f"local-nvme-ssd-{i}": Disk(root / f"local-ssd-{i}.img", cfg.disk_mb)
+                           for i in range(rendered.local_ssd_count)}
         self.vm: Sandbox | None = None
         self.finished_guest_attributes: dict[str, str] = {}
 
@@ -202,7 +206,7 @@ class Deployment:
         # through systemd's DefaultEnvironment= (on GCE neither is needed: the defaults are real).
         self.vm = Sandbox(self.root / "vm", env=fakes,
                           default_environment={**fakes, "OMP_NUM_THREADS": "1"},
-                          disks={DEVICE_NAME: self.disk},
+                          disks={DEVICE_NAME: self.disk, **self.local_ssds},
                           image_files={"/opt/spottrain/trainer": self.image / "trainer"} if self.preinstall_trainer else {})
         return self
 
@@ -211,7 +215,8 @@ class Deployment:
             self.vm.close()
         self.metadata.stop()
         self.gcs.stop()
-        self.disk.detach()
+        for disk in (self.disk, *self.local_ssds.values()):
+            disk.detach()
 
     def boot(self, *, recreated: bool = False) -> tuple[int, int]:
         """Power on the VM; (journal offset, events offset) where this boot begins. With the
@@ -219,6 +224,8 @@ class Deployment:
         starts the same VM again) unless the VM was `recreated` (another zone: new boot disk)."""
         assert self.vm is not None
         self.metadata.reset()
+        for ssd in self.local_ssds.values():
+            ssd.blank()
         offsets = (len(self.vm.journal()), len(self.vm.events()))
         self.vm.boot(keep_boot_disk=self.r.termination_action == "STOP" and not recreated)
         return offsets
@@ -267,6 +274,8 @@ class Deployment:
 # --- the drill -------------------------------------------------------------------------------
 def check(cfg: DrillConfig) -> None:
     """Refuse a drill that cannot work; ValueError names the setting."""
+    if not (cfg.window_s > 0):
+        raise ValueError("window: must be > 0 seconds")
     if cfg.preemptions < 0:
         raise ValueError("preemptions must be >= 0")
     if cfg.steps < MIN_STEPS_PER_ROUND * (cfg.preemptions + 1):

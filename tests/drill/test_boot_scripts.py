@@ -85,3 +85,14 @@ def test_a_missing_trainer_fails_loudly_and_starts_nothing(tmp_path: Path) -> No
         failure = [line for line in dep.vm.journal().splitlines() if "spottrain-startup" in line][-1]
         assert "trainer" in failure, failure
         assert not any(e["event"] == "unit-started" for e in dep.vm.events()[e0:])
+
+
+def test_a_local_ssd_is_formatted_and_mounted_for_the_local_tier(tmp_path: Path) -> None:
+    cfg = DrillConfig(experiment=REPO / "tests" / "stacks" / "fixtures" / "n1-v100-standard.toml",
+                      steps=1_000_000, disk_mb=64)
+    with Deployment(tmp_path / "dep", render(cfg, free_port()), cfg, lambda s: None, REPO) as dep:
+        assert dep.vm is not None and list(dep.local_ssds) == ["local-nvme-ssd-0"]
+        _boot_and_wait_startup(dep)
+        assert dep.vm.exec(["mountpoint", "-q", "/mnt/localssd"]).returncode == 0
+        assert dep.vm.path("/mnt/localssd/run").is_dir()
+        assert "--local-dir /mnt/localssd/run" in dep.vm.path("/etc/spottrain/trainer.sh").read_text()
