@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -23,6 +24,12 @@ TASK = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_]
 GCS_PREFIX = re.compile(r"^[A-Za-z0-9][-_.A-Za-z0-9/]{0,254}$")
 #: Flags the stack sets itself from other fields; repeating them in `args` would contradict those.
 MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port", "--local-dir")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def code_path(code_dir: str) -> Path:
+    """`trainer.code_dir` as a path: relative paths start at the repository root."""
+    return REPO / code_dir  # an absolute code_dir replaces REPO
 
 
 class Section(BaseModel):
@@ -303,11 +310,24 @@ class Trainer(Section):
     args: list[str] = []
     """Extra arguments for `python -m trainer run`, e.g. ["--checkpoint-every-steps", "200"].
     Passed verbatim, each shell-quoted; the flags the stack sets itself are refused."""
+    code_dir: str | None = None
+    """Your own code: a directory (absolute, or relative to the repository root) shipped to the
+    VM next to the trainer and put on its PYTHONPATH, so that `task` can name a module in it,
+    e.g. "mycode" holding mymodel/task.py with task = "mymodel.task:build". Packed like the
+    trainer (no __pycache__, tests or hidden entries); a change in it rolls the group."""
 
     @field_validator("task")
     @classmethod
     def _task(cls, v: str) -> str:
         return _pattern(v, TASK, 'a Python "package.module:callable"')
+
+    @field_validator("code_dir")
+    @classmethod
+    def _code_dir(cls, v: str | None) -> str | None:
+        if v is not None and not code_path(v).is_dir():
+            raise ValueError(f"{v!r} is not a directory (relative paths start at {REPO}); "
+                             "allowed: a directory with your Python code")
+        return v
 
     def problems(self) -> Iterator[Problem]:
         if self.param_count is not None and self.state_bytes is not None:
