@@ -373,9 +373,27 @@ class Backend(Section):
                     yield key, 'is set but type = "local"; allowed: set type = "gcs"'
 
 
+class Cost(Section):
+    """Assumptions for the cost estimate (`python -m stacks.cost`); nothing here is deployed."""
+
+    steps_per_second: float = Field(default=1.0, gt=0)
+    """Assumed training throughput in optimizer steps per second while the trainer runs (a
+    stated assumption, not a measurement: replace it with the rate you measured)."""
+    expected_goodput: float = Field(default=0.9, gt=0, le=1)
+    """Assumed fraction of Spot VM time that is productive training (the rest: preemptions,
+    restarts, restores, lost steps). Replace it with the goodput `trainer status` reports."""
+    on_demand_goodput: float = Field(default=1.0, gt=0, le=1)
+    """The same fraction on demand (no preemptions), for the comparison."""
+    spot_per_hour: float | None = Field(default=None, gt=0)
+    """All-in Spot price of one VM in $/hour (machine, GPUs, disks), overriding the catalog in
+    `stacks/pricing.py`, e.g. a negotiated rate or a price checked today."""
+    on_demand_per_hour: float | None = Field(default=None, gt=0)
+    """All-in on-demand price of one VM in $/hour, overriding the catalog."""
+
+
 SECTIONS: dict[str, type[Section]] = {
     "gcp": Gcp, "machine": Machine, "disk": Disk, "bucket": Bucket, "network": Network,
-    "group": Group, "trainer": Trainer, "backend": Backend,
+    "group": Group, "trainer": Trainer, "backend": Backend, "cost": Cost,
 }  # fmt: skip
 
 
@@ -402,6 +420,8 @@ class Experiment(BaseModel):
     """The training run."""
     backend: Backend = Backend()
     """Terraform state backend."""
+    cost: Cost = Cost()
+    """Assumptions and price overrides for the cost estimate."""
 
     @field_validator("labels")
     @classmethod
