@@ -153,7 +153,7 @@ RULES = [
      "termination_action, image_family, image_project, boot_disk_gb"),
     ("unknown-section", {"cluster": {"size": 2}},
      "cluster: unknown key; allowed: labels, gcp, machine, disk, bucket, network, group, "
-     "trainer, backend"),
+     "trainer, backend, cost"),
     ("missing-required", {"trainer": {"steps": None}}, "trainer.steps: is required"),
 ]
 
