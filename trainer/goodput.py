@@ -13,7 +13,8 @@ Report (all sessions together), after ml-goodput-measurement:
   the loop was blocked by checkpoint snapshots and emergency saves;
 - ``downtime_s``: wall time outside any session (VM recreation) and after a session's last event;
 - ``goodput`` = productive_s / wall_s; ``preemptions``: preemption notices; ``crashes``: sessions
-  that ended without finishing or a preemption notice (SIGKILL, hard power-off, failure).
+  that ended without a trace (SIGKILL, hard power-off, OOM kill); ``failures``: sessions that
+  stopped on an error (bad input, an exception); ``sessions``; ``finished``.
 """
 from __future__ import annotations
 
@@ -205,6 +206,7 @@ class Report:
     downtime_s: float
     preemptions: int
     crashes: int
+    failures: int
     sessions: int
     finished: bool
 
@@ -248,10 +250,11 @@ def report(events: list[dict[str, Any]]) -> Report:
                            if e["event"] in ("checkpoint", "preempted", "finish")),
             "preempted": any(e["event"] == "preemption_notice" for e in evs),
             "finished": any(e["event"] == "finish" for e in evs),
+            "failed": any(e["event"] == "failed" for e in evs),
         })
     sessions.sort(key=lambda s: s["t0"])
     if not sessions:
-        return Report(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, False)
+        return Report(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, False)
     productive = lost = 0.0
     for i, s in enumerate(sessions):
         later = [x["restored_step"] for x in sessions[i + 1:] if x["restored_step"] is not None]
@@ -274,7 +277,8 @@ def report(events: list[dict[str, Any]]) -> Report:
         lost_s=lost,
         downtime_s=max(0.0, wall - spans),
         preemptions=sum(1 for s in sessions if s["preempted"]),
-        crashes=sum(1 for s in sessions if not s["preempted"] and not s["finished"] and s is not sessions[-1]),
+        crashes=sum(1 for s in sessions[:-1] if not (s["preempted"] or s["finished"] or s["failed"])),
+        failures=sum(1 for s in sessions if s["failed"]),
         sessions=len(sessions),
         finished=sessions[-1]["finished"],
     )

@@ -49,9 +49,11 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
         return session.run()
     except (state.ResumeMismatch, tasks.TaskError) as e:
         log.error("event=failed reason=bad_input %s", e)
+        session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT)
-    except Exception:
+    except Exception as e:
         log.error("event=failed reason=exception\n%s", traceback.format_exc())
+        session.record_failure("exception", f"{type(e).__name__}: {e}")
         return Outcome(EXIT_FAILED)
     finally:
         session.close()
@@ -128,6 +130,8 @@ class _Session:
                                startup_s=max(0.0, time.time() - self.process_start - restore_s))
         if start >= cfg.steps:
             log.info("event=finished step=%d (already complete)", start)
+            if world.is_main:
+                self.ledger.append("finish", step=start, blocked_s=0.0, productive_s=0.0)
             self.health.finished()
             return Outcome(EXIT_FINISHED)
         if self.preempt.requested:  # the notice came during start-up: nothing new to save
@@ -223,6 +227,11 @@ class _Session:
             self.ledger.append("preemption_notice", step=step, reason=self.preempt.reason)
             self.ledger.append("preempted", step=step, productive_s=0.0, blocked_s=0.0)
         return Outcome(EXIT_PREEMPTED)
+
+    def record_failure(self, reason: str, detail: str) -> None:
+        if self.ledger is not None:
+            with contextlib.suppress(Exception):
+                self.ledger.append("failed", reason=reason, detail=detail[:500])
 
     def close(self) -> None:
         if self.server is not None:

@@ -50,7 +50,7 @@ def test_report_arithmetic() -> None:
     assert r.checkpoint_blocked_s == 1.5
     assert r.downtime_s == pytest.approx(260.0 - 111.0 - 60.0)
     assert r.goodput == pytest.approx(100.0 / 260.0)
-    assert (r.preemptions, r.crashes, r.sessions, r.finished) == (1, 0, 2, True)
+    assert (r.preemptions, r.crashes, r.failures, r.sessions, r.finished) == (1, 0, 0, 2, True)
 
 
 def test_lost_work_interpolates_and_counts_crashes() -> None:

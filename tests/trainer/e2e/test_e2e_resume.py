@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.config import StatusConfig
+from trainer.status import main as status_main
 from tests.trainer.support import REFERENCE_STEPS as STEPS
 from tests.trainer.support import run_to_end, start, status, write_config
 
@@ -68,7 +70,8 @@ def test_resume_with_other_checkpoint_interval_and_second_signal(tmp_path: Path,
     assert status(run_dir)["model_digest"] == reference["model_digest"]
 
 
-def test_finished_run_exits_at_once_and_mismatch_is_refused(tmp_path: Path, reference: dict) -> None:
+def test_finished_run_exits_at_once_and_mismatch_is_refused(tmp_path: Path, reference: dict,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     config, run_dir = write_config(tmp_path), tmp_path / "run"
     _sigterm_at(run_dir, config, 5)
     p = start(run_dir, STEPS, config, "--seed", "7")
@@ -84,6 +87,11 @@ def test_finished_run_exits_at_once_and_mismatch_is_refused(tmp_path: Path, refe
     p.wait_for(r"event=finished step=40 \(already complete\)")
     assert "event=step " not in p.output
     assert status(run_dir)["model_digest"] == reference["model_digest"]
+    assert status_main(StatusConfig(run_dir=run_dir)) == 0
+    human = capsys.readouterr().out
+    assert f"newest valid checkpoint: step 40 on persistent" in human
+    assert f"model digest: {reference['model_digest']}" in human
+    assert "preemptions 2, crashes 0, failures 1, finished yes" in human
 
 
 def _kill_run(tmp_path: Path, reference: dict, seed: int, kills: int) -> None:

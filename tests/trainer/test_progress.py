@@ -1,0 +1,54 @@
+"""trainer/progress.py: one structured line per interval; a live line only on a terminal."""
+from __future__ import annotations
+
+import io
+import logging
+import re
+
+import pytest
+
+from trainer.progress import Progress, setup_logging
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+
+
+def test_interval_lines_are_structured(restore_logging) -> None:
+    out = io.StringIO()
+    log = setup_logging(stream=out)
+    p = Progress(log, total_steps=10, start_step=0, every=5, tokens_per_step=100, stream=out)
+    for step in range(1, 11):
+        p.update(step, loss=2.0 + step, lr=1e-3)
+    p.close()
+    lines = [line for line in out.getvalue().splitlines() if "event=step" in line]
+    assert len(lines) == 2 and "\r" not in out.getvalue()
+    m = re.search(r"INFO trainer event=step step=5/10 loss=(\S+) lr=1.000e-03 steps_per_s=\S+ tokens_per_s=\S+ eta_s=\S+$",
+                  lines[0])
+    assert m and float(m.group(1)) == pytest.approx(5.0)  # mean loss over the interval
+    assert "step=10/10" in lines[1]
+
+
+def test_live_line_on_a_terminal(restore_logging) -> None:
+    tty = Tty()
+    log = setup_logging(stream=tty)
+    p = Progress(log, total_steps=4, start_step=0, every=2, tokens_per_step=0, stream=tty)
+    p.update(1, loss=1.0, lr=0.1)
+    assert tty.getvalue().startswith("\r[")
+    p.update(2, loss=1.0, lr=0.1)  # the log line first clears the live line
+    text = tty.getvalue()
+    assert "\r\x1b[K" in text and "samples_per_s" in text
+    p.close()
