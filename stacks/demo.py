@@ -1,7 +1,8 @@
 """`python -m stacks.demo [FILE]`: synthesize one experiment and say what it would create.
 
 Default FILE: experiments/example.toml. Prints the resources with their key settings, the
-emergency-save budget and the outputs; writes nothing outside a temporary folder.
+emergency-save budget, the expected cost (Spot against on demand) and the outputs; writes
+nothing outside a temporary folder.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from stacks.budget import estimate
+from stacks.cost import describe as describe_cost
 from stacks.load import ExperimentError, display, load_file
 
 EXAMPLE = Path("experiments/example.toml")
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     budget = estimate(exp.spec)
     print(budget.warning() or budget.describe())
+    print()
+    print("\n".join(describe_cost(exp)))
     print()
     backend = next(iter(stack["terraform"]["backend"].items()))
     print(f"state backend: {backend[0]} {json.dumps(backend[1])}")

@@ -21,6 +21,7 @@ def test_demo_summarizes_the_example(capsys, monkeypatch):
     assert "roles/storage.objectAdmin on the checkpoint bucket" in out
     assert "emergency save: 1.98 GB" in out and ": fits" in out
     assert "scale_to_zero_command" in out
+    assert "hourly price      Spot $" in out and "savings" in out and "with Spot" in out
 
 
 def test_demo_bad_file_exits_2(tmp_path, capsys):

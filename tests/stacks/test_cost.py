@@ -1,0 +1,94 @@
+"""Cost arithmetic on known cases, and the `cost` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+import pytest
+from stack_support import ROOT, variant
+
+from stacks import cost, pricing
+from stacks.load import ExperimentFile
+
+
+def _file(overrides, name="example") -> ExperimentFile:
+    return ExperimentFile(name, Path(f"experiments/{name}.toml"), variant(overrides, name))
+
+
+def test_known_case_arithmetic():
+    # 36,000 steps at 2 steps/s = 5 h of training; 80% goodput on Spot = 6.25 h of VM.
+    est = cost.estimate(variant({
+        "trainer": {"steps": 36_000},
+        "cost": {"steps_per_second": 2.0, "expected_goodput": 0.8, "spot_per_hour": 1.0,
+                 "on_demand_per_hour": 3.0},
+    }))
+    assert est.training_hours == pytest.approx(5.0)
+    assert est.spot_hours == pytest.approx(6.25)
+    assert est.on_demand_hours == pytest.approx(5.0)
+    assert est.spot_cost == pytest.approx(6.25)
+    assert est.on_demand_cost == pytest.approx(15.0)
+    assert est.savings == pytest.approx(8.75)
+    assert est.savings_pct == pytest.approx(100 * 8.75 / 15)
+
+
+def test_on_demand_goodput_and_catalog_prices():
+    est = cost.estimate(variant({
+        "trainer": {"steps": 3600}, "cost": {"steps_per_second": 1.0, "expected_goodput": 0.5,
+                                             "on_demand_goodput": 0.8},
+    }))
+    spot, on_demand = pricing.hourly_price(variant({}))
+    assert est.spot_cost == pytest.approx(2 * spot)
+    assert est.on_demand_cost == pytest.approx(1.25 * on_demand)
+
+
+def test_spot_dearer_than_on_demand_gives_negative_savings():
+    est = cost.estimate(variant({"cost": {"expected_goodput": 0.1, "spot_per_hour": 1.0,
+                                          "on_demand_per_hour": 1.0}}))
+    assert est.savings < 0 and est.savings_pct == pytest.approx(-900)
+
+
+def test_describe_states_the_assumptions():
+    lines = cost.describe(_file({"cost": {"steps_per_second": 2.0, "spot_per_hour": 1.0,
+                                          "on_demand_per_hour": 3.0},
+                                 "trainer": {"steps": 36_000}}), today=pricing.CATALOG_DATE)
+    text = "\n".join(lines)
+    assert "hourly price      Spot $1.00/h   on-demand $3.00/h" in text
+    assert "36,000 steps at 2 steps/s (set in [cost]) = 5.0 h of training" in text
+    assert "goodput 90% on Spot (default), 100% on demand" in text
+    assert "expected cost     Spot $5.56 (5.6 h of VM)   on-demand $15.00 (5.0 h of VM)" in text
+    assert "savings           $9.44 (63%) with Spot" in text
+    assert "not a bill" in text
+    assert "days old" not in text  # fully overridden: the catalog's age does not matter
+
+
+def test_describe_flags_a_stale_catalog_and_standard_provisioning():
+    later = date.fromordinal(pricing.CATALOG_DATE.toordinal() + 45)
+    text = "\n".join(cost.describe(
+        _file({"machine": {"provisioning": "standard", "termination_action": None}}), today=later))
+    assert "the catalog is 45 days old and Spot prices change up to once a month" in text
+    assert '(not taken: provisioning = "standard")' in text
+
+
+def test_cost_command_on_the_repository_experiments():
+    run = subprocess.run([sys.executable, "-m", "stacks.cost"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "cost of example (experiments/example.toml): g2-standard-8 with 1 x nvidia-l4" in \
+        run.stdout
+    assert "savings" in run.stdout
+
+
+def test_cost_command_bad_input_exits_2_naming_file_and_field(tmp_path):
+    text = (ROOT / "experiments" / "example.toml").read_text()
+    bad = tmp_path / "cheap.toml"
+    bad.write_text(text + "\n[cost]\nexpected_goodput = 1.5\nspot_per_hour = -1\n")
+    run = subprocess.run([sys.executable, "-m", "stacks.cost", str(bad)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "cheap.toml: cost.expected_goodput: Input should be less than or equal to 1" in run.stderr
+    assert "cheap.toml: cost.spot_per_hour: Input should be greater than 0" in run.stderr
+    assert "Traceback" not in run.stderr and run.stdout == ""
+    assert cost.main(["a", "b"]) == 2
