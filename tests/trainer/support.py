@@ -2,6 +2,7 @@
 a fake GCE metadata server speaking the real protocol on loopback, free ports."""
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -90,7 +91,7 @@ class Proc:
                 raise AssertionError(f"no line matching {pattern!r} within {timeout}s:\n{self.output[-3000:]}")
             if line is None:
                 self._q.put(None)
-                raise AssertionError(f"process ended (rc={self.p.wait()}) before {pattern!r}:\n{self.output[-3000:]}")
+                raise AssertionError(f"process ended (rc={self.wait()}) before {pattern!r}:\n{self.output[-3000:]}")
             m = rx.search(line)
             if m:
                 return m
@@ -217,3 +218,139 @@ class FakeMetadataServer:
         self.set(self.value)  # release blocked handlers
         self.server.shutdown()
         self.server.server_close()
+
+
+# --------------------------------------------------------------------------------------------
+# A fork server for the many SIGKILL restarts: importing torch costs seconds per process on this
+# box, so one "zygote" imports the trainer once and forks a fresh process per restart. Each child
+# runs exactly what `python -m trainer` runs (trainer.cli.main) and is killed with real signals.
+# --------------------------------------------------------------------------------------------
+
+ZYGOTE_SRC = r"""
+import json, os, select, sys
+import torch, torch._dynamo  # noqa: F401  (what every trainer process would import)
+import trainer.cli, trainer.train, trainer.checkpointer, trainer.tasks.gpt  # noqa: F401
+out = os.fdopen(os.dup(1), "w", buffering=1)
+children = set()
+print(json.dumps({"ready": os.getpid()}), file=out)
+while True:
+    r, _, _ = select.select([sys.stdin], [], [], 0.02)
+    if r:
+        line = sys.stdin.readline()
+        if not line:
+            break
+        cmd = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(cmd["fifo"], os.O_WRONLY)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
+                os.environ.clear()
+                os.environ.update(cmd["env"])
+                sys.argv = ["trainer", *cmd["argv"]]
+                code = trainer.cli.main(cmd["argv"])
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children.add(pid)
+        print(json.dumps({"pid": pid, "id": cmd["id"]}), file=out)
+    for pid in list(children):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            children.discard(pid)
+            print(json.dumps({"exit": pid, "rc": os.waitstatus_to_exitcode(status)}), file=out)
+"""
+
+
+class Zygote:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        env = trainer_env()
+        self.p = subprocess.Popen([sys.executable, "-c", ZYGOTE_SRC], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, bufsize=1, env=env, cwd=REPO)
+        self._lock = threading.Lock()
+        self._pids: dict[int, "queue.Queue[int]"] = {}
+        self._started: dict[int, "queue.Queue[int]"] = {}
+        self._n = 0
+        assert self.p.stdout is not None
+        first = json.loads(self.p.stdout.readline())
+        assert "ready" in first, first
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            msg = json.loads(line)
+            with self._lock:
+                if "pid" in msg:
+                    self._pids[msg["pid"]] = queue.Queue()
+                    self._started[msg["id"]].put(msg["pid"])
+                else:
+                    self._pids[msg["exit"]].put(msg["rc"])
+
+    def spawn(self, argv: list[str], env: dict[str, str]) -> "ForkedProc":
+        with self._lock:
+            self._n += 1
+            n = self._n
+            self._started[n] = queue.Queue()
+        fifo = self.tmp / f"out-{n}.fifo"
+        os.mkfifo(fifo)
+        proc = ForkedProc(self, fifo)
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps({"argv": argv, "env": env, "fifo": str(fifo), "id": n}) + "\n")
+        self.p.stdin.flush()
+        proc.pid = self._started[n].get(timeout=TIMEOUT)
+        return proc
+
+    def exit_queue(self, pid: int) -> "queue.Queue[int]":
+        with self._lock:
+            return self._pids[pid]
+
+    def close(self) -> None:
+        if self.p.stdin is not None:
+            self.p.stdin.close()
+        self.p.wait(timeout=60)
+
+
+class ForkedProc(Proc):
+    """Same interface as Proc, for a child of the Zygote."""
+
+    def __init__(self, zygote: Zygote, fifo: Path):  # noqa: D107 (no super().__init__: no Popen)
+        self.zygote, self.fifo, self.pid = zygote, fifo, 0
+        self.lines = []
+        self._q = queue.Queue()
+        self._rc: int | None = None
+        self._reader = threading.Thread(target=self._read_fifo, daemon=True)
+        self._reader.start()
+
+    def _read_fifo(self) -> None:
+        with open(self.fifo) as f:  # blocks until the child opens its end
+            for line in f:
+                self.lines.append(line.rstrip("\n"))
+                self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def signal(self, sig: int, group: bool = False) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        if self._rc is None:
+            self._rc = self.zygote.exit_queue(self.pid).get(timeout=timeout)
+        self._reader.join(timeout=10)
+        return self._rc
+
+    def kill(self) -> None:
+        if self._rc is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.wait()

@@ -6,10 +6,11 @@ The long crash-consistency runs are marked ``soak``; they run only when asked fo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from tests.trainer.support import REFERENCE_STEPS, run_to_end, status, write_config
+from tests.trainer.support import REFERENCE_STEPS, Zygote, run_to_end, status, write_config
 
 HERE = Path(__file__).parent
 
@@ -36,3 +37,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """A fork server for the SIGKILL restarts (see support.Zygote)."""
+    z = Zygote(tmp_path_factory.mktemp("zygote"))
+    yield z
+    z.close()
