@@ -1,0 +1,215 @@
+"""`python -m stacks.review`: the offline plan review, on a fixture repository with known edits.
+
+The fixture repository is a real git repository holding this project's app (main.py, stacks/,
+templates/, trainer/) and one experiment; its second commit changes the machine type, the GPU
+count and the bucket location. The review command synthesizes both commits (two syntheses for
+the whole module, shared by the tests in one xdist group) and must report exactly those changes.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from stack_support import EXAMPLE, ROOT
+
+from stacks import review
+
+APP = ["main.py", "cdktf.json", "stacks", "templates", "trainer"]
+TEMPLATE = "google_compute_instance_template"
+
+
+def git(repo: Path, *args: str) -> str:
+    run = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def set_key(text: str, key: str, value: str) -> str:
+    new, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+    assert n == 1, key
+    return new
+
+
+def run_review(repo: Path, *revs: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stacks.review", *revs], cwd=repo,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def fixture_repo(tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("fixture-repo")
+    for name in APP:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif src.exists():
+            shutil.copy2(src, repo / name)
+    (repo / ".gitignore").write_text("__pycache__/\ncdktf.out/\n")
+    (repo / "experiments").mkdir()
+    exp = repo / "experiments" / "fixture.toml"
+    text = set_key(EXAMPLE.read_text(), "machine_type", '"n1-standard-8"')
+    exp.write_text(set_key(text, "gpu_type", '"nvidia-tesla-t4"'))
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "base")
+    text = set_key(exp.read_text(), "machine_type", '"n1-standard-16"')
+    text = set_key(text, "gpu_count", "2")
+    exp.write_text(set_key(text, "bucket_location", '"US-EAST1"'))
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qam",
+        "bigger machine, two GPUs, bucket moves")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def reviewed(fixture_repo) -> str:
+    run = run_review(fixture_repo, "main~1", "main")
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def _changes(markdown: str) -> dict[str, list[str]]:
+    """{'changed google_x.y': ['path: old -> new', ...]} from the review's bullet list."""
+    found: dict[str, list[str]] = {}
+    current = None
+    for line in markdown.splitlines():
+        m = re.match(r"^- (added|removed|changed) `([^`]+)`$", line)
+        if m:
+            current = f"{m[1]} {m[2]}"
+            found[current] = []
+        elif line.startswith("  - ") and current:
+            found[current].append(line[4:].replace("`", ""))
+        else:
+            current = None
+    return found
+
+
+@pytest.mark.xdist_group("review")
+def test_review_reports_exactly_the_edits(reviewed):
+    changes = {re.sub(r"\.[^ ]+$", "", k).replace(" ", ":"): v
+               for k, v in _changes(reviewed).items()}
+    assert changes == {
+        f"changed:{TEMPLATE}": [
+            "guest_accelerator[0].count: 1 -> 2",
+            'machine_type: "n1-standard-8" -> "n1-standard-16"',
+        ],
+        "changed:google_storage_bucket": ['location: "US-CENTRAL1" -> "US-EAST1"'],
+    }
+    assert "### `fixture`: 0 added, 2 changed, 0 removed" in reviewed
+
+
+@pytest.mark.xdist_group("review")
+def test_review_flags_only_the_bucket_replacement(reviewed):
+    flags = [line for line in reviewed.splitlines() if line.startswith("- :warning:")]
+    assert len(flags) == 1
+    assert flags[0].startswith("- :warning: **REPLACES the bucket `google_storage_bucket.")
+    assert 'location "US-CENTRAL1" -> "US-EAST1"' in flags[0]
+    assert "1 flagged change(s)" in reviewed
+    assert f"note: `{TEMPLATE}." in reviewed and "the group recreates its VM" in reviewed
+    assert reviewed.startswith("## spottrain plan review: main~1 (")
+
+
+@pytest.mark.xdist_group("review")
+def test_review_of_the_working_tree_and_bad_input(fixture_repo, tmp_path):
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(fixture_repo), str(clone))
+    bad = run_review(clone, "no-such-rev")
+    assert bad.returncode == 2 and "'no-such-rev' is not a revision of" in bad.stderr
+    assert bad.stdout == "" and "Traceback" not in bad.stderr
+    exp = clone / "experiments" / "fixture.toml"
+    exp.write_text(set_key(exp.read_text(), "gpu_count", "3"))
+    broken = run_review(clone, "main")  # HEAD: the working tree, which no longer validates
+    assert broken.returncode == 2, broken.stdout
+    assert "the working tree does not synthesize" in broken.stderr
+    assert "experiments/fixture.toml: machine.gpu_count: 3 x nvidia-tesla-t4 is not a valid " \
+        "count" in broken.stderr
+    assert "Traceback" not in broken.stderr
+    assert run_review(clone).returncode == 2  # usage
+
+
+# --- the diff rules on hand-made stacks (no synthesis) -------------------------------------------
+
+GROUP = "google_compute_instance_group_manager"
+
+
+def _stack(**resources) -> dict:
+    out: dict = {"resource": {}}
+    for address, body in resources.items():
+        kind, name = address.split("__")
+        out["resource"].setdefault(kind, {})[name] = {"//": {"metadata": {}}, **body}
+    return out
+
+
+def _group(**kw) -> dict:
+    return {"name": "x-group", "zone": "us-central1-a", "target_size": 1,
+            "stateful_disk": [{"device_name": review.CHECKPOINT_DEVICE,
+                               "delete_rule": "ON_PERMANENT_INSTANCE_DELETION"}], **kw}
+
+
+def _template(size: int, machine: str = "n1-standard-8") -> dict:
+    return {"machine_type": machine, "disk": [
+        {"boot": True, "disk_size_gb": 200},
+        {"device_name": review.CHECKPOINT_DEVICE, "disk_size_gb": size, "disk_type": "pd-ssd"}]}
+
+
+def test_group_zone_change_replaces_the_group():
+    d = review.diff_stack("x", _stack(**{f"{GROUP}__g": _group()}),
+                          _stack(**{f"{GROUP}__g": _group(zone="us-central1-b")}))
+    assert len(d.flags) == 1 and d.flags[0].startswith(f"REPLACES the instance group `{GROUP}.g`")
+    assert 'zone "us-central1-a" -> "us-central1-b"' in d.flags[0]
+
+
+def test_zonal_to_regional_replaces_the_group():
+    region_group = "google_compute_region_instance_group_manager"
+    d = review.diff_stack("x", _stack(**{f"{GROUP}__g": _group()}),
+                          _stack(**{f"{region_group}__g": _group()}))
+    assert [c.action for c in d.changes] == ["removed", "added"]
+    assert len(d.flags) == 1 and d.flags[0].startswith(f"REPLACES the instance group `{GROUP}.g`")
+
+
+def test_scale_to_zero_and_stateful_policy_flag_the_checkpoint_disk():
+    d = review.diff_stack("x", _stack(**{f"{GROUP}__g": _group()}),
+                          _stack(**{f"{GROUP}__g": _group(target_size=0)}))
+    assert d.flags == [f"DELETES the checkpoint disk: `{GROUP}.g` scales to 0 (target_size 1 -> "
+                       "0); the VM and its disk go, the bucket keeps the checkpoints"]
+    d = review.diff_stack("x", _stack(**{f"{GROUP}__g": _group()}),
+                          _stack(**{f"{GROUP}__g": _group(stateful_disk=[])}))
+    assert len(d.flags) == 1 and d.flags[0].startswith("REPLACES the checkpoint disk: the "
+                                                       "stateful disk policy")
+
+
+def test_checkpoint_disk_definition_change_is_flagged_boot_disk_is_not():
+    d = review.diff_stack("x", _stack(**{f"{TEMPLATE}__t": _template(300)}),
+                          _stack(**{f"{TEMPLATE}__t": _template(500)}))
+    assert len(d.flags) == 1
+    assert "CHANGES the checkpoint disk definition" in d.flags[0]
+    assert "disk.disk_size_gb 300 -> 500" in d.flags[0]
+    boot = _template(300)
+    boot["disk"][0]["disk_size_gb"] = 100
+    d = review.diff_stack("x", _stack(**{f"{TEMPLATE}__t": _template(300)}),
+                          _stack(**{f"{TEMPLATE}__t": boot}))
+    assert d.flags == [] and [x.path for x in d.changes[0].attrs] == ["disk[0].disk_size_gb"]
+
+
+def test_bucket_in_place_change_is_not_flagged_removal_is():
+    bucket = {"name": "b", "location": "US", "force_destroy": False}
+    d = review.diff_stack("x", _stack(google_storage_bucket__b=bucket),
+                          _stack(google_storage_bucket__b={**bucket, "force_destroy": True}))
+    assert d.flags == [] and d.status == "changed"
+    d = review.diff_stack("x", _stack(google_storage_bucket__b=bucket), None)
+    assert d.status == "removed" and d.flags[0].startswith("DESTROYS the bucket")
+
+
+def test_metadata_is_ignored_and_long_text_is_summarized():
+    a = _stack(google_x__y={"script": "a\nb"})
+    b = _stack(google_x__y={"script": "a\nb\nc"})
+    b["resource"]["google_x"]["y"]["//"] = {"metadata": {"path": "elsewhere"}}
+    d = review.diff_stack("x", a, b)
+    text = review.render([d], "base", "head")
+    assert "  - `script`: (2 lines of text) -> (3 lines of text)" in text
+    assert review.diff_stack("x", a, a).status == "unchanged"
