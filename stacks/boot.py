@@ -2,7 +2,8 @@
 
 Jinja runs with StrictUndefined (a missing value is an error, never an empty string) and every
 value that reaches a shell goes through `shquote`. Rendering is deterministic: the same
-experiment gives byte-identical scripts, so an unchanged experiment plans no diff.
+experiment (and the same code archives, `stacks.delivery`) gives byte-identical scripts, so an
+unchanged experiment plans no diff and a code change rolls out as a new instance template.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import jinja2
 
@@ -22,8 +24,27 @@ RUN_DIR = f"{MOUNT_DIR}/run"
 LOCAL_MOUNT_DIR = "/mnt/localssd"
 LOCAL_DIR = f"{LOCAL_MOUNT_DIR}/run"
 WORKDIR = "/opt/spottrain"
+#: Where delivered archives are unpacked, one directory per sha256 (on the boot disk).
+RELEASES_DIR = f"{WORKDIR}/releases"
+#: On the checkpoint disk: written when the trainer exits 0; no later boot trains again.
+FINISHED_FILE = f"{MOUNT_DIR}/spottrain-finished"
 #: Seconds of the shutdown window kept back from the trainer for the kernel's own power-off.
 STOP_SLACK_S = 5
+#: Interpreters tried in order for the image's Python with torch (Deep Learning VM images).
+PYTHONS = ("/opt/conda/bin/python3", "/usr/bin/python3", "python3")
+#: The trainer's own dependencies besides torch (pyproject.toml), installed when missing.
+TRAINER_DEPS = ("pydantic>=2.7", "google-cloud-storage>=2.14")
+#: Seconds the startup script waits for the NVIDIA driver (first boot installs it).
+DRIVER_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Release:
+    """One code archive as the VM sees it (`stacks.delivery` builds and uploads it)."""
+
+    kind: str  # "trainer" | "user"
+    object_name: str  # code/<kind>-<sha256[:16]>.tar.gz in the checkpoint bucket
+    sha256: str  # of the whole archive, checked before unpacking
 
 
 def shquote(value: object) -> str:
@@ -54,7 +75,11 @@ class BootProps:
     provisioning: str
     local_ssd_count: int = 0
     args: tuple[str, ...] = field(default_factory=tuple)
-    workdir: str = WORKDIR  # where the trainer package lives on the VM
+    workdir: str = WORKDIR  # where a preinstalled trainer package lives (no `releases`)
+    releases: tuple[Release, ...] = ()
+    """The delivered archives (`stacks.delivery`): one "trainer", optionally one "user". Empty:
+    the image carries the trainer package in `workdir` (the drill's preinstalled image)."""
+    driver_timeout_s: int = DRIVER_TIMEOUT_S
 
     @property
     def gcs_uri(self) -> str:
@@ -88,8 +113,29 @@ class BootScripts:
     trainer_sh: str
 
 
+def _release(props: BootProps, kind: str) -> dict[str, str] | None:
+    found = [r for r in props.releases if r.kind == kind]
+    if len(found) > 1:
+        raise ValueError(f"more than one {kind} release: {found}")
+    if not found:
+        return None
+    r = found[0]
+    return {
+        "kind": r.kind,
+        "object": r.object_name,
+        "object_url": quote(r.object_name, safe=""),  # one path segment of the JSON API
+        "sha256": r.sha256,
+        "dir": f"{RELEASES_DIR}/{r.sha256}",
+    }
+
+
 def render(props: BootProps) -> BootScripts:
     env = _env()
+    trainer, user = _release(props, "trainer"), _release(props, "user")
+    if user is not None and trainer is None:
+        raise ValueError("a user code release needs a trainer release")
+    releases = [r for r in (trainer, user) if r is not None]
+    pythonpath = ":".join(r["dir"] for r in releases)
     ctx = {
         "name": props.name,
         "device_name": DEVICE_NAME,
@@ -106,6 +152,16 @@ def render(props: BootProps) -> BootScripts:
         "args": list(props.args),
         "window_s": props.window_s,
         "stop_timeout_s": props.window_s - STOP_SLACK_S,
+        "bucket": props.bucket,
+        "trainer_release": trainer,
+        "releases": releases,
+        "releases_dir": RELEASES_DIR,
+        "pythonpath": pythonpath,
+        "trainer_dir": trainer["dir"] if trainer else props.workdir,
+        "finished_file": FINISHED_FILE,
+        "pythons": list(PYTHONS),
+        "trainer_deps": list(TRAINER_DEPS),
+        "driver_timeout_s": props.driver_timeout_s,
     }
     trainer_sh = env.get_template("trainer.sh.j2").render(ctx).rstrip("\n")
     unit = env.get_template("spottrain.service.j2").render(ctx).rstrip("\n")

@@ -48,6 +48,7 @@ class TemplateProps:
     network_tag: str
     scripts: BootScripts
     labels: dict[str, str] = field(default_factory=dict)
+    depends_on: tuple = ()  # the code objects the startup script fetches
 
 
 def scheduling(spot: bool, termination_action: str) -> ComputeInstanceTemplateScheduling:
@@ -143,7 +144,10 @@ class TrainerTemplate(Construct):
                 "enable-oslogin": "TRUE",
                 "block-project-ssh-keys": "TRUE",
                 "install-nvidia-driver": "True",
+                # The boot path reports its state (training, finished, ...) as guest attributes.
+                "enable-guest-attributes": "TRUE",
             },
+            depends_on=list(props.depends_on) or None,
             lifecycle=TerraformResourceLifecycle(create_before_destroy=True),
         )
 

@@ -13,7 +13,8 @@ from constructs import Construct
 from stacks import gcp_rules as R
 from stacks.boot import BootProps, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
-from stacks.experiment import Experiment
+from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive
+from stacks.experiment import Experiment, code_path
 from stacks.group import GroupProps, TrainerGroup
 from stacks.identity import Identity, IdentityProps
 from stacks.instance_template import TemplateProps, TrainerTemplate
@@ -76,6 +77,14 @@ class TrainingStack(TerraformStack):
             iap_ssh=net.iap_ssh,
         ))
 
+        # The trainer (and the user's code) as content-named objects in the bucket: a code
+        # change renames them, which changes the startup script and so the template.
+        archives = [trainer_archive()]
+        if exp.trainer.code_dir is not None:
+            archives.append(user_archive(code_path(exp.trainer.code_dir)))
+        delivery = CodeDelivery(self, "code", DeliveryProps(
+            bucket=bucket.name, archives=tuple(archives)))
+
         scripts = render(BootProps(
             name=name,
             bucket=exp.bucket_name(name),
@@ -85,6 +94,7 @@ class TrainingStack(TerraformStack):
             provisioning=m.provisioning,
             local_ssd_count=exp.disk.local_ssd_count,
             args=tuple(exp.trainer.args),
+            releases=tuple(a.release for a in archives),
         ))
         template = TrainerTemplate(self, "template", TemplateProps(
             project=gcp.project,
@@ -108,6 +118,7 @@ class TrainingStack(TerraformStack):
             network_tag=tag,
             scripts=scripts,
             labels=labels,
+            depends_on=tuple(delivery.objects),
         ))
         regional = exp.group.placement == "regional"
         group = TrainerGroup(self, "group", GroupProps(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,13 @@ from stacks.load import parse
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "experiments" / "example.toml"
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def scrub_code_hashes(text: str) -> str:
+    """The synthesized JSON with the delivered code's digests replaced by placeholders: the
+    snapshot pins the infrastructure, not the trainer's bytes (which change with every edit)."""
+    text = re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", text)
+    return re.sub(r"\b(trainer|user)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
 
 
 def example_data() -> dict[str, Any]:

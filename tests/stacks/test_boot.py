@@ -12,13 +12,18 @@ import jinja2
 import pytest
 from stack_support import VARIANTS, variant
 
-from stacks.boot import BootProps, BootScripts, render, shquote
+from stacks.boot import BootProps, BootScripts, Release, render, shquote
 
 SHELLCHECK = str(Path(sys.prefix) / "bin" / "shellcheck")
 HOSTILE_ARGS = (
     "$(touch {canary})", "`touch {canary}`", "; touch {canary}", "' ; touch {canary} ; '",
     '" && touch {canary} "', "--flag=$HOME", "*", "a b", "\\", "%n %%", "${{IFS}}",
     "SPOTTRAIN_TRAINER_SH",
+)
+#: Fixed releases: rendering tests do not depend on the trainer's current bytes.
+RELEASES = (
+    Release("trainer", "code/trainer-0123456789abcdef.tar.gz", "0123456789abcdef" + "0" * 48),
+    Release("user", "code/user-fedcba9876543210.tar.gz", "fedcba9876543210" + "1" * 48),
 )
 
 
@@ -28,7 +33,7 @@ def props_for(name: str) -> BootProps:
         name=name, bucket=exp.bucket_name(name), task=exp.trainer.task,
         steps=exp.trainer.steps, health_port=exp.trainer.health_port,
         provisioning=exp.machine.provisioning, local_ssd_count=exp.disk.local_ssd_count,
-        args=tuple(exp.trainer.args),
+        args=tuple(exp.trainer.args), releases=RELEASES[:1],
     )
 
 
@@ -50,15 +55,23 @@ def test_rendered_scripts_pass_shellcheck(tmp_path, name):
 
 def test_hostile_values_pass_shellcheck(tmp_path):
     args = tuple(a.format(canary="/tmp/x") for a in HOSTILE_ARGS)
-    shellcheck(tmp_path, render(BootProps(
-        name="x", bucket="b", task="m:f", steps=1, health_port=8471, provisioning="spot",
-        local_ssd_count=2, args=args)), "--severity=warning")
+    for releases in ((), RELEASES):
+        shellcheck(tmp_path, render(BootProps(
+            name="x", bucket="b", task="m:f", steps=1, health_port=8471, provisioning="spot",
+            local_ssd_count=2, args=args, releases=releases)), "--severity=warning")
     # (Info level would only remark that '$(...)' in single quotes does not expand: the point.)
+
+
+@pytest.mark.parametrize("releases", [(), RELEASES[:1], RELEASES])
+def test_every_delivery_variant_passes_shellcheck(tmp_path, releases):
+    shellcheck(tmp_path, render(BootProps(
+        name="x", bucket="b", task="m:f", steps=1, health_port=8471, provisioning="standard",
+        local_ssd_count=4, args=("--seed", "3"), releases=releases)))
 
 
 def test_example_trainer_command_line():
     scripts = render(props_for("example"))
-    assert "exec python3 -m trainer run" in scripts.trainer_sh
+    assert '"${SPOTTRAIN_PYTHON:-python3}" -m trainer run' in scripts.trainer_sh
     for part in ("--run-dir /mnt/spottrain/run", "--steps 20000",
                  "--gcs-uri gs://my-project-123456-example-ckpt/runs/example",
                  "--task trainer.tasks.gpt:build", "--health-port 8471",
@@ -67,8 +80,31 @@ def test_example_trainer_command_line():
     assert "--local-dir" not in scripts.trainer_sh
     assert "TimeoutStopSec=25" in scripts.unit  # inside the 30 s Spot window
     assert "KillSignal=SIGTERM" in scripts.unit
+    assert "Restart=on-failure" in scripts.unit
+    assert "RestartPreventExitStatus=2" in scripts.unit
+    assert "SuccessExitStatus=75" in scripts.unit
+    assert "PassEnvironment=GCE_METADATA_HOST GCE_METADATA_IP STORAGE_EMULATOR_HOST" in scripts.unit
     assert "at most 25 s" in scripts.shutdown
-    assert "systemctl stop spottrain.service" in scripts.shutdown
+    assert 'systemctl stop "$UNIT"' in scripts.shutdown
+
+
+def test_delivered_code_is_named_by_its_hash_in_the_scripts():
+    scripts = render(BootProps(name="x", bucket="b", task="m:f", steps=1, health_port=8471,
+                               provisioning="spot", releases=RELEASES))
+    trainer, user = RELEASES
+    for r in RELEASES:
+        assert r.sha256 in scripts.startup
+        assert r.object_name.replace("/", "%2F") in scripts.startup
+    assert (f"export PYTHONPATH=/opt/spottrain/releases/{trainer.sha256}:"
+            f"/opt/spottrain/releases/{user.sha256}") in scripts.trainer_sh
+    assert f"cd /opt/spottrain/releases/{trainer.sha256}" in scripts.trainer_sh
+    assert "sha256sum -c" in scripts.startup
+
+
+def test_a_user_release_needs_a_trainer_release():
+    with pytest.raises(ValueError, match="needs a trainer release"):
+        render(BootProps(name="x", bucket="b", task="m:f", steps=1, health_port=8471,
+                         provisioning="spot", releases=RELEASES[1:]))
 
 
 def test_standard_vms_get_the_longer_window():
@@ -84,7 +120,8 @@ def _fake_python(tmp_path: Path) -> tuple[Path, Path]:
     bin_dir.mkdir()
     argv = tmp_path / "argv"
     fake = bin_dir / "python3"
-    fake.write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" > {shquote(argv)}\n")
+    # Exit 3: a finished run (0) would be recorded under /mnt/spottrain of this machine.
+    fake.write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" > {shquote(argv)}\nexit 3\n")
     fake.chmod(0o755)
     return bin_dir, argv
 
@@ -104,8 +141,11 @@ def test_hostile_args_reach_the_trainer_verbatim_and_execute_nothing(tmp_path):
     script = tmp_path / "trainer.sh"
     script.write_text(scripts.trainer_sh)
     bin_dir, argv_file = _fake_python(tmp_path)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": "/home/nobody"}
-    subprocess.run(["bash", str(script)], check=True, env=env, cwd=tmp_path, timeout=30)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": "/home/nobody",
+           "GCE_METADATA_HOST": "127.0.0.1:9"}  # guest attributes: refused at once
+    env.pop("SPOTTRAIN_PYTHON", None)
+    proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, timeout=30)
+    assert proc.returncode == 3  # the trainer's exit status, passed on
     argv = argv_file.read_bytes().split(b"\0")[:-1]
     assert [a.decode() for a in argv] == [
         "-m", "trainer", "run", "--run-dir", "/mnt/spottrain/run", "--steps", "7",
@@ -122,15 +162,19 @@ def test_startup_script_writes_the_trainer_script_and_unit_unexpanded(tmp_path):
     canary = tmp_path / "pwned"
     args = tuple(a.format(canary=canary) for a in HOSTILE_ARGS)
     scripts = render(BootProps(name="x", bucket="b", task="m:f", steps=1, health_port=8471,
-                               provisioning="spot", args=args))
-    for target, expected in (("/etc/spottrain/trainer.sh", scripts.trainer_sh),
-                             ("/etc/systemd/system/spottrain.service", scripts.unit)):
-        (command,) = re.findall(rf"^printf '%s\\n' '.*?' > {re.escape(target)}$",
-                                scripts.startup, re.M | re.S)
-        out = tmp_path / "out"
-        subprocess.run(["bash", "-c", command.replace(f"> {target}", f"> {shquote(out)}")],
-                       check=True, timeout=30, cwd=tmp_path)
-        assert out.read_text() == expected + "\n"
+                               provisioning="spot", args=args, releases=RELEASES))
+    start = scripts.startup.index("write_if_changed /etc/spottrain/trainer.env")
+    end = scripts.startup.index("if [[ $changed -eq 1 ]]")
+    writes = scripts.startup[start:end].replace("$python", "/usr/bin/python3")
+    out = tmp_path / "out"
+    out.mkdir()
+    # The script's own writes, with a stand-in writer that puts each file under out/.
+    stub = 'write_if_changed() { printf "%s\\n" "$3" > "$OUT/$(basename "$1")"; }\n'
+    subprocess.run(["bash", "-c", stub + writes], check=True, timeout=30, cwd=tmp_path,
+                   env={**os.environ, "OUT": str(out)})
+    assert (out / "trainer.sh").read_text() == scripts.trainer_sh + "\n"
+    assert (out / "spottrain.service").read_text() == scripts.unit + "\n"
+    assert (out / "trainer.env").read_text() == "SPOTTRAIN_PYTHON=/usr/bin/python3\n"
     assert not canary.exists()
 
 

@@ -1,0 +1,141 @@
+"""Code delivery: the trainer (and the user's own code directory) as content-addressed archives.
+
+`build_archive` packs a source tree into a byte-for-byte deterministic `.tar.gz` (sorted
+entries, fixed mtime/owner/mode, gzip header without time or name; no `__pycache__`, `*.pyc`,
+`tests` or hidden entries), named by its sha256. `CodeDelivery` uploads each archive to the
+checkpoint bucket as `code/<kind>-<sha256[:16]>.tar.gz` through a `TerraformAsset`, and the boot
+script receives the object name and the full sha256 (`Release`). So a one-byte change in the
+tree renames the object and changes the instance template (the group rolls), while an unchanged
+tree synthesizes identical JSON (`diff` shows nothing).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cdktn import AssetType, TerraformAsset, TerraformResourceLifecycle
+from constructs import Construct
+
+from stacks.boot import Release
+
+REPO = Path(__file__).resolve().parent.parent
+TRAINER_SOURCE = REPO / "trainer"
+#: Where archives are written before synthesis copies them into cdktf.out (git-ignored).
+BUILD_DIR = REPO / "build" / "code"
+OBJECT_PREFIX = "code/"
+EXCLUDED_DIRS = frozenset({"__pycache__", "tests", "test"})
+EXCLUDED_SUFFIXES = (".pyc", ".pyo")
+
+
+@dataclass(frozen=True)
+class Archive:
+    release: Release
+    path: Path  # the local file the asset uploads
+
+
+def _entries(src: Path) -> list[tuple[str, Path]]:
+    """(relative posix path, file) of every shipped entry, directories included, sorted."""
+    out: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in EXCLUDED_DIRS and not d.startswith("."))
+        here = Path(dirpath)
+        for d in dirnames:
+            out.append(((here / d).relative_to(src).as_posix(), here / d))
+        for f in sorted(filenames):
+            if f.startswith(".") or f.endswith(EXCLUDED_SUFFIXES):
+                continue
+            if not (here / f).is_file():
+                continue  # a dangling link or a socket: nothing to ship
+            out.append(((here / f).relative_to(src).as_posix(), here / f))
+    return sorted(out)
+
+
+def archive_bytes(src: Path, prefix: str = "") -> bytes:
+    """The deterministic tar.gz of `src`; entries are `prefix/<relative path>` (or bare)."""
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: not a directory")
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        entries = _entries(src)
+        if prefix:
+            entries = [(prefix, src)] + [(f"{prefix}/{rel}", p) for rel, p in entries]
+        for name, path in entries:
+            info = tarfile.TarInfo(name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            if path.is_dir():
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                data = path.read_bytes()
+                info.size = len(data)
+                info.mode = 0o755 if os.access(path, os.X_OK) else 0o644
+                tar.addfile(info, io.BytesIO(data))
+    out = io.BytesIO()
+    # mtime=0 and no file name: the gzip header would otherwise carry the build time.
+    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=9) as gz:
+        gz.write(raw.getvalue())
+    return out.getvalue()
+
+
+def build_archive(src: Path, kind: str, *, prefix: str, out_dir: Path) -> Archive:
+    """Pack `src` and write it to `out_dir` under its content name (atomically: parallel
+    syntheses of the same tree write the same bytes to the same name)."""
+    data = archive_bytes(src, prefix)
+    sha = hashlib.sha256(data).hexdigest()
+    name = f"{kind}-{sha[:16]}.tar.gz"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    if not path.exists() or path.read_bytes() != data:
+        tmp = out_dir / f".{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return Archive(Release(kind, OBJECT_PREFIX + name, sha), path)
+
+
+def trainer_archive(source: Path | None = None, out_dir: Path | None = None) -> Archive:
+    """The trainer package (default: this repository's `trainer/`); it unpacks to
+    `<release>/trainer/`."""
+    return build_archive(source or TRAINER_SOURCE, "trainer", prefix="trainer",
+                         out_dir=out_dir or BUILD_DIR)
+
+
+def user_archive(code_dir: Path, out_dir: Path | None = None) -> Archive:
+    """The user's code directory; its contents unpack to `<release>/` (put on PYTHONPATH)."""
+    return build_archive(code_dir, "user", prefix="", out_dir=out_dir or BUILD_DIR)
+
+
+@dataclass(frozen=True)
+class DeliveryProps:
+    bucket: str
+    archives: tuple[Archive, ...]
+
+
+class CodeDelivery(Construct):
+    """Uploads each archive to the checkpoint bucket; `objects` for depends_on."""
+
+    def __init__(self, scope: Construct, id_: str, props: DeliveryProps) -> None:
+        from cdktn_provider_google.storage_bucket_object import StorageBucketObject
+
+        super().__init__(scope, id_)
+        self.objects: list = []  # StorageBucketObject (imported lazily: heavy)
+        for archive in props.archives:
+            rel = archive.release
+            asset = TerraformAsset(self, f"{rel.kind}-archive", path=str(archive.path),
+                                   type=AssetType.FILE, asset_hash=rel.sha256)
+            self.objects.append(StorageBucketObject(
+                self, f"{rel.kind}-object",
+                bucket=props.bucket,
+                name=rel.object_name,
+                source=asset.path,
+                content_type="application/gzip",
+                # A new release exists before the template that names it; the old one goes
+                # only after the group has moved off the old template.
+                lifecycle=TerraformResourceLifecycle(create_before_destroy=True),
+            ))
