@@ -512,3 +512,24 @@ def test_reupload_replaces_a_partial_upload_of_the_same_step(gcs_emulator, fault
     shutil.rmtree(tmp_path / "run")
     r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
     assert r.step == 4 and same(r.state, make_state(40))
+
+
+def test_second_interrupt_does_not_abort_the_emergency_save(gcs_emulator, faulty_gcs, tmp_path: Path,
+                                                             logwatch) -> None:
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals need the main thread")
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        def interrupt() -> None:  # a second Ctrl-C/SIGINT lands while the upload runs
+            signal.raise_signal(signal.SIGINT)
+            logwatch.wait_for("interrupt ignored", GUARD)
+
+        faulty_gcs.plan.add("upload", f"*{step_name(3)}/{TENSORS}", "hook", hook=interrupt)
+        c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs)
+        rep = c.emergency_save(3, make_state(3), deadline=time.monotonic() + 120)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert rep.persistent_ok and rep.gcs_ok is True
+    assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {3}
