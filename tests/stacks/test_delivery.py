@@ -1,0 +1,148 @@
+"""Code delivery: deterministic archives named by their hash, and what a code change does to the
+synthesized stack (a new object and a new template) or does not (nothing at all)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+from stack_support import variant
+
+from stacks import delivery
+from stacks.delivery import archive_bytes, build_archive, trainer_archive, user_archive
+
+pytestmark = pytest.mark.xdist_group("stacks")
+
+
+def tree(root: Path) -> Path:
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "sub" / "mod.py").write_text("X = 1\n")
+    (root / "pkg" / "run.sh").write_text("#!/bin/sh\n")
+    (root / "pkg" / "run.sh").chmod(0o755)
+    (root / "pkg" / "__pycache__").mkdir()
+    (root / "pkg" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"\0")
+    (root / "pkg" / "stale.pyc").write_bytes(b"\0")
+    (root / "pkg" / "tests").mkdir()
+    (root / "pkg" / "tests" / "test_x.py").write_text("")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref")
+    (root / ".env").write_text("SECRET=1")
+    return root
+
+
+def members(data: bytes) -> list[tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        return tar.getmembers()
+
+
+def test_archive_is_byte_identical_for_the_same_tree(tmp_path):
+    a = tree(tmp_path / "a")
+    first = archive_bytes(a)
+    os.utime(a / "pkg" / "sub" / "mod.py", (1, 1))  # a touch is not a change
+    b = tmp_path / "b"
+    shutil.copytree(a, b)  # another place, other inode order and times
+    assert archive_bytes(a) == first == archive_bytes(b)
+
+
+def test_archive_ships_sources_only_with_fixed_metadata(tmp_path):
+    data = archive_bytes(tree(tmp_path / "t"), prefix="top")
+    infos = members(data)
+    assert [m.name for m in infos] == ["top", "top/pkg", "top/pkg/__init__.py", "top/pkg/run.sh",
+                                       "top/pkg/sub", "top/pkg/sub/mod.py"]
+    assert {(m.mtime, m.uid, m.gid, m.uname, m.gname) for m in infos} == {(0, 0, 0, "", "")}
+    modes = {m.name: m.mode for m in infos}
+    assert modes["top/pkg/run.sh"] == 0o755 and modes["top/pkg/sub/mod.py"] == 0o644
+    # gzip header: MTIME bytes 4-8 are zero, no file name flag.
+    assert data[4:8] == b"\0\0\0\0" and not data[3] & 0x08
+    assert gzip.decompress(data)  # a valid stream
+
+
+def test_one_byte_changes_the_name(tmp_path):
+    src = tree(tmp_path / "t")
+    before = build_archive(src, "user", prefix="", out_dir=tmp_path / "out")
+    (src / "pkg" / "sub" / "mod.py").write_text("X = 2\n")
+    after = build_archive(src, "user", prefix="", out_dir=tmp_path / "out")
+    assert before.release.object_name != after.release.object_name
+    for a in (before, after):
+        assert a.release.sha256 == hashlib.sha256(a.path.read_bytes()).hexdigest()
+        assert a.release.object_name == f"code/user-{a.release.sha256[:16]}.tar.gz"
+        assert a.path.name == a.release.object_name.removeprefix("code/")
+
+
+def test_trainer_archive_unpacks_to_an_importable_package(tmp_path):
+    archive = trainer_archive(out_dir=tmp_path)
+    names = [m.name for m in members(archive.path.read_bytes())]
+    assert "trainer/__main__.py" in names and "trainer/data/corpus.txt" in names
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    assert all(n == "trainer" or n.startswith("trainer/") for n in names)
+
+
+def test_missing_code_dir_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        user_archive(tmp_path / "nope", out_dir=tmp_path)
+
+
+def synth(name: str, overrides: dict | None = None) -> str:
+    from cdktn import Testing
+
+    from stacks.stack import TrainingStack
+
+    return Testing.synth(TrainingStack(Testing.app(), name, variant(overrides or {}, name)))
+
+
+def template_and_objects(text: str) -> tuple[dict, dict]:
+    data = json.loads(text)["resource"]
+    (template,) = data["google_compute_instance_template"].values()
+    return template, data["google_storage_bucket_object"]
+
+
+def test_two_syntheses_are_identical(outdirs_cleanup):
+    assert synth("example") == synth("example")
+
+
+def test_a_one_byte_trainer_change_rolls_the_template(tmp_path, monkeypatch, outdirs_cleanup):
+    before = synth("example")
+    copy = tmp_path / "trainer"
+    shutil.copytree(delivery.TRAINER_SOURCE, copy,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    with open(copy / "__init__.py", "a") as f:
+        f.write("\n")
+    monkeypatch.setattr(delivery, "TRAINER_SOURCE", copy)
+    after = synth("example")
+
+    (t1, o1), (t2, o2) = template_and_objects(before), template_and_objects(after)
+    (obj1,), (obj2,) = o1.values(), o2.values()
+    assert obj1["name"] != obj2["name"] and obj1["source"] != obj2["source"]
+    assert obj1["name"].startswith("code/trainer-") and obj2["name"].startswith("code/trainer-")
+    old_sha = obj1["source"].split("/")[2]
+    new_sha = obj2["source"].split("/")[2]
+    assert old_sha in t1["metadata"]["startup-script"]
+    assert new_sha in t2["metadata"]["startup-script"]
+    assert old_sha not in t2["metadata"]["startup-script"]
+    assert new_sha in t2["metadata"]["startup-script"]
+    # Nothing else in the stack moved.
+    assert after.replace(new_sha, old_sha).replace(new_sha[:16], old_sha[:16]) == before
+
+
+def test_user_code_dir_is_shipped_next_to_the_trainer(tmp_path, monkeypatch, outdirs_cleanup):
+    code = tmp_path / "mycode"
+    (code / "mymodel").mkdir(parents=True)
+    (code / "mymodel" / "__init__.py").write_text("")
+    (code / "mymodel" / "task.py").write_text("def build(ctx):\n    raise NotImplementedError\n")
+    template, objects = template_and_objects(synth("example", {"trainer": {
+        "code_dir": str(code), "task": "mymodel.task:build"}}))
+    names = sorted(o["name"] for o in objects.values())
+    assert [n.split("-")[0] for n in names] == ["code/trainer", "code/user"]
+    user_sha = next(o["source"].split("/")[2] for o in objects.values()
+                    if o["name"].startswith("code/user-"))
+    assert f"/opt/spottrain/releases/{user_sha}" in template["metadata"]["startup-script"]
+    assert sorted(template["depends_on"]) == sorted(
+        f"google_storage_bucket_object.{key}" for key in objects)
