@@ -1,0 +1,243 @@
+"""The REAL rendered startup and shutdown scripts, with code delivery, run under bash in a drill VM
+(`drill.sandbox`: mount/PID namespaces, a loop-device checkpoint disk, the systemd stand-in, a fake
+metadata server and gcp-storage-emulator on loopback). The trainer and a user task really run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+from stacks.boot import FINISHED_FILE, BootProps, BootScripts, render
+from stacks.delivery import Archive, trainer_archive, user_archive
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("losetup") is None,
+    reason="drill VMs need root, unshare and losetup (mount/PID namespaces, loop devices)")
+
+BUCKET = "boot-test-ckpt"
+DISK = "/dev/disk/by-id/google-spottrain-checkpoints"
+UNIT = "spottrain.service"
+GUARD_S = 300  # failure guard for any wait, never a timing assertion
+
+USER_TASK = '''\
+import torch
+
+from trainer.task import Task
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = torch.nn.Linear(1, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.f(x), y)
+
+
+class Line:
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        x = torch.tensor([i / 256.0])
+        return x, 2 * x
+
+
+def build(ctx):
+    torch.set_num_threads(1)
+    model = Net()
+    return Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=Line())
+'''
+
+
+class Boot:
+    """One deployment's fakes, disk and VM, and the archives the scripts name."""
+
+    def __init__(self, root: Path, archives: tuple[Archive, ...]) -> None:
+        from drill.gcs_emulator import StorageEmulator
+        from drill.metadata_server import MetadataServer
+        from drill.sandbox import Disk, Sandbox
+
+        self.root, self.archives = root, archives
+        self.gcs = StorageEmulator(BUCKET, log=root / "gcs.log").start()
+        self.metadata = MetadataServer().start()
+        fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
+                 "STORAGE_EMULATOR_HOST": self.gcs.host}
+        self.disk = Disk(root / "disk.img", 64)
+        self.vm = Sandbox(root / "vm", env=fakes,
+                          default_environment={**fakes, "OMP_NUM_THREADS": "1"},
+                          disks={"spottrain-checkpoints": self.disk})
+
+    def upload(self, archive: Archive, data: bytes | None = None) -> None:
+        name = quote(archive.release.object_name, safe="")
+        req = urllib.request.Request(
+            f"{self.gcs.host}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name={name}",
+            data=archive.path.read_bytes() if data is None else data, method="POST",
+            headers={"Content-Type": "application/gzip"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200
+
+    def scripts(self, *, steps: int, task: str = "usertask:build", **kw: object) -> BootScripts:
+        return render(BootProps(
+            name="boot-test", bucket=BUCKET, task=task, steps=steps, health_port=0,
+            provisioning="spot", releases=tuple(a.release for a in self.archives),
+            args=("--checkpoint-every-steps", "50"), **kw))  # type: ignore[arg-type]
+
+    def boot(self, scripts: BootScripts) -> tuple[int, int]:
+        """Boot with these scripts; (journal offset, events offset) where this boot begins."""
+        startup, shutdown = self.root / "startup.sh", self.root / "shutdown.sh"
+        startup.write_text(scripts.startup)
+        shutdown.write_text(scripts.shutdown)
+        offsets = (len(self.vm.journal()), len(self.vm.events()))
+        self.vm.boot(startup_script_file=startup, shutdown_script_file=shutdown)
+        return offsets
+
+    def startup_rc(self, since: int) -> int:
+        ev = self.vm.wait_event(lambda e: e["event"] == "startup-script-exited", GUARD_S,
+                                since=since)
+        return int(ev["rc"])
+
+    def startup_lines(self, since: int = 0) -> list[str]:
+        return [line for line in self.vm.journal()[since:].splitlines()
+                if "spottrain-startup:" in line]
+
+    def close(self) -> None:
+        self.vm.close()
+        self.metadata.stop()
+        self.gcs.stop()
+
+
+@pytest.fixture(scope="module")
+def archives(tmp_path_factory) -> tuple[Archive, ...]:
+    out = tmp_path_factory.mktemp("archives")
+    code = out / "usercode"
+    code.mkdir()
+    (code / "usertask.py").write_text(USER_TASK)
+    return trainer_archive(out_dir=out), user_archive(code, out_dir=out)
+
+
+@pytest.fixture
+def deployment(tmp_path, archives) -> Iterator[Boot]:
+    dep = Boot(tmp_path, archives)
+    try:
+        yield dep
+    finally:
+        dep.close()
+
+
+def test_delivered_code_trains_a_second_run_is_a_no_op_and_preemption_saves(deployment, tmp_path):
+    dep, vm = deployment, deployment.vm
+    for archive in dep.archives:
+        dep.upload(archive)
+    # A disk that already carries a filesystem and data: it must never be reformatted.
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / "keep-me").write_text("checkpoints live here\n")
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-d", str(seed), str(dep.disk.path)], check=True)
+    uuid = subprocess.run(["blkid", "-s", "UUID", "-o", "value", str(dep.disk.path)],
+                          capture_output=True, text=True, check=True).stdout
+    scripts = dep.scripts(steps=10_000_000)
+    j0, e0 = dep.boot(scripts)
+
+    assert dep.startup_rc(e0) == 0, vm.tail()
+    first = "\n".join(dep.startup_lines(j0))
+    for archive in dep.archives:
+        sha = archive.release.sha256
+        assert f"code {sha[:16]} installed in /opt/spottrain/releases/{sha} (sha256 verified)" in first
+    assert "formatting" not in first
+    assert vm.exec(["blkid", "-s", "UUID", "-o", "value", DISK]).stdout == uuid
+    assert vm.path("/mnt/spottrain/keep-me").read_text() == "checkpoints live here\n"
+    # The trainer runs the user's task from the delivered code.
+    vm.wait_journal(lambda line: "event=step" in line, GUARD_S)
+    assert dep.metadata.wait_guest_attribute("spottrain/state", GUARD_S) == "training"
+
+    pid = vm.exec(["systemctl", "show", "--property=MainPID", "--value", UNIT]).stdout
+    unit = vm.path(f"/etc/systemd/system/{UNIT}").read_text()
+    offset = len(vm.journal())
+    again = vm.exec(["bash", str(dep.root / "startup.sh")], timeout=GUARD_S)
+
+    assert again.returncode == 0, again.stdout + again.stderr
+    for archive in dep.archives:
+        assert f"code {archive.release.sha256[:16]} already installed" in again.stdout
+    assert "formatting" not in again.stdout and "installed in" not in again.stdout.replace(
+        "already installed in", "")
+    assert "trainer unit already running" in again.stdout
+    assert vm.exec(["systemctl", "show", "--property=MainPID", "--value", UNIT]).stdout == pid
+    assert vm.path(f"/etc/systemd/system/{UNIT}").read_text() == unit
+    assert f"Starting {UNIT}" not in vm.journal()[offset:]
+    assert "Reloading" not in vm.journal()[offset:]  # no file changed: no daemon-reload
+
+    # Preemption: the notice, then ACPI soft-off; the shutdown script stops the unit in time.
+    dep.metadata.preempt()
+    off = vm.power_off(30)
+    assert not off["killed"], vm.tail()
+    shutdown = [line for line in vm.journal()[offset:].splitlines() if "spottrain-shutdown:" in line]
+    assert any("preemption: the trainer saved its emergency checkpoint and stopped (exit 75)"
+               in line for line in shutdown), "\n".join(shutdown)
+    assert any("trainer: " in line and "event=preempted" in line for line in shutdown), shutdown
+    assert dep.metadata.guest_attributes()["spottrain/state"] == "stopped-75"
+
+
+def test_a_finished_run_is_recorded_and_never_trains_again(deployment):
+    dep, vm = deployment, deployment.vm
+    for archive in dep.archives:
+        dep.upload(archive)
+    j0, e0 = dep.boot(dep.scripts(steps=5))
+    assert dep.startup_rc(e0) == 0, vm.tail()
+    vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT, GUARD_S, since=e0)
+    assert vm.exec(["systemctl", "show", "--property=ExecMainStatus", "--value", UNIT]).stdout == "0\n"
+    assert dep.metadata.guest_attributes()["spottrain/state"] == "finished"
+    assert vm.path(FINISHED_FILE).read_text().startswith("20")
+
+    # The next boot of this VM (or of its replacement with the same disk) starts nothing.
+    offset, events = len(vm.journal()), len(vm.events())
+    again = vm.exec(["bash", str(dep.root / "startup.sh")], timeout=GUARD_S)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "the run finished at" in again.stdout and "not starting the trainer" in again.stdout
+    assert not [e for e in vm.events()[events:] if e["event"] == "unit-starting"]
+    assert f"Starting {UNIT}" not in vm.journal()[offset:]
+
+
+def _fails_loudly(dep: Boot, scripts: BootScripts, message: str) -> str:
+    j0, e0 = dep.boot(scripts)
+    rc = dep.startup_rc(e0)
+    lines = dep.startup_lines(j0)
+    assert rc != 0, dep.vm.tail()
+    assert "FAILED: " in lines[-1] and message in lines[-1], "\n".join(lines)
+    assert not [e for e in dep.vm.events()[e0:] if e["event"] == "unit-starting"]
+    assert dep.metadata.guest_attributes()["spottrain/state"] == "failed"
+    return lines[-1]
+
+
+def test_a_missing_archive_fails_loudly(deployment):
+    trainer, user = deployment.archives
+    deployment.upload(trainer)  # the user's archive is not in the bucket
+    line = _fails_loudly(deployment, deployment.scripts(steps=5), "cannot fetch user code")
+    assert f"gs://{BUCKET}/{user.release.object_name} (HTTP 404)" in line
+
+
+def test_a_corrupt_archive_fails_loudly_and_installs_nothing(deployment):
+    trainer, user = deployment.archives
+    data = bytearray(trainer.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    deployment.upload(trainer, bytes(data))
+    deployment.upload(user)
+    line = _fails_loudly(deployment, deployment.scripts(steps=5), "trainer code")
+    assert f"is corrupt: sha256 " in line and f"expected {trainer.release.sha256}" in line
+    assert not deployment.vm.path(f"/opt/spottrain/releases/{trainer.release.sha256}").exists()
+
+
+def test_no_gpu_driver_fails_with_a_clear_message_instead_of_hanging(deployment):
+    for archive in deployment.archives:
+        deployment.upload(archive)
+    deployment.vm.set_gpu("missing")
+    line = _fails_loudly(deployment, deployment.scripts(steps=5, driver_timeout_s=1),
+                         "no working GPU driver after 1 s")
+    assert "couldn't communicate with the NVIDIA driver" in line
