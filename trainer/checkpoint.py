@@ -202,19 +202,32 @@ class SnapshotBuffer:
         self.arena: torch.Tensor | None = None
         self.pinned = False
         self.allocations = 0
+        #: Seconds the last ``take`` spent allocating the buffer (a one-off, not a per-save cost).
+        self.last_alloc_s = 0.0
 
     def _ensure(self, nbytes: int, pinned: bool) -> torch.Tensor:
         a = self.arena
         if a is None or a.numel() < nbytes or (pinned and not self.pinned):
+            t0 = time.perf_counter()
             self.arena = None  # drop the old one first: peak memory is one buffer
             cap = max(nbytes, ALIGN)
             a = torch.empty(cap, dtype=torch.uint8, pin_memory=pinned)
             a.fill_(0)  # touch every page now, not during the first copy
             self.arena, self.pinned = a, pinned
             self.allocations += 1
+            self.last_alloc_s += time.perf_counter() - t0
         return a
 
+    def reserve(self, state: Any) -> None:
+        """Allocate the buffer for a state of this shape ahead of the first save (e.g. right
+        after a restore, while the loop is starting anyway)."""
+        found: list[torch.Tensor] = []
+        _replace_tensors(state, found, {})
+        total = sum((t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN for t in found)
+        self._ensure(total, pinned=torch.cuda.is_available())
+
     def take(self, step: int, state: Any, meta: dict | None = None) -> Snapshot:
+        self.last_alloc_s = 0.0
         found: list[torch.Tensor] = []
         structure_obj = _replace_tensors(state, found, {})
         table = []

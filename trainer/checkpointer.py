@@ -197,7 +197,8 @@ class Checkpointer:
         names = [n for n in TIERS if n in names]
         t_snap = time.perf_counter()
         snap = self._buffer.take(step, state, meta)
-        snap_s = time.perf_counter() - t_snap
+        # The cost C for the interval policy excludes the one-off buffer allocation.
+        snap_s = time.perf_counter() - t_snap - self._buffer.last_alloc_s
         now = time.monotonic()
         for n in names:
             self._tiers[n].last_step, self._tiers[n].last_time = step, now
@@ -347,6 +348,12 @@ class Checkpointer:
                                      "to the next older one", step, t.name, info.location,
                                      e if isinstance(e, CheckpointInvalid) else f"{type(e).__name__}: {e}")
                     continue
+                try:
+                    # Allocate the snapshot buffer now (start-up) rather than during the first
+                    # save (training time). Best effort: a failure here only moves the cost.
+                    self._buffer.reserve(state)
+                except Exception as e:  # noqa: BLE001
+                    self.log.debug("snapshot buffer not reserved: %s", e)
                 seconds = time.monotonic() - t_start
                 self.log.info("restored step %d from %s (%s) in %.2fs", step, tier, path, seconds)
                 now = time.monotonic()

@@ -250,3 +250,12 @@ def test_multi_chunk_hashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     (folder / TENSORS).write_bytes(bytes(b))
     with pytest.raises(CheckpointInvalid, match="sha256 mismatch"):
         load_dir(folder)
+
+
+def test_reserve_allocates_once_for_the_first_save() -> None:
+    state = {"a": torch.randn(100), "b": [torch.randn(7, dtype=torch.float64)]}
+    buf = SnapshotBuffer()
+    buf.reserve(state)
+    assert buf.allocations == 1
+    buf.take(1, state)
+    assert buf.allocations == 1 and buf.last_alloc_s == 0.0  # no allocation during the save
