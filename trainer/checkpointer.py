@@ -348,12 +348,13 @@ class Checkpointer:
                                      "to the next older one", step, t.name, info.location,
                                      e if isinstance(e, CheckpointInvalid) else f"{type(e).__name__}: {e}")
                     continue
-                try:
-                    # Allocate the snapshot buffer now (start-up) rather than during the first
-                    # save (training time). Best effort: a failure here only moves the cost.
-                    self._buffer.reserve(state)
-                except Exception as e:  # noqa: BLE001
-                    self.log.debug("snapshot buffer not reserved: %s", e)
+                if download:  # a trainer starting (download=False is a read-only look)
+                    try:
+                        # Allocate the snapshot buffer now (start-up) rather than during the
+                        # first save (training time). Best effort: a failure only moves the cost.
+                        self._buffer.reserve(state)
+                    except Exception as e:  # noqa: BLE001
+                        self.log.debug("snapshot buffer not reserved: %s", e)
                 seconds = time.monotonic() - t_start
                 self.log.info("restored step %d from %s (%s) in %.2fs", step, tier, path, seconds)
                 now = time.monotonic()
