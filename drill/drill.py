@@ -20,6 +20,7 @@ the timeouts are failure guards.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -113,6 +114,8 @@ class DrillResult:
     drill_s: float = 0.0
     final_resumed_from: int | None = None
     workdir: Path | None = None
+    after_finish: dict[str, Any] = field(default_factory=dict)
+    """One more boot after the run finished: {"unit_started": bool, "guest_state": str|None}."""
 
     @property
     def ok(self) -> bool:
@@ -129,10 +132,23 @@ class Rendered:
     gcs_uri: str
     termination_action: str
     local_ssd_count: int
+    uploads: tuple[tuple[str, Path], ...] = ()
+    """(object name, local file) the stack would upload to the bucket: the code archives."""
+
+    @property
+    def delivers_trainer(self) -> bool:
+        return bool(self.uploads)
 
 
-def render(cfg: DrillConfig, health_port: int) -> Rendered:
-    """The experiment's real scripts, as the stack renders them, with the drill's overrides."""
+def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = None,
+           code_dir: Path | None = None, extra: dict[str, Any] | None = None) -> Rendered:
+    """The experiment's real scripts, as the stack renders them, with the drill's overrides.
+
+    With `trainer_source` and a stack that delivers code (`stacks.delivery`), the trainer is
+    packed as the stack packs it and the scripts fetch it from the bucket; otherwise the VM
+    image carries it preinstalled. `extra`: more BootProps fields (e.g. driver_timeout_s)."""
+    import dataclasses
+
     from stacks.boot import BootProps, render as render_boot
     from stacks.load import load_file
 
@@ -140,7 +156,7 @@ def render(cfg: DrillConfig, health_port: int) -> Rendered:
     exp = ef.spec
     every = cfg.checkpoint_every_steps or max(1, cfg.steps // 6)
     args = _replace_flag(list(exp.trainer.args), "--checkpoint-every-steps", str(every))
-    props = BootProps(
+    fields: dict[str, Any] = dict(
         name=ef.name,
         bucket=exp.bucket_name(ef.name),
         task=exp.trainer.task,
@@ -149,10 +165,23 @@ def render(cfg: DrillConfig, health_port: int) -> Rendered:
         provisioning=exp.machine.provisioning,
         local_ssd_count=exp.disk.local_ssd_count,
         args=tuple(args),
+        **(extra or {}),
     )
+    uploads: list[tuple[str, Path]] = []
+    known = {f.name for f in dataclasses.fields(BootProps)}
+    if trainer_source is not None and "releases" in known:
+        from stacks.delivery import trainer_archive
+
+        archive = trainer_archive(trainer_source, out_dir=code_dir)
+        fields["releases"] = (archive.release,)
+        uploads.append((archive.release.object_name, archive.path))
+    unknown = set(fields) - known
+    if unknown:
+        raise ValueError(f"stacks.boot.BootProps has no field(s) {sorted(unknown)}")
+    props = BootProps(**fields)
     scripts = render_boot(props)
     return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri,
-                    exp.machine.termination_action, exp.disk.local_ssd_count)
+                    exp.machine.termination_action, exp.disk.local_ssd_count, tuple(uploads))
 
 
 def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
@@ -176,13 +205,14 @@ class Deployment:
     scripts, a checkpoint disk; VMs come and go on top of it."""
 
     def __init__(self, root: Path, rendered: Rendered, cfg: DrillConfig, say: Callable[[str], None],
-                 image: Path, *, preinstall_trainer: bool = True) -> None:
+                 image: Path, *, preinstall_trainer: bool = True, upload: bool = True) -> None:
         """`image`: a directory holding the `trainer` package the VMs run (a snapshot, so that
         every VM and the final `status` run the same code). `preinstall_trainer` puts it on the
         VM image at /opt/spottrain/trainer: the boot scripts do not deliver it yet."""
         self.root = root
         self.image = image
-        self.preinstall_trainer = preinstall_trainer
+        self.preinstall_trainer = preinstall_trainer and not rendered.delivers_trainer
+        self.upload_code = upload
         self.r = rendered
         self.cfg = cfg
         self.say = say
@@ -200,12 +230,14 @@ class Deployment:
     def __enter__(self) -> "Deployment":
         self.gcs.start()
         self.metadata.start()
+        for name, path in self.r.uploads if self.upload_code else ():
+            self.upload(name, path.read_bytes())
         fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
                  "STORAGE_EMULATOR_HOST": self.gcs.host}
-        # The fakes' addresses reach the scripts through the manager's environment and every unit
-        # through systemd's DefaultEnvironment= (on GCE neither is needed: the defaults are real).
+        # The fakes' addresses are in PID 1's environment: the scripts get them, and units get
+        # what they name in PassEnvironment= (on GCE they are unset: the defaults are real).
         self.vm = Sandbox(self.root / "vm", env=fakes,
-                          default_environment={**fakes, "OMP_NUM_THREADS": "1"},
+                          default_environment={"OMP_NUM_THREADS": "1"},
                           disks={DEVICE_NAME: self.disk, **self.local_ssds},
                           image_files={"/opt/spottrain/trainer": self.image / "trainer"} if self.preinstall_trainer else {})
         return self
@@ -217,6 +249,15 @@ class Deployment:
         self.gcs.stop()
         for disk in (self.disk, *self.local_ssds.values()):
             disk.detach()
+
+    def upload(self, name: str, data: bytes) -> None:
+        """Put an object into the bucket with the real client, as `cdktn deploy` would have."""
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        client = storage.Client(project="spottrain-drill", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": self.gcs.host})
+        client.bucket(self.r.bucket).blob(name).upload_from_string(data, content_type="application/gzip")
 
     def boot(self, *, recreated: bool = False) -> tuple[int, int]:
         """Power on the VM; (journal offset, events offset) where this boot begins. With the
@@ -249,6 +290,17 @@ class Deployment:
                 raise DrillFailure(f"startup script failed with status {ev['rc']}; journal tail:\n{self.vm.tail()}")
             if ev["event"] == "unit-exited" and ev["unit"] == UNIT and not ev["clean"]:
                 raise DrillFailure(f"{UNIT} failed ({ev['code']} {ev['status']}); journal tail:\n{self.vm.tail()}")
+
+    def boot_after_finish(self) -> dict[str, Any]:
+        """Boot once more after the run finished (a repair, a restart): the trainer must not
+        start again. Waits for the startup script, then powers off."""
+        assert self.vm is not None
+        _, e0 = self.boot()
+        ev = self.vm.wait_event(lambda e: e["event"] == "startup-script-exited", self.cfg.guard_s, since=e0)
+        started = any(e["event"] == "unit-started" for e in self.vm.events()[e0:])
+        state = self.metadata.guest_attributes().get("spottrain/state")
+        self.vm.power_off(self.cfg.window_s)
+        return {"startup_rc": ev["rc"], "unit_started": started, "guest_state": state}
 
     def status(self) -> dict[str, Any]:
         """`python -m trainer status --json` over the disk (mounted read-only) and the bucket."""
@@ -298,7 +350,7 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
         image = workdir / "image"
         shutil.copytree(cfg.trainer_source, image / "trainer", dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        rendered = render(cfg, free_port())
+        rendered = render(cfg, free_port(), trainer_source=image / "trainer", code_dir=workdir / "code")
         say(f"drill: experiment {rendered.name}, {cfg.steps} steps, {cfg.preemptions} preemption(s) "
             f"(seed {cfg.seed}), {cfg.window_s:g} s window"
             + (f", disk wiped after preemption {', '.join(map(str, cfg.wipe_disk_after))}" if cfg.wipe_disk_after else ""))
@@ -331,9 +383,12 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
             say(f"  resumed from step {resumed}" + (f" ({tier})" if tier else "") + "; finished; guest attributes: "
                 + (", ".join(f"{k}={v}" for k, v in dep.finished_guest_attributes.items()) or "none"))
             status = dep.status()
-        drill_s = time.monotonic() - t1
+            drill_s = time.monotonic() - t1
+            after = dep.boot_after_finish()
+            say(f"after the finish: one more boot started the trainer: {'YES' if after['unit_started'] else 'no'}; "
+                f"guest attribute spottrain/state={after['guest_state']}")
         result = DrillResult(cfg, ref_status.get("model_digest"), status.get("model_digest"), status,
-                             preemptions, reference_s, drill_s, resumed, workdir)
+                             preemptions, reference_s, drill_s, resumed, workdir, after)
         say(report(result))
         return result
     finally:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,6 +85,10 @@ def enter(cfg: SandboxConfig) -> None:
     Path("/run/drill").mkdir()
     Path("/run/lock").mkdir()
     socket.sethostname(cfg.hostname)
+    # A new boot id per boot, as the kernel gives a VM.
+    boot_id = state / "boot_id"
+    boot_id.write_text(str(uuid.uuid4()) + "\n")
+    _run("mount", "--bind", str(boot_id), "/proc/sys/kernel/random/boot_id")
     os.environ.clear()
     os.environ.update(cfg.env)
 

@@ -16,12 +16,33 @@ pytestmark = needs_root
 STARTUP_GUARD_S = 300
 
 
+def _deployment(tmp_path: Path, *, extra: dict | None = None, **kwargs: object) -> Deployment:
+    # Many steps: the trainer is still running when a test looks at it; the VM is killed after.
+    # The trainer is delivered through the bucket when the stack does that, else preinstalled.
+    cfg = DrillConfig(steps=1_000_000, disk_mb=64)
+    rendered = render(cfg, free_port(), trainer_source=REPO / "trainer", code_dir=tmp_path / "code", extra=extra)
+    return Deployment(tmp_path / "dep", rendered, cfg, lambda s: None, REPO, **kwargs)  # type: ignore[arg-type]
+
+
 @pytest.fixture
 def deployment(tmp_path: Path):
-    # Many steps: the trainer is still running when the test looks at it; the VM is killed after.
-    cfg = DrillConfig(steps=1_000_000, disk_mb=64)
-    with Deployment(tmp_path / "dep", render(cfg, free_port()), cfg, lambda s: None, REPO) as dep:
+    with _deployment(tmp_path) as dep:
         yield dep
+
+
+def _last_startup_line(dep: Deployment) -> str:
+    assert dep.vm is not None
+    return [line for line in dep.vm.journal().splitlines() if "spottrain-startup" in line][-1]
+
+
+def _startup_fails(dep: Deployment) -> str:
+    """Boot; the startup script must fail and start nothing. Its last log line."""
+    assert dep.vm is not None
+    _, e0 = dep.boot()
+    ev = dep.vm.wait_event(lambda e: e["event"] == "startup-script-exited", STARTUP_GUARD_S, since=e0)
+    assert ev["rc"] != 0, dep.vm.tail()
+    assert not any(e["event"] == "unit-started" for e in dep.vm.events()[e0:])
+    return _last_startup_line(dep)
 
 
 def _boot_and_wait_startup(dep: Deployment) -> None:
@@ -74,17 +95,39 @@ def test_a_disk_with_a_filesystem_is_never_reformatted(deployment: Deployment, t
     assert "formatting" not in vm.journal()
 
 
-def test_a_missing_trainer_fails_loudly_and_starts_nothing(tmp_path: Path) -> None:
-    cfg = DrillConfig(steps=1000, disk_mb=64)
-    with Deployment(tmp_path / "dep", render(cfg, free_port()), cfg, lambda s: None, REPO,
-                    preinstall_trainer=False) as dep:
+def test_a_missing_trainer_archive_fails_loudly(tmp_path: Path) -> None:
+    with _deployment(tmp_path, upload=False, preinstall_trainer=False) as dep:
+        line = _startup_fails(dep)
+        assert "trainer" in line, line
+        if dep.r.delivers_trainer:
+            assert "404" in line and dep.r.uploads[0][0] in line, line
+
+
+def test_a_corrupt_trainer_archive_fails_loudly(tmp_path: Path) -> None:
+    with _deployment(tmp_path, upload=False) as dep:
+        if not dep.r.delivers_trainer:
+            pytest.skip("the stack does not deliver the trainer through the bucket yet")
+        name, path = dep.r.uploads[0]
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        dep.upload(name, bytes(data))
+        line = _startup_fails(dep)
+        assert "corrupt" in line and "sha256" in line, line
         assert dep.vm is not None
-        _, e0 = dep.boot()
-        ev = dep.vm.wait_event(lambda e: e["event"] == "startup-script-exited", STARTUP_GUARD_S, since=e0)
-        assert ev["rc"] != 0
-        failure = [line for line in dep.vm.journal().splitlines() if "spottrain-startup" in line][-1]
-        assert "trainer" in failure, failure
-        assert not any(e["event"] == "unit-started" for e in dep.vm.events()[e0:])
+        assert list(dep.vm.path("/opt/spottrain/releases").glob("[0-9a-f]*")) == []   # nothing installed
+
+
+def test_no_gpu_driver_fails_after_the_timeout_instead_of_hanging(tmp_path: Path) -> None:
+    from stacks.boot import BootProps
+    import dataclasses
+
+    if "driver_timeout_s" not in {f.name for f in dataclasses.fields(BootProps)}:
+        pytest.skip("the boot scripts do not wait for the GPU driver yet")
+    with _deployment(tmp_path, extra={"driver_timeout_s": 1}) as dep:
+        assert dep.vm is not None
+        dep.vm.set_gpu("missing")
+        line = _startup_fails(dep)
+        assert "driver" in line.lower() or "gpu" in line.lower(), line
 
 
 def test_a_local_ssd_is_formatted_and_mounted_for_the_local_tier(tmp_path: Path) -> None:

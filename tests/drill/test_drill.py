@@ -33,6 +33,9 @@ def test_drill_two_preemptions_one_wiped_disk(tmp_path: Path) -> None:
     g = result.status["goodput"]
     assert g["finished"] is True and g["sessions"] == 3
     assert result.status["latest_step"] == cfg.steps
+    # A finished run does not train again on the next boot, and says so.
+    assert result.after_finish["startup_rc"] == 0
+    assert result.after_finish["unit_started"] is False
     report = "\n".join(lines)
     assert "digest MATCHES" in report and "| 2 |" in report and "goodput" in report
 
