@@ -172,9 +172,15 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
     if trainer_source is not None and "releases" in known:
         from stacks.delivery import trainer_archive
 
-        archive = trainer_archive(trainer_source, out_dir=code_dir)
-        fields["releases"] = (archive.release,)
-        uploads.append((archive.release.object_name, archive.path))
+        archives = [trainer_archive(trainer_source, out_dir=code_dir)]
+        user_code = getattr(exp.trainer, "code_dir", None)
+        if user_code is not None:  # the user's own code, shipped beside the trainer
+            from stacks.delivery import user_archive
+            from stacks.experiment import code_path
+
+            archives.append(user_archive(code_path(user_code), out_dir=code_dir))
+        fields["releases"] = tuple(a.release for a in archives)
+        uploads += [(a.release.object_name, a.path) for a in archives]
     unknown = set(fields) - known
     if unknown:
         raise ValueError(f"stacks.boot.BootProps has no field(s) {sorted(unknown)}")
