@@ -1,7 +1,11 @@
 """The preemption drill: the real boot scripts and the real trainer, preempted K times on a laptop.
 
 1. Render the experiment's real startup/shutdown scripts (`stacks.boot.render`), with the step
-   count and health port overridden so that the run is short and parallel-safe.
+   count, checkpoint cadence and health port overridden so that the run is short and
+   parallel-safe. The trainer (a snapshot of `trainer/`, and the experiment's `code_dir`) is
+   packed by `stacks.delivery` and uploaded to the emulated bucket, as `cdktn deploy` would:
+   the startup script fetches, verifies and installs it. (A stack without delivery gets the
+   snapshot preinstalled on the VM image instead.)
 2. Reference: one VM (`drill.sandbox`) with a blank disk, its own gcp-storage-emulator and fake
    metadata server, trains from start to finish uninterrupted; its final model digest is kept.
 3. Drill: the same on fresh fakes, but each round's VM is preempted the way GCE does it once the
