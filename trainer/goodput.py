@@ -183,11 +183,13 @@ class Ledger:
             time.sleep(0.01)
         return not self._mirror.unfinished_tasks
 
-    def close(self, timeout: float = 10.0) -> None:
-        self.flush(timeout)
+    def close(self, timeout: float = 10.0) -> bool:
+        """Close the file; wait up to ``timeout`` s for the mirror. True if nothing is pending."""
+        done = self.flush(timeout)
         if self._thread is not None:
             self._mirror.put(None)
         os.close(self._fd)
+        return done
 
 
 def session_start_fields(process_start_wall: float) -> dict[str, Any]:

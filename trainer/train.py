@@ -97,7 +97,7 @@ class _Session:
         ctx = tasks.TaskContext(seed=cfg.seed, steps=cfg.steps, device=device, rank=world.rank,
                                 world_size=world.size)
         task = tasks.build(cfg.task, ctx, cfg.task_args)
-        _seed(cfg.seed + 1_000_003 * world.rank)
+        _seed((cfg.seed + 1_000_003 * world.rank) % 2**63)
         model = task.model
         if world.distributed:
             model = torch.nn.parallel.DistributedDataParallel(
@@ -240,7 +240,12 @@ class _Session:
             with contextlib.suppress(Exception):
                 self.ckpt.close()
         if self.ledger is not None:
-            self.ledger.close(timeout=5.0)
+            # After a preemption notice the mirror gets what is left of the budget; otherwise
+            # it may take its time (events only in the run dir are lost with the disk).
+            notice = self.preempt.notice_monotonic
+            budget = 30.0 if notice is None else notice + self.cfg.preemption_budget_s - time.monotonic()
+            if not self.ledger.close(timeout=max(1.0, budget)):
+                self.log.warning("event=ledger_mirror ok=0 detail=some goodput events reached only the run dir")
 
 
 class _StepFn:

@@ -91,5 +91,5 @@ def test_gcs_tier_survives_wiped_run_dirs(tmp_path: Path, gcs_emulator, referenc
     s = status(run_dir, "--gcs-uri", gcs_emulator.uri, env=env, cli=True)
     assert s["latest_step"] == STEPS and s["tier"] == "gcs"
     g = s["goodput"]
-    assert g["sessions"] == 5 and g["preemptions"] == 4 and g["finished"]
+    assert g["sessions"] == 5 and g["preemptions"] == 4 and g["finished"], g
     assert s["model_digest"] == reference["model_digest"]
