@@ -195,10 +195,12 @@ def main() -> None:
                 if cache == "cold":
                     _drop_cache(folder)
                 t0 = time.perf_counter()
-                r = Checkpointer(run_dir=d / "r").restore()
+                rc = Checkpointer(run_dir=d / "r")
+                r = rc.restore()
                 rs.append(time.perf_counter() - t0)
                 assert r is not None and r.step == 9
-                del r
+                rc.close()  # joins the background buffer reservation before the floor runs
+                del r, rc
                 if cache == "cold":
                     _drop_cache(folder)
                 fs.append(_floor_read(files))

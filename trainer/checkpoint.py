@@ -40,6 +40,7 @@ import os
 import pickle
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -204,6 +205,7 @@ class SnapshotBuffer:
         self.allocations = 0
         #: Seconds the last ``take`` spent allocating the buffer (a one-off, not a per-save cost).
         self.last_alloc_s = 0.0
+        self._lock = threading.Lock()  # reserve() may run on another thread
 
     def _ensure(self, nbytes: int, pinned: bool) -> torch.Tensor:
         a = self.arena
@@ -224,9 +226,14 @@ class SnapshotBuffer:
         found: list[torch.Tensor] = []
         _replace_tensors(state, found, {})
         total = sum((t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN for t in found)
-        self._ensure(total, pinned=torch.cuda.is_available())
+        with self._lock:
+            self._ensure(total, pinned=torch.cuda.is_available())
 
     def take(self, step: int, state: Any, meta: dict | None = None) -> Snapshot:
+        with self._lock:
+            return self._take(step, state, meta)
+
+    def _take(self, step: int, state: Any, meta: dict | None) -> Snapshot:
         self.last_alloc_s = 0.0
         found: list[torch.Tensor] = []
         structure_obj = _replace_tensors(state, found, {})

@@ -127,6 +127,7 @@ class Checkpointer:
             self._tiers[st.name] = _Tier(st.name, st, pol, auto)
         self._buffer = SnapshotBuffer()
         self._thread: threading.Thread | None = None
+        self._reserver: threading.Thread | None = None
         self._restore_lock = threading.Lock()  # retention never deletes while a restore runs
         self._started = time.monotonic()
         self.stats: dict[str, Any] = {
@@ -349,12 +350,7 @@ class Checkpointer:
                                      e if isinstance(e, CheckpointInvalid) else f"{type(e).__name__}: {e}")
                     continue
                 if download:  # a trainer starting (download=False is a read-only look)
-                    try:
-                        # Allocate the snapshot buffer now (start-up) rather than during the
-                        # first save (training time). Best effort: a failure only moves the cost.
-                        self._buffer.reserve(state)
-                    except Exception as e:  # noqa: BLE001
-                        self.log.debug("snapshot buffer not reserved: %s", e)
+                    self._reserve_in_background(state)
                 seconds = time.monotonic() - t_start
                 self.log.info("restored step %d from %s (%s) in %.2fs", step, tier, path, seconds)
                 now = time.monotonic()
@@ -363,6 +359,20 @@ class Checkpointer:
                 return Restored(step=step, state=state, tier=tier, path=path, seconds=seconds)
             self.log.info("no valid checkpoint on any tier; starting from scratch")
             return None
+
+    def _reserve_in_background(self, state: Any) -> None:
+        """Allocate the snapshot buffer while the loop starts, rather than during the first save
+        (training time). Best effort: a failure only moves the cost to the first save."""
+        buf = self._buffer
+
+        def reserve() -> None:
+            try:
+                buf.reserve(state)
+            except Exception as e:  # noqa: BLE001
+                self.log.debug("snapshot buffer not reserved: %s", e)
+
+        self._reserver = threading.Thread(target=reserve, name="checkpoint-reserve", daemon=True)
+        self._reserver.start()
 
     #: Listing a tier gives up after this long (GCS unreachable at start-up must not stall the
     #: restore for the full upload retry budget; the disk tiers are still tried).
@@ -510,6 +520,8 @@ class Checkpointer:
     def close(self) -> None:
         """Finish background work and release the host buffer."""
         self.wait()
+        if self._reserver is not None:
+            self._reserver.join()
         self._buffer = SnapshotBuffer()
 
     # ------------------------------------------------------------------------------ status

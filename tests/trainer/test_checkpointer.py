@@ -533,3 +533,18 @@ def test_second_interrupt_does_not_abort_the_emergency_save(gcs_emulator, faulty
         signal.signal(signal.SIGINT, old)
     assert rep.persistent_ok and rep.gcs_ok is True
     assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {3}
+
+
+def test_restore_reserves_the_snapshot_buffer(tmp_path: Path) -> None:
+    c = ckpt(tmp_path, with_local=False)
+    save_steps(c, [1])
+    c2 = ckpt(tmp_path, with_local=False)
+    c2.restore()
+    c2._reserver.join(GUARD)
+    assert c2._buffer.allocations == 1
+    c2.save(2, make_state(2))
+    c2.wait()
+    assert c2._buffer.allocations == 1 and c2._buffer.last_alloc_s == 0.0
+    c3 = ckpt(tmp_path, with_local=False)
+    c3.restore(download=False)
+    assert c3._reserver is None  # read-only look (status): no buffer
