@@ -12,8 +12,10 @@ no Terraform: this is the plan summary the pull-request workflow posts when it c
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -330,23 +332,105 @@ def review(repo: Path, base: str, head: str | None) -> str:
     return render(diff(old, new), base_label, head_label)
 
 
+# --- for the pull-request workflow --------------------------------------------------------------
+
+#: Paths whose change can alter every experiment's stack.
+SHARED = ("stacks/", "templates/", "trainer/", "main.py", "cdktf.json")
+
+
+def changed_experiments(repo: Path, base: str) -> list[str]:
+    """Experiments (stack names) of the working tree that a change since `base` can affect: all of
+    them when shared code changed, else those whose file changed."""
+    commit = resolve(repo, base)
+    run = _git(repo, "diff", "--name-only", commit, "--", text=True)  # base vs working tree
+    if run.returncode:
+        raise ReviewError(f"git diff {base} failed: {run.stderr.strip()}")
+    paths = run.stdout.split()
+    present = sorted(p.stem for p in (repo / "experiments").glob("*.toml"))
+    if any(p.startswith(SHARED) for p in paths):
+        return present
+    touched = {Path(p).stem for p in paths if p.startswith("experiments/") and p.endswith(".toml")}
+    return [n for n in present if n in touched]
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+PLAN_ACTION = re.compile(r"#\s+(\S+)\s+(will be created|will be destroyed|must be replaced|"
+                         r"will be updated in-place|is tainted, so must be replaced)")
+FORCES = re.compile(r"(?:^|\s)[-+~]\s+([A-Za-z_][\w.-]*)\s.*#\s*forces replacement")
+PLAN_TOTAL = re.compile(r"(Plan: .*|No changes\..*)$")
+STATEFUL = (*GROUPS, BUCKET)
+
+
+def summarize_plan(name: str, output: str) -> list[str]:
+    """The markdown lines for one experiment's `cdktn diff` output (terraform plan text)."""
+    lines = [f"### `{name}`"]
+    total = None
+    for raw in ANSI.sub("", output).splitlines():
+        m = PLAN_ACTION.search(raw)
+        if m:
+            address, action = m[1], m[2]
+            warn = address.split(".", 1)[0] in STATEFUL and ("replaced" in action
+                                                             or "destroyed" in action)
+            lines.append(f"- {':warning: **' if warn else ''}`{address}` {action}"
+                         f"{'**' if warn else ''}")
+            continue
+        f = FORCES.search(raw)
+        if f and len(lines) > 1:
+            lines.append(f"  - `{f[1]}` forces replacement")
+            continue
+        t = PLAN_TOTAL.search(raw.strip())
+        if t:
+            total = t[1]
+    if total is None:
+        lines.append("- the diff did not finish; see the workflow log")
+    else:
+        lines.insert(1, total)
+    return lines
+
+
+def summarize_plans(folder: Path) -> str:
+    """Markdown from folder/<experiment>.txt, one `cdktn diff` output each."""
+    out = ["## spottrain plan (cdktn diff)", ""]
+    files = sorted(folder.glob("*.txt"))
+    for f in files:
+        out += summarize_plan(f.stem, f.read_text(errors="replace")) + [""]
+    if not files:
+        out.append("No experiment is affected by this change.")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not 1 <= len(args) <= 2 or any(a.startswith("-") for a in args):
-        print("usage: python -m stacks.review BASE_REV [HEAD_REV]  (HEAD: the working tree)",
-              file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(
+        prog="python -m stacks.review",
+        description="Offline infrastructure review: synthesize two revisions and compare them "
+        "(HEAD: the working tree by default).")
+    parser.add_argument("base", metavar="BASE_REV")
+    parser.add_argument("head", metavar="HEAD_REV", nargs="?")
+    parser.add_argument("--changed", action="store_true",
+                        help="only print the experiments a change since BASE_REV affects")
+    parser.add_argument("--plan-summary", action="store_true",
+                        help="BASE_REV is a folder of <experiment>.txt `cdktn diff` outputs: "
+                        "print their summary")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.plan_summary:
+            folder = Path(args.base)
+            if not folder.is_dir():
+                raise ReviewError(f"{folder}: no such folder of plan outputs")
+            print(summarize_plans(folder), end="")
+            return 0
         repo = repo_root(Path.cwd())
-        if len(args) == 2:
-            resolve(repo, args[1])  # fail on a bad HEAD before the slow base synthesis
-        resolve(repo, args[0])
-        print(review(repo, args[0], args[1] if len(args) == 2 else None), end="")
+        if args.changed:
+            print("\n".join(changed_experiments(repo, args.base)))
+            return 0
+        if args.head is not None:
+            resolve(repo, args.head)  # fail on a bad HEAD before any synthesis
+        resolve(repo, args.base)
+        print(review(repo, args.base, args.head), end="")
     except ReviewError as err:
         print(f"stacks.review: {err}", file=sys.stderr)
         return 2
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

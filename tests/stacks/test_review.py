@@ -213,3 +213,60 @@ def test_metadata_is_ignored_and_long_text_is_summarized():
     text = review.render([d], "base", "head")
     assert "  - `script`: (2 lines of text) -> (3 lines of text)" in text
     assert review.diff_stack("x", a, a).status == "unchanged"
+
+
+# --- the workflow's helpers ----------------------------------------------------------------------
+
+
+@pytest.mark.xdist_group("review")
+def test_changed_experiments(fixture_repo, tmp_path):
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(fixture_repo), str(clone))
+    shutil.copy(clone / "experiments" / "fixture.toml", clone / "experiments" / "other.toml")
+    assert review.changed_experiments(clone, "main") == []
+    assert review.changed_experiments(clone, "main~1") == ["fixture"]
+    with (clone / "stacks" / "cost.py").open("a") as f:
+        f.write("\n# shared code changed\n")
+    assert review.changed_experiments(clone, "main") == ["fixture", "other"]
+    run = subprocess.run([sys.executable, "-m", "stacks.review", "--changed", "main~1"],
+                         cwd=clone, capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stdout.split()) == (0, ["fixture", "other"])
+
+
+PLAN = """\
+example  Terraform used the selected providers to generate the following execution plan.
+example  \x1b[1m  # google_storage_bucket.checkpoints_bucket_47351590\x1b[0m must be replaced
+example  -/+ resource "google_storage_bucket" "checkpoints_bucket_47351590" {
+example        ~ location                    = "US-CENTRAL1" -> "US-EAST1" # forces replacement
+example          name                        = "p-example-ckpt"
+example        }
+example    # google_compute_instance_template.template_99367075 must be replaced
+example  +/- resource "google_compute_instance_template" "template_99367075" {
+example        ~ machine_type = "n1-standard-8" -> "n1-standard-16" # forces replacement
+example        }
+example    # google_compute_instance_group_manager.group_65B1FA0F will be updated in-place
+example  Plan: 2 to add, 1 to change, 2 to destroy.
+"""
+
+
+def test_plan_summary(tmp_path):
+    (tmp_path / "example.txt").write_text(PLAN)
+    (tmp_path / "broken.txt").write_text("Error: could not load credentials\n")
+    assert review.summarize_plans(tmp_path).splitlines() == [
+        "## spottrain plan (cdktn diff)",
+        "",
+        "### `broken`",
+        "- the diff did not finish; see the workflow log",
+        "",
+        "### `example`",
+        "Plan: 2 to add, 1 to change, 2 to destroy.",
+        "- :warning: **`google_storage_bucket.checkpoints_bucket_47351590` must be replaced**",
+        "  - `location` forces replacement",
+        "- `google_compute_instance_template.template_99367075` must be replaced",
+        "  - `machine_type` forces replacement",
+        "- `google_compute_instance_group_manager.group_65B1FA0F` will be updated in-place",
+        "",
+    ]
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert "No experiment is affected" in review.summarize_plans(empty)
