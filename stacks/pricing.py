@@ -192,3 +192,14 @@ def running_price(exp: Experiment) -> float:
 
 def catalog_age_days(today: date | None = None) -> int:
     return ((today or date.today()) - CATALOG_DATE).days
+
+
+#: The trainer flags that carry the prices to its cost ledger (see `trainer_price_args`).
+PRICE_FLAG, ON_DEMAND_PRICE_FLAG = "--price-per-hour", "--on-demand-price-per-hour"
+
+
+def trainer_price_args(exp: Experiment) -> list[str]:
+    """The `python -m trainer run` arguments that tell the ledger what an hour of this VM costs
+    (as provisioned) and what it would cost on demand; plain decimals, safe in a shell line."""
+    _, on_demand = hourly_price(exp)
+    return [PRICE_FLAG, f"{running_price(exp):.6f}", ON_DEMAND_PRICE_FLAG, f"{on_demand:.6f}"]

@@ -92,3 +92,12 @@ def test_spot_only_a3_sizes_are_marked_not_offered_on_demand():
 def test_catalog_age():
     assert pricing.catalog_age_days(pricing.CATALOG_DATE) == 0
     assert pricing.catalog_age_days(date(pricing.CATALOG_DATE.year + 1, 1, 1)) > 0
+
+
+def test_trainer_price_args():
+    exp = variant({"cost": {"spot_per_hour": 0.25, "on_demand_per_hour": 1.5}})
+    assert pricing.trainer_price_args(exp) == [
+        "--price-per-hour", "0.250000", "--on-demand-price-per-hour", "1.500000"]
+    standard = variant({"machine": {"provisioning": "standard", "termination_action": None},
+                        "cost": {"spot_per_hour": 0.25, "on_demand_per_hour": 1.5}})
+    assert pricing.trainer_price_args(standard)[1] == "1.500000"
