@@ -88,7 +88,8 @@ def test_cost_command_bad_input_exits_2_naming_file_and_field(tmp_path):
     run = subprocess.run([sys.executable, "-m", "stacks.cost", str(bad)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
-    assert "cheap.toml: cost.expected_goodput: Input should be less than or equal to 1" in run.stderr
+    assert "cheap.toml: cost.expected_goodput: Input should be less than or equal to 1" in \
+        run.stderr
     assert "cheap.toml: cost.spot_per_hour: Input should be greater than 0" in run.stderr
     assert "Traceback" not in run.stderr and run.stdout == ""
     assert cost.main(["a", "b"]) == 2
