@@ -120,9 +120,11 @@ class Ledger:
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         # A line torn by SIGKILL must not swallow the next event: start on a fresh line.
-        size = os.fstat(self._fd).st_size
-        if size and not self.path.read_bytes()[-1:] == b"\n":
-            os.write(self._fd, b"\n")
+        if os.fstat(self._fd).st_size:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    os.write(self._fd, b"\n")
         self._mirror: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         if store is not None:

@@ -147,8 +147,9 @@ def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: b
         from trainer.config import StatusConfig
         from trainer.status import collect
 
-        gcs = extra[extra.index("--gcs-uri") + 1] if "--gcs-uri" in extra else None
-        return json.loads(json.dumps(collect(StatusConfig(run_dir=run_dir, gcs_uri=gcs)), default=str))
+        opt = dict(zip(extra[::2], extra[1::2]))
+        cfg = StatusConfig(run_dir=run_dir, gcs_uri=opt.get("--gcs-uri"), local_dir=opt.get("--local-dir"))
+        return json.loads(json.dumps(collect(cfg), default=str))
     out = subprocess.run([sys.executable, "-m", "trainer", "status", "--run-dir", str(run_dir), "--json", *extra],
                          capture_output=True, text=True, env=env or trainer_env(), cwd=REPO, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr

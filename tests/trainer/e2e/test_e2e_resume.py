@@ -58,17 +58,20 @@ def test_sigterm_several_times_resumes_exactly(tmp_path: Path, reference: dict) 
 
 def test_resume_with_other_checkpoint_interval_and_second_signal(tmp_path: Path, reference: dict) -> None:
     config, run_dir = write_config(tmp_path), tmp_path / "run"
+    local = ("--local-dir", str(tmp_path / "local"))  # the fast tier joins for the later sessions
     _sigterm_at(run_dir, config, 9, "--checkpoint-every-steps", "3")
     # A second SIGTERM (and a SIGINT) right behind the first must not abort the save.
-    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "7")
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "7", *local)
     p.wait_for(r"event=step step=21/")
     for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
         p.signal(sig)
     assert p.wait() == 75, p.output[-3000:]
-    saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
-    p = run_to_end(run_dir, STEPS, config, "--checkpoint-every-seconds", "0.2")
-    assert int(p.wait_for(r"event=restore step=(\d+)").group(1)) == saved
-    assert status(run_dir)["model_digest"] == reference["model_digest"]
+    saved = int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    assert p.seen(rf"checkpoint step 14 durable on local")
+    p = run_to_end(run_dir, STEPS, config, "--checkpoint-every-seconds", "0.2", *local)
+    assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
+    s = status(run_dir, "--local-dir", str(tmp_path / "local"))
+    assert s["model_digest"] == reference["model_digest"]
 
 
 def test_finished_run_exits_at_once_and_mismatch_is_refused(tmp_path: Path, reference: dict,
