@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=450)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--every", type=int, default=25)
-    a = p.parse_args(argv)
+    a = p.parse_args(argv or [])  # `python -m bench` calls main() with its own argv in sys.argv
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
     results = measure(a.steps, a.rounds, a.every)
@@ -117,4 +117,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])
