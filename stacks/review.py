@@ -13,6 +13,7 @@ no Terraform: this is the plan summary the pull-request workflow posts when it c
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -280,10 +281,26 @@ def diff(old: dict[str, dict], new: dict[str, dict]) -> list[StackDiff]:
 def _value(v: Any) -> str:
     if v is MISSING:
         return "(none)"
-    text = json.dumps(v) if not isinstance(v, str) else json.dumps(v)
+    text = json.dumps(v)
     if isinstance(v, str) and ("\n" in v or len(v) > MAX_VALUE):
         return f"({len(v.splitlines())} lines of text)"
     return text if len(text) <= MAX_VALUE else text[: MAX_VALUE - 3] + "..."
+
+
+def _is_text(v: Any) -> bool:
+    return isinstance(v, str) and ("\n" in v or len(v) > MAX_VALUE)
+
+
+def _change(x: AttrChange) -> str:
+    """`old -> new`; for two long texts (scripts) the count of lines added and removed."""
+    if _is_text(x.old) and _is_text(x.new):
+        added = removed = 0
+        for line in difflib.ndiff(x.old.splitlines(), x.new.splitlines()):
+            added += line.startswith("+ ")
+            removed += line.startswith("- ")
+        return (f"{_value(x.old)} -> {_value(x.new)}, {added} line(s) added, "
+                f"{removed} removed")
+    return f"{_value(x.old)} -> {_value(x.new)}"
 
 
 def _attrs_brief(attrs: list[AttrChange], prefix: str = "") -> str:
@@ -315,7 +332,7 @@ def render(diffs: list[StackDiff], base: str, head: str) -> str:
         for c in d.changes:
             lines.append(f"- {c.action} `{c.address}`")
             for x in c.attrs:
-                lines.append(f"  - `{x.path}`: {_value(x.old)} -> {_value(x.new)}")
+                lines.append(f"  - `{x.path}`: {_change(x)}")
         lines.append("")
     flagged = sum(len(d.flags) for d in diffs)
     lines.append(f"{flagged} flagged change(s). Offline review of synthesized Terraform JSON; "

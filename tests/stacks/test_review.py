@@ -211,7 +211,8 @@ def test_metadata_is_ignored_and_long_text_is_summarized():
     b["resource"]["google_x"]["y"]["//"] = {"metadata": {"path": "elsewhere"}}
     d = review.diff_stack("x", a, b)
     text = review.render([d], "base", "head")
-    assert "  - `script`: (2 lines of text) -> (3 lines of text)" in text
+    assert "  - `script`: (2 lines of text) -> (3 lines of text), 1 line(s) added, 0 removed" \
+        in text
     assert review.diff_stack("x", a, a).status == "unchanged"
 
 
