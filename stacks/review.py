@@ -201,10 +201,19 @@ def diff_stack(name: str, old: dict[str, Any] | None, new: dict[str, Any] | None
             attrs = attr_changes(a[addr], b[addr])
             if attrs:
                 d.changes.append(ResourceChange(addr, "changed", attrs))
-    if not d.changes:
+    before, after = _backend(old), _backend(new)
+    if old is not None and new is not None and before != after:
+        d.notes.append(f"the state backend changes ({_value(before)} -> {_value(after)}): "
+                       "migrate the state first (`cdktn diff --migrate-state`), or Terraform "
+                       "plans every resource anew")
+    if not d.changes and not d.notes:
         d.status = "unchanged"
     _flag(d, a, b)
     return d
+
+
+def _backend(stack: dict[str, Any] | None) -> Any:
+    return (stack or {}).get("terraform", {}).get("backend")
 
 
 def _flag(d: StackDiff, old: dict[str, Any], new: dict[str, Any]) -> None:

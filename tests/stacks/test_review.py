@@ -271,3 +271,14 @@ def test_plan_summary(tmp_path):
     empty = tmp_path / "none"
     empty.mkdir()
     assert "No experiment is affected" in review.summarize_plans(empty)
+
+
+def test_backend_change_is_noted():
+    a = _stack(google_x__y={"v": 1})
+    b = _stack(google_x__y={"v": 1})
+    a["terraform"] = {"backend": {"local": {"path": "x.tfstate"}}}
+    b["terraform"] = {"backend": {"gcs": {"bucket": "state", "prefix": "p"}}}
+    d = review.diff_stack("x", a, b)
+    assert d.status == "changed" and d.changes == [] and d.flags == []
+    assert d.notes[0].startswith("the state backend changes (")
+    assert "--migrate-state" in review.render([d], "a", "b")
