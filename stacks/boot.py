@@ -111,6 +111,8 @@ class BootScripts:
     shutdown: str
     unit: str
     trainer_sh: str
+    finished_health: str = ""
+    finished_unit: str = ""
 
 
 def _release(props: BootProps, kind: str) -> dict[str, str] | None:
@@ -165,6 +167,11 @@ def render(props: BootProps) -> BootScripts:
     }
     trainer_sh = env.get_template("trainer.sh.j2").render(ctx).rstrip("\n")
     unit = env.get_template("spottrain.service.j2").render(ctx).rstrip("\n")
-    startup = env.get_template("startup.sh.j2").render(ctx, trainer_sh=trainer_sh, unit=unit)
+    finished_health = env.get_template("finished_health.py.j2").render(ctx).rstrip("\n")
+    finished_unit = env.get_template("spottrain-finished.service.j2").render(ctx).rstrip("\n")
+    startup = env.get_template("startup.sh.j2").render(
+        ctx, trainer_sh=trainer_sh, unit=unit, finished_health=finished_health,
+        finished_unit=finished_unit)
     shutdown = env.get_template("shutdown.sh.j2").render(ctx)
-    return BootScripts(startup=startup, shutdown=shutdown, unit=unit, trainer_sh=trainer_sh)
+    return BootScripts(startup=startup, shutdown=shutdown, unit=unit, trainer_sh=trainer_sh,
+                       finished_health=finished_health, finished_unit=finished_unit)

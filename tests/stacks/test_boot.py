@@ -164,8 +164,10 @@ def test_startup_script_writes_the_trainer_script_and_unit_unexpanded(tmp_path):
     scripts = render(BootProps(name="x", bucket="b", task="m:f", steps=1, health_port=8471,
                                provisioning="spot", args=args, releases=RELEASES))
     start = scripts.startup.index("write_if_changed /etc/spottrain/trainer.env")
-    end = scripts.startup.index("if [[ $changed -eq 1 ]]")
-    writes = scripts.startup[start:end].replace("$python", "/usr/bin/python3")
+    end = scripts.startup.index("if [[ $changed -eq 1 ]]", start)
+    first = scripts.startup.index("write_if_changed /etc/spottrain/finished_health.py")
+    writes = (scripts.startup[first:scripts.startup.index('\nlog "starting', first)] + "\n"
+              + scripts.startup[start:end].replace("$python", "/usr/bin/python3"))
     out = tmp_path / "out"
     out.mkdir()
     # The script's own writes, with a stand-in writer that puts each file under out/.
@@ -175,6 +177,8 @@ def test_startup_script_writes_the_trainer_script_and_unit_unexpanded(tmp_path):
     assert (out / "trainer.sh").read_text() == scripts.trainer_sh + "\n"
     assert (out / "spottrain.service").read_text() == scripts.unit + "\n"
     assert (out / "trainer.env").read_text() == "SPOTTRAIN_PYTHON=/usr/bin/python3\n"
+    assert (out / "finished_health.py").read_text() == scripts.finished_health + "\n"
+    assert (out / "spottrain-finished.service").read_text() == scripts.finished_unit + "\n"
     assert not canary.exists()
 
 

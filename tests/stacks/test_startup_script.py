@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,8 +87,9 @@ class Boot:
             assert resp.status == 200
 
     def scripts(self, *, steps: int, task: str = "usertask:build", **kw: object) -> BootScripts:
+        kw.setdefault("health_port", 0)
         return render(BootProps(
-            name="boot-test", bucket=BUCKET, task=task, steps=steps, health_port=0,
+            name="boot-test", bucket=BUCKET, task=task, steps=steps,
             provisioning="spot", releases=tuple(a.release for a in self.archives),
             args=("--checkpoint-every-steps", "50"), **kw))  # type: ignore[arg-type]
 
@@ -185,16 +188,36 @@ def test_delivered_code_trains_a_second_run_is_a_no_op_and_preemption_saves(depl
     assert dep.metadata.guest_attributes()["spottrain/state"] == "stopped-75"
 
 
+def health(port: int) -> bytes:
+    """The group's health check: send the request, read the answer (retried while the answering
+    service starts; the guard is the deadline)."""
+    deadline = time.monotonic() + GUARD_S
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"spottrain-health")
+                return s.recv(64)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)  # polling a port that is being opened; not a synchronisation sleep
+
+
 def test_a_finished_run_is_recorded_and_never_trains_again(deployment):
+    from drill.gcs_emulator import free_port
+
     dep, vm = deployment, deployment.vm
     for archive in dep.archives:
         dep.upload(archive)
-    j0, e0 = dep.boot(dep.scripts(steps=5))
+    port = free_port()
+    j0, e0 = dep.boot(dep.scripts(steps=5, health_port=port))
     assert dep.startup_rc(e0) == 0, vm.tail()
     vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT, GUARD_S, since=e0)
     assert vm.exec(["systemctl", "show", "--property=ExecMainStatus", "--value", UNIT]).stdout == "0\n"
     assert dep.metadata.guest_attributes()["spottrain/state"] == "finished"
     assert vm.path(FINISHED_FILE).read_text().startswith("20")
+    # The VM stays healthy (no autoheal recreation loop) and says it is done.
+    assert health(port) == b"ok finished\n"
 
     # The next boot of this VM (or of its replacement with the same disk) starts nothing.
     offset, events = len(vm.journal()), len(vm.events())
@@ -203,6 +226,7 @@ def test_a_finished_run_is_recorded_and_never_trains_again(deployment):
     assert "the run finished at" in again.stdout and "not starting the trainer" in again.stdout
     assert not [e for e in vm.events()[events:] if e["event"] == "unit-starting"]
     assert f"Starting {UNIT}" not in vm.journal()[offset:]
+    assert health(port) == b"ok finished\n"
 
 
 def _fails_loudly(dep: Boot, scripts: BootScripts, message: str) -> str:
