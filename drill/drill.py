@@ -307,10 +307,11 @@ class Deployment:
         assert self.vm is not None
         _, e0 = self.boot()
         ev = self.vm.wait_event(lambda e: e["event"] == "startup-script-exited", self.cfg.guard_s, since=e0)
-        started = any(e["event"] == "unit-started" for e in self.vm.events()[e0:])
+        units = [e["unit"] for e in self.vm.events()[e0:] if e["event"] == "unit-started"]
         state = self.metadata.guest_attributes().get("spottrain/state")
         self.vm.power_off(self.cfg.window_s)
-        return {"startup_rc": ev["rc"], "unit_started": started, "guest_state": state}
+        return {"startup_rc": ev["rc"], "unit_started": UNIT in units, "other_units": units,
+                "guest_state": state}
 
     def status(self) -> dict[str, Any]:
         """`python -m trainer status --json` over the disk (mounted read-only) and the bucket."""
@@ -395,7 +396,8 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
             status = dep.status()
             drill_s = time.monotonic() - t1
             after = dep.boot_after_finish()
-            say(f"after the finish: one more boot started the trainer: {'YES' if after['unit_started'] else 'no'}; "
+            say(f"after the finish: one more boot started the trainer: {'YES' if after['unit_started'] else 'no'}"
+                f" (units started: {', '.join(after['other_units']) or 'none'}); "
                 f"guest attribute spottrain/state={after['guest_state']}")
         result = DrillResult(cfg, ref_status.get("model_digest"), status.get("model_digest"), status,
                              preemptions, reference_s, drill_s, resumed, workdir, after)
