@@ -136,6 +136,7 @@ class Rendered:
     gcs_uri: str
     termination_action: str
     local_ssd_count: int
+    health_port: int = 0
     uploads: tuple[tuple[str, Path], ...] = ()
     """(object name, local file) the stack would upload to the bucket: the code archives."""
 
@@ -191,7 +192,7 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
     props = BootProps(**fields)
     scripts = render_boot(props)
     return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri,
-                    exp.machine.termination_action, exp.disk.local_ssd_count, tuple(uploads))
+                    exp.machine.termination_action, exp.disk.local_ssd_count, health_port, tuple(uploads))
 
 
 def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
@@ -309,9 +310,10 @@ class Deployment:
         ev = self.vm.wait_event(lambda e: e["event"] == "startup-script-exited", self.cfg.guard_s, since=e0)
         units = [e["unit"] for e in self.vm.events()[e0:] if e["event"] == "unit-started"]
         state = self.metadata.guest_attributes().get("spottrain/state")
+        health = health_answer(self.r.health_port, timeout=30 if units else 0)
         self.vm.power_off(self.cfg.window_s)
         return {"startup_rc": ev["rc"], "unit_started": UNIT in units, "other_units": units,
-                "guest_state": state}
+                "guest_state": state, "health": health}
 
     def status(self) -> dict[str, Any]:
         """`python -m trainer status --json` over the disk (mounted read-only) and the bucket."""
@@ -332,6 +334,22 @@ class Deployment:
         self.finished_guest_attributes = self.metadata.guest_attributes()
         self.vm.power_off(self.cfg.window_s)
         return int(restore.group(1)), restore.group(2)
+
+
+def health_answer(port: int, timeout: float, request: bytes = b"spottrain-health") -> str | None:
+    """What the health check would get on `port` (None when nothing answers within `timeout`)."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(request)
+                return s.recv(256).decode(errors="replace").strip()
+        except OSError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)  # polling a port until it listens; timeout is the guard
 
 
 # --- the drill -------------------------------------------------------------------------------
@@ -398,7 +416,7 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
             after = dep.boot_after_finish()
             say(f"after the finish: one more boot started the trainer: {'YES' if after['unit_started'] else 'no'}"
                 f" (units started: {', '.join(after['other_units']) or 'none'}); "
-                f"guest attribute spottrain/state={after['guest_state']}")
+                f"guest attribute spottrain/state={after['guest_state']}; health answer {after['health']!r}")
         result = DrillResult(cfg, ref_status.get("model_digest"), status.get("model_digest"), status,
                              preemptions, reference_s, drill_s, resumed, workdir, after)
         say(report(result))
