@@ -146,3 +146,16 @@ def test_user_code_dir_is_shipped_next_to_the_trainer(tmp_path, monkeypatch, out
     assert f"/opt/spottrain/releases/{user_sha}" in template["metadata"]["startup-script"]
     assert sorted(template["depends_on"]) == sorted(
         f"google_storage_bucket_object.{key}" for key in objects)
+
+
+def test_a_hostile_code_dir_path_never_reaches_a_script(tmp_path, outdirs_cleanup):
+    """Only the archive's hash reaches the VM; the path of the user's directory does not."""
+    code = tmp_path / "evil $(touch pwned); '\" `id` dir"
+    code.mkdir()
+    (code / "m.py").write_text("")
+    data = json.loads(synth("example", {"trainer": {
+        "code_dir": str(code), "args": ["$(touch pwned)", "; rm -rf /", "'\"'"]}}))
+    (template,) = data["resource"]["google_compute_instance_template"].values()
+    for value in template["metadata"].values():
+        assert "evil" not in value and str(tmp_path) not in value
+    assert not (tmp_path / "pwned").exists()
