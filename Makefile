@@ -9,7 +9,7 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo soak bench synth clean
+.PHONY: setup test demo soak bench synth cost review clean
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
 setup: $(STAMP)
@@ -39,6 +39,14 @@ bench: setup
 ## synth: synthesize every experiment into cdktf.out/ (what `npx cdktn synth` does).
 synth: setup
 	$(VENV)/bin/npx cdktn synth
+
+## cost: expected cost, Spot against on-demand, of every experiment (or EXPERIMENT=path).
+cost: setup
+	$(PY) -m stacks.cost $(EXPERIMENT)
+
+## review: offline infrastructure review, e.g. make review BASE=origin/main [HEAD=rev].
+review: setup
+	$(PY) -m stacks.review $(BASE) $(HEAD)
 
 clean:
 	rm -rf cdktf.out .pytest_cache
