@@ -128,6 +128,9 @@ class Checkpointer:
         self._buffer = SnapshotBuffer()
         self._thread: threading.Thread | None = None
         self._reserver: threading.Thread | None = None
+        # Set by an emergency save to cut short the periodic upload in flight. Scoped to the
+        # checkpoint uploads: the goodput ledger shares the GCS store and must keep working.
+        self._upload_abort = threading.Event()
         self._restore_lock = threading.Lock()  # retention never deletes while a restore runs
         self._started = time.monotonic()
         self.stats: dict[str, Any] = {
@@ -282,7 +285,7 @@ class Checkpointer:
     def _upload(self, t: _Tier, src: Path, step: int, *, deadline: float | None) -> None:
         store = t.store
         assert isinstance(store, GcsStore)
-        with store.deadline(deadline):
+        with store.deadline(deadline), store.aborting(self._upload_abort):
             info = check_checkpoint(store, step)
             if info is not None:
                 if info.valid:
@@ -449,11 +452,11 @@ class Checkpointer:
         if self._busy():
             # The in-flight save is older than this one: let its disk write finish (its buffer is
             # the one we need), but cut its upload short (no manifest, so nothing visible).
-            if gcs is not None:
-                gcs.store.abort.set()  # type: ignore[attr-defined]
-            self._thread.join()  # type: ignore[union-attr]
-            if gcs is not None:
-                gcs.store.abort.clear()  # type: ignore[attr-defined]
+            self._upload_abort.set()
+            try:
+                self._thread.join()  # type: ignore[union-attr]
+            finally:
+                self._upload_abort.clear()
         snap = self._buffer.take(step, state, meta)
         pers = self._tiers["persistent"]
         parts = []

@@ -322,13 +322,13 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 class _AbortableReader:
-    """File wrapper that stops an upload at a deadline or on an abort event (checked per read)."""
+    """File wrapper that stops an upload at a deadline or on abort (checked per read)."""
 
-    def __init__(self, f: BinaryIO, deadline: float | None, abort: threading.Event | None):
-        self._f, self._deadline, self._abort = f, deadline, abort
+    def __init__(self, f: BinaryIO, deadline: float | None, aborted: Callable[[], bool]):
+        self._f, self._deadline, self._aborted = f, deadline, aborted
 
     def _check(self) -> None:
-        if self._abort is not None and self._abort.is_set():
+        if self._aborted():
             raise UploadAborted("upload aborted")
         if self._deadline is not None and time.monotonic() > self._deadline:
             raise UploadAborted("deadline passed during upload")
@@ -366,7 +366,8 @@ class GcsStore:
         self.max_backoff_s = max_backoff_s
         self.request_timeout_s = request_timeout_s
         self._local = threading.local()
-        #: Set to make uploads and retry loops stop (close(), emergency preemption of a slow upload).
+        #: Set to make every call of this store stop (shutdown). To stop only some calls (one
+        #: upload, not the ledger mirror sharing the store) use ``aborting(event)`` instead.
         self.abort = threading.Event()
 
     def __repr__(self) -> str:
@@ -385,6 +386,32 @@ class GcsStore:
 
     def _deadline(self) -> float | None:
         return getattr(self._local, "deadline", None)
+
+    @contextlib.contextmanager
+    def aborting(self, event: threading.Event | None) -> Iterator[None]:
+        """Within this block (this thread), calls stop with ``UploadAborted`` once ``event`` is
+        set: between retries and between the chunks of an upload."""
+        old = getattr(self._local, "abort", None)
+        self._local.abort = event
+        try:
+            yield
+        finally:
+            self._local.abort = old
+
+    def _aborted(self) -> bool:
+        ev = getattr(self._local, "abort", None)
+        return self.abort.is_set() or (ev is not None and ev.is_set())
+
+    def _abort_wait(self, seconds: float) -> bool:
+        ev = getattr(self._local, "abort", None)
+        end = time.monotonic() + seconds
+        while True:
+            if self._aborted():
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            (ev or self.abort).wait(min(left, 0.1))
 
     def _object(self, key: str) -> str:
         _check_key(key)
@@ -410,7 +437,7 @@ class GcsStore:
         attempt = 0
         while True:
             attempt += 1
-            if self.abort.is_set():
+            if self._aborted():
                 raise UploadAborted(f"{what}: aborted")
             try:
                 return fn()
@@ -423,7 +450,7 @@ class GcsStore:
                     raise
                 log.warning("gcs %s failed (attempt %d: %s: %s); retrying in %.1fs",
                             what, attempt, type(exc).__name__, str(exc)[:200], sleep)
-                if self.abort.wait(sleep):
+                if self._abort_wait(sleep):
                     raise UploadAborted(f"{what}: aborted") from exc
                 delay *= 2
 
@@ -440,7 +467,7 @@ class GcsStore:
         def upload() -> None:
             blob = self._blob(key)
             with open(src, "rb") as f:
-                blob.upload_from_file(_AbortableReader(f, self._deadline(), self.abort), size=size,
+                blob.upload_from_file(_AbortableReader(f, self._deadline(), self._aborted), size=size,
                                       if_generation_match=0, retry=None, timeout=self._timeout())
 
         self._create_only(key, upload, lambda: (size, _crc32c_file(src)))

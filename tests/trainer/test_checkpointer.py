@@ -414,14 +414,34 @@ def test_emergency_upload_running_past_deadline_leaves_nothing_valid(gcs_emulato
 
 def test_emergency_cuts_short_an_in_flight_upload(gcs_emulator, faulty_gcs, tmp_path: Path, logwatch) -> None:
     c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs)
+    other: list = []
+
+    entered = threading.Event()
+
+    def hang_until_aborted() -> None:
+        entered.set()
+        assert c._upload_abort.wait(GUARD)
+        # Meanwhile the store still works for others sharing it (the goodput ledger mirror).
+        def put() -> None:
+            try:
+                other.append(c.gcs.put_bytes("ledger/e1", b"{}"))
+            except Exception as e:  # noqa: BLE001
+                other.append(e)
+
+        th = threading.Thread(target=put)
+        th.start()
+        th.join(GUARD)
+
     # The periodic upload of step 4 hangs until the emergency save aborts it.
-    faulty_gcs.plan.add("upload", f"*{step_name(4)}/{TENSORS}", "hook", hook=lambda: c.gcs.abort.wait(GUARD))
+    faulty_gcs.plan.add("upload", f"*{step_name(4)}/{TENSORS}", "hook", hook=hang_until_aborted)
     c.save(4, make_state(4))
+    assert entered.wait(GUARD)  # the upload of step 4 is in flight
     rep = c.emergency_save(5, make_state(5), deadline=time.monotonic() + 120)
     assert rep.persistent_ok and rep.gcs_ok is True
     valid = {i.step for i in list_checkpoints(c.gcs) if i.valid}
     assert valid == {5}
     assert "step 4 on gcs failed" in logwatch.text()
+    assert other == [None] and c.gcs.get_bytes("ledger/e1") == b"{}"
     assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {4, 5}
 
 
