@@ -5,6 +5,7 @@ metadata server and gcp-storage-emulator on loopback). The trainer and a user ta
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -93,13 +94,15 @@ class Boot:
             provisioning="spot", releases=tuple(a.release for a in self.archives),
             args=("--checkpoint-every-steps", "50"), **kw))  # type: ignore[arg-type]
 
-    def boot(self, scripts: BootScripts) -> tuple[int, int]:
-        """Boot with these scripts; (journal offset, events offset) where this boot begins."""
+    def boot(self, scripts: BootScripts, *, keep_boot_disk: bool = False) -> tuple[int, int]:
+        """Boot with these scripts; (journal offset, events offset) where this boot begins.
+        `keep_boot_disk`: a STOPped Spot VM started again (else a VM made from the template)."""
         startup, shutdown = self.root / "startup.sh", self.root / "shutdown.sh"
         startup.write_text(scripts.startup)
         shutdown.write_text(scripts.shutdown)
         offsets = (len(self.vm.journal()), len(self.vm.events()))
-        self.vm.boot(startup_script_file=startup, shutdown_script_file=shutdown)
+        self.vm.boot(startup_script_file=startup, shutdown_script_file=shutdown,
+                     keep_boot_disk=keep_boot_disk)
         return offsets
 
     def startup_rc(self, since: int) -> int:
@@ -186,6 +189,33 @@ def test_delivered_code_trains_a_second_run_is_a_no_op_and_preemption_saves(depl
                in line for line in shutdown), "\n".join(shutdown)
     assert any("trainer: " in line and "event=preempted" in line for line in shutdown), shutdown
     assert dep.metadata.guest_attributes()["spottrain/state"] == "stopped-75"
+
+
+def test_a_restarted_vm_reuses_its_code_and_a_recreated_one_fetches_it_again(deployment):
+    dep, vm = deployment, deployment.vm
+    for archive in dep.archives:
+        dep.upload(archive)
+    scripts = dep.scripts(steps=10_000_000)
+    saved = []
+    for keep_boot_disk, fetched in ((False, True), (True, False), (False, True)):
+        dep.metadata.reset()  # a VM powered on again is no longer preempted
+        j0, e0 = dep.boot(scripts, keep_boot_disk=keep_boot_disk)
+        assert dep.startup_rc(e0) == 0, vm.tail()
+        lines = "\n".join(dep.startup_lines(j0))
+        for archive in dep.archives:
+            sha = archive.release.sha256[:16]
+            assert (f"code {sha} installed in" in lines) == fetched, lines
+            assert (f"code {sha} already installed" in lines) == (not fetched), lines
+        restored = vm.wait_journal(lambda line: re.search(r"event=restore step=(\d+)", line)
+                                   if "event=restore" in line else None, GUARD_S, since=j0)
+        if saved:  # every boot after a preemption resumes from the checkpoint saved on notice
+            assert int(restored.group(1)) == saved[-1], vm.tail()
+        vm.wait_journal(lambda line: "event=step" in line, GUARD_S, since=j0)
+        dep.metadata.preempt()
+        assert not vm.power_off(30)["killed"], vm.tail()
+        m = re.search(r"event=preempted step=(\d+)", vm.journal()[j0:])
+        assert m, vm.tail()
+        saved.append(int(m.group(1)))
 
 
 def health(port: int) -> bytes:
