@@ -9,7 +9,7 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo soak bench synth cost review clean
+.PHONY: setup test demo drill soak bench synth cost review clean
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
 setup: $(STAMP)
@@ -24,13 +24,20 @@ $(STAMP): requirements.lock package.json package-lock.json
 test: setup
 	$(PY) -m pytest -n 2 --dist loadgroup
 
-## demo: synthesize the example experiment and print what it would create.
+## demo: what the example experiment creates and costs, then a brief local preemption drill.
 demo: setup
 	$(PY) -m stacks.demo
+	$(PY) -m drill --steps 120 --wipe-disk-round 1
 
-## soak: the long crash-consistency runs.
+## drill: the real boot scripts and trainer in a local VM stand-in, preempted K times; fails unless
+## the final model equals an uninterrupted run's. Needs root. DRILL_ARGS=--soak for the long one.
+drill: setup
+	$(PY) -m drill $(DRILL_ARGS)
+
+## soak: the long crash-consistency runs, then the long drill (~8 min).
 soak: setup
 	SPOTTRAIN_SOAK_KILLS=$${SPOTTRAIN_SOAK_KILLS:-300} $(PY) -m pytest -m soak -p no:xdist
+	$(PY) -m drill --soak
 
 ## bench: the benchmarks; figures go into BENCHMARKS.md by hand.
 bench: setup
