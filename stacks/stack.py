@@ -162,6 +162,12 @@ class TrainingStack(TerraformStack):
                 "sudo journalctl -u spottrain.service -f",
                 "Follow the trainer's journal through IAP SSH",
             ),
+            "state_command": (
+                f"gcloud compute instances get-guest-attributes INSTANCE {p} {zone} "
+                "--query-path=spottrain/state",
+                "The VM's boot path state: starting, training, finished (scale to zero now), "
+                "failed (see serial_log_command), stopped-<trainer exit status>",
+            ),
             "scale_to_zero_command": (
                 f"gcloud compute instance-groups managed resize {group_name} --size 0 {p} "
                 f"{where}",

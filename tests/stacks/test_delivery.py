@@ -159,3 +159,12 @@ def test_a_hostile_code_dir_path_never_reaches_a_script(tmp_path, outdirs_cleanu
     for value in template["metadata"].values():
         assert "evil" not in value and str(tmp_path) not in value
     assert not (tmp_path / "pwned").exists()
+
+
+def test_state_output_reads_the_guest_attribute_the_scripts_write(example):
+    state = example.json["output"]["state_command"]["value"]
+    assert state == ("gcloud compute instances get-guest-attributes INSTANCE --project "
+                     "my-project-123456 --zone us-central1-a --query-path=spottrain/state")
+    (template,) = example.json["resource"]["google_compute_instance_template"].values()
+    assert template["metadata"]["enable-guest-attributes"] == "TRUE"
+    assert "/instance/guest-attributes/spottrain/state" in template["metadata"]["startup-script"]
