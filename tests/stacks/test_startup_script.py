@@ -295,3 +295,20 @@ def test_no_gpu_driver_fails_with_a_clear_message_instead_of_hanging(deployment)
     line = _fails_loudly(deployment, deployment.scripts(steps=5, driver_timeout_s=1),
                          "no working GPU driver after 1 s")
     assert "couldn't communicate with the NVIDIA driver" in line
+
+
+def test_bad_input_is_not_restarted_in_a_loop(deployment):
+    """Exit 2 (bad input: here a task the delivered code does not have) stops the unit for good;
+    restarting could not fix it."""
+    dep, vm = deployment, deployment.vm
+    for archive in dep.archives:
+        dep.upload(archive)
+    j0, e0 = dep.boot(dep.scripts(steps=5, task="usertask:no_such_task"))
+    assert dep.startup_rc(e0) == 0, vm.tail()
+    ev = vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT, GUARD_S,
+                       since=e0)
+    assert (ev["code"], ev["status"], ev["restarting"]) == ("exited", 2, False), vm.tail()
+    show = vm.exec(["systemctl", "show", "--property=ActiveState,NRestarts", UNIT]).stdout
+    assert show == "ActiveState=failed\nNRestarts=0\n"
+    assert "no_such_task" in vm.journal()[j0:]
+    assert not vm.path(FINISHED_FILE).exists()
