@@ -150,5 +150,7 @@ def test_sigkill_soak(tmp_path: Path, reference: dict, zygote: Zygote) -> None:
     seed = 1000
     while done < total:
         n = min(10, total - done)
-        _kill_run(tmp_path / f"r{seed}", reference, seed, kills=n, zygote=zygote)
+        d = tmp_path / f"r{seed}"
+        d.mkdir()
+        _kill_run(d, reference, seed, kills=n, zygote=zygote)
         done, seed = done + n, seed + 1
