@@ -41,7 +41,8 @@ class Preemption:
     def request(self, reason: str) -> None:
         with self._lock:
             if self._event.is_set():
-                self.log.warning("event=preemption_notice again=1 reason=%s (already stopping; the save goes on)", reason)
+                self.log.warning("event=preemption_notice again=1 reason=%s (already stopping; the save goes on)",
+                                 reason)
                 return
             self.notice_monotonic = time.monotonic()
             self.reason = reason

@@ -65,7 +65,8 @@ def _human(s: dict[str, Any]) -> str:
         f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall over {g['sessions']} session(s); "
         f"productive {g['productive_s']:.1f}s, start-up {g['startup_s']:.1f}s, restore {g['restore_s']:.1f}s, "
         f"checkpoint blocked {g['checkpoint_blocked_s']:.1f}s, lost {g['lost_s']:.1f}s, "
-        f"down {g['downtime_s']:.1f}s; preemptions {g['preemptions']}, crashes {g['crashes']}, failures {g['failures']}, "
+        f"down {g['downtime_s']:.1f}s; preemptions {g['preemptions']}, crashes {g['crashes']}, "
+        f"failures {g['failures']}, "
         f"finished {'yes' if g['finished'] else 'no'}")
     return "\n".join(lines)
 

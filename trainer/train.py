@@ -257,7 +257,10 @@ class _StepFn:
         self.scaler, self.device, self.world = scaler, device, world
         self.loss_fn = task.loss_fn or (lambda m, batch: m(*batch))
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-        self.autocast = (lambda: torch.autocast("cuda", dtype=dtype)) if device.type == "cuda" and dtype else contextlib.nullcontext
+        if device.type == "cuda" and dtype is not None:
+            self.autocast: Callable[[], Any] = lambda: torch.autocast("cuda", dtype=dtype)
+        else:
+            self.autocast = contextlib.nullcontext
 
     def _batch(self) -> tuple:
         samples = [self.task.dataset[i] for i in self.data.next_indices()]
