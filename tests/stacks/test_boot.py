@@ -207,3 +207,15 @@ def test_templates_use_strict_undefined():
 
     with pytest.raises(jinja2.UndefinedError):
         _env().get_template("trainer.sh.j2").render({})
+
+
+def test_every_value_in_a_shell_template_goes_through_a_filter():
+    """No bare `{{ value }}` in a script: each is shell-quoted or an integer."""
+    from stacks.boot import TEMPLATES
+
+    bare = []
+    for path in sorted(TEMPLATES.glob("*.sh.j2")):
+        for expr in re.findall(r"\{\{(.*?)\}\}", path.read_text()):
+            if not re.search(r"\|\s*(shquote|shquote_text|int)\s*$", expr):
+                bare.append(f"{path.name}: {{{{{expr}}}}}")
+    assert bare == []
