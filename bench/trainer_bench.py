@@ -74,8 +74,9 @@ def measure(steps: int, rounds: int, every: int) -> dict[str, list[dict[str, Any
     results: dict[str, list[dict[str, Any]]] = {"none": [], "defaults": [], "every": []}
     with tempfile.TemporaryDirectory() as tmp:
         _one("none", 20, every, Path(tmp))  # warm-up: allocator, caches, lazy imports
-        for _ in range(rounds):
-            for variant in results:
+        order = list(results)
+        for i in range(rounds):
+            for variant in order[i % 3:] + order[:i % 3]:  # rotate: no variant always runs first
                 results[variant].append(_one(variant, steps, every, Path(tmp)))
                 logging.getLogger().setLevel(logging.WARNING)
     return results
