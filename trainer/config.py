@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
+import sys
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser from PyPI (a dependency there)
+    import tomli as tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
