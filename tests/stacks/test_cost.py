@@ -84,7 +84,8 @@ def test_cost_command_on_the_repository_experiments():
 def test_cost_command_bad_input_exits_2_naming_file_and_field(tmp_path):
     text = (ROOT / "experiments" / "example.toml").read_text()
     bad = tmp_path / "cheap.toml"
-    bad.write_text(text + "\n[cost]\nexpected_goodput = 1.5\nspot_per_hour = -1\n")
+    assert "\n[cost]\n" in text  # the bad values go into the example's own section
+    bad.write_text(text.replace("\n[cost]\n", "\n[cost]\nexpected_goodput = 1.5\nspot_per_hour = -1\n"))
     run = subprocess.run([sys.executable, "-m", "stacks.cost", str(bad)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
