@@ -38,6 +38,37 @@ TRASH_PREFIX = ".trash-"
 _COPY_CHUNK = 16 << 20
 
 
+# Retry jitter draws from its own generator: the global `random` belongs to the training
+# process's exact-resume state, and uploads retry on a background thread.
+_JITTER = random.Random()
+
+#: Modules of the GCS client stack that draw from the global `random` (multipart boundaries,
+#: backoff jitter). Uploads run on background threads at moments that differ between runs, so
+#: each draw would shift the training process's Python RNG and break exact resume for any task
+#: that uses `random`.
+_GLOBAL_RANDOM_USERS = (
+    "google.cloud.storage._media._upload",
+    "google.resumable_media._upload",
+    "google.resumable_media._helpers",
+    "google.api_core.retry.retry_base",
+    "google.auth._exponential_backoff",
+    "urllib3.util.retry",
+)
+
+
+def _isolate_client_randomness() -> None:
+    """Give each of those modules a private generator in place of the global one."""
+    import importlib
+
+    for name in _GLOBAL_RANDOM_USERS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "random", None) is random:
+            module.random = random.Random()  # same methods: randrange, randint, uniform, random
+
+
 @runtime_checkable
 class Store(Protocol):
     """One tier's blob store. Keys use ``/`` separators and never start with ``/``."""
@@ -358,6 +389,7 @@ class GcsStore:
         self.uri = uri.rstrip("/")
         self.bucket_name, self.prefix = parse_gcs_uri(uri)
         self.name = name
+        _isolate_client_randomness()
         self._client = client if client is not None else default_gcs_client()
         self._bucket = self._client.bucket(self.bucket_name)
         #: Give up on one call after this many seconds of retrying (unless a deadline is sooner).
@@ -445,7 +477,7 @@ class GcsStore:
                 if not is_retryable(exc):
                     raise
                 now = time.monotonic()
-                sleep = min(delay, self.max_backoff_s) * (0.5 + random.random() / 2)
+                sleep = min(delay, self.max_backoff_s) * (0.5 + _JITTER.random() / 2)
                 if now + sleep >= give_up:
                     raise
                 log.warning("gcs %s failed (attempt %d: %s: %s); retrying in %.1fs",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 
@@ -123,6 +124,18 @@ def test_gcs_retries_503_then_succeeds(faulty_gcs, gcs_emulator, logwatch) -> No
     assert s.get_bytes("k") == b"v"
     assert faulty_gcs.plan.calls.count(("upload", s._object("k"))) == 3
     assert "retrying" in logwatch.text()
+
+
+def test_gcs_uploads_leave_the_global_random_state_alone(faulty_gcs, gcs_emulator) -> None:
+    # The global generator is part of the training process's exact-resume state; neither a
+    # multipart upload (its boundary) nor a retry (its jitter) on a background thread may draw from it.
+    s = GcsStore(gcs_emulator.uri, client=faulty_gcs, initial_backoff_s=0.01)
+    faulty_gcs.plan.add("upload", "*/jitter", "503", times=2)
+    random.seed(1234)
+    before = random.getstate()
+    s.put_bytes("jitter", b"v")
+    assert faulty_gcs.plan.calls.count(("upload", s._object("jitter"))) == 3
+    assert random.getstate() == before
 
 
 def test_gcs_412_on_identical_object_counts_as_done(faulty_gcs, gcs_emulator, tmp_path, logwatch) -> None:
