@@ -6,11 +6,6 @@ that synthesize share these; `xdist_group("stacks")` keeps them on one worker.
 
 from __future__ import annotations
 
-import glob
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 from stack_support import FIXTURES, VARIANTS, Synthesized, variant
 
@@ -18,22 +13,7 @@ from stacks.load import load_all
 
 
 @pytest.fixture(scope="session")
-def outdirs_cleanup():
-    """Remove the /tmp/cdktf.outdir.* folders Testing leaves behind: those that appeared during
-    this session and hold nothing but our stacks (another process's folders stay)."""
-    pattern = str(Path(tempfile.gettempdir()) / "cdktf.outdir.*")
-    before = set(glob.glob(pattern))
-    yield
-    ours = {*VARIANTS, "deleting", "example", *(p.stem for p in FIXTURES.glob("*.toml"))}
-    for path in set(glob.glob(pattern)) - before:
-        stacks = Path(path) / "stacks"
-        names = {p.name for p in stacks.iterdir()} if stacks.is_dir() else set()
-        if names <= ours:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def synthesized(outdirs_cleanup) -> dict[str, Synthesized]:
+def synthesized() -> dict[str, Synthesized]:
     """Every variant, plus the experiment files under fixtures/ (checkov sees them all)."""
     found = {name: Synthesized(name, variant(o, name)) for name, o in VARIANTS.items()}
     for e in load_all(FIXTURES):

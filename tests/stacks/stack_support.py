@@ -23,7 +23,8 @@ def scrub_code_hashes(text: str) -> str:
     """The synthesized JSON with the delivered code's digests replaced by placeholders: the
     snapshot pins the infrastructure, not the trainer's bytes (which change with every edit)."""
     text = re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", text)
-    return re.sub(r"\b(trainer|user)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
+    # Object names appear plain and URL-encoded (code%2Ftrainer-...), where \\b finds no boundary.
+    return re.sub(r"(?:\b|(?<=%2F))(trainer|user)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
 
 
 def example_data() -> dict[str, Any]:

@@ -104,11 +104,11 @@ def template_and_objects(text: str) -> tuple[dict, dict]:
     return template, data["google_storage_bucket_object"]
 
 
-def test_two_syntheses_are_identical(outdirs_cleanup):
+def test_two_syntheses_are_identical():
     assert synth("example") == synth("example")
 
 
-def test_a_one_byte_trainer_change_rolls_the_template(tmp_path, monkeypatch, outdirs_cleanup):
+def test_a_one_byte_trainer_change_rolls_the_template(tmp_path, monkeypatch):
     before = synth("example")
     copy = tmp_path / "trainer"
     shutil.copytree(delivery.TRAINER_SOURCE, copy,
@@ -132,7 +132,7 @@ def test_a_one_byte_trainer_change_rolls_the_template(tmp_path, monkeypatch, out
     assert after.replace(new_sha, old_sha).replace(new_sha[:16], old_sha[:16]) == before
 
 
-def test_user_code_dir_is_shipped_next_to_the_trainer(tmp_path, monkeypatch, outdirs_cleanup):
+def test_user_code_dir_is_shipped_next_to_the_trainer(tmp_path, monkeypatch):
     code = tmp_path / "mycode"
     (code / "mymodel").mkdir(parents=True)
     (code / "mymodel" / "__init__.py").write_text("")
@@ -148,7 +148,7 @@ def test_user_code_dir_is_shipped_next_to_the_trainer(tmp_path, monkeypatch, out
         f"google_storage_bucket_object.{key}" for key in objects)
 
 
-def test_a_hostile_code_dir_path_never_reaches_a_script(tmp_path, outdirs_cleanup):
+def test_a_hostile_code_dir_path_never_reaches_a_script(tmp_path):
     """Only the archive's hash reaches the VM; the path of the user's directory does not."""
     code = tmp_path / "evil $(touch pwned); '\" `id` dir"
     code.mkdir()

@@ -176,7 +176,7 @@ def test_spot_scheduling(example):
     }
 
 
-def test_delete_termination_action_reaches_the_template(outdirs_cleanup):
+def test_delete_termination_action_reaches_the_template():
     from cdktn import Testing
 
     from stacks.stack import TrainingStack
@@ -257,7 +257,7 @@ def test_local_ssds_are_optional(example, synthesized):
     assert "--local-dir /mnt/localssd/run" in startup
 
 
-def test_metadata_is_deterministic(example, outdirs_cleanup):
+def test_metadata_is_deterministic(example):
     """An unchanged experiment must plan no diff: a second synthesis is byte-identical."""
     from cdktn import Testing
 
