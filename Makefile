@@ -56,4 +56,4 @@ review: setup
 	$(PY) -m stacks.review $(BASE) $(HEAD)
 
 clean:
-	rm -rf cdktf.out .pytest_cache
+	rm -rf cdktf.out .pytest_cache build/code
