@@ -49,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every-seconds", type=float, help="save every T seconds")
     r.add_argument("--local-dir", type=Path, help="optional fast tier (local SSD)")
     r.add_argument("--health-port", type=int, help="TCP health port (default 8471; 0 = any free port)")
+    r.add_argument("--price-per-hour", type=float,
+                   help="USD per hour of this VM as provisioned, for the cost in `status` (may change on resume)")
+    r.add_argument("--on-demand-price-per-hour", type=float,
+                   help="USD per hour of the same VM on demand, for the comparison in `status`")
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             cli = {k: getattr(args, k) for k in (
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
-                "checkpoint_every_seconds", "local_dir", "health_port")}
+                "checkpoint_every_seconds", "local_dir", "health_port", "price_per_hour",
+                "on_demand_price_per_hour")}
             cfg = load_run_config(cli, args.config)
         else:
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,

@@ -102,6 +102,13 @@ class RunConfig(BaseModel):
     """One structured log line every this many steps."""
     progress_every_s: float = Field(default=60.0, gt=0)
     """Seconds between goodput progress events in the ledger."""
+    price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """USD per hour of this VM as provisioned (Spot or standard), recorded in the ledger so that
+    ``status`` reports what the job has cost. Not part of the fingerprint: prices may change
+    between restarts (the stack passes the current one at every boot). None: unknown."""
+    on_demand_price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """USD per hour of the same VM on demand, for ``status``'s on-demand comparison. Not part of
+    the fingerprint. None: unknown."""
 
     @field_validator("task")
     @classmethod

@@ -14,7 +14,8 @@ Report (all sessions together), after ml-goodput-measurement:
 - ``downtime_s``: wall time outside any session (VM recreation) and after a session's last event;
 - ``goodput`` = productive_s / wall_s; ``preemptions``: preemption notices; ``crashes``: sessions
   that ended without a trace (SIGKILL, hard power-off, OOM kill); ``failures``: sessions that
-  stopped on an error (bad input, an exception); ``sessions``; ``finished``.
+  stopped on an error (bad input, an exception); ``sessions``; ``finished``;
+- ``cost``: what the job has cost, from the hourly prices each session recorded (see ``Cost``).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -194,8 +195,40 @@ class Ledger:
         return done
 
 
-def session_start_fields(process_start_wall: float) -> dict[str, Any]:
-    return {"started": process_start_wall, "pid": os.getpid(), "host": socket.gethostname()}
+def session_start_fields(process_start_wall: float, *, price_per_hour: float | None = None,
+                         on_demand_price_per_hour: float | None = None) -> dict[str, Any]:
+    """The ``session_start`` event: when the process started, where, and the hourly prices this
+    session runs at (None: unknown). Prices are per session because they may change between restarts."""
+    return {"started": process_start_wall, "pid": os.getpid(), "host": socket.gethostname(),
+            "price_per_hour": price_per_hour, "on_demand_price_per_hour": on_demand_price_per_hour}
+
+
+@dataclass
+class Cost:
+    """What the job has cost so far, from the prices each session recorded at its start.
+
+    - ``cost_so_far``: sum over sessions of the session's wall time (process start to its last
+      event; a killed session counts up to its last event) / 3600 x its ``price_per_hour``. Only
+      priced sessions count: with ``unpriced_sessions`` > 0 it is a lower bound; None when no
+      session recorded a price. Time between sessions (VM recreation) is not billed here.
+    - ``cost_per_1000_steps``: ``cost_so_far`` / steps completed x 1000, where steps completed is
+      the latest step the job has reached (the newest session's last recorded step).
+    - ``on_demand_equivalent``: the same work on an on-demand VM that is never interrupted, i.e.
+      with goodput 1: the productive seconds (training steps whose result survived) of each session
+      x that session's ``on_demand_price_per_hour``. Start-up, restores, checkpoint stalls, lost
+      work and downtime are what preemption costs, so they are left out: this is the lower bound
+      that the Spot price is compared with. None when no session recorded an on-demand price.
+    - ``savings``: ``on_demand_equivalent`` - ``cost_so_far`` (negative: Spot cost more), only when
+      every session recorded both prices, else None (a partial sum would mislead).
+    - ``priced_sessions`` / ``unpriced_sessions``: sessions with / without a ``price_per_hour``.
+    """
+
+    cost_so_far: float | None
+    cost_per_1000_steps: float | None
+    on_demand_equivalent: float | None
+    savings: float | None
+    priced_sessions: int
+    unpriced_sessions: int
 
 
 @dataclass
@@ -213,10 +246,17 @@ class Report:
     failures: int
     sessions: int
     finished: bool
+    cost: Cost = field(default_factory=lambda: Cost(None, None, None, None, 0, 0))
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        # Money stays unrounded: a short run costs fractions of a cent, and the fields must agree.
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def _price(ev: dict[str, Any] | None, key: str) -> float | None:
+    v = ev.get(key) if ev else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _productive_at(points: list[tuple[int, float]], step: int) -> float:
@@ -244,6 +284,8 @@ def report(events: list[dict[str, Any]]) -> Report:
             if e["event"] in ("progress", "checkpoint", "finish", "preempted") and "productive_s" in e:
                 points.append((int(e["step"]), float(e["productive_s"])))
         sessions.append({
+            "price": _price(start, "price_per_hour"),
+            "on_demand_price": _price(start, "on_demand_price_per_hour"),
             "t0": t0,
             "t1": max(float(e["t"]) for e in evs),
             "restored_step": start_step if restore else None,
@@ -263,12 +305,9 @@ def report(events: list[dict[str, Any]]) -> Report:
     for i, s in enumerate(sessions):
         later = [x["restored_step"] for x in sessions[i + 1:] if x["restored_step"] is not None]
         done = s["points"][-1][1]
-        if later:
-            kept = _productive_at(s["points"], min(later))
-            lost += done - kept
-            productive += kept
-        else:
-            productive += done
+        s["kept"] = _productive_at(s["points"], min(later)) if later else done
+        lost += done - s["kept"]
+        productive += s["kept"]
     wall = max(s["t1"] for s in sessions) - sessions[0]["t0"]
     spans = sum(s["t1"] - s["t0"] for s in sessions)
     return Report(
@@ -285,4 +324,25 @@ def report(events: list[dict[str, Any]]) -> Report:
         failures=sum(1 for s in sessions if s["failed"]),
         sessions=len(sessions),
         finished=sessions[-1]["finished"],
+        cost=_cost(sessions),
+    )
+
+
+def _cost(sessions: list[dict[str, Any]]) -> Cost:
+    priced = [s for s in sessions if s["price"] is not None]
+    on_demand = [s for s in sessions if s["on_demand_price"] is not None]
+    so_far = sum((s["t1"] - s["t0"]) / 3600 * s["price"] for s in priced) if priced else None
+    # Steps completed: where the newest session that got as far as a restore stands (a session
+    # that failed during start-up reached no step at all).
+    reached = [s for s in sessions if s["restored_step"] is not None or len(s["points"]) > 1]
+    steps = reached[-1]["points"][-1][0] if reached else 0
+    equivalent = sum(s["kept"] / 3600 * s["on_demand_price"] for s in on_demand) if on_demand else None
+    complete = len(priced) == len(on_demand) == len(sessions)
+    return Cost(
+        cost_so_far=so_far,
+        cost_per_1000_steps=so_far / steps * 1000 if so_far is not None and steps > 0 else None,
+        on_demand_equivalent=equivalent,
+        savings=equivalent - so_far if complete and so_far is not None and equivalent is not None else None,
+        priced_sessions=len(priced),
+        unpriced_sessions=len(sessions) - len(priced),
     )

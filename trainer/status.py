@@ -3,7 +3,8 @@
 Read-only: it never downloads into, repairs or deletes anything on a tier.
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
-(the checkpointer's per-tier description) and ``goodput`` (see ``goodput.Report``).
+(the checkpointer's per-tier description) and ``goodput`` (see ``goodput.Report``; its ``cost``
+object is ``goodput.Cost``).
 """
 from __future__ import annotations
 
@@ -68,7 +69,25 @@ def _human(s: dict[str, Any]) -> str:
         f"down {g['downtime_s']:.1f}s; preemptions {g['preemptions']}, crashes {g['crashes']}, "
         f"failures {g['failures']}, "
         f"finished {'yes' if g['finished'] else 'no'}")
+    lines.append(_cost_line(g.get("cost") or {}))
     return "\n".join(lines)
+
+
+def _usd(v: float | None) -> str:
+    return "unknown" if v is None else f"${v:,.4f}"
+
+
+def _cost_line(c: dict[str, Any]) -> str:
+    priced, unpriced = c.get("priced_sessions", 0), c.get("unpriced_sessions", 0)
+    if not priced:
+        return (f"cost: unknown ({unpriced} session(s) without a price; "
+                "pass --price-per-hour and --on-demand-price-per-hour to `trainer run`)")
+    partial = f", {unpriced} without a price not counted" if unpriced else ""
+    savings = c.get("savings")
+    return (f"cost: {_usd(c.get('cost_so_far'))} so far over {priced} priced session(s){partial}; "
+            f"{_usd(c.get('cost_per_1000_steps'))} per 1000 steps; "
+            f"on demand (goodput 1) {_usd(c.get('on_demand_equivalent'))}; "
+            f"savings {'unknown' if savings is None else _usd(savings)}")
 
 
 def main(cfg: StatusConfig) -> int:

@@ -90,7 +90,9 @@ class _Session:
                 self.preempt.watch_metadata()
             self.ckpt = self.make_checkpointer(cfg)
             self.ledger = Ledger(cfg.run_dir, store=self.ckpt.gcs, log=log.getChild("goodput"))
-            self.ledger.append("session_start", **session_start_fields(self.process_start))
+            self.ledger.append("session_start", **session_start_fields(
+                self.process_start, price_per_hour=cfg.price_per_hour,
+                on_demand_price_per_hour=cfg.on_demand_price_per_hour))
 
         # Build the task: identical initial weights on every rank, then per-rank RNG streams.
         _seed(cfg.seed)

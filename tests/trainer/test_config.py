@@ -92,3 +92,14 @@ def test_unknown_task_is_bad_input(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stderr
     assert "task: cannot import module 'no_such_module'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_prices_are_checked_and_not_part_of_the_fingerprint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = RunConfig(run_dir=tmp_path, steps=5, price_per_hour=1.5, on_demand_price_per_hour=4.0)
+    b = RunConfig(run_dir=tmp_path, steps=5, price_per_hour=2.0)
+    assert a.fingerprint(world_size=1, dataset_len=7) == b.fingerprint(world_size=1, dataset_len=7)
+    for bad in ("-1", "nan", "inf"):
+        assert main(["run", "--run-dir", str(tmp_path), "--steps", "5", "--price-per-hour", bad]) == 2
+        assert capsys.readouterr().err.startswith("command line: price_per_hour: ")
+    assert main(["run", "--run-dir", str(tmp_path), "--steps", "5", "--on-demand-price-per-hour", "-0.5"]) == 2
+    assert capsys.readouterr().err.startswith("command line: on_demand_price_per_hour: ")

@@ -83,3 +83,58 @@ def test_mirror_and_recovery_from_gcs(tmp_path: Path, gcs_emulator) -> None:
     assert [(e["session"], e["seq"]) for e in local] == [("000-a", 0), ("000-a", 1), ("001-b", 0)]
     assert len(read_store_events(store)) == 3
     assert json.loads(store.get_bytes(f"{LEDGER_DIR}/001-b/000000.json"))["started"] == 5.0
+
+
+def test_cost_over_two_sessions_at_different_prices() -> None:
+    events = [
+        # Session 1 at $2/h (on demand $6/h): 0..3600 s, reaches step 100 but is killed; the
+        # next session restores from step 50, so half of its 3000 productive seconds survive.
+        ev("s1", 0, 0.0, "session_start", started=0.0, price_per_hour=2.0, on_demand_price_per_hour=6.0),
+        ev("s1", 1, 100.0, "restore", step=0, seconds=50.0, startup_s=50.0),
+        ev("s1", 2, 1600.0, "checkpoint", step=50, blocked_s=0.0, productive_s=1500.0),
+        ev("s1", 3, 3600.0, "progress", step=100, productive_s=3000.0),  # then SIGKILL
+        # Session 2 at $3/h (on demand $7.2/h), started 400 s later, runs 1800 s to step 150.
+        ev("s2", 0, 4000.0, "session_start", started=4000.0, price_per_hour=3.0, on_demand_price_per_hour=7.2),
+        ev("s2", 1, 4100.0, "restore", step=50, seconds=60.0, startup_s=40.0),
+        ev("s2", 2, 5800.0, "finish", step=150, blocked_s=0.0, productive_s=1700.0),
+    ]
+    c = report(events).cost
+    # Each session billed for its own span (the 400 s between them is no VM).
+    assert c.cost_so_far == pytest.approx(1.0 * 2.0 + 0.5 * 3.0)
+    assert c.cost_per_1000_steps == pytest.approx(3.5 / 150 * 1000)
+    # Goodput 1 on demand: only the productive seconds that survived, at each session's price.
+    assert c.on_demand_equivalent == pytest.approx(1500 / 3600 * 6.0 + 1700 / 3600 * 7.2)
+    assert c.savings == pytest.approx(c.on_demand_equivalent - 3.5)
+    assert (c.priced_sessions, c.unpriced_sessions) == (2, 0)
+    d = report(events).as_dict()["cost"]
+    assert d["cost_so_far"] == 3.5 and d["priced_sessions"] == 2
+
+
+def test_cost_without_prices_is_null_and_counted_unpriced() -> None:
+    events = [
+        ev("s1", 0, 0.0, "session_start", started=0.0),  # a ledger from before prices existed
+        ev("s1", 1, 10.0, "restore", step=0, seconds=0.0, startup_s=10.0),
+        ev("s1", 2, 370.0, "progress", step=20, productive_s=360.0),
+        ev("s2", 0, 400.0, "session_start", started=400.0, price_per_hour=None, on_demand_price_per_hour=None),
+        ev("s2", 1, 410.0, "restore", step=20, seconds=0.0, startup_s=10.0),
+    ]
+    d = report(events).as_dict()["cost"]
+    assert d == {"cost_so_far": None, "cost_per_1000_steps": None, "on_demand_equivalent": None,
+                 "savings": None, "priced_sessions": 0, "unpriced_sessions": 2}
+    assert report([]).as_dict()["cost"]["unpriced_sessions"] == 0
+
+
+def test_cost_with_one_unpriced_session_is_a_lower_bound_without_savings() -> None:
+    events = [
+        ev("s1", 0, 0.0, "session_start", started=0.0),
+        ev("s1", 1, 3600.0, "progress", step=10, productive_s=3000.0),
+        ev("s2", 0, 3600.0, "session_start", started=3600.0, price_per_hour=1.0, on_demand_price_per_hour=4.0),
+        ev("s2", 1, 3700.0, "restore", step=10, seconds=0.0, startup_s=100.0),
+        ev("s2", 2, 7200.0, "progress", step=20, productive_s=3400.0),
+    ]
+    c = report(events).cost
+    assert c.cost_so_far == pytest.approx(1.0)  # session 1's hour is unknown, not free
+    assert c.cost_per_1000_steps == pytest.approx(1.0 / 20 * 1000)
+    assert c.on_demand_equivalent == pytest.approx(3400 / 3600 * 4.0)
+    assert c.savings is None
+    assert (c.priced_sessions, c.unpriced_sessions) == (1, 1)

@@ -58,3 +58,22 @@ def test_sigterm_mid_accumulation_resumes_exactly(tmp_path: Path, monkeypatch: p
 def test_resume_with_other_accumulation_is_refused(tmp_path: Path) -> None:
     assert run(_cfg(tmp_path / "run")).code == 0
     assert run(_cfg(tmp_path / "run").model_copy(update={"grad_accum_steps": 2})).code == 2
+
+
+def test_status_json_reports_the_cost_at_each_session_price(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from trainer.status import main as status_main
+
+    example_task.FETCHES[0] = 0
+    assert run(_cfg(tmp_path / "run", price_per_hour=2.0, on_demand_price_per_hour=6.0)).code == 0
+    # A restart at another price is the same run (prices are not in the fingerprint).
+    assert run(_cfg(tmp_path / "run", price_per_hour=3.0)).code == 0
+    capsys.readouterr()
+    assert status_main(StatusConfig(run_dir=tmp_path / "run", json_output=True)) == 0
+    c = json.loads(capsys.readouterr().out)["goodput"]["cost"]
+    assert (c["priced_sessions"], c["unpriced_sessions"]) == (2, 0)
+    assert c["cost_so_far"] > 0 and c["cost_per_1000_steps"] == pytest.approx(c["cost_so_far"] / 30 * 1000, rel=1e-3)
+    assert c["on_demand_equivalent"] > 0 and c["savings"] is None  # the second session had no on-demand price
+    assert status_main(StatusConfig(run_dir=tmp_path / "run")) == 0
+    assert "cost: $" in capsys.readouterr().out
