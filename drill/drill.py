@@ -152,44 +152,30 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
     With `trainer_source` and a stack that delivers code (`stacks.delivery`), the trainer is
     packed as the stack packs it and the scripts fetch it from the bucket; otherwise the VM
     image carries it preinstalled. `extra`: more BootProps fields (e.g. driver_timeout_s)."""
-    import dataclasses
-
-    from stacks.boot import BootProps, render as render_boot
+    from stacks.boot import boot_props, render as render_boot
     from stacks.load import load_file
 
     ef = load_file(cfg.experiment)
     exp = ef.spec
     every = cfg.checkpoint_every_steps or max(1, cfg.steps // 6)
     args = _replace_flag(list(exp.trainer.args), "--checkpoint-every-steps", str(every))
-    fields: dict[str, Any] = dict(
-        name=ef.name,
-        bucket=exp.bucket_name(ef.name),
-        task=exp.trainer.task,
-        steps=cfg.steps,
-        health_port=health_port,
-        provisioning=exp.machine.provisioning,
-        local_ssd_count=exp.disk.local_ssd_count,
-        args=tuple(args),
-        **(extra or {}),
-    )
     uploads: list[tuple[str, Path]] = []
-    known = {f.name for f in dataclasses.fields(BootProps)}
-    if trainer_source is not None and "releases" in known:
+    releases: tuple = ()
+    if trainer_source is not None:
         from stacks.delivery import trainer_archive
 
         archives = [trainer_archive(trainer_source, out_dir=code_dir)]
-        user_code = getattr(exp.trainer, "code_dir", None)
+        user_code = exp.trainer.code_dir
         if user_code is not None:  # the user's own code, shipped beside the trainer
             from stacks.delivery import user_archive
             from stacks.experiment import code_path
 
             archives.append(user_archive(code_path(user_code), out_dir=code_dir))
-        fields["releases"] = tuple(a.release for a in archives)
+        releases = tuple(a.release for a in archives)
         uploads += [(a.release.object_name, a.path) for a in archives]
-    unknown = set(fields) - known
-    if unknown:
-        raise ValueError(f"stacks.boot.BootProps has no field(s) {sorted(unknown)}")
-    props = BootProps(**fields)
+    # The stack's own props, with the drill's step count, health port and checkpoint cadence.
+    props = boot_props(ef.name, exp, releases=releases, steps=cfg.steps, health_port=health_port,
+                       args=tuple(args), **(extra or {}))
     scripts = render_boot(props)
     return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri,
                     exp.machine.termination_action, exp.disk.local_ssd_count, health_port, tuple(uploads))

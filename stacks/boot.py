@@ -8,14 +8,19 @@ unchanged experiment plans no diff and a code change rolls out as a new instance
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import jinja2
 
 from stacks import gcp_rules as R
+
+if TYPE_CHECKING:
+    from stacks.experiment import Experiment
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 DEVICE_NAME = "spottrain-checkpoints"
@@ -89,6 +94,32 @@ class BootProps:
     @property
     def window_s(self) -> int:
         return R.SHUTDOWN_WINDOW_S[self.provisioning]
+
+
+def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = (),
+               **overrides: Any) -> BootProps:
+    """The experiment's `BootProps`, the one place that maps an experiment onto the scripts
+    (the stack and the drill both build them here, so a new field reaches both).
+
+    `overrides` replace fields by name (the drill's step count, health port, args...); a name
+    that is not a `BootProps` field is an error, never silently dropped."""
+    known = {f.name for f in dataclasses.fields(BootProps)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise ValueError(f"BootProps has no field(s) {sorted(unknown)}")
+    fields: dict[str, Any] = dict(
+        name=name,
+        bucket=exp.bucket_name(name),
+        task=exp.trainer.task,
+        steps=exp.trainer.steps,
+        health_port=exp.trainer.health_port,
+        provisioning=exp.machine.provisioning,
+        local_ssd_count=exp.disk.local_ssd_count,
+        args=tuple(exp.trainer.args),
+        releases=tuple(releases),
+    )
+    fields.update(overrides)
+    return BootProps(**fields)
 
 
 def _env() -> jinja2.Environment:

@@ -11,7 +11,7 @@ from cdktn_provider_google.provider import GoogleProvider
 from constructs import Construct
 
 from stacks import gcp_rules as R
-from stacks.boot import BootProps, render
+from stacks.boot import boot_props, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
 from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive
 from stacks.experiment import Experiment, code_path
@@ -85,17 +85,7 @@ class TrainingStack(TerraformStack):
         delivery = CodeDelivery(self, "code", DeliveryProps(
             bucket=bucket.name, archives=tuple(archives)))
 
-        scripts = render(BootProps(
-            name=name,
-            bucket=exp.bucket_name(name),
-            task=exp.trainer.task,
-            steps=exp.trainer.steps,
-            health_port=exp.trainer.health_port,
-            provisioning=m.provisioning,
-            local_ssd_count=exp.disk.local_ssd_count,
-            args=tuple(exp.trainer.args),
-            releases=tuple(a.release for a in archives),
-        ))
+        scripts = render(boot_props(name, exp, releases=tuple(a.release for a in archives)))
         template = TrainerTemplate(self, "template", TemplateProps(
             project=gcp.project,
             region=gcp.region,

@@ -12,7 +12,7 @@ import jinja2
 import pytest
 from stack_support import VARIANTS, variant
 
-from stacks.boot import BootProps, BootScripts, Release, render, shquote
+from stacks.boot import BootProps, BootScripts, Release, boot_props, render, shquote
 
 SHELLCHECK = str(Path(sys.prefix) / "bin" / "shellcheck")
 HOSTILE_ARGS = (
@@ -28,13 +28,7 @@ RELEASES = (
 
 
 def props_for(name: str) -> BootProps:
-    exp = variant(VARIANTS[name], name)
-    return BootProps(
-        name=name, bucket=exp.bucket_name(name), task=exp.trainer.task,
-        steps=exp.trainer.steps, health_port=exp.trainer.health_port,
-        provisioning=exp.machine.provisioning, local_ssd_count=exp.disk.local_ssd_count,
-        args=tuple(exp.trainer.args), releases=RELEASES[:1],
-    )
+    return boot_props(name, variant(VARIANTS[name], name), releases=RELEASES[:1])
 
 
 def shellcheck(tmp_path: Path, scripts: BootScripts, *options: str) -> None:
@@ -219,3 +213,12 @@ def test_every_value_in_a_shell_template_goes_through_a_filter():
             if not re.search(r"\|\s*(shquote|shquote_text|int)\s*$", expr):
                 bare.append(f"{path.name}: {{{{{expr}}}}}")
     assert bare == []
+
+
+def test_boot_props_overrides_by_name_and_refuses_unknown_fields():
+    exp = variant(VARIANTS["example"], "example")
+    p = boot_props("example", exp, steps=7, health_port=9000)
+    assert (p.steps, p.health_port, p.task, p.releases) == (7, 9000, exp.trainer.task, ())
+    assert p.gcs_uri == f"gs://{exp.bucket_name('example')}/runs/example"
+    with pytest.raises(ValueError, match="no field"):
+        boot_props("example", exp, stepz=7)
