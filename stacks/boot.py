@@ -12,15 +12,14 @@ import dataclasses
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import jinja2
 
 from stacks import gcp_rules as R
-
-if TYPE_CHECKING:
-    from stacks.experiment import Experiment
+from stacks.experiment import Experiment
+from stacks.pricing import trainer_price_args
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 DEVICE_NAME = "spottrain-checkpoints"
@@ -86,6 +85,9 @@ class BootProps:
     """The delivered archives (`stacks.delivery`): one "trainer", optionally one "user". Empty:
     the image carries the trainer package in `workdir` (the drill's preinstalled image)."""
     driver_timeout_s: int = DRIVER_TIMEOUT_S
+    price_args: tuple[str, ...] = ()
+    """`--price-per-hour P --on-demand-price-per-hour Q` (`stacks.pricing.trainer_price_args`):
+    the prices the trainer's ledger records at every boot, so `trainer status` reports the cost."""
 
     @property
     def gcs_uri(self) -> str:
@@ -117,6 +119,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         local_ssd_count=exp.disk.local_ssd_count,
         args=tuple(exp.trainer.args),
         releases=tuple(releases),
+        price_args=tuple(trainer_price_args(exp)),
     )
     fields.update(overrides)
     return BootProps(**fields)
@@ -183,7 +186,9 @@ def render(props: BootProps) -> BootScripts:
         "gcs_uri": props.gcs_uri,
         "task": props.task,
         "health_port": props.health_port,
-        "args": list(props.args),
+        # The prices go first: the template quotes each word; a user arg cannot repeat them
+        # (`MANAGED_FLAGS`).
+        "args": [*props.price_args, *props.args],
         "window_s": props.window_s,
         "stop_timeout_s": props.window_s - STOP_SLACK_S,
         "bucket": props.bucket,

@@ -23,7 +23,9 @@ Problem = tuple[str, str]  # (dotted field path, "what is wrong and what is allo
 TASK = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 GCS_PREFIX = re.compile(r"^[A-Za-z0-9][-_.A-Za-z0-9/]{0,254}$")
 #: Flags the stack sets itself from other fields; repeating them in `args` would contradict those.
-MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port", "--local-dir")
+MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port", "--local-dir",
+                 # the prices of `[cost]` / the catalog (`stacks.pricing.trainer_price_args`)
+                 "--price-per-hour", "--on-demand-price-per-hour")
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -222,3 +222,24 @@ def test_boot_props_overrides_by_name_and_refuses_unknown_fields():
     assert p.gcs_uri == f"gs://{exp.bucket_name('example')}/runs/example"
     with pytest.raises(ValueError, match="no field"):
         boot_props("example", exp, stepz=7)
+
+
+def test_the_trainer_gets_the_experiments_prices_verbatim(tmp_path):
+    """The stack's prices reach the trainer as two flags it accepts, before the user's args."""
+    from stacks.pricing import hourly_price, trainer_price_args
+    from trainer.cli import parser
+
+    exp = variant({"cost": {"spot_per_hour": 0.75, "on_demand_per_hour": 2.5},
+                   "trainer": {"args": ["--seed", "4"]}}, "x")
+    assert hourly_price(exp) == (0.75, 2.5)
+    scripts = render(boot_props("x", exp, workdir=str(tmp_path)))
+    script = tmp_path / "trainer.sh"
+    script.write_text(scripts.trainer_sh)
+    bin_dir, argv_file = _fake_python(tmp_path)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GCE_METADATA_HOST": "127.0.0.1:9"}
+    env.pop("SPOTTRAIN_PYTHON", None)
+    assert subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, timeout=30).returncode == 3
+    argv = [a.decode() for a in argv_file.read_bytes().split(b"\0")[:-1]]
+    assert argv[-6:] == [*trainer_price_args(exp), "--seed", "4"]
+    args = parser().parse_args(argv[2:])
+    assert (args.price_per_hour, args.on_demand_price_per_hour, args.seed) == (0.75, 2.5, 4)

@@ -134,6 +134,9 @@ RULES = [
      "trainer.state_bytes: is set together with param_count; allowed: one of the two"),
     ("args-managed-flag", {"trainer": {"args": ["--steps=5"]}},
      "trainer.args[0]: --steps is set by the stack from other fields; allowed: any other flag"),
+    ("args-managed-price", {"trainer": {"args": ["--seed", "1", "--on-demand-price-per-hour=9"]}},
+     "trainer.args[2]: --on-demand-price-per-hour is set by the stack from other fields; "
+     "allowed: any other flag"),
     ("args-control-char", {"trainer": {"args": ["a\nb"]}},
      "trainer.args[0]: contains a control character; allowed: printable text"),
     ("labels", {"labels": {"Team": "ml"}},

@@ -97,6 +97,10 @@ def test_review_reports_exactly_the_edits(reviewed):
         f"changed:{TEMPLATE}": [
             "guest_accelerator[0].count: 1 -> 2",
             'machine_type: "n1-standard-8" -> "n1-standard-16"',
+            # A bigger machine costs more: the trainer's --price-per-hour and
+            # --on-demand-price-per-hour words in the startup script change with it.
+            "metadata.startup-script: (307 lines of text) -> (307 lines of text), "
+            "2 line(s) added, 2 removed",
         ],
         "changed:google_storage_bucket": ['location: "US-CENTRAL1" -> "US-EAST1"'],
     }
