@@ -32,6 +32,10 @@ def test_drill_two_preemptions_one_wiped_disk(tmp_path: Path) -> None:
     assert result.preemptions[1].resumed_tier == "gcs"
     g = result.status["goodput"]
     assert g["finished"] is True and g["sessions"] == 3
+    # Every VM's trainer got the experiment's prices from the rendered scripts (stacks.pricing).
+    c = g["cost"]
+    assert (c["priced_sessions"], c["unpriced_sessions"]) == (3, 0)
+    assert c["cost_so_far"] > 0 and c["on_demand_equivalent"] > 0 and c["savings"] is not None
     assert result.status["latest_step"] == cfg.steps
     # A finished run does not train again on the next boot, and says so.
     assert result.after_finish["startup_rc"] == 0
