@@ -13,15 +13,20 @@ Protocol kept (https://cloud.google.com/compute/docs/metadata/querying-metadata)
 - `instance/attributes/KEY` (custom metadata, 404 when absent; `?recursive=true` on the folder
   gives JSON), a few fixed instance/project values, a service-account token;
 - guest attributes: `PUT/GET instance/guest-attributes/NAMESPACE/KEY`, and the folder as JSON.
+
+`stop()` then `start()` is a metadata server outage: the port stays the same, open connections
+are cut, and the values (and guest attributes) survive, as they do on GCE.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 PREFIX = "/computeMetadata/v1/"
@@ -31,18 +36,29 @@ def _etag(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()[:16]
 
 
+class Request(NamedTuple):
+    """One request as the server saw it (before any check), for tests and the drill log."""
+    method: str
+    path: str            # with the query string
+    flavor: str | None   # the Metadata-Flavor header sent, None when absent
+
+
 class MetadataServer:
     """The metadata server of one fake VM.
 
     Use as a context manager, or `start()`/`stop()`. `host` is what goes into
     `GCE_METADATA_HOST`. State changes (`preempt()`, `set_attribute()`, guest attributes written
-    by the VM) wake every blocked `wait_for_change` request.
+    by the VM) wake every blocked `wait_for_change` request. It listens on `port` (default: a free
+    one, chosen by the first `start()` and kept by later ones).
     """
 
     def __init__(self, *, attributes: dict[str, str] | None = None, instance_name: str = "spottrain-drill-vm",
-                 zone: str = "europe-west4-a", project_id: str = "spottrain-drill") -> None:
+                 zone: str = "europe-west4-a", project_id: str = "spottrain-drill", port: int = 0) -> None:
         self._cond = threading.Condition()
         self._closing = False
+        self._generation = 0   # bumped by stop(): requests of an earlier run stop waiting
+        self._port = port
+        self._connections: set[socket.socket] = set()
         # Path under PREFIX -> value; directories are derived from the keys.
         self._values: dict[str, str] = {
             "instance/preempted": "FALSE",
@@ -60,33 +76,51 @@ class MetadataServer:
             self._values[f"instance/attributes/{key}"] = value
         self._guest: dict[str, str] = {}
         self.waiting = 0   # requests blocked in wait_for_change right now
-        self.requests: list[tuple[str, str]] = []   # (method, path) seen, for tests and the drill log
+        self.requests: list[Request] = []   # every request seen, for tests and the drill log
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> "MetadataServer":
+        """Listen (again, on the same port after a `stop()`); values are kept."""
         server = self
 
         class Handler(_Handler):
             metadata = server
 
-        self._httpd = _Server(("127.0.0.1", 0), Handler)
+        with self._cond:
+            self._closing = False
+        self._httpd = _Server(("127.0.0.1", self._port), Handler)
         self._httpd.daemon_threads = True
+        self._port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metadata-server", daemon=True)
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10) -> None:
+        """Stop listening and cut every open connection, as a server that goes away does.
+
+        Requests blocked in wait_for_change are released first (each answers the unchanged value
+        or finds its connection cut); `stop()` returns once none is left waiting (`timeout` guards).
+        """
+        if self._httpd is not None:
+            self._httpd.shutdown()   # no new connections are accepted from here on
         with self._cond:
             self._closing = True
+            self._generation += 1
             self._cond.notify_all()
+            self._cond.wait_for(lambda: self.waiting == 0, timeout)
+            connections = list(self._connections)
+        for conn in connections:  # keep-alive clients must not go on talking to a stopped server
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._httpd is not None:
-            self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=timeout)
             self._thread = None
 
     def __enter__(self) -> "MetadataServer":
@@ -97,8 +131,8 @@ class MetadataServer:
 
     @property
     def port(self) -> int:
-        assert self._httpd is not None, "server not started"
-        return self._httpd.server_address[1]
+        assert self._port, "server not started"
+        return self._port
 
     @property
     def host(self) -> str:
@@ -126,9 +160,17 @@ class MetadataServer:
         self.set_value(f"instance/attributes/{key}", value)
 
     def set_value(self, path: str, value: str) -> None:
+        """Set the value at `path` (relative to /computeMetadata/v1/), waking its waiters."""
         with self._cond:
             self._values[path.strip("/")] = value
             self._cond.notify_all()
+
+    def etag(self, path: str) -> str:
+        """The ETag a GET of `path` answers right now (what a client sends back as `last_etag`)."""
+        with self._cond:
+            status, body, _ = self._lookup(path.strip("/"), recursive=False)
+        assert status == 200, f"{path}: {status}"
+        return _etag(body)
 
     def wait_waiters(self, n: int, timeout: float) -> bool:
         """Block until at least `n` requests are blocked in wait_for_change (for tests)."""
@@ -199,6 +241,7 @@ class MetadataServer:
             status, body, ctype = self._lookup(path, recursive)
             if not wait or status != 200:
                 return status, body, ctype
+            generation = self._generation
             last = query.get("last_etag", [None])[0] or _etag(body)
             timeout = float(query.get("timeout_sec", ["3600"])[0])
             deadline = time.monotonic() + timeout
@@ -207,7 +250,7 @@ class MetadataServer:
             try:
                 while True:
                     status, body, ctype = self._lookup(path, recursive)
-                    if status != 200 or _etag(body) != last or self._closing:
+                    if status != 200 or _etag(body) != last or self._generation != generation:
                         return status, body, ctype
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -215,6 +258,7 @@ class MetadataServer:
                     self._cond.wait(left)
             finally:
                 self.waiting -= 1
+                self._cond.notify_all()   # stop() waits for the last waiter to leave
 
     def _put_guest(self, path: str, value: str) -> int:
         sub = path[len("instance/guest-attributes"):].strip("/")
@@ -241,6 +285,16 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
         pass  # the drill keeps its own record in `requests`
 
+    def setup(self) -> None:
+        super().setup()
+        with self.metadata._cond:
+            self.metadata._connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.metadata._cond:
+            self.metadata._connections.discard(self.connection)
+        super().finish()
+
     def _answer(self, status: int, body: str = "", ctype: str = "application/text", etag: bool = True) -> None:
         data = body.encode()
         self.send_response(status)
@@ -254,7 +308,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def _route(self) -> tuple[str, dict[str, list[str]]] | None:
-        self.metadata.requests.append((self.command, self.path))
+        if self.metadata._closing:  # accepted just before stop(): a server that is gone does not answer
+            self.close_connection = True
+            return None
+        self.metadata.requests.append(Request(self.command, self.path, self.headers.get("Metadata-Flavor")))
         if self.headers.get("Metadata-Flavor") != "Google" or self.headers.get("X-Forwarded-For"):
             self._answer(HTTPStatus.FORBIDDEN, "Missing Metadata-Flavor:Google header.\n", "text/html", etag=False)
             return None

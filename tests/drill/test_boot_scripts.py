@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from drill.drill import DEVICE_NAME, UNIT, Deployment, DrillConfig, render
-from drill.gcs_emulator import free_port
+from drill.net import free_port
 from drill.sandbox import REPO
 from drill_support import needs_root
 

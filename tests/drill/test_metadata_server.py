@@ -101,3 +101,57 @@ def test_google_auth_finds_it_through_gce_metadata_host(metadata: MetadataServer
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GCE_METADATA_HOST": metadata.host, "GCE_METADATA_IP": metadata.host},
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "spottrain-drill"], out.stderr
+
+
+def test_requests_are_recorded_with_their_flavor_header(metadata: MetadataServer) -> None:
+    get(metadata, "instance/preempted")
+    get(metadata, "instance/preempted", headers={})
+    assert [(r.method, r.path, r.flavor) for r in metadata.requests] == [
+        ("GET", "/computeMetadata/v1/instance/preempted", "Google"),
+        ("GET", "/computeMetadata/v1/instance/preempted", None)]
+
+
+def test_etag_is_what_a_get_answers(metadata: MetadataServer) -> None:
+    assert get(metadata, "instance/preempted")[2]["ETag"] == metadata.etag("instance/preempted")
+    before = metadata.etag("instance/preempted")
+    metadata.preempt()
+    assert metadata.etag("instance/preempted") != before
+
+
+def test_restart_is_an_outage_on_the_same_port(metadata: MetadataServer) -> None:
+    """stop() releases waiters and cuts keep-alive connections; start() listens on the same port
+    with the values kept."""
+    import http.client
+
+    port = metadata.port
+    get(metadata, "instance/guest-attributes/spottrain/state", method="PUT", data=b"training")
+    released = threading.Event()
+
+    def watch() -> None:
+        try:
+            get(metadata, "instance/preempted?wait_for_change=true")
+        except OSError:
+            pass  # the connection was cut: as good as an answer for a client that retries
+        released.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    assert metadata.wait_waiters(1, timeout=30)
+    keep_alive = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    keep_alive.request("GET", "/computeMetadata/v1/instance/preempted", headers=GOOGLE)
+    assert keep_alive.getresponse().read() == b"FALSE"
+
+    metadata.stop()
+    assert released.wait(30) and metadata.waiting == 0
+    with pytest.raises(urllib.error.URLError):
+        get(metadata, "instance/preempted")
+
+    metadata.preempt()   # the value changes while it is down
+    metadata.start()
+    assert metadata.port == port
+    assert get(metadata, "instance/preempted")[1] == "TRUE"
+    assert get(metadata, "instance/guest-attributes/spottrain/state")[1] == "training"
+    # A connection from before the outage is gone, as it would be with a new server process.
+    with pytest.raises((http.client.HTTPException, OSError)):
+        keep_alive.request("GET", "/computeMetadata/v1/instance/preempted", headers=GOOGLE)
+        keep_alive.getresponse().read()
+    keep_alive.close()

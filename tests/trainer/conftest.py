@@ -1,8 +1,9 @@
 """Fixtures for the checkpoint tests: a real gcp-storage-emulator and a fault-injecting client.
 
-``gcs_emulator`` starts ``gcp-storage-emulator`` as a subprocess on a free 127.0.0.1 port
-(in-memory, with a default bucket), waits until it answers, and stops it at teardown. It can be
-stopped and restarted on the same port mid-test (``stop()``/``start()``) to simulate an outage.
+``gcs_emulator`` starts ``gcp-storage-emulator`` (``drill.gcs_emulator.StorageEmulator``, the
+drill's own) on a free 127.0.0.1 port (in-memory, with a default bucket), waits until it answers,
+and stops it at teardown. It can be stopped and restarted on the same port mid-test
+(``stop()``/``start()``) to simulate an outage.
 
 ``FaultyClient`` wraps the real ``google.cloud.storage.Client``: every call goes to the emulator,
 but a plan can make chosen calls fail with 503 or 412 before (or after) reaching it, run a hook
@@ -12,72 +13,25 @@ emulator ignores.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import logging
 import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 
+from drill.gcs_emulator import StorageEmulator
+
 torch.set_num_threads(1)
-
-EMULATOR = Path(sys.executable).with_name("gcp-storage-emulator")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Emulator:
-    """A gcp-storage-emulator subprocess on 127.0.0.1."""
-
-    def __init__(self, bucket: str, port: int | None = None) -> None:
-        self.bucket = bucket
-        self.port = port or _free_port()
-        self.host = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 30.0) -> None:
-        self.proc = subprocess.Popen(
-            [str(EMULATOR), "start", "--host", "127.0.0.1", "--port", str(self.port),
-             "--in-memory", "--default-bucket", self.bucket, "-q"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # Readiness: poll the socket (a failure guard timeout, not a synchronization sleep).
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gcp-storage-emulator exited with {self.proc.returncode}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
-                return
-            time.sleep(0.05)
-        raise RuntimeError("gcp-storage-emulator did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
 
 
 @dataclass
 class GcsEnv:
-    emulator: Emulator
+    emulator: StorageEmulator
     uri: str
     client: Any
     env: dict = field(default_factory=dict)
@@ -94,8 +48,7 @@ def _client(host: str) -> Any:
 @pytest.fixture
 def gcs_emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsEnv]:
     bucket = "spottrain-test"
-    emu = Emulator(bucket)
-    emu.start()
+    emu = StorageEmulator(bucket, quiet=True).start()
     env = {"STORAGE_EMULATOR_HOST": emu.host, "GOOGLE_CLOUD_PROJECT": "spottrain-test"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -1,21 +1,21 @@
-"""Shared helpers for the trainer tests: a real trainer subprocess that is read line by line,
-a fake GCE metadata server speaking the real protocol on loopback, free ports."""
+"""Shared helpers for the trainer tests: a real trainer subprocess that is read line by line, and
+a fork server for the many restarts. The fake GCE metadata server is the drill's
+(``drill.metadata_server.MetadataServer``); free ports come from ``drill.net``."""
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import urllib.parse
 from pathlib import Path
 from typing import Any
+
+from drill.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 240.0  # a failure guard only: this box is small and shared
@@ -34,12 +34,6 @@ block_size = 32
 stride = 32
 warmup_steps = 5
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def closed_metadata_host() -> str:
@@ -154,71 +148,6 @@ def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: b
                          capture_output=True, text=True, env=env or trainer_env(), cwd=REPO, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
-
-
-class FakeMetadataServer:
-    """Speaks the GCE metadata protocol for ``instance/preempted`` on 127.0.0.1.
-
-    Requires ``Metadata-Flavor: Google``; answers ``FALSE``/``TRUE`` with an ETag; with
-    ``wait_for_change=true`` it blocks until the value differs from ``last_etag``'s.
-    """
-
-    def __init__(self) -> None:
-        self.value = "FALSE"
-        self.version = 0
-        self.cond = threading.Condition()
-        self.waiting = threading.Event()  # a client is blocked in wait_for_change
-        self.requests: list[tuple[str, str | None]] = []
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                url = urllib.parse.urlsplit(self.path)
-                q = dict(urllib.parse.parse_qsl(url.query))
-                outer.requests.append((self.path, self.headers.get("Metadata-Flavor")))
-                if self.headers.get("Metadata-Flavor") != "Google":
-                    self.send_error(403, "Missing Metadata-Flavor:Google header")
-                    return
-                if url.path != "/computeMetadata/v1/instance/preempted":
-                    self.send_error(404)
-                    return
-                with outer.cond:
-                    if q.get("wait_for_change") == "true":
-                        etag = q.get("last_etag")
-                        outer.waiting.set()
-                        while etag is not None and etag == outer.etag:
-                            outer.cond.wait()
-                    body, etag = outer.value.encode(), outer.etag
-                self.send_response(200)
-                self.send_header("Metadata-Flavor", "Google")
-                self.send_header("ETag", etag)
-                self.send_header("Content-Type", "application/text")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def etag(self) -> str:
-        return f"etag-{self.version}"
-
-    def set(self, value: str) -> None:
-        with self.cond:
-            self.value, self.version = value, self.version + 1
-            self.cond.notify_all()
-
-    def close(self) -> None:
-        self.set(self.value)  # release blocked handlers
-        self.server.shutdown()
-        self.server.server_close()
 
 
 # --------------------------------------------------------------------------------------------

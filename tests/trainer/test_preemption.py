@@ -5,18 +5,19 @@ import logging
 import os
 import signal
 import threading
+from typing import Iterator
 
 import pytest
 
+from drill.metadata_server import MetadataServer
 from trainer.preemption import MetadataWatcher, Preemption
-from tests.trainer.support import FakeMetadataServer, closed_metadata_host
+from tests.trainer.support import closed_metadata_host
 
 
 @pytest.fixture
-def metadata() -> FakeMetadataServer:
-    srv = FakeMetadataServer()
-    yield srv
-    srv.close()
+def metadata() -> Iterator[MetadataServer]:
+    with MetadataServer() as srv:
+        yield srv
 
 
 def test_sigterm_and_sigint_only_set_the_flag() -> None:
@@ -37,37 +38,39 @@ def test_sigterm_and_sigint_only_set_the_flag() -> None:
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_watcher_follows_wait_for_change(metadata: FakeMetadataServer) -> None:
+def test_watcher_follows_wait_for_change(metadata: MetadataServer) -> None:
+    not_preempted = metadata.etag("instance/preempted")
     p = Preemption()
     w = p.watch_metadata(metadata.host)
     try:
         assert w.connected.wait(30)
-        assert metadata.waiting.wait(30)  # the watcher is blocked in wait_for_change
+        assert metadata.wait_waiters(1, 30)  # the watcher is blocked in wait_for_change
         assert not p.requested
-        metadata.set("TRUE")
+        metadata.preempt()
         assert p.wait(30)
         assert p.reason == "metadata instance/preempted=TRUE"
     finally:
         p.close()
-    paths = [path for path, _ in metadata.requests]
+    paths = [r.path for r in metadata.requests]
     assert paths[0] == "/computeMetadata/v1/instance/preempted"
-    assert "wait_for_change=true" in paths[1] and "last_etag=etag-0" in paths[1]
-    assert all(flavor == "Google" for _, flavor in metadata.requests)
+    assert "wait_for_change=true" in paths[1] and f"last_etag={not_preempted}" in paths[1]
+    assert all(r.flavor == "Google" for r in metadata.requests)
 
 
-def test_watcher_reconnects_after_server_restart(metadata: FakeMetadataServer) -> None:
+def test_watcher_reconnects_after_server_restart(metadata: MetadataServer) -> None:
     """A metadata hiccup: the watcher backs off and reconnects; a later TRUE still counts."""
     got = threading.Event()
     w = MetadataWatcher(metadata.host, got.set, logging.getLogger("t"), max_backoff_s=0.2)
     w.start()
     try:
-        assert metadata.waiting.wait(30)
+        assert metadata.wait_waiters(1, 30)
         n = len(metadata.requests)
-        metadata.set("FALSE")  # a change that is not a preemption (e.g. an etag bump)
-        metadata.waiting.clear()
-        assert metadata.waiting.wait(30) and len(metadata.requests) > n
+        metadata.stop()  # the blocked wait_for_change is cut; nothing listens for a while
+        assert metadata.waiting == 0
+        metadata.start()  # back on the same port
+        assert metadata.wait_waiters(1, 30) and len(metadata.requests) > n
         assert not got.is_set()
-        metadata.set("TRUE")
+        metadata.preempt()
         assert got.wait(30)
     finally:
         w.stop()

@@ -8,25 +8,23 @@ import signal
 import time
 from pathlib import Path
 
+from drill.metadata_server import MetadataServer
 from trainer.health import ask
-from tests.trainer.support import FakeMetadataServer, TIMEOUT, run_to_end, start, status, trainer_env, write_config
+from tests.trainer.support import TIMEOUT, run_to_end, start, status, trainer_env, write_config
 
 from tests.trainer.support import REFERENCE_STEPS as STEPS
 
 
 def test_metadata_preemption_notice_saves_and_exits_75(tmp_path: Path, reference: dict) -> None:
     config, run_dir = write_config(tmp_path), tmp_path / "run"
-    md = FakeMetadataServer()
-    try:
+    with MetadataServer() as md:
         env = trainer_env(GCE_METADATA_HOST=md.host)
         p = start(run_dir, STEPS, config, env=env)
         p.wait_for(r"event=metadata_watch .* preempted=FALSE")
-        assert md.waiting.wait(TIMEOUT)
+        assert md.wait_waiters(1, TIMEOUT)
         p.wait_for(r"event=step step=12/")
-        md.set("TRUE")
+        md.preempt()
         assert p.wait() == 75, p.output[-3000:]
-    finally:
-        md.close()
     p.wait_for(r"event=preemption_notice reason=metadata instance/preempted=TRUE")
     saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
     assert saved >= 12
