@@ -30,6 +30,10 @@ class Preemption:
         self._event = threading.Event()
         self.notice_monotonic: float | None = None
         self.reason: str | None = None
+        #: Steps completed when the notice arrived: the emergency save lands at this step or, when
+        #: the notice came during a step, at the next one (the step in flight is finished first).
+        self.notice_step: int | None = None
+        self._completed = 0
         self._lock = threading.Lock()
         self._previous: dict[int, object] = {}
         self._watcher: MetadataWatcher | None = None
@@ -38,6 +42,10 @@ class Preemption:
     def requested(self) -> bool:
         return self._event.is_set()
 
+    def step_completed(self, step: int) -> None:
+        """The loop reports each finished step, so a notice can say where it found the loop."""
+        self._completed = step
+
     def request(self, reason: str) -> None:
         with self._lock:
             if self._event.is_set():
@@ -45,9 +53,10 @@ class Preemption:
                                  reason)
                 return
             self.notice_monotonic = time.monotonic()
+            self.notice_step = self._completed
             self.reason = reason
             self._event.set()
-        self.log.warning("event=preemption_notice reason=%s", reason)
+        self.log.warning("event=preemption_notice reason=%s completed_step=%d", reason, self.notice_step)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._event.wait(timeout)
@@ -65,9 +74,11 @@ class Preemption:
             threading.Thread(target=self.request, args=(name,), daemon=True).start()
             return
         self.notice_monotonic = time.monotonic()
+        self.notice_step = self._completed
         self.reason = name
         self._event.set()
-        threading.Thread(target=self.log.warning, args=("event=preemption_notice reason=%s", name), daemon=True).start()
+        threading.Thread(target=self.log.warning, daemon=True,
+                         args=("event=preemption_notice reason=%s completed_step=%d", name, self.notice_step)).start()
 
     def watch_metadata(self, host: str | None = None) -> "MetadataWatcher":
         host = host or os.environ.get("GCE_METADATA_HOST") or DEFAULT_METADATA_HOST

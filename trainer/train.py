@@ -140,6 +140,7 @@ class _Session:
             return self._stop_before_training(start)
 
         # The loop.
+        self.preempt.step_completed(start)
         step_fn = _StepFn(cfg, model, task, data, scaler, device, world)
         progress = Progress(log, total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
                             tokens_per_step=task.tokens_per_sample * cfg.batch_size * cfg.grad_accum_steps * world.size)
@@ -151,6 +152,7 @@ class _Session:
             loss = step_fn()
             self.productive_s += time.monotonic() - t0
             done = step + 1
+            self.preempt.step_completed(done)
             self.health.beat()
             progress.update(done, loss, task.optimizer.param_groups[0]["lr"])
 
