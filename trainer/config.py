@@ -18,7 +18,8 @@ else:  # Python 3.10: the same parser from PyPI (a dependency there)
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator)
 
 DEFAULT_TASK = "trainer.tasks.gpt:build"
 DEFAULT_HEALTH_PORT = 8471
@@ -40,6 +41,21 @@ def _check_gcs_uri(v: str) -> str:
 
 
 GcsUri = Annotated[str, AfterValidator(_check_gcs_uri)]
+
+
+class TierCadence(BaseModel):
+    """One tier's own cadence and retention (``[tiers.gcs]`` in the config file); a setting left
+    out falls back to the run-wide one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    every_steps: int | None = Field(default=None, gt=0)
+    """Save to this tier every K optimizer steps."""
+    every_seconds: float | None = Field(default=None, gt=0)
+    """Save to this tier every T seconds of wall time. With neither interval set here, the tier
+    follows ``checkpoint_every_steps``/``checkpoint_every_seconds``, or the automatic interval."""
+    keep: int | None = Field(default=None, ge=1)
+    """Checkpoints kept on this tier (default: the run's ``keep``)."""
 
 
 class RunConfig(BaseModel):
@@ -68,6 +84,9 @@ class RunConfig(BaseModel):
     """Save every T seconds of wall time (checked at step boundaries)."""
     keep: int = Field(default=3, ge=1)
     """Checkpoints kept on each tier (older valid ones are deleted after a newer one verifies)."""
+    tiers: dict[Literal["local", "persistent", "gcs"], TierCadence] = Field(default_factory=dict)
+    """Per-tier overrides, config file only: e.g. ``[tiers.local] every_steps = 50`` and
+    ``[tiers.gcs] every_seconds = 900`` save to the local SSD often and to GCS rarely."""
     mtbf_s: float = Field(default=6 * 3600, gt=0)
     """Expected seconds between preemptions, for the automatic checkpoint interval."""
     health_port: int | None = Field(default=DEFAULT_HEALTH_PORT, ge=0, le=65535)
@@ -127,11 +146,39 @@ class RunConfig(BaseModel):
             raise ValueError(f"must hold plain values (numbers, strings, lists, tables): {e}") from None
         return v
 
-    @model_validator(mode="after")
-    def _tiers(self) -> "RunConfig":
-        if self.local_dir is not None and self.local_dir.resolve() == self.run_dir.resolve():
-            raise ValueError("local_dir must differ from run_dir")
-        return self
+    # Field validators, not a model validator: an error then names its field (and so its file).
+    @field_validator("local_dir")
+    @classmethod
+    def _local_dir(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        run_dir = info.data.get("run_dir")
+        if v is not None and run_dir is not None and v.resolve() == run_dir.resolve():
+            raise ValueError("must differ from run_dir")
+        return v
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers_exist(cls, v: dict[str, TierCadence], info: ValidationInfo) -> dict[str, TierCadence]:
+        if "local" in v and info.data.get("local_dir") is None:
+            raise ValueError("[tiers.local] is set but there is no local_dir (the local tier)")
+        if "gcs" in v and info.data.get("gcs_uri") is None:
+            raise ValueError("[tiers.gcs] is set but there is no gcs_uri (the GCS tier)")
+        return v
+
+    def tier_policies(self) -> dict[str, Any]:
+        """Each tier's :class:`~trainer.checkpointer.TierPolicy`: its own cadence if it has one,
+        else the run-wide flags (both unset: automatic); its own ``keep``, else the run's."""
+        from trainer.checkpointer import TIERS, TierPolicy
+
+        policies = {}
+        for tier in TIERS:
+            own = self.tiers.get(tier, TierCadence())
+            fixed = own.every_steps is not None or own.every_seconds is not None
+            policies[tier] = TierPolicy(
+                every_steps=own.every_steps if fixed else self.checkpoint_every_steps,
+                every_seconds=own.every_seconds if fixed else self.checkpoint_every_seconds,
+                keep=own.keep if own.keep is not None else self.keep,
+            )
+        return policies
 
     def fingerprint(self, *, world_size: int, dataset_len: int) -> dict[str, Any]:
         """Settings that must not change across a resume, or the result would not be the run's."""

@@ -327,14 +327,8 @@ def _device(cfg: RunConfig, world: distributed.World) -> torch.device:
 
 
 def _default_checkpointer(cfg: RunConfig) -> Any:
-    from trainer.checkpointer import Checkpointer, TierPolicy
+    from trainer.checkpointer import Checkpointer
 
-    policies = None
-    if cfg.checkpoint_every_steps is not None or cfg.checkpoint_every_seconds is not None:
-        policy = TierPolicy(every_steps=cfg.checkpoint_every_steps, every_seconds=cfg.checkpoint_every_seconds,
-                            keep=cfg.keep)
-        policies = {"persistent": policy, "gcs": policy}
-        if cfg.local_dir is not None:
-            policies["local"] = policy
-    return Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, policies=policies,
-                        mtbf_s=cfg.mtbf_s, log=logging.getLogger("trainer.checkpoint"))
+    return Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
+                        policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s,
+                        log=logging.getLogger("trainer.checkpoint"))

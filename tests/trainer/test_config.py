@@ -103,3 +103,33 @@ def test_prices_are_checked_and_not_part_of_the_fingerprint(tmp_path: Path, caps
         assert capsys.readouterr().err.startswith("command line: price_per_hour: ")
     assert main(["run", "--run-dir", str(tmp_path), "--steps", "5", "--on-demand-price-per-hour", "-0.5"]) == 2
     assert capsys.readouterr().err.startswith("command line: on_demand_price_per_hour: ")
+
+
+def test_tiers_take_their_own_cadence_and_keep(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('keep = 4\n[tiers.local]\nevery_steps = 5\nkeep = 2\n[tiers.gcs]\nevery_seconds = 900\n')
+    cfg = load_run_config({"run_dir": tmp_path / "r", "steps": 10, "local_dir": tmp_path / "l",
+                           "gcs_uri": "gs://b/p", "checkpoint_every_steps": 50}, f)
+    p = cfg.tier_policies()
+    assert (p["local"].every_steps, p["local"].every_seconds, p["local"].keep) == (5, None, 2)
+    assert (p["persistent"].every_steps, p["persistent"].every_seconds, p["persistent"].keep) == (50, None, 4)
+    assert (p["gcs"].every_steps, p["gcs"].every_seconds, p["gcs"].keep) == (None, 900, 4)
+
+
+def test_keep_reaches_tiers_on_the_automatic_interval(tmp_path: Path) -> None:
+    cfg = RunConfig(run_dir=tmp_path, steps=10, keep=7)
+    p = cfg.tier_policies()
+    assert all(pol.automatic and pol.keep == 7 for pol in p.values())
+
+
+def test_tier_settings_need_their_tier(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[tiers.local]\nevery_steps = 5\n[tiers.fast]\nevery_steps = 1\n')
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"run_dir": tmp_path / "r", "steps": 10}, f)
+    text = "\n".join(e.value.lines)
+    assert "tiers.fast" in text
+    f.write_text('[tiers.local]\nevery_steps = 5\n')
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"run_dir": tmp_path / "r", "steps": 10}, f)
+    assert f"{f}: tiers: [tiers.local] is set but there is no local_dir (the local tier)" in e.value.lines
