@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from drill.gcs_emulator import StorageEmulator, free_port
+from drill.gcs_emulator import StorageEmulator
+from drill.net import free_port
 from drill.metadata_server import MetadataServer
 from drill.sandbox import REPO, Disk, Sandbox, disk_status
 

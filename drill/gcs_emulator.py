@@ -15,7 +15,7 @@ from pathlib import Path
 
 from drill.net import free_port
 
-__all__ = ["EMULATOR", "StorageEmulator", "free_port"]
+__all__ = ["EMULATOR", "StorageEmulator"]
 
 EMULATOR = Path(sys.executable).with_name("gcp-storage-emulator")
 

@@ -234,7 +234,7 @@ def health(port: int) -> bytes:
 
 
 def test_a_finished_run_is_recorded_and_never_trains_again(deployment):
-    from drill.gcs_emulator import free_port
+    from drill.net import free_port
 
     dep, vm = deployment, deployment.vm
     for archive in dep.archives:
