@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import re
@@ -14,6 +15,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from drill.net import free_port
 
@@ -284,3 +287,16 @@ class ForkedProc(Proc):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             self.wait()
+
+
+@pytest.fixture
+def restore_logging():
+    """Put the root logger back as it was: the trainer's setup_logging replaces its handlers."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)

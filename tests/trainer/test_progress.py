@@ -8,23 +8,12 @@ import re
 import pytest
 
 from trainer.progress import Progress, setup_logging
+from tests.trainer.support import restore_logging  # noqa: F401  (fixture)
 
 
 class Tty(io.StringIO):
     def isatty(self) -> bool:
         return True
-
-
-@pytest.fixture
-def restore_logging():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    for h in handlers:
-        root.addHandler(h)
-    root.setLevel(level)
 
 
 def test_interval_lines_are_structured(restore_logging) -> None:

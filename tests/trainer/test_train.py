@@ -13,18 +13,10 @@ from trainer.config import StatusConfig
 from trainer.status import collect
 from trainer.train import run
 from tests.trainer import example_task
+from tests.trainer.support import restore_logging  # noqa: F401  (fixture)
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    for h in handlers:
-        root.addHandler(h)
-    root.setLevel(level)
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def _cfg(run_dir: Path, **kw: object) -> RunConfig:
