@@ -9,6 +9,7 @@ unchanged experiment plans no diff and a code change rolls out as a new instance
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
     return BootProps(**fields)
 
 
+@functools.lru_cache(maxsize=1)  # one per process: each stack reuses the compiled templates
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),

@@ -57,13 +57,26 @@ def _entries(src: Path) -> list[tuple[str, Path]]:
     return sorted(out)
 
 
+#: Packed archives by tree fingerprint: every stack of one synthesis ships the same trainer tree.
+_PACKED: dict[tuple, bytes] = {}
+
+
 def archive_bytes(src: Path, prefix: str = "") -> bytes:
     """The deterministic tar.gz of `src`; entries are `prefix/<relative path>` (or bare)."""
     if not src.is_dir():
         raise FileNotFoundError(f"{src}: not a directory")
+    entries = _entries(src)
+    # Any edit changes a file's size or mtime, so a changed tree is packed again.
+    key = (str(src.resolve()), prefix, tuple(
+        (rel, st.st_size, st.st_mtime_ns, st.st_mode) for rel, path in entries for st in [path.stat()]))
+    if key not in _PACKED:
+        _PACKED[key] = _pack(src, prefix, entries)
+    return _PACKED[key]
+
+
+def _pack(src: Path, prefix: str, entries: list[tuple[str, Path]]) -> bytes:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        entries = _entries(src)
         if prefix:
             entries = [(prefix, src)] + [(f"{prefix}/{rel}", p) for rel, p in entries]
         for name, path in entries:
