@@ -24,10 +24,17 @@ $(STAMP): requirements.lock package.json package-lock.json
 test: setup
 	$(PY) -m pytest -n 2 --dist loadgroup
 
-## demo: what the example experiment creates and costs, then a brief local preemption drill.
+## demo: what the example experiment creates and costs, then a brief local preemption drill
+## (the drill needs root for its namespaces and loop disk; without root the demo says so).
 demo: setup
 	$(PY) -m stacks.demo
-	$(PY) -m drill --steps 120 --wipe-disk-round 1
+	@if [ "$$(id -u)" -eq 0 ]; then \
+		echo "$(PY) -m drill --steps 120 --wipe-disk-round 1"; \
+		$(PY) -m drill --steps 120 --wipe-disk-round 1; \
+	else \
+		echo "demo: skipping the preemption drill: it needs root (mount namespaces, a loop-device disk)."; \
+		echo "demo: run it with: sudo make drill"; \
+	fi
 
 ## drill: the real boot scripts and trainer in a local VM stand-in, preempted K times; fails unless
 ## the final model equals an uninterrupted run's. Needs root. DRILL_ARGS=--soak for the long one.
