@@ -267,37 +267,31 @@ class Sandbox:
         """The first event (from index `since`) matching `pred`; raises TimeoutError after
         `timeout` (a failure guard) or as soon as the VM is gone without it. `check` runs on
         every poll and may raise to give up early (e.g. a failed unit)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if check is not None:
-                check()
-            gone = not self.running
-            for ev in self.events()[since:]:
-                if pred(ev):
-                    return ev
-            if gone:
-                raise TimeoutError(f"VM powered off without the awaited event; journal tail:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no awaited event within {timeout}s; journal tail:\n{self.tail()}")
-            time.sleep(0.05)  # polling a file the VM appends to; not a synchronisation sleep
+        return self._poll(lambda: next((ev for ev in self.events()[since:] if pred(ev)), None),
+                          "event", timeout, check)
 
     def wait_journal(self, pred: Callable[[str], Any], timeout: float, *, since: int = 0,
                      check: Callable[[], None] | None = None) -> Any:
         """The first truthy `pred(line)` over journal lines from character offset `since`."""
+        return self._poll(lambda: next((hit for line in self.journal()[since:].splitlines()
+                                        if (hit := pred(line))), None),
+                          "journal line", timeout, check)
+
+    def _poll(self, find: Callable[[], Any], awaited: str, timeout: float,
+              check: Callable[[], None] | None) -> Any:
+        """Poll `find` (None: not yet) until it answers, the VM is gone, or `timeout` passes."""
         deadline = time.monotonic() + timeout
         while True:
             if check is not None:
                 check()
-            gone = not self.running
-            text = self.journal()[since:]
-            for line in text.splitlines():
-                hit = pred(line)
-                if hit:
-                    return hit
+            gone = not self.running  # read before `find`, so a last event written at power-off counts
+            found = find()
+            if found is not None:
+                return found
             if gone:
-                raise TimeoutError(f"VM powered off before the awaited journal line; tail:\n{self.tail()}")
+                raise TimeoutError(f"VM powered off without the awaited {awaited}; journal tail:\n{self.tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no awaited journal line within {timeout}s; tail:\n{self.tail()}")
+                raise TimeoutError(f"no awaited {awaited} within {timeout}s; journal tail:\n{self.tail()}")
             time.sleep(0.05)  # polling a file the VM appends to; not a synchronisation sleep
 
     def tail(self, n: int = 40) -> str:
