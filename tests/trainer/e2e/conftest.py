@@ -1,19 +1,15 @@
 """End-to-end trainer tests (real subprocesses, real signals).
 
-The long crash-consistency runs are marked ``soak``; they run only when asked for with ``-m soak``
-(``make soak``), so the default suite stays fast.
+The long crash-consistency runs are marked ``soak``: the suite's addopts deselect them
+(``-m "not soak"``), and ``make soak`` selects them with ``-m soak``.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from tests.trainer.support import REFERENCE_STEPS, Zygote, run_to_end, status, write_config
-
-HERE = Path(__file__).parent
-
 
 
 @pytest.fixture(scope="session")
@@ -25,18 +21,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     s = status(d / "run")
     assert s["latest_step"] == REFERENCE_STEPS
     return s
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "soak" in (config.getoption("-m") or ""):
-        return
-    keep, drop = [], []
-    for item in items:
-        mine = HERE in Path(str(item.fspath)).parents
-        (drop if mine and item.get_closest_marker("soak") else keep).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
 
 
 @pytest.fixture(scope="session")
