@@ -8,6 +8,7 @@ the 30 s shutdown window. Off GCE the host does not resolve and the watcher back
 """
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import signal
@@ -125,8 +126,11 @@ class MetadataWatcher(threading.Thread):
         while not self._stopping.is_set():
             try:
                 value, new_etag = self._get(etag)
-            except (OSError, urllib.error.URLError, ValueError) as e:
-                # Off GCE (or a metadata hiccup): quiet, with backoff; say it once at debug level.
+            except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError) as e:
+                # Off GCE, or a metadata hiccup (a refused connection, or an answer cut off when
+                # the server restarts: IncompleteRead is not an OSError). Quiet, with backoff; say
+                # it once at debug level. The thread must outlive any of these: it is the only
+                # thing that hears a preemption the guest agent does not turn into a SIGTERM.
                 if not complained:
                     self.log.debug("metadata server not reachable at %s (%s); retrying with backoff", self.base, e)
                     complained = True

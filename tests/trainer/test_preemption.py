@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from typing import Iterator
 
@@ -74,6 +75,32 @@ def test_watcher_reconnects_after_server_restart(metadata: MetadataServer) -> No
         assert got.wait(30)
     finally:
         w.stop()
+
+
+def test_watcher_survives_an_answer_cut_off_mid_body() -> None:
+    """A metadata server that dies mid-answer (IncompleteRead is no OSError) must not kill the watcher."""
+    got = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        srv.settimeout(30)  # a dead watcher never reconnects: accept() then fails the test
+        w = MetadataWatcher(f"127.0.0.1:{srv.getsockname()[1]}", got.set, logging.getLogger("t"),
+                            max_backoff_s=0.05)
+        w.start()
+        try:
+            bodies = [None, "TRUE"]  # first a promise of 5 bytes and a hang-up, then the notice
+            for body in bodies:
+                conn, _ = srv.accept()
+                with conn:
+                    conn.recv(65536)
+                    if body is None:
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nMetadata-Flavor: Google\r\n\r\n")
+                    else:
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nMetadata-Flavor: Google\r\n"
+                                     b"ETag: e1\r\nConnection: close\r\n\r\nTRUE")
+            assert got.wait(30)
+        finally:
+            w.stop()
+            w.join(30)
+    assert not w.is_alive()  # it returned after the notice, as it does on a clean TRUE
 
 
 def test_off_gce_fails_quietly(caplog: pytest.LogCaptureFixture) -> None:
