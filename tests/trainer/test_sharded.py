@@ -1,0 +1,327 @@
+"""trainer.sharded: FSDP2 checkpoints through DCP; resharding, async saves, fallback, GCS, emergency.
+
+Multi-rank cases run real ranks: this file is also the worker script, started by
+``torchrun --standalone`` (gloo on loopback). Single-process cases (world size 1: no process group,
+a plain model, as ``python -m trainer run`` has it) run in the test process itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # as a torchrun worker script
+    sys.path.insert(0, str(REPO))
+
+from trainer.checkpoint import MANIFEST, step_name  # noqa: E402
+from trainer.checkpointer import TierPolicy  # noqa: E402
+from trainer.distributed import World  # noqa: E402
+from trainer.sharded import (EXTRAS, ShardedCheckpointer, list_sharded, shard,  # noqa: E402
+                             verify_sharded_dir)
+
+GUARD = 120.0  # failure guard for waits; never reached when the code is right
+EVERY = {"persistent": TierPolicy(every_steps=1, keep=10), "gcs": TierPolicy(every_steps=1, keep=10)}
+
+
+# ----------------------------------------------------------------------------- shared by both sides
+
+
+def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """A tiny model whose 16-row layers split unevenly over 3 ranks (FSDP2 pads the last shard)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    return model, opt, sched
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The unsharded model and optimizer state (a collective under FSDP; complete on rank 0)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"model": get_model_state_dict(model, options=opts),
+            "optim": get_optimizer_state_dict(model, opt, options=opts)}
+
+
+def extras_for(step: int, sched: Any, rngs: list) -> dict:
+    return {"step": step, "scheduler": sched.state_dict(), "data": {"index": step * 16, "epoch": 0},
+            "rng": rngs, "fingerprint": {"model": "tiny"}}
+
+
+def ckpt(run_dir: Path, world: World, gcs_uri: str | None = None, **kw: Any) -> ShardedCheckpointer:
+    return ShardedCheckpointer(run_dir=run_dir, gcs_uri=gcs_uri, world=world,
+                               policies={k: v for k, v in EVERY.items() if gcs_uri or k != "gcs"}, **kw)
+
+
+# ----------------------------------------------------------------------------- the worker (torchrun)
+
+
+def worker(mode: str, args: dict) -> None:
+    import logging
+
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.INFO, format=f"rank{os.environ['RANK']} %(message)s")
+    dist.init_process_group("gloo")
+    world = World(rank=dist.get_rank(), local_rank=int(os.environ["LOCAL_RANK"]), size=dist.get_world_size())
+    out = Path(args["out"])
+    model, opt, sched = make(seed=0 if mode != "load" else 99)  # a load must overwrite other weights
+    shard(model, world, optimizer=opt)
+    c = ckpt(Path(args["run_dir"]), world, args.get("gcs_uri"))
+    rngs = world.gather(torch.get_rng_state())
+
+    def record(name: str) -> None:
+        full = full_state(model, opt)
+        if world.is_main:
+            torch.save(full, out / name)
+
+    if mode in ("save", "gcs-save"):
+        train(model, opt, sched, 2, world.rank)
+        record("full-2.pt")
+        c.save(2, model, opt, extras=extras_for(2, sched, rngs) if world.is_main else None,
+               meta={"world_size": world.size})
+        # Training goes on while step 2 is written: what is written must be step 2's state.
+        train(model, opt, sched, 2, world.rank)
+        record("full-4.pt")
+        extras = extras_for(4, sched, rngs) if world.is_main else None
+        if mode == "save":
+            c.save(4, model, opt, extras=extras, meta={"world_size": world.size})
+        else:
+            import time
+
+            report = c.emergency_save(4, model, opt, extras=extras, deadline=time.monotonic() + GUARD,
+                                      meta={"world_size": world.size})
+            (out / f"report-{world.rank}.json").write_text(json.dumps(report.__dict__))
+        c.wait()
+    elif mode == "load":
+        r = c.restore(model, opt)
+        record("loaded.pt")
+        torch.save({"step": r.step, "tier": r.tier, "state": r.state} if r else None, out / f"restored-{world.rank}.pt")
+        train(model, opt, sched, 1, world.rank)  # the resharded model and optimizer still train
+    c.close()
+    dist.destroy_process_group()
+
+
+def torchrun(nproc: int, mode: str, env: dict | None = None, **args: Any) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           __file__, mode, json.dumps({k: str(v) for k, v in args.items()})]
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
+    p = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=GUARD, cwd=REPO)
+    assert p.returncode == 0, f"{mode} at world size {nproc} failed:\n{p.stdout}\n{p.stderr}"
+    return p.stdout + p.stderr
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys() and a["model"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optim"]["state"], b["optim"]["state"]
+    assert sa.keys() == sb.keys() and sa
+    for k in sa:
+        assert sa[k].keys() == sb[k].keys()
+        for name in sa[k]:
+            assert torch.equal(torch.as_tensor(sa[k][name]), torch.as_tensor(sb[k][name])), (k, name)
+    assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
+
+
+def assert_extras(state: dict, step: int, saved_rngs_ranks: int) -> None:
+    assert state["step"] == step and state["data"] == {"index": step * 16, "epoch": 0}
+    assert state["scheduler"]["last_epoch"] == step and state["fingerprint"] == {"model": "tiny"}
+    assert len(state["rng"]) == saved_rngs_ranks and all(isinstance(t, torch.Tensor) for t in state["rng"])
+
+
+def load_here(run_dir: Path, **kw: Any) -> tuple[Any, dict]:
+    """Restore at world size 1 in this process: no process group, a plain (unsharded) model."""
+    model, opt, _ = make(seed=99)
+    c = ckpt(run_dir, World(), **kw)
+    try:
+        r = c.restore(model, opt)
+        return r, full_state(model, opt)
+    finally:
+        c.close()
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def saved_ws2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 2 and 4 saved at world size 2 (step 2 written while training went on)."""
+    base = tmp_path_factory.mktemp("ws2")
+    (base / "out").mkdir()
+    torchrun(2, "save", run_dir=base / "run", out=base / "out")
+    return base
+
+
+def test_saved_layout_is_sharded_and_verified(saved_ws2: Path) -> None:
+    for step in (2, 4):
+        folder = saved_ws2 / "run" / step_name(step)
+        m = verify_sharded_dir(folder)
+        assert set(m["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata", EXTRAS}
+        assert m["meta"]["sharded"]["world_size"] == 2 and m["meta"]["world_size"] == 2
+        assert sorted(p.name for p in folder.iterdir()) == sorted([*m["files"], MANIFEST])
+    assert [i.step for i in list_sharded(_dir_store(saved_ws2 / "run")) if i.valid] == [4, 2]
+    assert not [p for p in (saved_ws2 / "run").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_ws2_checkpoint_loads_at_world_size_1(saved_ws2: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(saved_ws2 / "run", run)
+    r, loaded = load_here(run)
+    assert r is not None and (r.step, r.tier) == (4, "persistent")
+    assert_same_state(loaded, torch.load(saved_ws2 / "out" / "full-4.pt", weights_only=False))
+    assert_extras(r.state, 4, saved_rngs_ranks=2)
+
+
+def test_ws2_checkpoint_loads_at_world_size_3(saved_ws2: Path, tmp_path: Path) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(saved_ws2 / "run", run)
+    out.mkdir()
+    torchrun(3, "load", run_dir=run, out=out)
+    assert_same_state(torch.load(out / "loaded.pt", weights_only=False),
+                      torch.load(saved_ws2 / "out" / "full-4.pt", weights_only=False))
+    for rank in range(3):  # every rank got the same step and rank 0's extras
+        r = torch.load(out / f"restored-{rank}.pt", weights_only=False)
+        assert (r["step"], r["tier"]) == (4, "persistent")
+        assert_extras(r["state"], 4, saved_rngs_ranks=2)
+
+
+def test_async_save_wrote_the_state_of_its_step(saved_ws2: Path, tmp_path: Path) -> None:
+    # Step 2 was written in the background while two more steps ran: it holds step 2's state.
+    run = tmp_path / "run"
+    shutil.copytree(saved_ws2 / "run", run)
+    shutil.rmtree(run / step_name(4))
+    r, loaded = load_here(run)
+    assert r.step == 2
+    assert_same_state(loaded, torch.load(saved_ws2 / "out" / "full-2.pt", weights_only=False))
+    with pytest.raises(AssertionError):  # the comparison can fail: step 4 differs
+        assert_same_state(loaded, torch.load(saved_ws2 / "out" / "full-4.pt", weights_only=False))
+
+
+def test_corrupted_shard_falls_back_to_previous_checkpoint(saved_ws2: Path, tmp_path: Path, logwatch) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(saved_ws2 / "run", run)
+    shard_file = run / step_name(4) / "__1_0.distcp"
+    data = bytearray(shard_file.read_bytes())
+    data[len(data) // 2] ^= 1  # same size: only the sha256 can tell
+    shard_file.write_bytes(bytes(data))
+    r, loaded = load_here(run, log=_logger())
+    assert r.step == 2
+    assert_same_state(loaded, torch.load(saved_ws2 / "out" / "full-2.pt", weights_only=False))
+    line = logwatch.wait_for("checkpoint step 4")
+    assert "__1_0.distcp sha256 mismatch" in line and "falling back" in logwatch.text()
+
+
+def test_save_returns_before_the_checkpoint_exists_and_manifest_commits(tmp_path: Path, gcs_emulator,
+                                                                       faulty_gcs) -> None:
+    model, opt, sched = make(seed=0)
+    train(model, opt, sched, 1, 0)
+    c = ckpt(tmp_path / "run", World(), gcs_emulator.uri, gcs_client=faulty_gcs)
+    disk_held, gcs_held = threading.Event(), threading.Event()
+    release_disk, release_gcs = threading.Event(), threading.Event()
+    real_dcp_save = c._dcp_save
+
+    def held_dcp_save(staged: dict, stage: Path) -> None:  # a pause point, the real write follows
+        disk_held.set()
+        assert release_disk.wait(GUARD)
+        real_dcp_save(staged, stage)
+
+    c._dcp_save = held_dcp_save  # type: ignore[method-assign]
+    faulty_gcs.plan.add("upload", f"*/{step_name(1)}/{MANIFEST}", "hook",
+                        hook=lambda: (gcs_held.set(), release_gcs.wait(GUARD)))
+    expected = copy.deepcopy(full_state(model, opt))  # the live tensors move on below
+    c.save(1, model, opt, extras={"step": 1}, meta={})
+    assert disk_held.wait(GUARD)
+    # save() returned; nothing of step 1 exists yet, and the loop may change the weights now.
+    assert not (tmp_path / "run" / step_name(1)).exists()
+    train(model, opt, sched, 1, 0)
+    release_disk.set()
+    assert gcs_held.wait(GUARD)
+    # Every payload object is on GCS but the manifest is not: no valid checkpoint there yet.
+    infos = list_sharded(c.gcs)
+    assert [(i.step, i.valid, i.reason) for i in infos] == [(1, False, "no manifest (incomplete write or upload)")]
+    assert {k.rsplit("/", 1)[-1] for k in c.gcs.list(step_name(1) + "/")} == {"__0_0.distcp", ".metadata", EXTRAS}
+    # The disk copy was committed (manifest last, then the rename) before the upload began.
+    assert verify_sharded_dir(tmp_path / "run" / step_name(1))["step"] == 1
+    release_gcs.set()
+    c.wait()
+    assert [i.step for i in list_sharded(c.gcs) if i.valid] == [1]
+    c.close()
+    shutil.rmtree(tmp_path / "run")
+    r, loaded = load_here(tmp_path / "run", gcs_uri=gcs_emulator.uri)
+    assert (r.step, r.tier, r.state) == (1, "gcs", {"step": 1})
+    assert_same_state(loaded, expected)
+    with pytest.raises(AssertionError):  # the weights did move on after save() returned
+        assert_same_state(loaded, full_state(model, opt))
+
+
+def test_gcs_emergency_save_at_ws2_restores_at_ws3(tmp_path: Path, gcs_emulator) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun(2, "gcs-save", env=gcs_emulator.env, run_dir=tmp_path / "run", out=out, gcs_uri=gcs_emulator.uri)
+    for rank in range(2):
+        report = json.loads((out / f"report-{rank}.json").read_text())
+        assert (report["step"], report["persistent_ok"], report["gcs_ok"]) == (4, True, True), report
+        assert "persistent saved" in report["detail"] and "GCS uploaded" in report["detail"]
+    assert verify_sharded_dir(tmp_path / "run" / step_name(4))["step"] == 4
+    # The VM came back elsewhere: no disk, only the bucket.
+    shutil.rmtree(tmp_path / "run")
+    load_out = tmp_path / "load"
+    load_out.mkdir()
+    torchrun(3, "load", env=gcs_emulator.env, run_dir=tmp_path / "run", out=load_out, gcs_uri=gcs_emulator.uri)
+    assert_same_state(torch.load(load_out / "loaded.pt", weights_only=False),
+                      torch.load(out / "full-4.pt", weights_only=False))
+    for rank in range(3):
+        r = torch.load(load_out / f"restored-{rank}.pt", weights_only=False)
+        assert (r["step"], r["tier"]) == (4, "gcs")
+        assert_extras(r["state"], 4, saved_rngs_ranks=2)
+    # Downloaded into the persistent tier, verified, so the next start reads the disk.
+    assert verify_sharded_dir(tmp_path / "run" / step_name(4))["step"] == 4
+
+
+def test_fresh_run_restores_nothing(tmp_path: Path, logwatch) -> None:
+    r, _ = load_here(tmp_path / "run", log=_logger())
+    assert r is None and "starting from scratch" in logwatch.text()
+
+
+def _dir_store(root: Path) -> Any:
+    from trainer.storage import DirStore
+
+    return DirStore(root, "persistent")
+
+
+def _logger() -> Any:
+    import logging
+
+    return logging.getLogger("spottrain.checkpoint")
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], json.loads(sys.argv[2]))

@@ -1,0 +1,863 @@
+"""Sharded checkpoints: FSDP2 (``fully_shard``) state saved through torch.distributed.checkpoint.
+
+This module owns ``shard()`` (FSDP2 wrapping of a model) and the ``ShardedCheckpointer``, the
+collective counterpart of ``trainer.checkpointer.Checkpointer`` for sharded state: every rank
+holds only its shard of the model and optimizer, so every rank writes its own file, and a
+checkpoint written at one world size loads at any other (DCP reshards on load).
+
+A sharded checkpoint folder (or GCS prefix)::
+
+    step-00001200/
+        __0_0.distcp   rank 0's shards of the model and optimizer (DCP, one file per rank)
+        __1_0.distcp   rank 1's ...
+        .metadata      DCP's index: which slice of which tensor lies where (written by rank 0)
+        extras.pt      the small replicated state rank 0 passed as ``extras`` (step, scheduler,
+                       scaler, data position, every rank's RNG, fingerprint), torch.save
+        manifest.json  written LAST, the same format as single-process checkpoints
+                       (``trainer.checkpoint.build_manifest``: size and chunked sha256 of every
+                       file above, a self-checksum); its ``meta.sharded`` marks the layout
+
+The rules are those of ``trainer.checkpoint``: a checkpoint is valid only if its manifest parses,
+its self-checksum matches and every file it lists is present with the listed size and sha256. On
+a disk tier the files are written into a ``.tmp-`` folder, fsynced, the manifest is written last
+and the folder appears by one atomic rename. On GCS every payload object is uploaded create-only
+(each rank uploads its own shard file), and rank 0 uploads the manifest only after every rank
+reported its upload done, so an interrupted upload never produces a valid checkpoint.
+
+Asynchrony: ``save()`` copies the rank's shards to host memory (DCP's ``DefaultStager``: reused
+pinned buffers under CUDA) and returns; a background thread on every rank then runs ``dcp.save``
+into the staging folder, hashes its own files, and the ranks agree on the manifest. That thread
+talks to the other ranks only over a separate gloo process group made at construction: the
+training loop keeps using the default group meanwhile, and collectives from two threads on one
+group are unsafe. One save is in flight at a time; ``due()`` answers False meanwhile.
+
+Which copies are complete: a tier copy is valid only if every file of the manifest is there and
+verifies. Ranks that share a run dir (same host, same directory) form a *node*; its lowest rank
+(LOCAL_RANK 0 under torchrun) is the node leader, which commits, copies, verifies and deletes
+folders on that node's disks. On one host all ranks share the run dir, so the disk tiers hold
+complete checkpoints as usual. On several hosts each node's disk only ever receives its own ranks'
+shard files, so no disk holds a complete copy: the staging folder is used for the upload and then
+removed, and **the GCS copy is the only complete one** (without ``gcs_uri`` a multi-node run has
+no usable checkpoint; the constructor says so). On restore each node leader downloads the chosen
+step from GCS into its node's persistent tier, verifies it, and then every rank loads from its
+own node's folder.
+
+Every public method except ``describe()`` is a collective: every rank calls it, in the same order,
+with the same step. ``due()`` is only meaningful on rank 0 (the loop ORs it across ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import socket
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.checkpoint import (FORMAT, FORMAT_VERSION, HASH_NAME, MANIFEST, CheckpointInfo,
+                                CheckpointInvalid, _canonical, _hash_file, _sizes, _store_location,
+                                _verify_file, _write_hashed_plain, build_manifest, delete_checkpoint,
+                                parse_step, step_name)
+from trainer.checkpointer import TIERS, Checkpointer, EmergencyReport, Restored, TierPolicy, _check_meta
+from trainer.distributed import World
+from trainer.interval import DEFAULT_MTBF_S
+from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, UploadAborted, copy_file_durable, fsync_dir
+
+EXTRAS = "extras.pt"
+DCP_METADATA = ".metadata"
+#: ``meta.sharded.layout`` in the manifest: what wrote the payload.
+LAYOUT = "torch.distributed.checkpoint"
+_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2 wrapping
+# --------------------------------------------------------------------------------------------
+
+
+def shard(model: nn.Module, world: World, *, optimizer: torch.optim.Optimizer | None = None,
+          blocks: Iterable[nn.Module] | None = None) -> nn.Module:
+    """Shard ``model`` with FSDP2 across every rank: each block, then the root.
+
+    ``blocks`` default: the parameterised elements of every ``nn.ModuleList``/``nn.Sequential``
+    inside the model (transformer layers and the like), so parameters are gathered one block at a
+    time during forward/backward. The model must already be on its device (CPU with gloo, CUDA
+    with nccl). ``fully_shard`` replaces every parameter by a new sharded one; pass the
+    ``optimizer`` built on the old parameters and its param groups are re-pointed in place (its
+    state must still be empty; the scheduler keeps working since the optimizer object stays).
+
+    Without a process group (a single process) the model is returned unchanged: its state dict is
+    then the full one, and ``ShardedCheckpointer`` saves and loads it the same way.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if optimizer is not None and optimizer.state:
+        raise ValueError("shard() re-points the optimizer's parameters; it must not have state yet "
+                         "(call shard() before the first step)")
+    names = {id(p): n for n, p in model.named_parameters()}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    mesh = init_device_mesh(device.type, (world.size,))
+    chosen = list(blocks) if blocks is not None else _default_blocks(model)
+    for block in chosen:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if optimizer is not None:
+        new = dict(model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [new[names[id(p)]] for p in group["params"]]
+    return model
+
+
+def _default_blocks(model: nn.Module) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            out.extend(c for c in m.children() if any(True for _ in c.parameters()))
+    # A block nested in another chosen block is sharded by itself first (inner before outer).
+    return list(reversed(out))
+
+
+# --------------------------------------------------------------------------------------------
+# The sharded manifest and listing (the single-process manifest requires exactly its two files)
+# --------------------------------------------------------------------------------------------
+
+
+def parse_sharded_manifest(data: bytes, step: int | None = None) -> dict:
+    """``trainer.checkpoint.parse_manifest``'s checks with the sharded file list: the DCP index,
+    the extras and one or more rank files, nothing else; raises ``CheckpointInvalid``."""
+    try:
+        m = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointInvalid(f"manifest is not valid JSON ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointInvalid("manifest has no spottrain format marker")
+    if m.get("version") != FORMAT_VERSION:
+        raise CheckpointInvalid(f"unsupported checkpoint format version {m.get('version')!r}")
+    if m.get("hash") != HASH_NAME:
+        raise CheckpointInvalid(f"unsupported file hash {m.get('hash')!r}")
+    want = m.pop("manifest_sha256", None)
+    if want != hashlib.sha256(_canonical(m)).hexdigest():
+        raise CheckpointInvalid("manifest checksum mismatch (manifest corrupted)")
+    m["manifest_sha256"] = want
+    sharded = (m.get("meta") or {}).get("sharded") if isinstance(m.get("meta"), dict) else None
+    if not isinstance(sharded, dict) or sharded.get("layout") != LAYOUT:
+        raise CheckpointInvalid("not a sharded checkpoint (written by the single-process Checkpointer?)")
+    files = m.get("files")
+    if (not isinstance(files, dict) or DCP_METADATA not in files or EXTRAS not in files
+            or not any(_SHARD_RE.match(n) for n in files)):
+        raise CheckpointInvalid("manifest file list is incomplete")
+    for name, info in files.items():
+        if not (isinstance(name, str) and name not in ("", ".", "..", MANIFEST) and "/" not in name
+                and not name.startswith(TMP_PREFIX)):
+            raise CheckpointInvalid(f"manifest lists an invalid file name {name!r}")
+        if not (isinstance(info, dict) and isinstance(info.get("size"), int)
+                and isinstance(info.get("sha256"), str)):
+            raise CheckpointInvalid(f"manifest entry for {name} is malformed")
+    if step is not None and m.get("step") != step:
+        raise CheckpointInvalid(f"manifest says step {m.get('step')!r}, folder says {step}")
+    return m
+
+
+def _quick_check(store: Store, step: int, files: dict[str, int]) -> CheckpointInfo:
+    loc = _store_location(store, step)
+    total = sum(v for v in files.values() if v > 0)
+    if MANIFEST not in files:
+        return CheckpointInfo(step, False, "no manifest (incomplete write or upload)", total, loc)
+    try:
+        m = parse_sharded_manifest(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step)
+    except KeyError:
+        return CheckpointInfo(step, False, "manifest vanished while listing", total, loc)
+    except CheckpointInvalid as e:
+        return CheckpointInfo(step, False, str(e), total, loc)
+    for name, info in m["files"].items():
+        if name not in files:
+            return CheckpointInfo(step, False, f"{name} is missing", total, loc, m.get("created", ""))
+        if files[name] >= 0 and files[name] != info["size"]:
+            return CheckpointInfo(step, False, f"{name} is {files[name]} bytes, manifest says "
+                                  f"{info['size']} (truncated or partial)", total, loc, m.get("created", ""))
+    return CheckpointInfo(step, True, "", total, loc, m.get("created", ""), m)
+
+
+def list_sharded(store: Store) -> list[CheckpointInfo]:
+    """Every ``step-N`` on the store, newest first, quick-checked (manifest, presence, sizes)."""
+    by_step: dict[int, dict[str, int]] = {}
+    for key, size in _sizes(store, "step-").items():
+        folder, _, name = key.partition("/")
+        step = parse_step(folder)
+        if step is None or "/" in name:
+            continue
+        by_step.setdefault(step, {})[name] = size
+    return [_quick_check(store, s, by_step[s]) for s in sorted(by_step, reverse=True)]
+
+
+def check_sharded(store: Store, step: int) -> CheckpointInfo | None:
+    """Quick check of one step (None when nothing of it exists on the store)."""
+    prefix = step_name(step) + "/"
+    files = {k[len(prefix):]: v for k, v in _sizes(store, prefix).items() if "/" not in k[len(prefix):]}
+    return _quick_check(store, step, files) if files else None
+
+
+def verify_sharded_dir(folder: Path) -> dict:
+    """Full verification of a sharded checkpoint folder (every file's sha256); the manifest."""
+    folder = Path(folder)
+    try:
+        data = (folder / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointInvalid("no manifest (incomplete write)") from None
+    m = parse_sharded_manifest(data, parse_step(folder.name))
+    for name, info in sorted(m["files"].items()):
+        _verify_file(folder / name, info)
+    return m
+
+
+def _commit(stage: Path, final: Path, manifest: bytes) -> None:
+    """Manifest last, fsync, atomic rename, fsync the parent: the checkpoint appears whole."""
+    _write_hashed_plain(stage / MANIFEST, manifest)
+    fsync_dir(stage)
+    os.rename(stage, final)
+    fsync_dir(final.parent)
+
+
+def copy_sharded_dir(src: Path, root: Path) -> Path:
+    """Copy a verified checkpoint folder into ``root`` (another disk tier) atomically."""
+    src, root = Path(src), Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = (src / MANIFEST).read_bytes()
+    m = parse_sharded_manifest(manifest, parse_step(src.name))
+    final = root / src.name
+    stage = root / f"{TMP_PREFIX}{src.name}-cp-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        for name in m["files"]:
+            copy_file_durable(src / name, stage / name)
+        _commit(stage, final, manifest)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return final
+
+
+def download_sharded(store: Store, step: int, root: Path) -> Path:
+    """Copy ``step-N`` from ``store`` into ``root/step-N/``: every file verified, then the
+    manifest, then the atomic rename."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_name(step)
+    stage = root / f"{TMP_PREFIX}{final.name}-dl-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        manifest = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
+        m = parse_sharded_manifest(manifest, step)
+        for name, info in sorted(m["files"].items()):
+            store.get_file(f"{step_name(step)}/{name}", stage / name)
+            _verify_file(stage / name, info)
+        _commit(stage, final, manifest)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return final
+
+
+def _file_entry(path: Path) -> dict:
+    size, digest = _hash_file(path)
+    return {"size": size, "sha256": digest}
+
+
+def _load_extras(path: Path) -> Any:
+    raw = path.read_bytes()
+    # weights_only first; the full unpickler only after the file's sha256 matched the manifest
+    # (see trainer.checkpoint._load_structure for why that is safe here).
+    try:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpointer
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Job:
+    step: int
+    staged: dict            # {"model": ..., "optim": ...}: this rank's shards, on the host
+    extras: bytes | None    # rank 0: torch.save of the extras
+    meta: dict
+    names: list[str]        # tiers to write, identical on every rank
+    tag: str                # staging folder suffix, identical on every rank
+    created_unix: float
+    deadline: float | None  # time.monotonic(); emergency saves only
+
+
+@dataclasses.dataclass
+class _Outcome:
+    disk: dict[str, bool]   # tier -> complete copy committed on every node
+    gcs: bool | None        # None: not attempted
+    detail: list[str]
+
+
+class ShardedCheckpointer(Checkpointer):
+    """Asynchronous multi-tier checkpoints of FSDP2 state; see the module docstring.
+
+    Reuses ``Checkpointer``'s tiers, policies, intervals and ``due()``; replaces how a checkpoint
+    is written, listed, restored and retained. Every method but ``describe()`` is collective.
+    """
+
+    def __init__(self, *, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None,
+                 policies: dict[str, TierPolicy] | None = None, mtbf_s: float = DEFAULT_MTBF_S,
+                 log: logging.Logger | None = None, world: World, gcs_client: Any = None) -> None:
+        super().__init__(run_dir=run_dir, local_dir=local_dir, gcs_uri=gcs_uri, policies=policies,
+                         mtbf_s=mtbf_s, log=log, gcs_client=gcs_client)
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.world = world
+        distributed = world.distributed and dist.is_available() and dist.is_initialized()
+        # The checkpoint threads' own group (a collective: every rank constructs at once).
+        self._pg = dist.new_group(backend="gloo") if distributed else None
+        self._rank = dist.get_rank(self._pg) if self._pg is not None else 0
+        self._size = dist.get_world_size(self._pg) if self._pg is not None else 1
+        cuda = torch.cuda.is_available()
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=cuda))
+        # Ranks that see the same run dir form a node; its lowest rank is the leader.
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        st = self.run_dir.stat()
+        keys = self._all((socket.gethostname(), st.st_dev, st.st_ino))
+        self._leader_of = [min(r for r, k in enumerate(keys) if k == key) for key in keys]
+        self.is_leader = self._leader_of[self._rank] == self._rank
+        self.nodes = len(set(keys))
+        if self.nodes > 1 and self._rank == 0:
+            self.log.info("sharded checkpoints: %d ranks on %d nodes; each node's disk holds only its own "
+                          "ranks' shards, so the complete copy is the GCS one", self._size, self.nodes)
+            if self.gcs is None:
+                self.log.warning("sharded checkpoints across %d nodes without gcs_uri: no tier will hold a "
+                                 "complete checkpoint, so no restore is possible", self.nodes)
+
+    # ------------------------------------------------------------------------------ collectives
+    def _all(self, obj: Any) -> list[Any]:
+        if self._pg is None:
+            return [obj]
+        out: list[Any] = [None] * self._size
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def _bcast(self, obj: Any) -> Any:
+        if self._pg is None:
+            return obj
+        box = [obj if self._rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        return box[0]
+
+    # ------------------------------------------------------------------------------ saving
+    def _stage(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, optimizer)
+        return self._stager.stage({"model": msd, "optim": osd})
+
+    def _plan(self, step: int, extras: Any, meta: dict | None, *,
+              names: list[str] | None) -> tuple[list[str], str, bytes | None, dict]:
+        meta = _check_meta(meta)
+        plan = None
+        if self._rank == 0:
+            if names is None:
+                names = self._due_tiers(step) or list(self._tiers)
+                if "gcs" in names and not any(self._tiers[n].is_disk for n in names):
+                    names.append("persistent")  # the upload reads the staged files
+                names = [n for n in TIERS if n in names]
+            plan = (names, uuid.uuid4().hex[:8])
+        names, tag = self._bcast(plan)
+        blob = None
+        if self._rank == 0:
+            buf = io.BytesIO()
+            torch.save(extras, buf)  # pickled now: the loop may change these objects right after
+            blob = buf.getvalue()
+        meta = {**meta, "world_size": self._size,
+                "sharded": {"layout": LAYOUT, "world_size": self._size, "nodes": self.nodes}}
+        return names, tag, blob, meta
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,  # type: ignore[override]
+             extras: Any = None, meta: dict | None = None) -> float:
+        """Stage this rank's shards on the host and write every due tier in the background (every
+        tier when none is due); returns the seconds the caller was blocked. ``extras`` is rank 0's
+        (other ranks may pass None)."""
+        t0 = time.perf_counter()
+        if self._busy():
+            self.stats["waited"] += 1
+            self._thread.join()  # type: ignore[union-attr]
+        names, tag, blob, meta = self._plan(step, extras, meta, names=None)
+        t_snap = time.perf_counter()
+        staged = self._stage(model, optimizer)
+        snap_s = time.perf_counter() - t_snap
+        now = time.monotonic()
+        for n in names:
+            self._tiers[n].last_step, self._tiers[n].last_time = step, now
+            if self._tiers[n].auto is not None:
+                self._tiers[n].auto.observe(blocked_s=snap_s)
+        self.stats["saves"] += 1
+        job = _Job(step, staged, blob, meta, names, tag, time.time(), None)
+        self._thread = threading.Thread(target=self._background, args=(job,),
+                                        name=f"sharded-checkpoint-{step}", daemon=True)
+        self._thread.start()
+        blocked = time.perf_counter() - t0
+        self.stats["blocked_s_total"] += blocked
+        self.stats["last_blocked_s"] = blocked
+        return blocked
+
+    def _background(self, job: _Job) -> None:
+        try:
+            self._write(job)
+        except BaseException as e:  # noqa: BLE001 - a background thread must not die silently
+            self._failed("?", job.step, e)
+
+    def _write(self, job: _Job) -> _Outcome:
+        """Write ``job`` to its tiers. Collective over ``self._pg``: every rank runs the same
+        sequence of collectives whatever fails locally (failures travel as values), so one
+        rank's error never leaves the others waiting."""
+        step, out = job.step, _Outcome({}, None, [])
+        disk = [n for n in job.names if self._tiers[n].is_disk]
+        primary = self._tiers[disk[0]]
+        root = primary.store.root  # type: ignore[attr-defined]
+        stage = root / f"{TMP_PREFIX}{step_name(step)}-{job.tag}"
+        final = root / step_name(step)
+        t0 = time.monotonic()
+
+        # 1. Every rank writes its shards (DCP's own collectives run on our group).
+        err = _try(lambda: root.mkdir(parents=True, exist_ok=True))
+        if not any(self._all(err)):
+            err = _try(lambda: self._dcp_save(job.staged, stage))
+        # 2. Each rank hashes the files it wrote; rank 0 also the index and the extras.
+        files: dict[str, dict] = {}
+        if err is None:
+            err = _try(lambda: files.update(self._own_files(stage, job.extras)))
+        results = self._all((files, err))
+        manifest: bytes | None = None
+        if self._rank == 0:
+            errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(results) if e]
+            merged: dict[str, dict] = {}
+            for f, _ in results:
+                merged.update(f)
+            if not errors:
+                manifest = build_manifest(step, merged, job.meta, job.created_unix)
+            reason = "; ".join(errors)
+        else:
+            reason = ""
+        manifest, reason = self._bcast((manifest, reason))
+        job.staged = {}  # the host copy is no longer needed
+        if manifest is None:
+            for n in job.names:
+                self._failed(n, step, RuntimeError(f"writing the shards failed: {reason}"))
+                out.disk.setdefault(n, False)
+            if self.is_leader:
+                shutil.rmtree(stage, ignore_errors=True)
+            out.gcs = False if "gcs" in job.names else None
+            out.detail.append(f"shards not written ({reason})")
+            return out
+        write_s = time.monotonic() - t0
+
+        # 3. Node leaders commit complete copies on their disks (multi-node: none is complete).
+        status: dict[str, str] = {}
+        if self.is_leader:
+            status = self._commit_disk(job, disk, stage, final, manifest)
+        statuses = self._all(status)
+        node = statuses[self._leader_of[self._rank]]
+        for n in disk:
+            ok = all(s.get(n) == "ok" for r, s in enumerate(statuses) if self._leader_of[r] == r)
+            out.disk[n] = ok
+            if ok:
+                if self._rank == 0:
+                    self._succeeded(self._tiers[n], step, write_s if n == disk[0] else time.monotonic() - t0)
+            elif self._rank == 0:
+                why = "; ".join(f"node of rank {r}: {s.get(n)}" for r, s in enumerate(statuses)
+                                if self._leader_of[r] == r and s.get(n) != "ok")
+                if self.nodes > 1:
+                    self.log.info("checkpoint step %d: no complete copy on %s (%d nodes, each disk holds "
+                                  "its own shards)", step, n, self.nodes)
+                else:
+                    self._failed(n, step, RuntimeError(why))
+            out.detail.append(f"{n} {'saved' if ok else 'not complete'}")
+        src = final if node.get(disk[0]) == "ok" else stage
+
+        # 4. GCS: every rank uploads its own files, rank 0 the rest, then the manifest.
+        if "gcs" in job.names:
+            t1 = time.monotonic()
+            out.gcs, why = self._upload_sharded(step, src, manifest, job.deadline)
+            if out.gcs:
+                if self._rank == 0:
+                    self._succeeded(self._tiers["gcs"], step, time.monotonic() - t1)
+                out.detail.append(f"GCS uploaded ({self._tiers['gcs'].store.location(step_name(step))})")  # type: ignore[attr-defined]
+            else:
+                if self._rank == 0:
+                    self._failed("gcs", step, RuntimeError(why))
+                out.detail.append(f"GCS not done ({why})")
+        if self.is_leader and stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)  # not committed here (multi-node or failed)
+        return out
+
+    def _dcp_save(self, staged: dict, stage: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        writer = dcp.FileSystemWriter(str(stage), single_file_per_rank=True, sync_files=True)
+        with _single_process_quiet():
+            dcp.save(staged, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
+
+    def _own_files(self, stage: Path, extras: bytes | None) -> dict[str, dict]:
+        """size and sha256 of the files this rank is responsible for."""
+        out: dict[str, dict] = {}
+        if self._rank == 0:
+            _write_hashed_plain(stage / EXTRAS, extras or b"")
+        for p in sorted(stage.iterdir()):
+            m = _SHARD_RE.match(p.name)
+            mine = int(m.group(1)) == self._rank if m else (self._rank == 0 and not p.name.startswith(TMP_PREFIX))
+            if mine and p.is_file():
+                out[p.name] = _file_entry(p)
+        return out
+
+    def _commit_disk(self, job: _Job, disk: list[str], stage: Path, final: Path, manifest: bytes) -> dict[str, str]:
+        """Leader: publish the staged folder on the first disk tier if it is complete here, then
+        copy it to the other due disk tiers. Returns tier -> "ok" or the reason."""
+        status: dict[str, str] = {}
+        m = json.loads(manifest)
+        missing = [n for n, i in m["files"].items()
+                   if not (stage / n).is_file() or (stage / n).stat().st_size != i["size"]]
+        if missing:
+            why = f"this node holds {len(m['files']) - len(missing)} of {len(m['files'])} files"
+            return {n: why for n in disk}
+        src: Path | None = None
+        for n in disk:
+            t = self._tiers[n]
+            root: Path = t.store.root  # type: ignore[attr-defined]
+            target = root / step_name(job.step)
+            try:
+                if target.exists():
+                    # Same step saved again (e.g. an emergency save of a step just saved): keep a
+                    # valid copy, replace an invalid one.
+                    try:
+                        verify_sharded_dir(target)
+                        status[n] = "ok"
+                        src = src or target
+                        continue
+                    except CheckpointInvalid as e:
+                        self.log.warning("replacing invalid %s (%s)", target, e)
+                        delete_checkpoint(t.store, job.step)
+                if src is None:
+                    _commit(stage, target, manifest)
+                else:
+                    copy_sharded_dir(src, root)
+                src = src or target
+                status[n] = "ok"
+            except Exception as e:  # noqa: BLE001 - reported through the status
+                status[n] = f"{type(e).__name__}: {e}"
+        return status
+
+    def _upload_sharded(self, step: int, src: Path, manifest: bytes,
+                        deadline: float | None) -> tuple[bool, str]:
+        """Collective upload of ``src`` (this node's copy) to GCS; (ok, reason)."""
+        store = self._tiers["gcs"].store
+        assert isinstance(store, GcsStore)
+        prefix = step_name(step)
+        decision = None
+        if self._rank == 0:
+            try:
+                with store.deadline(deadline), store.aborting(self._upload_abort):
+                    info = check_sharded(store, step)
+                    if info is not None and info.valid:
+                        decision = "skip"
+                    else:
+                        if info is not None:
+                            self.log.info("removing partial upload of step %d on gcs (%s)", step, info.reason)
+                            delete_checkpoint(store, step)
+                        decision = "upload"
+            except Exception as e:  # noqa: BLE001
+                decision = f"{type(e).__name__}: {e}"
+        decision = self._bcast(decision)
+        if decision == "skip":
+            return True, ""
+        if decision != "upload":
+            return False, decision
+        names = [n for n in json.loads(manifest)["files"]
+                 if (m := _SHARD_RE.match(n)) and int(m.group(1)) == self._rank
+                 or (not _SHARD_RE.match(n) and self._rank == 0)]
+
+        def upload_mine() -> None:
+            with store.deadline(deadline), store.aborting(self._upload_abort):
+                for n in names:
+                    store.put_file(src / n, f"{prefix}/{n}")
+
+        errs = self._all(_try(upload_mine))
+        result: tuple[bool, str] | None = None
+        if self._rank == 0:
+            bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
+            if bad:
+                result = (False, "; ".join(bad) + " (no manifest uploaded: nothing partial is visible)")
+            else:
+                def commit() -> None:
+                    with store.deadline(deadline), store.aborting(self._upload_abort):
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise UploadAborted("deadline passed before the manifest upload")
+                        store.put_bytes(f"{prefix}/{MANIFEST}", manifest)
+
+                e = _try(commit)
+                result = (e is None, e or "")
+        return self._bcast(result)
+
+    # ------------------------------------------------------------------------------ retention
+    def _retain(self, t: Any, newest_step: int) -> None:
+        """As ``Checkpointer._retain`` with the sharded listing (called by ``_succeeded`` on rank
+        0; disk tiers by node leaders through ``_retain_here``)."""
+        if t.is_disk and not self.is_leader:
+            return
+        keep = t.policy.keep
+        with self._restore_lock:
+            older = [i for i in list_sharded(t.store) if i.step < newest_step]
+            keep_older = {i.step for i in [x for x in older if x.valid][: keep - 1]}
+            for i in older:
+                if i.step in keep_older:
+                    continue
+                self.log.info("retention: deleting %s step %d (%s)", t.name, i.step,
+                              f"beyond the newest {keep} valid" if i.valid else f"invalid: {i.reason}")
+                delete_checkpoint(t.store, i.step)
+
+    def _list(self, t: Any) -> list[CheckpointInfo]:
+        if isinstance(t.store, GcsStore):
+            with t.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):
+                return list_sharded(t.store)
+        return list_sharded(t.store)
+
+    # ------------------------------------------------------------------------------ restoring
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored | None:  # type: ignore[override]
+        """Load the newest checkpoint that verifies into ``model`` and ``optimizer`` (in place,
+        resharded to this world size); returns rank 0's extras as ``Restored.state`` on every
+        rank, or None when there is nothing to restore (see the module docstring)."""
+        t_start = time.monotonic()
+        self.wait()
+        with self._restore_lock:
+            if self.is_leader:
+                for t in self._tiers.values():
+                    if isinstance(t.store, DirStore):
+                        removed = t.store.clean_temporaries()
+                        if removed:
+                            self.log.info("removed leftovers of interrupted writes on %s: %s",
+                                          t.name, ", ".join(removed))
+            steps: list[int] | None = None
+            if self._rank == 0:
+                found: set[int] = set()
+                for t in self._tiers.values():
+                    try:
+                        infos = self._list(t)
+                    except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
+                        self.log.warning("cannot list checkpoints on %s (%s: %s); ignoring that tier",
+                                         t.name, type(e).__name__, e)
+                        continue
+                    for i in infos:
+                        if i.valid:
+                            found.add(i.step)
+                        else:
+                            self.log.warning("ignoring %s checkpoint step %d at %s: %s",
+                                             t.name, i.step, i.location, i.reason)
+                steps = sorted(found, reverse=True)
+            steps = self._bcast(steps)
+            for step in steps:
+                got = self._obtain(step) if self.is_leader else None
+                copies = self._all(got)
+                bad = [f"node of rank {r}: {c[1]}" for r, c in enumerate(copies)
+                       if self._leader_of[r] == r and not c[0]]
+                if bad:
+                    if self._rank == 0:
+                        self.log.warning("checkpoint step %d is unusable: %s; falling back to the next "
+                                         "older one", step, "; ".join(bad))
+                    continue
+                _, path, tier = copies[self._leader_of[self._rank]]
+                loaded: list[Any] = []
+                err = _try(lambda: loaded.append(self._load(Path(path), model, optimizer)))
+                errs = self._all(err)
+                if any(errs):
+                    if self._rank == 0:
+                        self.log.warning("checkpoint step %d at %s could not be loaded: %s; falling back "
+                                         "to the next older one", step, path,
+                                         "; ".join(f"rank {r}: {e}" for r, e in enumerate(errs) if e))
+                    continue
+                seconds = time.monotonic() - t_start
+                if self._rank == 0:
+                    self.log.info("restored step %d from %s (%s) in %.2fs", step, tier, path, seconds)
+                now = time.monotonic()
+                for x in self._tiers.values():
+                    x.last_step, x.last_time = step, now
+                return Restored(step=step, state=loaded[0], tier=tier, path=path, seconds=seconds)
+            if self._rank == 0:
+                self.log.info("no valid checkpoint on any tier; starting from scratch")
+            return None
+
+    def _obtain(self, step: int) -> tuple[bool, str, str]:
+        """Leader: a verified complete copy of ``step`` on this node: (True, folder, tier) or
+        (False, reason, ""). Disk tiers first (fastest first), else a download from GCS into
+        the persistent tier."""
+        reasons = []
+        for t in self._tiers.values():
+            if not isinstance(t.store, DirStore):
+                continue
+            folder = t.store.root / step_name(step)
+            if not folder.exists():
+                continue
+            try:
+                verify_sharded_dir(folder)
+                return True, str(folder), t.name
+            except CheckpointInvalid as e:
+                reasons.append(f"{t.name} copy at {folder}: {e}")
+                self.log.warning("checkpoint step %d on %s at %s is unusable: %s", step, t.name, folder, e)
+        gcs = self._tiers.get("gcs")
+        if gcs is not None:
+            try:
+                with gcs.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):  # type: ignore[attr-defined]
+                    info = check_sharded(gcs.store, step)
+                if info is not None and info.valid:
+                    persistent = self._tiers["persistent"].store
+                    assert isinstance(persistent, DirStore)
+                    if (persistent.root / step_name(step)).exists():
+                        self.log.warning("replacing invalid persistent copy of step %d with the GCS one", step)
+                        delete_checkpoint(persistent, step)
+                    folder = download_sharded(gcs.store, step, persistent.root)
+                    self.log.info("downloaded step %d from %s into %s", step, info.location, folder)
+                    return True, str(folder), "gcs"
+                reasons.append(f"gcs: {info.reason if info else 'not there'}")
+            except Exception as e:  # noqa: BLE001
+                reasons.append(f"gcs: {type(e).__name__}: {e}")
+        return False, "; ".join(reasons) or "no copy on this node", ""
+
+    def _load(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, optimizer)
+        sd = {"model": msd, "optim": osd}
+        with _single_process_quiet():
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(folder)), process_group=self._pg,
+                     no_dist=self._pg is None)
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        return _load_extras(folder / EXTRAS)
+
+    # ------------------------------------------------------------------------------ emergency
+    def emergency_save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,  # type: ignore[override]
+                       extras: Any = None, deadline: float, meta: dict | None = None) -> EmergencyReport:
+        """Save now, on a preemption notice: the persistent tier synchronously, then GCS until
+        ``deadline`` (time.monotonic), as ``Checkpointer.emergency_save``. On several nodes the
+        disk copy is never complete (``persistent_ok`` False), so GCS is what counts."""
+        t0 = time.monotonic()
+        result: list[EmergencyReport] = []
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                result.append(self._emergency_sharded(step, model, optimizer, extras, deadline, meta, t0))
+            except BaseException as e:  # noqa: BLE001
+                result.append(EmergencyReport(step, False, None if self.gcs is None else False,
+                                              time.monotonic() - t0,
+                                              f"step {step}: emergency save failed: {type(e).__name__}: {e}"))
+            finally:
+                done.set()
+
+        # In a thread so that a second signal (Ctrl-C) cannot break off a collective midway.
+        th = threading.Thread(target=work, name="sharded-checkpoint-emergency", daemon=True)
+        th.start()
+        while True:
+            try:
+                if done.wait(1.0):
+                    break
+            except KeyboardInterrupt:
+                self.log.warning("interrupt ignored: emergency checkpoint of step %d in progress", step)
+        report = result[0]
+        if self._rank == 0:
+            (self.log.info if report.persistent_ok or report.gcs_ok else self.log.error)(
+                "emergency save: %s", report.detail)
+        return report
+
+    def _emergency_sharded(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                           extras: Any, deadline: float, meta: dict | None, t0: float) -> EmergencyReport:
+        if self._busy():
+            # The in-flight save is older: let its disk write finish but cut its upload short (no
+            # manifest, so nothing visible). Every rank does the same, so its collectives line up.
+            self._upload_abort.set()
+            try:
+                self._thread.join()  # type: ignore[union-attr]
+            finally:
+                self._upload_abort.clear()
+        names = ["persistent"] + (["gcs"] if "gcs" in self._tiers else [])
+        names, tag, blob, meta = self._plan(step, extras, meta, names=names)
+        staged = self._stage(model, optimizer)
+        out = self._write(_Job(step, staged, blob, meta, names, tag, time.time(), deadline))
+        now = time.monotonic()
+        for n in names:
+            if (out.gcs if n == "gcs" else out.disk.get(n)):
+                self._tiers[n].last_step, self._tiers[n].last_time = step, now
+        return EmergencyReport(step=step, persistent_ok=bool(out.disk.get("persistent")),
+                               gcs_ok=out.gcs, seconds=time.monotonic() - t0,
+                               detail=f"step {step}: " + "; ".join(out.detail))
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Finish background work and release the host copies (collective when a save is in
+        flight, since its thread talks to the other ranks)."""
+        self.wait()
+        self._stager.close()
+        if self._pg is not None:
+            with contextlib.suppress(Exception):  # the default group may be gone already
+                dist.destroy_process_group(self._pg)
+            self._pg = None
+
+    def describe(self, *, deep: bool = False) -> dict:
+        """As ``Checkpointer.describe`` (this node's view; not a collective)."""
+        out = super().describe(deep=False)
+        if deep:
+            for name, entry in out["tiers"].items():
+                t = self._tiers[name]
+                if not isinstance(t.store, DirStore):
+                    continue
+                for c in entry["checkpoints"]:
+                    if c["valid"]:
+                        try:
+                            verify_sharded_dir(t.store.root / step_name(c["step"]))
+                        except CheckpointInvalid as e:
+                            c["valid"], c["reason"] = False, str(e)
+                entry["newest_valid"] = next((c["step"] for c in entry["checkpoints"] if c["valid"]), None)
+        return out
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Any:
+    """DCP warns on every call without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _try(fn: Any) -> str | None:
+    """Run ``fn``; the error as one line (None when it worked). Collectives carry these."""
+    try:
+        fn()
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+__all__ = ["ShardedCheckpointer", "shard", "parse_sharded_manifest", "list_sharded", "check_sharded",
+           "verify_sharded_dir", "download_sharded", "EmergencyReport", "Restored", "TierPolicy"]
