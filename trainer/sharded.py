@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import io
 import json
@@ -325,7 +326,8 @@ class ShardedCheckpointer(Checkpointer):
 
     def __init__(self, *, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None,
                  policies: dict[str, TierPolicy] | None = None, mtbf_s: float = DEFAULT_MTBF_S,
-                 log: logging.Logger | None = None, world: World, gcs_client: Any = None) -> None:
+                 log: logging.Logger | None = None, world: World, gcs_client: Any = None,
+                 collective_timeout_s: float | None = None) -> None:
         super().__init__(run_dir=run_dir, local_dir=local_dir, gcs_uri=gcs_uri, policies=policies,
                          mtbf_s=mtbf_s, log=log, gcs_client=gcs_client)
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -333,7 +335,10 @@ class ShardedCheckpointer(Checkpointer):
         self.world = world
         distributed = world.distributed and dist.is_available() and dist.is_initialized()
         # The checkpoint threads' own group (a collective: every rank constructs at once).
-        self._pg = dist.new_group(backend="gloo") if distributed else None
+        # ``collective_timeout_s`` bounds how long a checkpoint collective waits for a rank that
+        # died (default: the process group's default timeout).
+        timeout = None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s)
+        self._pg = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
         self._rank = dist.get_rank(self._pg) if self._pg is not None else 0
         self._size = dist.get_world_size(self._pg) if self._pg is not None else 1
         cuda = torch.cuda.is_available()
@@ -497,6 +502,10 @@ class ShardedCheckpointer(Checkpointer):
                     self._failed(n, step, RuntimeError(why))
             out.detail.append(f"{n} {'saved' if ok else 'not complete'}")
         src = final if node.get(disk[0]) == "ok" else stage
+        if src == final:
+            # The committed folder may be an earlier valid save of this same step (kept, not
+            # replaced): upload exactly what it holds, with its own manifest.
+            manifest = _try_read(final / MANIFEST) or manifest
 
         # 4. GCS: every rank uploads its own files, rank 0 the rest, then the manifest.
         if "gcs" in job.names:
@@ -848,6 +857,13 @@ def _single_process_quiet() -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _try_read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _try(fn: Any) -> str | None:
