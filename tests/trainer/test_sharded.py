@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,10 @@ def worker(mode: str, args: dict) -> None:
     out = Path(args["out"])
     model, opt, sched = make(seed=0 if mode != "load" else 99)  # a load must overwrite other weights
     shard(model, world, optimizer=opt)
-    c = ckpt(Path(args["run_dir"]), world, args.get("gcs_uri"))
+    run_dir = Path(args["run_dir"])
+    if "node_size" in args:  # ranks with different run dirs stand for different VMs
+        run_dir = run_dir / f"node{world.rank // int(args['node_size'])}"
+    c = ckpt(run_dir, world, args.get("gcs_uri"))
     rngs = world.gather(torch.get_rng_state())
 
     def record(name: str) -> None:
@@ -113,8 +117,6 @@ def worker(mode: str, args: dict) -> None:
         if mode == "save":
             c.save(4, model, opt, extras=extras, meta={"world_size": world.size})
         else:
-            import time
-
             report = c.emergency_save(4, model, opt, extras=extras, deadline=time.monotonic() + GUARD,
                                       meta={"world_size": world.size})
             (out / f"report-{world.rank}.json").write_text(json.dumps(report.__dict__))
@@ -301,28 +303,55 @@ def test_save_returns_before_the_checkpoint_exists_and_manifest_commits(tmp_path
         assert_same_state(loaded, full_state(model, opt))
 
 
-def test_gcs_emergency_save_at_ws2_restores_at_ws3(tmp_path: Path, gcs_emulator) -> None:
-    out = tmp_path / "out"
+def test_gcs_save_on_two_nodes_at_ws2_restores_at_ws3(tmp_path: Path, gcs_emulator) -> None:
+    # Each rank has its own run dir: two "VMs", each disk sees only its own rank's shard file.
+    out, load_out = tmp_path / "out", tmp_path / "load"
     out.mkdir()
-    launch(2, "gcs-save", env=gcs_emulator.env, run_dir=tmp_path / "run", out=out, gcs_uri=gcs_emulator.uri)
-    for rank in range(2):
-        report = json.loads((out / f"report-{rank}.json").read_text())
-        assert (report["step"], report["persistent_ok"], report["gcs_ok"]) == (4, True, True), report
-        assert "persistent saved" in report["detail"] and "GCS uploaded" in report["detail"]
-    assert verify_sharded_dir(tmp_path / "run" / step_name(4))["step"] == 4
-    # The VM came back elsewhere: no disk, only the bucket.
-    shutil.rmtree(tmp_path / "run")
-    load_out = tmp_path / "load"
     load_out.mkdir()
-    launch(3, "load", env=gcs_emulator.env, run_dir=tmp_path / "run", out=load_out, gcs_uri=gcs_emulator.uri)
+    launch(2, "gcs-save", env=gcs_emulator.env, run_dir=tmp_path / "run", node_size=1, out=out,
+           gcs_uri=gcs_emulator.uri)
+    for rank in range(2):  # the emergency save of step 4: no disk is complete, GCS is
+        report = json.loads((out / f"report-{rank}.json").read_text())
+        assert (report["step"], report["persistent_ok"], report["gcs_ok"]) == (4, False, True), report
+        assert "persistent not complete" in report["detail"] and "GCS uploaded" in report["detail"]
+    for node in ("node0", "node1"):  # no partial folder left behind, none posing as a checkpoint
+        assert [p.name for p in (tmp_path / "run" / node).iterdir() if p.name.startswith(("step-", ".tmp-"))] == []
+    from trainer.storage import GcsStore
+
+    gcs = GcsStore(gcs_emulator.uri, client=gcs_emulator.client)
+    assert [i.step for i in list_sharded(gcs) if i.valid] == [4, 2]
+    # The VMs came back elsewhere with fresh disks: two VMs again, one with two ranks.
+    shutil.rmtree(tmp_path / "run")
+    launch(3, "load", env=gcs_emulator.env, run_dir=tmp_path / "run", node_size=2, out=load_out,
+           gcs_uri=gcs_emulator.uri)
     assert_same_state(torch.load(load_out / "loaded.pt", weights_only=False),
                       torch.load(out / "full-4.pt", weights_only=False))
     for rank in range(3):
         r = torch.load(load_out / f"restored-{rank}.pt", weights_only=False)
         assert (r["step"], r["tier"]) == (4, "gcs")
         assert_extras(r["state"], 4, saved_rngs_ranks=2)
-    # Downloaded into the persistent tier, verified, so the next start reads the disk.
-    assert verify_sharded_dir(tmp_path / "run" / step_name(4))["step"] == 4
+    # Each VM downloaded the complete checkpoint into its run dir and verified it.
+    for node in ("node0", "node1"):
+        assert verify_sharded_dir(tmp_path / "run" / node / step_name(4))["step"] == 4
+
+
+def test_emergency_save_writes_disk_then_gcs_and_reports_both(tmp_path: Path, gcs_emulator) -> None:
+    model, opt, sched = make(seed=0)
+    train(model, opt, sched, 1, 0)
+    c = ckpt(tmp_path / "run", World(), gcs_emulator.uri)
+    c.save(1, model, opt, extras={"step": 1}, meta={})
+    train(model, opt, sched, 1, 0)
+    expected = copy.deepcopy(full_state(model, opt))
+    report = c.emergency_save(2, model, opt, extras={"step": 2}, deadline=time.monotonic() + GUARD, meta={})
+    assert (report.step, report.persistent_ok, report.gcs_ok) == (2, True, True), report
+    assert report.detail.index("persistent saved") < report.detail.index("GCS uploaded")
+    assert verify_sharded_dir(tmp_path / "run" / step_name(2))["step"] == 2
+    assert [i.step for i in list_sharded(c.gcs) if i.valid][0] == 2
+    c.close()
+    shutil.rmtree(tmp_path / "run")
+    r, loaded = load_here(tmp_path / "run", gcs_uri=gcs_emulator.uri)
+    assert (r.step, r.tier, r.state) == (2, "gcs", {"step": 2})
+    assert_same_state(loaded, expected)
 
 
 def test_fresh_run_restores_nothing(tmp_path: Path, logwatch) -> None:
