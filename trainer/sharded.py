@@ -449,7 +449,9 @@ class ShardedCheckpointer(Checkpointer):
 
         # 1. Every rank writes its shards (DCP's own collectives run on our group).
         err = _try(lambda: root.mkdir(parents=True, exist_ok=True))
-        if not any(self._all(err)):
+        if any(self._all(err)):
+            err = err or "skipped: another rank could not create its checkpoint folder"
+        else:
             err = _try(lambda: self._dcp_save(job.staged, stage))
         # 2. Each rank hashes the files it wrote; rank 0 also the index and the extras.
         files: dict[str, dict] = {}
@@ -471,7 +473,8 @@ class ShardedCheckpointer(Checkpointer):
         job.staged = {}  # the host copy is no longer needed
         if manifest is None:
             for n in job.names:
-                self._failed(n, step, RuntimeError(f"writing the shards failed: {reason}"))
+                if self._rank == 0:  # rank 0 speaks for the job (it has every rank's reason)
+                    self._failed(n, step, RuntimeError(f"writing the shards failed: {reason}"))
                 out.disk.setdefault(n, False)
             if self.is_leader:
                 shutil.rmtree(stage, ignore_errors=True)
