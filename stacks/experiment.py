@@ -25,7 +25,9 @@ GCS_PREFIX = re.compile(r"^[A-Za-z0-9][-_.A-Za-z0-9/]{0,254}$")
 #: Flags the stack sets itself from other fields; repeating them in `args` would contradict those.
 MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port", "--local-dir",
                  # the prices of `[cost]` / the catalog (`stacks.pricing.trainer_price_args`)
-                 "--price-per-hour", "--on-demand-price-per-hour")
+                 "--price-per-hour", "--on-demand-price-per-hour",
+                 # `trainer.parallelism`
+                 "--parallelism")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -285,9 +287,10 @@ class Group(Section):
     """The managed instance group that keeps the trainer running."""
 
     workers: int = Field(default=1, ge=0, le=1)
-    """VMs in the group: 1 to train, 0 to stop. At 0 the VM and its checkpoint disk are deleted
-    (permanent deletion); the bucket keeps the checkpoints to resume from. One for now: every
-    worker would write to the same checkpoint prefix; multi-worker training is a later feature."""
+    """1 to train, 0 to stop. At 0 the VM and its checkpoint disk are deleted (permanent
+    deletion); the bucket keeps the checkpoints to resume from. Several VMs training one job:
+    declare a `[pool]`; then 1 runs the pool as declared and 0 stops all of it (the Spot group's
+    target size becomes 0 and the on-demand coordinator is stopped, keeping its disks and IP)."""
     placement: Literal["zonal", "regional"] = "zonal"
     """"zonal": one zone (`gcp.zones` has one). "regional": the group spreads over two or more
     zones of `gcp.zones`; its stateful constraints apply (no redistribution, no surge)."""
@@ -312,6 +315,10 @@ class Trainer(Section):
     args: list[str] = []
     """Extra arguments for `python -m trainer run`, e.g. ["--checkpoint-every-steps", "200"].
     Passed verbatim, each shell-quoted; the flags the stack sets itself are refused."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """How a `[pool]` spreads the model over its ranks, passed as `--parallelism`: "ddp" (every
+    rank holds the whole state; global rank 0 writes checkpoints) or "fsdp" (the state is
+    sharded over the ranks; each writes its shard). Without a pool it is passed only when set."""
     code_dir: str | None = None
     """Your own code: a directory (absolute, or relative to the repository root) shipped to the
     VM next to the trainer and put on its PYTHONPATH, so that `task` can name a module in it,
@@ -393,9 +400,64 @@ class Cost(Section):
     """All-in on-demand price of one VM in $/hour, overriding the catalog."""
 
 
+class Pool(Section):
+    """Several VMs training one job with torchrun's elastic engine (c10d rendezvous): Spot
+    workers from the group plus an on-demand coordinator that is never preempted, hosts the
+    rendezvous under a stable internal DNS name and, by default, trains too."""
+
+    min_nodes: int = Field(ge=1, le=256)
+    """Fewest nodes that train (the coordinator counted when it trains): torchrun starts, and
+    keeps training after a preemption, once this many have joined."""
+    max_nodes: int = Field(ge=1, le=256)
+    """Most nodes that train (the coordinator counted when it trains). The Spot group's target
+    size is max_nodes, less one when the coordinator trains."""
+    coordinator: bool = True
+    """An on-demand (standard-provisioned) coordinator VM `<experiment>-coordinator` hosts the
+    rendezvous. Required for now (true): the rendezvous needs a host that is never preempted."""
+    coordinator_trains: bool = True
+    """The coordinator trains as one of the nodes (same GPUs as the workers). false: it only
+    hosts the rendezvous store (`python3 -m trainer rendezvous`) on a small CPU machine."""
+    coordinator_machine_type: str | None = None
+    """The coordinator's machine type. Default: `machine.machine_type` when it trains (it must
+    then take the workers' GPU type and count), else "e2-standard-4" (e2-standard-* and n1-*
+    without GPUs are allowed)."""
+    rendezvous_port: int = Field(default=R.RENDEZVOUS_PORT, ge=1024, le=65535)
+    """TCP port of the rendezvous store on the coordinator (1024-65535, not the health port)."""
+    max_restarts: int = Field(default=100, ge=0, le=100000)
+    """How often torchrun restarts the job (a node lost or joined, a rank failed) before it
+    gives up; each restart resumes from the newest checkpoint."""
+    rendezvous_last_call_s: int = Field(default=30, ge=0, le=3600)
+    """Seconds the rendezvous waits for more nodes once min_nodes have joined."""
+
+    @field_validator("coordinator_machine_type")
+    @classmethod
+    def _machine(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, R.GCP_NAME, "a machine type name")
+
+    def problems(self) -> Iterator[Problem]:
+        if self.min_nodes > self.max_nodes:
+            yield (
+                "min_nodes",
+                f"{self.min_nodes} is more than max_nodes ({self.max_nodes}); allowed: "
+                f"1 to {self.max_nodes}",
+            )
+        if not self.coordinator:
+            yield (
+                "coordinator",
+                "false is not supported: the rendezvous needs a host that is never preempted; "
+                "allowed: true (with coordinator_trains = false for a small CPU-only host)",
+            )
+
+    def coordinator_type(self, machine: Machine) -> str:
+        """The coordinator's machine type, defaults applied."""
+        if self.coordinator_machine_type is not None:
+            return self.coordinator_machine_type
+        return machine.machine_type if self.coordinator_trains else R.DEFAULT_CPU_COORDINATOR
+
+
 SECTIONS: dict[str, type[Section]] = {
     "gcp": Gcp, "machine": Machine, "disk": Disk, "bucket": Bucket, "network": Network,
-    "group": Group, "trainer": Trainer, "backend": Backend, "cost": Cost,
+    "group": Group, "trainer": Trainer, "pool": Pool, "backend": Backend, "cost": Cost,
 }  # fmt: skip
 
 
@@ -420,6 +482,8 @@ class Experiment(BaseModel):
     """The managed instance group."""
     trainer: Trainer
     """The training run."""
+    pool: Pool | None = None
+    """Multi-node training: Spot workers plus an on-demand coordinator (absent: one VM)."""
     backend: Backend = Backend()
     """Terraform state backend."""
     cost: Cost = Cost()
@@ -444,7 +508,10 @@ class Experiment(BaseModel):
     def problems(self, name: str) -> Iterator[Problem]:
         """Every cross-field rule, section rules included; `name` is the experiment name."""
         for key in SECTIONS:
-            for path, msg in getattr(self, key).problems():
+            section = getattr(self, key)
+            if section is None:  # an optional section left out
+                continue
+            for path, msg in section.problems():
                 yield f"{key}.{path}", msg
         yield from cross_section_problems(self, name)
 
@@ -486,10 +553,50 @@ def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
             _check_bucket_name(exp.bucket_name(name))
         except ValueError as err:
             yield "bucket.name", f"the default name: {err}; or set bucket.name"
+    if exp.pool is not None:
+        yield from pool_problems(exp)
     if exp.backend.bucket is not None and exp.backend.bucket == exp.bucket_name(name):
         yield (
             "backend.bucket",
             "is the checkpoint bucket this stack creates; allowed: a separate, existing bucket",
+        )
+
+
+def pool_problems(exp: Experiment) -> Iterator[Problem]:
+    """The pool against the rest: the coordinator's machine and the ports. (The durable tier
+    every node restores from, the bucket, always exists: the stack sets --gcs-uri itself and
+    `MANAGED_FLAGS` keeps it out of `trainer.args`.)"""
+    pool, m = exp.pool, exp.machine
+    assert pool is not None
+    if pool.rendezvous_port == exp.trainer.health_port:
+        yield (
+            "pool.rendezvous_port",
+            f"{pool.rendezvous_port} is also trainer.health_port; allowed: another port in "
+            "1024-65535",
+        )
+    yield from coordinator_problems(pool, m)
+
+
+def coordinator_problems(pool: Pool, m: Machine) -> Iterator[Problem]:
+    key = "pool.coordinator_machine_type"
+    ctype = pool.coordinator_type(m)
+    if not pool.coordinator_trains:
+        if ctype not in R.CPU_MACHINE_TYPES:
+            yield (
+                key,
+                f"{ctype!r} is not a machine type without GPUs, which a coordinator that does "
+                "not train needs; allowed: e2-standard-2, -4, -8, -16, -32 or an n1 type, "
+                'e.g. "e2-standard-4"',
+            )
+        return
+    # It trains: the workers' GPUs, on a machine that takes them with standard provisioning.
+    as_standard = Machine(machine_type=ctype, gpu_type=m.gpu_type, gpu_count=m.gpu_count,
+                          provisioning="standard")
+    for _, msg in as_standard.problems():
+        yield (
+            key,
+            f"the coordinator trains with the workers' {m.gpu_count} x {m.gpu_type} on demand: "
+            f"{msg}",
         )
 
 

@@ -90,6 +90,11 @@ MACHINE_TYPES: dict[str, MachineShape] = {**_accelerator_optimized(), **_n1()}
 FAMILIES = ("a2", "a3", "g2", "n1")
 
 
+def _e2() -> dict[str, MachineShape]:
+    return {f"e2-standard-{vcpu}": MachineShape(vcpu, vcpu * 4.0) for vcpu in (2, 4, 8, 16, 32)}
+
+
+
 @dataclass(frozen=True)
 class AttachLimit:
     """What an N1 VM may look like with this many attached GPUs of one type."""
@@ -118,6 +123,14 @@ def family(machine_type: str) -> str:
     return machine_type.split("-", 1)[0]
 
 
+#: Machine types without GPUs a pool's coordinator may use when it does not train (it only
+#: hosts the rendezvous store): e2-standard and the n1 types (no GPU attached).
+CPU_MACHINE_TYPES: dict[str, MachineShape] = {
+    **_e2(), **{t: s for t, s in MACHINE_TYPES.items() if family(t) == "n1"}}
+#: The coordinator's default machine type when it does not train.
+DEFAULT_CPU_COORDINATOR = "e2-standard-4"
+
+
 # --- disks, windows, health checks ---------------------------------------------------------------
 
 PD_SSD_MIN_GB, PD_SSD_MAX_GB = 10, 65536
@@ -143,4 +156,8 @@ SHUTDOWN_WINDOW_S = {"spot": 30, "standard": 120}
 SHUTDOWN_MARGIN_S = 10
 
 HEALTH_CHECK_RANGES = ("35.191.0.0/16", "130.211.0.0/22")
+#: torchrun's default c10d rendezvous port.
+RENDEZVOUS_PORT = 29400
+#: The private DNS domain under which a pool's coordinator gets its stable name.
+POOL_DOMAIN = "spottrain.internal"
 IAP_RANGE = "35.235.240.0/20"

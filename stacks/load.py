@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
@@ -72,6 +72,8 @@ def _allowed_keys(model: type[BaseModel], parent: tuple[Any, ...]) -> list[str]:
     for part in parent:
         field = model.model_fields.get(str(part))
         ann = field.annotation if field else None
+        # An optional section (`Pool | None`): its model.
+        ann = next((a for a in get_args(ann) if a is not type(None)), ann)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             model = ann
         else:

@@ -156,7 +156,7 @@ RULES = [
      "termination_action, image_family, image_project, boot_disk_gb"),
     ("unknown-section", {"cluster": {"size": 2}},
      "cluster: unknown key; allowed: labels, gcp, machine, disk, bucket, network, group, "
-     "trainer, backend, cost"),
+     "trainer, pool, backend, cost"),
     ("missing-required", {"trainer": {"steps": None}}, "trainer.steps: is required"),
 ]
 
