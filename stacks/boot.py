@@ -20,6 +20,7 @@ import jinja2
 
 from stacks import gcp_rules as R
 from stacks.experiment import Experiment
+from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import trainer_price_args
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -89,6 +90,11 @@ class BootProps:
     price_args: tuple[str, ...] = ()
     """`--price-per-hour P --on-demand-price-per-hour Q` (`stacks.pricing.trainer_price_args`):
     the prices the trainer's ledger records at every boot, so `trainer status` reports the cost."""
+    pool: PoolLayout | None = None
+    """A multi-node pool (`stacks.pool`): the trainer runs under torchrun with a c10d rendezvous
+    on the coordinator; None: one VM runs `python3 -m trainer run` as before."""
+    parallelism: str | None = None
+    """`--parallelism ddp|fsdp` for the trainer; None passes no flag (the single-VM default)."""
 
     @property
     def gcs_uri(self) -> str:
@@ -121,6 +127,11 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         args=tuple(exp.trainer.args),
         releases=tuple(releases),
         price_args=tuple(trainer_price_args(exp)),
+        pool=layout(name, exp),
+        # Passed with a pool, or when the experiment sets it: an unchanged single-VM experiment
+        # renders byte-identical scripts.
+        parallelism=exp.trainer.parallelism
+        if exp.pool is not None or "parallelism" in exp.trainer.model_fields_set else None,
     )
     fields.update(overrides)
     return BootProps(**fields)
@@ -203,6 +214,11 @@ def render(props: BootProps) -> BootScripts:
         "pythons": list(PYTHONS),
         "trainer_deps": list(TRAINER_DEPS),
         "driver_timeout_s": props.driver_timeout_s,
+        "pool": props.pool,
+        "parallelism": props.parallelism,
+        "role_key": ROLE_KEY,
+        "coordinator_role": COORDINATOR,
+        "worker_role": WORKER,
     }
     trainer_sh = env.get_template("trainer.sh.j2").render(ctx).rstrip("\n")
     unit = env.get_template("spottrain.service.j2").render(ctx).rstrip("\n")
