@@ -6,6 +6,12 @@ honest upper estimate for the usual mixed-precision Adam run). Write speed: PD-S
 0.48 MB/s per provisioned GB, capped per VM by its vCPU count. The save must finish inside the
 window (30 s Spot, 120 s standard) minus a margin for the shutdown script, fsync and teardown.
 The estimate is a warning, never an error: it is a model of the disk, not a measurement.
+
+A pool writes per node, and the disk's speed is per VM, so the bytes that count are what one node
+writes: with parallelism "ddp" global rank 0 writes the whole state (its node carries it all);
+with "fsdp" every rank writes its shard, state / world size, the largest at the smallest world
+(min_nodes x GPUs per node), and a node's GPUs write theirs onto one disk at once: shard x GPUs.
+The window is the workers' (Spot: 30 s); any node may hold rank 0.
 """
 
 from __future__ import annotations
@@ -72,4 +78,13 @@ def estimate(exp: Experiment) -> Budget:
         source = f"{exp.trainer.param_count:,} params x {BYTES_PER_PARAM} B"
     else:
         return Budget(None, "undeclared", write, window, available, None)
+    if exp.pool is not None and exp.trainer.parallelism == "fsdp":
+        gpus = exp.machine.gpu_count
+        world = exp.pool.min_nodes * gpus
+        shard = -(-size // world)  # ceil: the largest shard
+        size = shard * gpus
+        source += (f", fsdp: {shard / 1e9:.2f} GB per rank at the smallest world "
+                   f"({exp.pool.min_nodes} nodes x {gpus} GPUs) x {gpus} on a node's disk")
+    elif exp.pool is not None:
+        source += ", ddp: rank 0's node writes it all"
     return Budget(size, source, write, window, available, size / 1e6 / write)

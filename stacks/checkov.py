@@ -14,6 +14,12 @@ from pathlib import Path
 SKIPS: dict[str, str] = {
     "CKV_GCP_62": "Bucket access logs need a second log bucket per experiment; Cloud Audit Logs "
     "(data access) are the supported way to audit checkpoint reads and writes.",
+    "CKV_GCP_37": "A pool coordinator's checkpoint disk uses Google-managed encryption, like every "
+    "disk the workers' template creates (which checkov does not inspect); CSEK would put a raw key "
+    "into the Terraform state and be needed at every restart.",
+    "CKV_GCP_38": "A pool coordinator's boot disk uses Google-managed encryption, like the workers' "
+    "boot disks from the template; CSEK would put a raw key into the Terraform state and be needed "
+    "at every restart.",
     "CKV_GCP_76": "The subnet is IPv4-only; private_ip_google_access = true gives its VMs Google "
     "APIs without external IPs, and there is no IPv6 traffic to route privately.",
 }

@@ -5,6 +5,12 @@ divided by the goodput (the productive share of VM time) to get VM hours, times 
 (`stacks.pricing`). Throughput and goodput are assumptions from the experiment's `[cost]`
 section (documented defaults otherwise) and are printed beside every result, so nobody takes
 them for measurements. Savings = on-demand cost - Spot cost, and its share of the on-demand cost.
+
+A `[pool]` is priced as the on-demand coordinator plus its Spot workers, at the fewest and at the
+most nodes (`stacks.pricing.pool_quote`). `steps_per_second` is then the pool's throughput at its
+most nodes, assumed to scale with the node count (the global batch stays constant), so the run
+takes max/min times as long at the fewest nodes; the comparison is the same pool all on demand at
+its most nodes.
 """
 
 from __future__ import annotations
@@ -84,6 +90,8 @@ def _assumed(exp: Experiment, key: str) -> str:
 
 def describe(e: ExperimentFile, today: date | None = None) -> list[str]:
     """The cost lines `make demo` and the `cost` command print for one experiment."""
+    if e.spec.pool is not None:
+        return describe_pool(e, today)
     exp, est = e.spec, estimate(e.spec)
     q, m = est.quote, exp.machine
     gpus = f"{m.gpu_count} x {m.gpu_type}"
@@ -107,6 +115,50 @@ def describe(e: ExperimentFile, today: date | None = None) -> list[str]:
                      "on-demand figure is the a3-highgpu-8g rate per GPU, for comparison")
     age = pricing.catalog_age_days(today)
     if len(q.overridden) < 2 and age > pricing.SPOT_PRICE_PERIOD_DAYS:
+        lines.append(f"  note              the catalog is {age} days old and Spot prices change "
+                     "up to once a month: check them, or set [cost] spot_per_hour")
+    lines.append("  These are estimates from list prices and stated assumptions, not a bill.")
+    return lines
+
+
+def describe_pool(e: ExperimentFile, today: date | None = None) -> list[str]:
+    """A pool's cost lines: coordinator on demand + workers, at the fewest and the most nodes."""
+    exp, est = e.spec, estimate(e.spec)
+    pq = pricing.pool_quote(exp)
+    m, p = exp.machine, exp.pool
+    assert p is not None
+    lo, hi = pq.min_workers, pq.max_workers
+    role = "trains" if pq.coordinator_trains else "rendezvous only"
+    ctype = p.coordinator_type(m)
+    at_lo, at_hi, od_hi = pq.hourly(lo), pq.hourly(hi), pq.on_demand_hourly(hi)
+    od_cost = est.on_demand_hours * od_hi
+    hi_cost = est.spot_hours * at_hi
+    lo_hours = est.spot_hours * p.max_nodes / p.min_nodes  # throughput scales with nodes
+    savings = od_cost - hi_cost
+    lines = [
+        f"cost of {e.name} ({display(e.path)}): pool of {p.min_nodes}-{p.max_nodes} nodes of "
+        f"{m.machine_type} with {m.gpu_count} x {m.gpu_type}, {exp.gcp.region}; coordinator "
+        f"{ctype} on demand ({role}), workers {m.provisioning}",
+        f"  hourly price      worker Spot {_money(pq.worker.spot)}/h   on-demand "
+        f"{_money(pq.worker.on_demand)}/h   coordinator on demand {_money(pq.coordinator)}/h   "
+        f"(each VM with its disks; {pq.worker.source})",
+        f"  pool per hour     {_money(at_lo)}/h at {p.min_nodes} nodes (coordinator + {lo} "
+        f"workers)   {_money(at_hi)}/h at {p.max_nodes} nodes (coordinator + {hi} workers)",
+        f"  assumed           {exp.trainer.steps:,} steps at {est.steps_per_second:g} steps/s at "
+        f"{p.max_nodes} nodes ({_assumed(exp, 'steps_per_second')}; proportional to the nodes) "
+        f"= {_hours(est.training_hours)} of training; goodput {est.spot_goodput:.0%} on Spot ({_assumed(exp, 'expected_goodput')}), "
+        f"{est.on_demand_goodput:.0%} on demand",
+        f"  expected cost     {_money(lo_hours * at_lo)} at {p.min_nodes} nodes "
+        f"({_hours(lo_hours)} of pool) to {_money(hi_cost)} at {p.max_nodes} nodes "
+        f"({_hours(est.spot_hours)})   all on "
+        f"demand {_money(od_cost)} at {p.max_nodes} nodes ({_hours(est.on_demand_hours)})",
+        f"  savings           {_money(savings)} "
+        f"({100 * savings / od_cost if od_cost else 0:.0f}%) at {p.max_nodes} nodes against the "
+        "pool all on demand"
+        + ("" if m.provisioning == "spot" else ' (not taken: provisioning = "standard")'),
+    ]
+    age = pricing.catalog_age_days(today)
+    if len(pq.worker.overridden) < 2 and age > pricing.SPOT_PRICE_PERIOD_DAYS:
         lines.append(f"  note              the catalog is {age} days old and Spot prices change "
                      "up to once a month: check them, or set [cost] spot_per_hour")
     lines.append("  These are estimates from list prices and stated assumptions, not a bill.")

@@ -41,8 +41,23 @@ def _summary(kind: str, r: dict) -> str:
         return (f"{r['name']}  {r['location']}, versioned, public access "
                 f"{r['public_access_prevention']}, force_destroy={str(r['force_destroy']).lower()}")
     if kind == "google_compute_firewall":
-        ports = ",".join(p for a in r["allow"] for p in a["ports"])
+        ports = ",".join(p for a in r["allow"] for p in a.get("ports", [])) or "all ports"
+        if "source_service_accounts" in r:  # a pool's rule: between its own nodes only
+            return f"{r['name']}  tcp:{ports} from and to the trainer service account only"
         return f"{r['name']}  tcp:{ports} from {', '.join(r['source_ranges'])}"
+    if kind == "google_compute_instance":
+        s = r["scheduling"]
+        return (f"{r['name']}  {r['machine_type']}, {s['provisioning_model']}, role "
+                f"{r['metadata'].get('spottrain-role')}, {r['desired_status']}, static internal "
+                "IP, no external IP, shielded")
+    if kind == "google_dns_record_set":
+        return f"{r['name']}  {r['type']} -> the coordinator's static IP"
+    if kind == "google_dns_managed_zone":
+        return f"{r['name']}  {r['dns_name']} ({r['visibility']}, the experiment's network)"
+    if kind == "google_compute_address":
+        return f"{r['name']}  {r['address_type']} in {r['region']}"
+    if kind == "google_compute_disk":
+        return f"{r['name']}  {r['type']} {r['size']} GB in {r['zone']}"
     if kind == "google_compute_health_check":
         t = r["tcp_health_check"]
         return (f"{r['name']}  tcp:{t['port']} sends {t['request']!r}, expects {t['response']!r}, "

@@ -49,6 +49,8 @@ class TemplateProps:
     scripts: BootScripts
     labels: dict[str, str] = field(default_factory=dict)
     depends_on: tuple = ()  # the code objects the startup script fetches
+    extra_metadata: dict[str, str] = field(default_factory=dict)
+    """More instance metadata, e.g. a pool's `spottrain-role = worker` (none for one VM)."""
 
 
 def scheduling(spot: bool, termination_action: str) -> ComputeInstanceTemplateScheduling:
@@ -146,6 +148,7 @@ class TrainerTemplate(Construct):
                 "install-nvidia-driver": "True",
                 # The boot path reports its state (training, finished, ...) as guest attributes.
                 "enable-guest-attributes": "TRUE",
+                **props.extra_metadata,
             },
             depends_on=list(props.depends_on) or None,
             lifecycle=TerraformResourceLifecycle(create_before_destroy=True),

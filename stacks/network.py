@@ -3,7 +3,8 @@
 Dedicated: a custom-mode VPC, one subnet with Private Google Access and flow logs, a Cloud Router
 and Cloud NAT for egress. VMs never get external IPs either way. The firewall admits only
 Google's health checkers to the health port and, optionally, IAP to SSH, on the trainer's tag;
-nothing is open to 0.0.0.0/0.
+nothing is open to 0.0.0.0/0. A pool adds one rule: every TCP port (the rendezvous port and the
+collectives' ephemeral ports) from the experiment's service account to the same account only.
 """
 
 from __future__ import annotations
@@ -135,3 +136,34 @@ class TrainerFirewall(Construct):
                 allow=[ComputeFirewallAllow(protocol="tcp", ports=["22"])],
                 log_config=log,
             )
+
+
+@dataclass(frozen=True)
+class PoolFirewallProps:
+    project: str
+    name: str
+    network: str
+    service_account_email: str
+
+
+class PoolFirewall(Construct):
+    """A pool's nodes talk to each other, and to nothing else: the rendezvous (TCPStore) and the
+    collectives (gloo/NCCL bootstrap and data on ephemeral ports, so every TCP port) between VMs
+    that run as the experiment's service account, identified by account rather than by tag (a
+    tag can be set by anyone who can edit an instance; the account needs actAs)."""
+
+    def __init__(self, scope: Construct, id_: str, props: PoolFirewallProps) -> None:
+        super().__init__(scope, id_)
+        self.rule = ComputeFirewall(
+            self,
+            "pool",
+            project=props.project,
+            name=f"{props.name}-allow-pool",
+            network=props.network,
+            direction="INGRESS",
+            description="Rendezvous and collectives between this experiment's nodes only",
+            source_service_accounts=[props.service_account_email],
+            target_service_accounts=[props.service_account_email],
+            allow=[ComputeFirewallAllow(protocol="tcp")],
+            log_config=ComputeFirewallLogConfig(metadata="INCLUDE_ALL_METADATA"),
+        )

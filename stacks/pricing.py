@@ -14,6 +14,7 @@ How Google prices the families, and so how this catalog is laid out:
 - a3: published per machine type only; the GPU rate here is the machine price / 8 with vCPUs and
   memory folded in (vCPU and GB rates 0). a3-highgpu-1g/2g/4g are Spot (or flex-start) only:
   their "on-demand" figure is the a3-highgpu-8g rate per GPU, a comparison, not an offer.
+- e2 (a pool's CPU-only coordinator): per vCPU + per GB, like n1.
 - disks: boot pd-balanced and checkpoint pd-ssd cost the same Spot or not; Local SSD attached
   to a Spot VM gets the Spot rate.
 
@@ -30,6 +31,7 @@ from datetime import date
 
 from stacks import gcp_rules as R
 from stacks.experiment import Experiment
+from stacks.pool import layout
 
 CATALOG_DATE = date(2025, 6, 1)
 SOURCE = "Google Cloud list prices (cloud.google.com/compute/vm-instance-pricing), us-central1"
@@ -79,6 +81,7 @@ US_CENTRAL1 = RegionPrices(
         "a2": FamilyRates(vcpu=Rate(0.031611, 0.012644), memory_gb=Rate(0.004237, 0.001695)),
         "g2": FamilyRates(vcpu=Rate(0.024988, 0.009995), memory_gb=Rate(0.002927, 0.001171)),
         "a3": FamilyRates(vcpu=ZERO, memory_gb=ZERO),  # folded into the GPU rate
+        "e2": FamilyRates(vcpu=Rate(0.021811, 0.006543), memory_gb=Rate(0.002923, 0.000877)),
     },
     gpus={
         # n1: attached GPUs, priced on their own
@@ -139,7 +142,7 @@ def region_prices(region: str) -> tuple[str, RegionPrices, bool]:
 def machine_rate(machine_type: str, gpu_type: str, gpu_count: int,
                  prices: RegionPrices = US_CENTRAL1) -> Rate:
     """vCPUs, memory and GPUs of one VM (KeyError for a type or GPU the catalog lacks)."""
-    shape = R.MACHINE_TYPES[machine_type]
+    shape = R.MACHINE_TYPES.get(machine_type) or R.CPU_MACHINE_TYPES[machine_type]
     fam = prices.families[R.family(machine_type)]
     return fam.vcpu * shape.vcpus + fam.memory_gb * shape.memory_gb + prices.gpus[gpu_type] * \
         gpu_count
@@ -174,6 +177,48 @@ def quote(exp: Experiment) -> Quote:
         overridden=overridden,
         on_demand_offered=not m.shape.spot_or_flex_only,
     )
+
+
+@dataclass(frozen=True)
+class PoolQuote:
+    """The hourly price of a pool: the on-demand coordinator plus N workers as provisioned (Spot
+    by default), and what the same pool would cost all on demand."""
+
+    worker: Quote  # one worker VM: the experiment's machine, `[cost]` overrides applied
+    coordinator: float  # the coordinator, on demand, with its disks (USD/h)
+    coordinator_trains: bool
+    min_workers: int
+    max_workers: int
+    spot_workers: bool  # machine.provisioning = "spot"
+
+    def hourly(self, workers: int) -> float:
+        per = self.worker.spot if self.spot_workers else self.worker.on_demand
+        return self.coordinator + workers * per
+
+    def on_demand_hourly(self, workers: int) -> float:
+        return self.coordinator + workers * self.worker.on_demand
+
+
+def pool_quote(exp: Experiment) -> PoolQuote:
+    """The pool's prices (the experiment must have a `[pool]`)."""
+    pool = layout("pool", exp)
+    assert pool is not None
+    m = exp.machine
+    worker = quote(exp)
+    _, prices, _ = region_prices(exp.gcp.region)
+    if pool.coordinator_trains and pool.coordinator_machine_type == m.machine_type:
+        coordinator = worker.on_demand  # the same VM on demand (an override applies too)
+    else:
+        gpus = m.gpu_count if pool.coordinator_trains else 0
+        machine = machine_rate(pool.coordinator_machine_type, m.gpu_type, gpus, prices)
+        d = prices.disk_gb_month
+        disks = (d["pd-balanced"] * m.boot_disk_gb + d["pd-ssd"] * exp.disk.checkpoint_disk_gb
+                 + d["local-ssd"] * (exp.disk.local_ssd_count * R.LOCAL_SSD_GB
+                                     if pool.coordinator_trains else 0)) * (1 / HOURS_PER_MONTH)
+        coordinator = (machine + disks).on_demand
+    return PoolQuote(worker=worker, coordinator=coordinator,
+                     coordinator_trains=pool.coordinator_trains, min_workers=pool.min_workers,
+                     max_workers=pool.max_workers, spot_workers=m.provisioning == "spot")
 
 
 def hourly_price(exp: Experiment) -> tuple[float, float]:

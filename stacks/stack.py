@@ -1,7 +1,9 @@
 """`TrainingStack`: one experiment's whole training environment as one Terraform stack.
 
 Composes the constructs (identity, bucket, network, firewall, template, group), the provider,
-the state backend and the outputs a user needs next (bucket, group, account, log commands).
+the state backend and the outputs a user needs next (bucket, group, account, log commands). A
+`[pool]` adds the on-demand coordinator, its private DNS name and the firewall rule between the
+pool's nodes (`stacks.pool`), and sizes the group for the Spot workers.
 """
 
 from __future__ import annotations
@@ -18,7 +20,17 @@ from stacks.experiment import Experiment, code_path
 from stacks.group import GroupProps, TrainerGroup
 from stacks.identity import Identity, IdentityProps
 from stacks.instance_template import TemplateProps, TrainerTemplate
-from stacks.network import FirewallProps, NetworkProps, TrainerFirewall, TrainerNetwork
+from stacks.coordinator import Coordinator, CoordinatorProps
+from stacks.network import (
+    FirewallProps,
+    NetworkProps,
+    PoolFirewall,
+    PoolFirewallProps,
+    TrainerFirewall,
+    TrainerNetwork,
+)
+from stacks.pool import ROLE_KEY, WORKER, PoolLayout, layout
+from stacks.pool_dns import PoolDns, PoolDnsProps
 
 
 def state_path(name: str) -> str:
@@ -67,9 +79,11 @@ class TrainingStack(TerraformStack):
             existing_subnetwork=net.subnetwork,
             subnetwork_project=net.subnetwork_project,
         ))
+        pool = layout(name, exp)
+        firewall_project = network.subnetwork_project or gcp.project
         TrainerFirewall(self, "firewall", FirewallProps(
             # Shared VPC: firewall rules live in the host project.
-            project=network.subnetwork_project or gcp.project,
+            project=firewall_project,
             name=name,
             network=network.network_ref,
             target_tag=tag,
@@ -109,6 +123,7 @@ class TrainingStack(TerraformStack):
             scripts=scripts,
             labels=labels,
             depends_on=tuple(delivery.objects),
+            extra_metadata={ROLE_KEY: WORKER} if pool else {},
         ))
         regional = exp.group.placement == "regional"
         group = TrainerGroup(self, "group", GroupProps(
@@ -117,14 +132,81 @@ class TrainingStack(TerraformStack):
             zones=tuple(gcp.zones),
             name=name,
             regional=regional,
-            workers=exp.group.workers,
+            workers=pool.worker_target if pool else exp.group.workers,
             template_self_link=template.self_link_unique,
             health_port=exp.trainer.health_port,
             initial_delay_sec=exp.group.initial_delay_sec,
             depends_on=tuple(identity.grants),
         ))
 
+        if pool is not None:
+            coordinator = Coordinator(self, "coordinator", CoordinatorProps(
+                project=gcp.project,
+                region=gcp.region,
+                zone=gcp.zones[0],
+                name=pool.coordinator_name,
+                machine_type=pool.coordinator_machine_type,
+                trains=pool.coordinator_trains,
+                gpu_type=m.gpu_type,
+                gpu_count=m.gpu_count,
+                attach_gpus=R.MACHINE_TYPES.get(pool.coordinator_machine_type, m.shape).gpu_type
+                is None,
+                gvnic=R.MACHINE_TYPES.get(pool.coordinator_machine_type, m.shape).gvnic_required,
+                running=pool.running,
+                image_project=m.image_project,
+                image_family=m.image_family,
+                boot_disk_gb=m.boot_disk_gb,
+                checkpoint_disk_gb=exp.disk.checkpoint_disk_gb,
+                local_ssd_count=exp.disk.local_ssd_count,
+                service_account_email=identity.email,
+                subnetwork=network.subnetwork,
+                subnetwork_project=network.subnetwork_project,
+                network_tag=tag,
+                scripts=scripts,
+                labels=labels,
+                depends_on=(*identity.grants, *delivery.objects),
+            ))
+            PoolDns(self, "pool-dns", PoolDnsProps(
+                project=gcp.project,
+                zone_name=f"{name}-pool",
+                domain=pool.dns_domain,
+                host=pool.coordinator_host,
+                network=network.network_ref,
+                address=coordinator.address.address,
+                labels=labels,
+            ))
+            PoolFirewall(self, "pool-firewall", PoolFirewallProps(
+                project=firewall_project,
+                name=name,
+                network=network.network_ref,
+                service_account_email=identity.email,
+            ))
+            self._pool_outputs(exp, pool, coordinator)
+
         self._outputs(name, exp, bucket.name, group, identity.email, regional)
+
+    def _pool_outputs(self, exp: Experiment, pool: PoolLayout, coordinator: Coordinator) -> None:
+        where = f"--project {exp.gcp.project} --zone {exp.gcp.zones[0]}"
+        outputs = {
+            "coordinator_name": (coordinator.instance.name,
+                                 "The pool's on-demand coordinator VM"),
+            "coordinator_ip": (coordinator.address.address,
+                               "The coordinator's static internal IP"),
+            "rendezvous_endpoint": (pool.endpoint,
+                                    "torchrun's --rdzv-endpoint (private DNS, inside the VPC)"),
+            "coordinator_log_command": (
+                f"gcloud compute ssh {pool.coordinator_name} {where} --tunnel-through-iap -- "
+                "sudo journalctl -u spottrain.service -f",
+                "Follow the coordinator's journal through IAP SSH",
+            ),
+            "stop_coordinator_command": (
+                f"gcloud compute instances stop {pool.coordinator_name} {where}",
+                "Stop paying for the coordinator's VM (disks and IP kept; set group.workers = 0 "
+                "so the next deploy agrees)",
+            ),
+        }
+        for key, (value, description) in outputs.items():
+            TerraformOutput(self, key, value=value, description=description)
 
     def _outputs(self, name: str, exp: Experiment, bucket: str, group: TrainerGroup,
                  email: str, regional: bool) -> None:

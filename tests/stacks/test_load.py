@@ -51,7 +51,8 @@ def test_discover_file_folder_and_environment(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert discover() == [EXAMPLE]
     monkeypatch.setenv(ENV_VAR, str(FIXTURES))
-    assert [p.name for p in discover()] == ["a3-regional.toml", "n1-v100-standard.toml"]
+    assert [p.name for p in discover()] == ["a3-regional.toml", "l4-pool.toml",
+                                            "n1-v100-standard.toml"]
     monkeypatch.setenv(ENV_VAR, str(FIXTURES / "a3-regional.toml"))
     assert [p.name for p in discover()] == ["a3-regional.toml"]
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "missing"))
@@ -75,6 +76,7 @@ def test_every_file_problem_is_reported_across_files(tmp_path):
 
 def test_fixture_experiments_are_valid():
     loaded = load_all(FIXTURES)
-    assert [e.name for e in loaded] == ["a3-regional", "n1-v100-standard"]
+    assert [e.name for e in loaded] == ["a3-regional", "l4-pool", "n1-v100-standard"]
     assert loaded[0].spec.group.placement == "regional"
-    assert loaded[1].spec.network.mode == "existing"
+    assert loaded[1].spec.pool is not None and loaded[1].spec.pool.max_nodes == 4
+    assert loaded[2].spec.network.mode == "existing"

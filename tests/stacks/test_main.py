@@ -53,10 +53,11 @@ def test_folder_override_synthesizes_one_stack_per_file_and_warns_on_budget(tmp_
     proc = run_main(tmp_path, FIXTURES)
     assert proc.returncode == 0, proc.stderr
     stacks = sorted(p.name for p in (tmp_path / "out" / "stacks").iterdir())
-    assert stacks == ["a3-regional", "n1-v100-standard"]
+    assert stacks == ["a3-regional", "l4-pool", "n1-v100-standard"]
     a3 = json.loads((tmp_path / "out" / "stacks" / "a3-regional" / "cdk.tf.json").read_text())
     assert "google_compute_region_instance_group_manager" in a3["resource"]
-    # 9 GB at 960 MB/s (2000 GB x 0.48) = 9.4 s of 20: fits; the N1 one (32 GB at 240 MB/s =
-    # 133 s of 110, standard) does not.
+    # 9 GB at 960 MB/s (2000 GB x 0.48) = 9.4 s of 20: fits; the pool's (fsdp: 8 GB / 2 nodes =
+    # 4 GB per node at 480 MB/s = 8.3 s of 20) fits; the N1 one (32 GB at 240 MB/s = 133 s of
+    # 110, standard) does not.
     warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "n1-v100-standard.toml" in warnings[0]

@@ -14,10 +14,15 @@ from stacks.pricing import Rate
 
 def test_every_accepted_machine_type_and_gpu_has_a_price():
     for region, prices in pricing.REGIONS.items():
-        assert set(prices.families) == set(R.FAMILIES), region
+        cpu_families = {R.family(t) for t in R.CPU_MACHINE_TYPES}
+        assert set(prices.families) == set(R.FAMILIES) | cpu_families, region
         for machine_type, shape in R.MACHINE_TYPES.items():
             gpu = shape.gpu_type or R.T4
             rate = pricing.machine_rate(machine_type, gpu, shape.gpu_count or 1, prices)
+            assert 0 < rate.spot < rate.on_demand, (region, machine_type)
+        # A pool's coordinator that does not train: CPU machine types, no GPU.
+        for machine_type in R.CPU_MACHINE_TYPES:
+            rate = pricing.machine_rate(machine_type, R.T4, 0, prices)
             assert 0 < rate.spot < rate.on_demand, (region, machine_type)
         for gpu in [*R.N1_GPU_LIMITS, *{s.gpu_type for s in R.MACHINE_TYPES.values()} - {None}]:
             assert 0 < prices.gpus[gpu].spot < prices.gpus[gpu].on_demand, (region, gpu)
@@ -35,6 +40,7 @@ def test_every_accepted_machine_type_and_gpu_has_a_price():
     ("g2-standard-8", R.L4, 1, 0.85354),
     ("n1-standard-8", R.T4, 1, 0.379998 + 0.35),
     ("n1-highmem-8", R.V100, 2, 0.473212 + 2 * 2.48),
+    ("e2-standard-4", R.T4, 0, 0.134012),  # a pool's CPU-only coordinator
 ])
 def test_catalog_reproduces_published_on_demand_prices(machine_type, gpu, count, published):
     rate = pricing.machine_rate(machine_type, gpu, count)
