@@ -78,6 +78,7 @@ from trainer.checkpoint import (FORMAT, FORMAT_VERSION, HASH_NAME, MANIFEST, Che
 from trainer.checkpointer import TIERS, Checkpointer, EmergencyReport, Restored, TierPolicy, _check_meta
 from trainer.distributed import World
 from trainer.interval import DEFAULT_MTBF_S
+from trainer.state import ResumeMismatch
 from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, UploadAborted, copy_file_durable, fsync_dir
 
 EXTRAS = "extras.pt"
@@ -660,7 +661,11 @@ class ShardedCheckpointer(Checkpointer):
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored | None:  # type: ignore[override]
         """Load the newest checkpoint that verifies into ``model`` and ``optimizer`` (in place,
         resharded to this world size); returns rank 0's extras as ``Restored.state`` on every
-        rank, or None when there is nothing to restore (see the module docstring)."""
+        rank, or None when there is nothing to restore (see the module docstring).
+
+        A copy that fails verification is skipped with the reason and the next older one tried.
+        A verified checkpoint that does not fit the model raises ``ResumeMismatch`` on every rank.
+        """
         t_start = time.monotonic()
         self.wait()
         with self._restore_lock:
@@ -704,11 +709,14 @@ class ShardedCheckpointer(Checkpointer):
                 err = _try(lambda: loaded.append(self._load(Path(path), model, optimizer)))
                 errs = self._all(err)
                 if any(errs):
-                    if self._rank == 0:
-                        self.log.warning("checkpoint step %d at %s could not be loaded: %s; falling back "
-                                         "to the next older one", step, path,
-                                         "; ".join(f"rank {r}: {e}" for r, e in enumerate(errs) if e))
-                    continue
+                    # Every file matched its sha256, so this is no corruption: the checkpoint does
+                    # not fit this model/optimizer (another architecture or settings). Older ones
+                    # would not fit either, and starting afresh would throw the run away.
+                    raise ResumeMismatch(
+                        f"cannot resume from step {step} at {path}: the checkpoint verified but does not "
+                        "fit this model and optimizer (use the original settings, or a new --run-dir/"
+                        "--gcs-uri for a new run): "
+                        + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errs) if e)[:2000])
                 seconds = time.monotonic() - t_start
                 if self._rank == 0:
                     self.log.info("restored step %d from %s (%s) in %.2fs", step, tier, path, seconds)
@@ -870,10 +878,16 @@ def _try_read(path: Path) -> bytes | None:
 
 
 def _try(fn: Any) -> str | None:
-    """Run ``fn``; the error as one line (None when it worked). Collectives carry these."""
+    """Run ``fn``; the error as text (None when it worked). Collectives carry these."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     try:
         fn()
         return None
+    except CheckpointException as e:
+        # It carries each failing rank's whole traceback; the last line is the actual error.
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        return lines[-1] if lines else type(e).__name__
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
 

@@ -357,8 +357,26 @@ def test_emergency_save_writes_disk_then_gcs_and_reports_both(tmp_path: Path, gc
 
 
 def test_fresh_run_restores_nothing(tmp_path: Path, logwatch) -> None:
-    r, _ = load_here(tmp_path / "run", log=_logger())
-    assert r is None and "starting from scratch" in logwatch.text()
+    model, opt, _ = make(seed=0)
+    before = copy.deepcopy(model.state_dict())
+    c = ckpt(tmp_path / "run", World(), log=_logger())
+    assert c.restore(model, opt) is None and "starting from scratch" in logwatch.text()
+    # Nothing was touched: no optimizer state appeared (a fresh Adam counts its steps from 0).
+    assert not opt.state and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    c.close()
+
+
+def test_checkpoint_of_another_model_is_a_resume_mismatch(saved_ws2: Path, tmp_path: Path) -> None:
+    from trainer.state import ResumeMismatch
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_ws2 / "run", run)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    c = ckpt(run, World())
+    with pytest.raises(ResumeMismatch, match=r"cannot resume from step 4 .*Size mismatch .*model\.0\.weight"):
+        c.restore(model, opt)  # not a fallback to step 2, nor a fresh start: the run would be lost
+    c.close()
 
 
 def _dir_store(root: Path) -> Any:
