@@ -194,10 +194,24 @@ def load_here(run_dir: Path, **kw: Any) -> tuple[Any, dict]:
 
 @pytest.fixture(scope="module")
 def saved_ws2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Steps 2 and 4 saved at world size 2 (step 2 written while training went on)."""
-    base = tmp_path_factory.mktemp("ws2")
-    (base / "out").mkdir()
-    launch(2, "save", run_dir=base / "run", out=base / "out")
+    """Steps 2 and 4 saved at world size 2 (step 2 written while training went on).
+
+    Written once per test session: xdist workers share it through their common base folder (a
+    lock orders them; the later ones find it done), so two workers never pay for it twice.
+    """
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, above each worker's own
+    base = shared / "sharded-ws2"
+    with open(shared / "sharded-ws2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (base / "done").exists():
+            shutil.rmtree(base, ignore_errors=True)
+            (base / "out").mkdir(parents=True)
+            launch(2, "save", run_dir=base / "run", out=base / "out")
+            (base / "done").touch()
     return base
 
 
