@@ -21,7 +21,7 @@ import jinja2
 from stacks import gcp_rules as R
 from stacks.experiment import Experiment
 from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
-from stacks.pricing import trainer_price_args
+from stacks.pricing import coordinator_price_args, trainer_price_args
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 DEVICE_NAME = "spottrain-checkpoints"
@@ -95,6 +95,8 @@ class BootProps:
     on the coordinator; None: one VM runs `python3 -m trainer run` as before."""
     parallelism: str | None = None
     """`--parallelism ddp|fsdp` for the trainer; None passes no flag (the single-VM default)."""
+    coordinator_price_args: tuple[str, ...] = ()
+    """A pool's coordinator's `price_args` (on demand); trainer.sh picks them by role."""
 
     @property
     def gcs_uri(self) -> str:
@@ -128,6 +130,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         releases=tuple(releases),
         price_args=tuple(trainer_price_args(exp)),
         pool=layout(name, exp),
+        coordinator_price_args=tuple(coordinator_price_args(exp)) if exp.pool else (),
         # Passed with a pool, or when the experiment sets it: an unchanged single-VM experiment
         # renders byte-identical scripts.
         parallelism=exp.trainer.parallelism
@@ -201,7 +204,10 @@ def render(props: BootProps) -> BootScripts:
         "health_port": props.health_port,
         # The prices go first: the template quotes each word; a user arg cannot repeat them
         # (`MANAGED_FLAGS`).
-        "args": [*props.price_args, *props.args],
+        # A pool picks its prices by role at run time (`price_args` arrays in trainer.sh).
+        "args": [*props.price_args, *props.args] if props.pool is None else list(props.args),
+        "price_args": list(props.price_args),
+        "coordinator_price_args": list(props.coordinator_price_args),
         "window_s": props.window_s,
         "stop_timeout_s": props.window_s - STOP_SLACK_S,
         "bucket": props.bucket,

@@ -248,3 +248,10 @@ def trainer_price_args(exp: Experiment) -> list[str]:
     (as provisioned) and what it would cost on demand; plain decimals, safe in a shell line."""
     _, on_demand = hourly_price(exp)
     return [PRICE_FLAG, f"{running_price(exp):.6f}", ON_DEMAND_PRICE_FLAG, f"{on_demand:.6f}"]
+
+
+def coordinator_price_args(exp: Experiment) -> list[str]:
+    """`trainer_price_args` for a pool's coordinator: it runs on demand, so both prices are its
+    on-demand price (the ledger then records no Spot savings for it)."""
+    price = f"{pool_quote(exp).coordinator:.6f}"
+    return [PRICE_FLAG, price, ON_DEMAND_PRICE_FLAG, price]

@@ -249,12 +249,16 @@ def test_torchrun_command_line_per_role(tmp_path, metadata, role, is_host):
     rc, argv = run_trainer_sh(tmp_path, scripts.trainer_sh.replace(
         "cd /nonexistent-not-used", f"cd {shquote(tmp_path / 'work')}"), metadata.host)
     assert rc == 3  # torchrun's exit status (here the fake's), passed on
+    # The coordinator runs on demand: its ledger records its own on-demand price.
+    prices = {"coordinator": pricing.coordinator_price_args(exp),
+              "worker": pricing.trainer_price_args(exp)}
+    assert prices["coordinator"][1] == prices["coordinator"][3] != prices["worker"][1]
     assert argv == [
         *TORCHRUN, f"--rdzv-conf=is_host={is_host},last_call_timeout=45", "--max-restarts=50",
         "-m", "trainer", "run", "--run-dir", "/mnt/spottrain/run", "--steps", "20000",
         "--gcs-uri", "gs://my-project-123456-l4-pool-ckpt/runs/l4-pool",
         "--task", "trainer.tasks.gpt:build", "--health-port", "8471", "--parallelism", "fsdp",
-        *pricing.trainer_price_args(exp), "--checkpoint-every-steps", "500",
+        *prices[role], "--checkpoint-every-steps", "500",
     ]
     # What torchrun and the trainer make of it: their own, real argument parsers.
     from torch.distributed.run import get_args_parser
@@ -269,6 +273,7 @@ def test_torchrun_command_line_per_role(tmp_path, metadata, role, is_host):
     args = parser().parse_args(t.training_script_args)
     assert (args.command, args.parallelism, args.gcs_uri) == (
         "run", "fsdp", "gs://my-project-123456-l4-pool-ckpt/runs/l4-pool")
+    assert args.price_per_hour == float(prices[role][1])
 
 
 def test_a_coordinator_that_does_not_train_serves_the_rendezvous(tmp_path, metadata):
