@@ -40,10 +40,17 @@ shard files, so no disk holds a complete copy: the staging folder is used for th
 removed, and **the GCS copy is the only complete one** (without ``gcs_uri`` a multi-node run has
 no usable checkpoint; the constructor says so). On restore each node leader downloads the chosen
 step from GCS into its node's persistent tier, verifies it, and then every rank loads from its
-own node's folder.
+own node's folder. (A run dir shared between hosts, e.g. over NFS, is not supported: each host
+would count as its own node writing into the same folders.)
 
-Every public method except ``describe()`` is a collective: every rank calls it, in the same order,
-with the same step. ``due()`` is only meaningful on rank 0 (the loop ORs it across ranks).
+Restoring picks the newest step that is valid on some tier (rank 0 lists, every rank gets the
+choice), has every node leader find or download a copy that fully verifies, and falls back to the
+next older step, logging why, when any node has none. A checkpoint that verified but does not fit
+the model (another architecture) raises ``ResumeMismatch`` rather than silently starting afresh.
+
+Every public method except ``due()`` and ``describe()`` (local looks) is a collective: every rank
+calls it, in the same order, with the same step. ``due()`` is only meaningful on rank 0 (the loop
+ORs it across ranks); rank 0 also decides which tiers a save writes and tells the others.
 """
 
 from __future__ import annotations
@@ -106,6 +113,9 @@ def shard(model: nn.Module, world: World, *, optimizer: torch.optim.Optimizer | 
 
     Without a process group (a single process) the model is returned unchanged: its state dict is
     then the full one, and ``ShardedCheckpointer`` saves and loads it the same way.
+
+    Tied weights (one parameter in two blocks, e.g. embedding and output head) must sit in one
+    FSDP unit: pass ``blocks`` that do not split them.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return model
@@ -636,8 +646,9 @@ class ShardedCheckpointer(Checkpointer):
 
     # ------------------------------------------------------------------------------ retention
     def _retain(self, t: Any, newest_step: int) -> None:
-        """As ``Checkpointer._retain`` with the sharded listing (called by ``_succeeded`` on rank
-        0; disk tiers by node leaders through ``_retain_here``)."""
+        """As ``Checkpointer._retain`` with the sharded listing. ``_succeeded`` calls it on rank 0
+        only, which leads its node: on one host that is the node holding complete disk copies,
+        on several hosts the disks hold no committed checkpoints to prune."""
         if t.is_disk and not self.is_leader:
             return
         keep = t.policy.keep
