@@ -30,11 +30,16 @@ CHECKPOINT_DEVICE = "spottrain-checkpoints"
 GROUPS = ("google_compute_instance_group_manager", "google_compute_region_instance_group_manager")
 BUCKET = "google_storage_bucket"
 TEMPLATE = "google_compute_instance_template"
+#: A pool's coordinator (`stacks.coordinator`): its VM and its own checkpoint disk.
+INSTANCE, DISK = "google_compute_instance", "google_compute_disk"
 #: Attributes the google provider cannot update in place (ForceNew): a change replaces.
 FORCE_NEW = {
     GROUPS[0]: {"name", "zone", "project", "base_instance_name"},
     GROUPS[1]: {"name", "region", "project", "base_instance_name", "distribution_policy_zones"},
     BUCKET: {"name", "location", "project"},
+    # `metadata_startup_script` too: the coordinator is recreated when its boot scripts change.
+    INSTANCE: {"name", "zone", "project", "metadata_startup_script", "boot_disk"},
+    DISK: {"name", "zone", "project", "type"},
 }
 SYNTH_TIMEOUT_S = 600
 MAX_VALUE = 60
@@ -234,6 +239,19 @@ def _flag(d: StackDiff, old: dict[str, Any], new: dict[str, Any]) -> None:
                         "fails while force_destroy = false")
         elif kind == TEMPLATE:
             _flag_template(d, c, old.get(c.address), new.get(c.address))
+        elif kind == DISK:
+            forced = [x for x in c.attrs if _top(x.path) in FORCE_NEW[DISK]]
+            if c.action == "removed" or forced:
+                why = f" ({_attrs_brief(forced)})" if forced else ""
+                d.flags.append(f"{'REPLACES' if forced else 'DESTROYS'} the coordinator's "
+                               f"checkpoint disk `{c.address}`{why}: its local checkpoints go; "
+                               "the pool resumes from the bucket")
+        elif kind == INSTANCE and c.action == "changed":
+            forced = [x for x in c.attrs if _top(x.path) in FORCE_NEW[INSTANCE]]
+            if forced:
+                d.notes.append(f"`{c.address}` (the pool's coordinator) is recreated "
+                               f"({_attrs_brief(forced)}): every node re-rendezvouses and "
+                               "resumes from the newest checkpoint; its disk and IP are kept")
 
 
 def _flag_group(d: StackDiff, c: ResourceChange, old: dict | None, new: dict | None) -> None:

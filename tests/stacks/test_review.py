@@ -209,6 +209,28 @@ def test_bucket_in_place_change_is_not_flagged_removal_is():
     assert d.status == "removed" and d.flags[0].startswith("DESTROYS the bucket")
 
 
+def test_a_pools_coordinator_disk_and_recreation_are_flagged():
+    disk = {"name": "x-coordinator-ckpt", "zone": "us-central1-a", "type": "pd-ssd", "size": 300}
+    d = review.diff_stack("x", _stack(google_compute_disk__c=disk),
+                          _stack(google_compute_disk__c={**disk, "size": 500}))
+    assert d.flags == [] and d.status == "changed"  # grows in place
+    d = review.diff_stack("x", _stack(google_compute_disk__c=disk),
+                          _stack(google_compute_disk__c={**disk, "zone": "us-central1-b"}))
+    assert len(d.flags) == 1
+    assert d.flags[0].startswith("REPLACES the coordinator's checkpoint disk")
+    d = review.diff_stack("x", _stack(google_compute_disk__c=disk), _stack())
+    assert d.flags[0].startswith("DESTROYS the coordinator's checkpoint disk")
+    vm = {"name": "x-coordinator", "metadata_startup_script": "a", "desired_status": "RUNNING"}
+    d = review.diff_stack("x", _stack(google_compute_instance__v=vm),
+                          _stack(google_compute_instance__v={**vm,
+                                                             "metadata_startup_script": "b"}))
+    assert d.flags == [] and len(d.notes) == 1 and "is recreated" in d.notes[0]
+    d = review.diff_stack("x", _stack(google_compute_instance__v=vm),
+                          _stack(google_compute_instance__v={**vm,
+                                                             "desired_status": "TERMINATED"}))
+    assert d.flags == [] and d.notes == []
+
+
 def test_metadata_is_ignored_and_long_text_is_summarized():
     a = _stack(google_x__y={"script": "a\nb"})
     b = _stack(google_x__y={"script": "a\nb\nc"})
