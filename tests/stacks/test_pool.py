@@ -270,6 +270,20 @@ def test_torchrun_command_line_per_role(tmp_path, metadata, role, is_host):
         "2:4", "1", "c10d", "coordinator.l4-pool.spottrain.internal:29500", "l4-pool")
     assert t.rdzv_conf == f"is_host={is_host},last_call_timeout=45"
     assert (t.max_restarts, t.module, t.training_script) == (50, True, "trainer")
+    # ... and what the c10d rendezvous handler reads from --rdzv-conf and --rdzv-endpoint.
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.utils import (
+        _parse_rendezvous_config,
+        parse_rendezvous_endpoint,
+    )
+
+    params = RendezvousParameters(backend=t.rdzv_backend, endpoint=t.rdzv_endpoint,
+                                  run_id=t.rdzv_id, min_nodes=2, max_nodes=4,
+                                  **_parse_rendezvous_config(t.rdzv_conf))
+    assert params.get_as_bool("is_host") is (is_host == "true")
+    assert params.get_as_int("last_call_timeout") == 45
+    assert parse_rendezvous_endpoint(t.rdzv_endpoint, default_port=29400) == (
+        "coordinator.l4-pool.spottrain.internal", 29500)
     args = parser().parse_args(t.training_script_args)
     assert (args.command, args.parallelism, args.gcs_uri) == (
         "run", "fsdp", "gs://my-project-123456-l4-pool-ckpt/runs/l4-pool")
@@ -284,6 +298,10 @@ def test_a_coordinator_that_does_not_train_serves_the_rendezvous(tmp_path, metad
     metadata.role = "coordinator"
     rc, argv = run_trainer_sh(tmp_path, sh, metadata.host)
     assert (rc, argv) == (3, ["-m", "trainer", "rendezvous", "--port", "29400"])
+    from trainer.cli import parser
+
+    args = parser().parse_args(argv[2:])  # the trainer's own parser accepts it
+    assert (args.command, args.port) == ("rendezvous", 29400)
     # Its workers train with torchrun, none of them hosting the store.
     metadata.role = "worker"
     rc, argv = run_trainer_sh(tmp_path, sh, metadata.host)
