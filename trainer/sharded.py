@@ -391,13 +391,13 @@ class ShardedCheckpointer(Checkpointer):
         msd, osd = get_state_dict(model, optimizer)
         return self._stager.stage({"model": msd, "optim": osd})
 
-    def _plan(self, step: int, extras: Any, meta: dict | None, *,
-              names: list[str] | None) -> tuple[list[str], str, bytes | None, dict]:
+    def _plan(self, step: int, extras: Any, meta: dict | None, *, names: list[str] | None,
+              every_tier: bool = False) -> tuple[list[str], str, bytes | None, dict]:
         meta = _check_meta(meta)
         plan = None
         if self._rank == 0:
             if names is None:
-                names = self._due_tiers(step) or list(self._tiers)
+                names = list(self._tiers) if every_tier else (self._due_tiers(step) or list(self._tiers))
                 if "gcs" in names and not any(self._tiers[n].is_disk for n in names):
                     names.append("persistent")  # the upload reads the staged files
                 names = [n for n in TIERS if n in names]
@@ -413,15 +413,16 @@ class ShardedCheckpointer(Checkpointer):
         return names, tag, blob, meta
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,  # type: ignore[override]
-             extras: Any = None, meta: dict | None = None) -> float:
+             extras: Any = None, meta: dict | None = None, every_tier: bool = False) -> float:
         """Stage this rank's shards on the host and write every due tier in the background (every
-        tier when none is due); returns the seconds the caller was blocked. ``extras`` is rank 0's
-        (other ranks may pass None)."""
+        tier when none is due, or when ``every_tier``: the final checkpoint, a pause); returns the
+        seconds the caller was blocked. ``extras`` is rank 0's (other ranks may pass None); rank
+        0's view of which tiers are due decides for every rank."""
         t0 = time.perf_counter()
         if self._busy():
             self.stats["waited"] += 1
             self._thread.join()  # type: ignore[union-attr]
-        names, tag, blob, meta = self._plan(step, extras, meta, names=None)
+        names, tag, blob, meta = self._plan(step, extras, meta, names=None, every_tier=every_tier)
         t_snap = time.perf_counter()
         staged = self._stage(model, optimizer)
         snap_s = time.perf_counter() - t_snap

@@ -370,6 +370,22 @@ def test_emergency_save_writes_disk_then_gcs_and_reports_both(tmp_path: Path, gc
     assert_same_state(loaded, expected)
 
 
+def test_save_writes_the_due_tiers_or_every_tier(tmp_path: Path, gcs_emulator) -> None:
+    model, opt, sched = make(seed=0)
+    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_emulator.uri, world=World(),
+                            policies={"persistent": TierPolicy(every_steps=1), "gcs": TierPolicy(every_steps=1000)})
+    train(model, opt, sched, 1, 0)
+    assert c.due(1)
+    c.save(1, model, opt, extras={"step": 1})
+    c.wait()
+    train(model, opt, sched, 1, 0)
+    c.save(2, model, opt, extras={"step": 2}, every_tier=True)  # the final checkpoint: everywhere
+    c.wait()
+    assert [i.step for i in list_sharded(_dir_store(tmp_path / "run")) if i.valid] == [2, 1]
+    assert [i.step for i in list_sharded(c.gcs) if i.valid] == [2]  # step 1 was not due there
+    c.close()
+
+
 def test_fresh_run_restores_nothing(tmp_path: Path, logwatch) -> None:
     model, opt, _ = make(seed=0)
     before = copy.deepcopy(model.state_dict())
