@@ -17,9 +17,9 @@ SKIPS: dict[str, str] = {
     "CKV_GCP_37": "A pool coordinator's checkpoint disk uses Google-managed encryption, like every "
     "disk the workers' template creates (which checkov does not inspect); CSEK would put a raw key "
     "into the Terraform state and be needed at every restart.",
-    "CKV_GCP_38": "A pool coordinator's boot disk uses Google-managed encryption, like the workers' "
-    "boot disks from the template; CSEK would put a raw key into the Terraform state and be needed "
-    "at every restart.",
+    "CKV_GCP_38": "A pool coordinator's boot disk uses Google-managed encryption, like the "
+    "workers' boot disks from the template; CSEK would put a raw key into the Terraform state and "
+    "be needed at every restart.",
     "CKV_GCP_76": "The subnet is IPv4-only; private_ip_google_access = true gives its VMs Google "
     "APIs without external IPs, and there is no IPv6 traffic to route privately.",
 }

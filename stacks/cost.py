@@ -146,7 +146,8 @@ def describe_pool(e: ExperimentFile, today: date | None = None) -> list[str]:
         f"workers)   {_money(at_hi)}/h at {p.max_nodes} nodes (coordinator + {hi} workers)",
         f"  assumed           {exp.trainer.steps:,} steps at {est.steps_per_second:g} steps/s at "
         f"{p.max_nodes} nodes ({_assumed(exp, 'steps_per_second')}; proportional to the nodes) "
-        f"= {_hours(est.training_hours)} of training; goodput {est.spot_goodput:.0%} on Spot ({_assumed(exp, 'expected_goodput')}), "
+        f"= {_hours(est.training_hours)} of training; goodput {est.spot_goodput:.0%} on Spot "
+        f"({_assumed(exp, 'expected_goodput')}), "
         f"{est.on_demand_goodput:.0%} on demand",
         f"  expected cost     {_money(lo_hours * at_lo)} at {p.min_nodes} nodes "
         f"({_hours(lo_hours)} of pool) to {_money(hi_cost)} at {p.max_nodes} nodes "

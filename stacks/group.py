@@ -1,4 +1,5 @@
-"""The managed instance group that keeps one trainer VM alive, and its TCP health check.
+"""The managed instance group that keeps the trainer VMs alive (one, or a pool's Spot workers),
+and its TCP health check.
 
 Repair on failure recreates preempted or failed VMs from the template; autohealing recreates a
 VM whose trainer stops answering `ok`. The checkpoint disk is stateful: kept and reattached on
