@@ -534,3 +534,11 @@ def test_pools_on_an_existing_shared_vpc_and_a_regional_group(tmp_path):
     assert regional.one("google_compute_instance")["zone"] == "us-central1-a"
     result = checkov.run([shared.file, regional.file])
     assert result["failed"] == [] and result["parsing_errors"] == 0
+
+
+def test_every_pool_key_is_documented():
+    from stacks.experiment import Pool, Trainer
+
+    assert [f for f, info in Pool.model_fields.items() if not info.description] == []
+    assert Trainer.model_fields["parallelism"].description
+    assert Pool.model_config["extra"] == "forbid"
