@@ -187,15 +187,16 @@ class Checkpointer:
         return True
 
     # ------------------------------------------------------------------------------ saving
-    def save(self, step: int, state: dict, *, meta: dict | None = None) -> float:
+    def save(self, step: int, state: dict, *, meta: dict | None = None, every_tier: bool = False) -> float:
         """Snapshot ``state`` and write it in the background; returns the seconds the caller was
-        blocked. Saves to the tiers that are due, or to every tier when none is (explicit save)."""
+        blocked. Saves to the tiers that are due, or to every tier when none is (explicit save)
+        or when ``every_tier`` (the final checkpoint, a pause)."""
         t0 = time.perf_counter()
         meta = _check_meta(meta)
         if self._busy():
             self.stats["waited"] += 1
             self._thread.join()  # type: ignore[union-attr]
-        names = self._due_tiers(step) or list(self._tiers)
+        names = list(self._tiers) if every_tier else (self._due_tiers(step) or list(self._tiers))
         if "gcs" in names and not any(self._tiers[n].is_disk for n in names):
             names.append("persistent")  # GCS uploads from the persistent folder
         names = [n for n in TIERS if n in names]
@@ -317,6 +318,26 @@ class Checkpointer:
                 delete_checkpoint(t.store, i.step)
 
     # ------------------------------------------------------------------------------ restoring
+    def newest_valid_step(self) -> int | None:
+        """The newest step that passes the quick check (manifest, sizes) on any tier, or None.
+
+        Cheap (listings only): in a multi-node job every node leader answers it, so that the node
+        whose disk holds the newest checkpoint restores for everyone.
+        """
+        steps = []
+        for t in self._tiers.values():
+            try:
+                steps += [i.step for i in self._list(t) if i.valid]
+            except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
+                self.log.warning("cannot list checkpoints on %s (%s: %s)", t.name, type(e).__name__, e)
+        return max(steps, default=None)
+
+    def mark_restored(self, step: int) -> None:
+        """Another node restored ``step`` for the job: count the tiers' intervals from there."""
+        now = time.monotonic()
+        for t in self._tiers.values():
+            t.last_step, t.last_time = step, now
+
     def restore(self, *, download: bool = True) -> Restored | None:
         """Load the newest valid checkpoint across all tiers (see the module docstring)."""
         t_start = time.monotonic()

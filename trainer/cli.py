@@ -1,4 +1,7 @@
-"""Command line: ``python -m trainer run ...`` and ``python -m trainer status ...`` (a stable contract).
+"""Command line: ``python -m trainer run|status|rendezvous ...`` (a stable contract).
+
+``rendezvous`` hosts the c10d rendezvous store of a multi-node job on a coordinator that does not
+train (when it trains, its torchrun agent hosts the store itself).
 
 Exit codes: 0 finished (also: already finished), 75 stopped by preemption after a successful save
 (run the same command again to resume), 2 bad input or a resume with other settings, 1 failed.
@@ -53,6 +56,11 @@ def parser() -> argparse.ArgumentParser:
                    help="USD per hour of this VM as provisioned, for the cost in `status` (may change on resume)")
     r.add_argument("--on-demand-price-per-hour", type=float,
                    help="USD per hour of the same VM on demand, for the comparison in `status`")
+    r.add_argument("--parallelism", choices=("ddp", "fsdp"),
+                   help="ddp: whole model per rank (default); fsdp: sharded, saved per rank")
+    r.add_argument("--global-batch-size", type=int,
+                   help="samples per optimizer step over all ranks, constant across world sizes")
+    r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75")
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
@@ -60,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--gcs-uri")
     s.add_argument("--local-dir", type=Path)
     s.add_argument("--json", action="store_true", help="print one JSON object")
+
+    z = sub.add_parser("rendezvous", help="host a multi-node job's c10d rendezvous store until SIGTERM")
+    z.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
+    z.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
     return p
 
 
@@ -71,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             cli = {k: getattr(args, k) for k in (
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
                 "checkpoint_every_seconds", "local_dir", "health_port", "price_per_hour",
-                "on_demand_price_per_hour")}
+                "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step")}
             cfg = load_run_config(cli, args.config)
+        elif args.command == "rendezvous":
+            if not 1 <= args.port <= 65535:
+                raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
         else:
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
                                        "local_dir": args.local_dir, "json_output": args.json})
@@ -85,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.train import run  # torch loads only once the input is known to be good
 
         return run(cfg, process_start=started).code
+    if args.command == "rendezvous":
+        from trainer.rendezvous import serve
+
+        return serve(args.host, args.port)
     from trainer.status import main as status_main
 
     return status_main(scfg)

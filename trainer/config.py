@@ -106,7 +106,28 @@ class RunConfig(BaseModel):
     batch_size: int = Field(default=16, gt=0)
     """Samples per micro-batch on each rank. Part of the fingerprint."""
     grad_accum_steps: int = Field(default=1, gt=0)
-    """Micro-batches per optimizer step. Part of the fingerprint."""
+    """Micro-batches per optimizer step. Part of the fingerprint. Ignored when
+    ``global_batch_size`` is set."""
+    global_batch_size: int | None = Field(default=None, gt=0)
+    """Samples per optimizer step over all ranks, kept constant when the world size changes
+    (an elastic job losing or gaining a node): each rank accumulates
+    ``global_batch_size / (batch_size * world_size)`` micro-batches, which must be a whole
+    number at every world size the job runs at (checked at start, exit 2 otherwise). Part of
+    the fingerprint. None: ``grad_accum_steps`` micro-batches per rank, so the global batch
+    follows the world size."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """``ddp``: every rank holds the whole model; rank 0 saves it once. ``fsdp``: parameters and
+    optimizer state are sharded over the ranks (FSDP2); every rank saves its shard through
+    ``torch.distributed.checkpoint``, and a checkpoint loads at any world size. Part of the
+    fingerprint."""
+    collective_timeout_s: float = Field(default=300.0, gt=0)
+    """A collective that waits longer than this fails, so that survivors of a node that vanished
+    restart (torchrun re-forms the world) instead of hanging until the health check gives up."""
+    stop_at_step: int | None = Field(default=None, gt=0)
+    """Pause after this many steps: save (every tier), wait until durable and exit 75, as if
+    preempted. For staged runs (change the pool or the machine, then resume). Not part of the
+    fingerprint. Under torchrun, the agent would restart the paused workers: pass it to a single
+    process or stop the job instead."""
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value (none: no clipping). Part of the fingerprint."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -180,20 +201,42 @@ class RunConfig(BaseModel):
             )
         return policies
 
-    def fingerprint(self, *, world_size: int, dataset_len: int) -> dict[str, Any]:
-        """Settings that must not change across a resume, or the result would not be the run's."""
-        return {
+    def accum_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step at ``world_size``; ValueError if
+        ``global_batch_size`` does not divide into whole micro-batches there."""
+        if self.global_batch_size is None:
+            return self.grad_accum_steps
+        per_step = self.batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of batch_size "
+                f"{self.batch_size} x world size {world_size} = {per_step}: choose a global batch "
+                f"that every world size of the pool divides (or a smaller batch_size)")
+        return self.global_batch_size // per_step
+
+    def fingerprint(self, *, dataset_len: int) -> dict[str, Any]:
+        """Settings that must not change across a resume, or the result would not be the run's.
+
+        The world size is not one of them: the data position counts global samples, so an
+        elastic job continues at another world size (with ``global_batch_size``, on the same
+        optimisation trajectory up to floating-point reduction order).
+        """
+        fp = {
             "seed": self.seed,
             "steps": self.steps,
             "task": self.task,
             "task_args": self.task_args,
             "batch_size": self.batch_size,
-            "grad_accum_steps": self.grad_accum_steps,
             "grad_clip": self.grad_clip,
             "precision": self.precision,
-            "world_size": world_size,
+            "parallelism": self.parallelism,
             "dataset_len": dataset_len,
         }
+        if self.global_batch_size is None:
+            fp["grad_accum_steps"] = self.grad_accum_steps
+        else:
+            fp["global_batch_size"] = self.global_batch_size
+        return fp
 
 
 class StatusConfig(BaseModel):

@@ -2,9 +2,16 @@
 
 The loop sees a :class:`World` and calls a handful of collectives on it; with one process every
 collective returns its input, so the single-process path has no distributed code in it.
+
+Under ``torchrun`` with several nodes (elastic, c10d rendezvous) the world is re-formed after every
+node loss or join: the agent restarts its workers, and each new world may have another size and
+another rank-to-node mapping. ``node_leader`` (local rank 0) is the one process per VM that runs
+the VM's own machinery: the health server, the metadata preemption watcher, and its goodput
+ledger. Global rank 0 speaks for the job (logs, DDP checkpoints).
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -18,14 +25,25 @@ class World:
     rank: int = 0
     local_rank: int = 0
     size: int = 1
+    local_size: int = 1
+    node_rank: int = 0  # torchrun's GROUP_RANK: this node's index in the current world
+    restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: worker-group restarts so far
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def is_node_leader(self) -> bool:
+        return self.local_rank == 0
+
+    @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.size // max(1, self.local_size))
 
     def any_flags(self, *flags: bool) -> list[bool]:
         """Element-wise OR of boolean flags across ranks (one small all-reduce)."""
@@ -35,13 +53,29 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [bool(v) for v in t.tolist()]
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
+    def max_float(self, value: float) -> float:
+        """The largest ``value`` over all ranks."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
         if not self.distributed:
             return obj
-        box = [obj if self.is_main else None]
-        dist.broadcast_object_list(box, src=0, device=_comm_device())
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, device=_comm_device())
         return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, indexed by rank, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` as a list on rank 0 (None elsewhere)."""
@@ -74,14 +108,28 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init() -> World:
-    """Join the process group when started by torchrun (WORLD_SIZE > 1)."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+def init(timeout_s: float | None = None) -> World:
+    """Join the process group when started by torchrun (WORLD_SIZE > 1).
+
+    ``timeout_s`` bounds every collective: a peer that vanished without closing its sockets (a
+    VM powered off) then fails the survivors' collective instead of hanging them, so that the
+    torchrun agent restarts them into a smaller world.
+    """
+    env = os.environ
+    size = int(env.get("WORLD_SIZE", "1"))
+    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if size <= 1:
-        return World()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        return World(restart_count=restarts)
+    rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
+    local_size = int(env.get("LOCAL_WORLD_SIZE", "1"))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend)
-    return World(rank=rank, local_rank=local_rank, size=size)
+        # A dead peer raises in the survivors instead of leaving a collective waiting forever.
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, **kwargs)
+    return World(rank=rank, local_rank=local_rank, size=size, local_size=local_size,
+                 node_rank=int(env.get("GROUP_RANK", "0")), restart_count=restarts)

@@ -16,6 +16,12 @@ Report (all sessions together), after ml-goodput-measurement:
   that ended without a trace (SIGKILL, hard power-off, OOM kill); ``failures``: sessions that
   stopped on an error (bad input, an exception); ``sessions``; ``finished``;
 - ``cost``: what the job has cost, from the hourly prices each session recorded (see ``Cost``).
+
+A multi-node job has one ledger writer per node (its local rank 0; ``session_start`` names the
+node and whether the session was the job's rank 0). The job's figures come from its rank-0
+sessions, which follow one another as the world is re-formed; ``nodes`` holds the same report
+per node, and the job's cost is the sum of the nodes' costs (each node runs at its own price:
+an on-demand coordinator and Spot workers).
 """
 from __future__ import annotations
 
@@ -195,11 +201,19 @@ class Ledger:
         return done
 
 
+def node_name() -> str:
+    """This VM's name in the ledger: ``SPOTTRAIN_NODE`` if set, else the host name."""
+    return os.environ.get("SPOTTRAIN_NODE") or socket.gethostname()
+
+
 def session_start_fields(process_start_wall: float, *, price_per_hour: float | None = None,
-                         on_demand_price_per_hour: float | None = None) -> dict[str, Any]:
+                         on_demand_price_per_hour: float | None = None, main: bool = True,
+                         world_size: int = 1) -> dict[str, Any]:
     """The ``session_start`` event: when the process started, where, and the hourly prices this
-    session runs at (None: unknown). Prices are per session because they may change between restarts."""
+    session runs at (None: unknown). Prices are per session because they may change between restarts.
+    ``main``: this session is the job's rank 0 (the one that speaks for the job)."""
     return {"started": process_start_wall, "pid": os.getpid(), "host": socket.gethostname(),
+            "node": node_name(), "main": main, "world_size": world_size,
             "price_per_hour": price_per_hour, "on_demand_price_per_hour": on_demand_price_per_hour}
 
 
@@ -247,9 +261,14 @@ class Report:
     sessions: int
     finished: bool
     cost: Cost = field(default_factory=lambda: Cost(None, None, None, None, 0, 0))
+    #: The latest step the job has reached (the newest session's last recorded step).
+    steps: int = 0
+    #: Per node (multi-node jobs only): the same report over that node's sessions.
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["nodes"] = dict(self.nodes)
         # Money stays unrounded: a short run costs fractions of a cent, and the fields must agree.
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items()}
 
@@ -270,6 +289,53 @@ def _productive_at(points: list[tuple[int, float]], step: int) -> float:
 
 
 def report(events: list[dict[str, Any]]) -> Report:
+    """The job's report; for a multi-node job also one per node (see the module docstring)."""
+    by_session: dict[str, list[dict[str, Any]]] = {}
+    for ev in events:
+        by_session.setdefault(str(ev["session"]), []).append(ev)
+    node_of: dict[str, str] = {}
+    main_sessions: set[str] = set()
+    for sid, evs in by_session.items():
+        start = next((e for e in evs if e["event"] == "session_start"), None) or {}
+        node_of[sid] = str(start.get("node") or start.get("host") or "?")
+        if start.get("main", True) is not False:
+            main_sessions.add(sid)
+    job = _report([e for e in events if str(e["session"]) in main_sessions])
+    nodes = sorted(set(node_of.values()))
+    if len(nodes) > 1 or len(main_sessions) < len(by_session):
+        # A node's work counts as lost when the job later restored from an earlier step, whichever
+        # node that restore ran on: judge every node against the job's restores.
+        restores = [(float(e["t"]), int(e["step"])) for e in events
+                    if e["event"] == "restore" and str(e["session"]) in main_sessions]
+        per_node = {n: _report([e for e in events if node_of[str(e["session"])] == n], restores)
+                    for n in nodes}
+        job.nodes = {n: r.as_dict() for n, r in per_node.items()}
+        job.cost = _sum_costs([r.cost for r in per_node.values()], steps=job.steps)
+    return job
+
+
+def _sum_costs(costs: list[Cost], *, steps: int | None) -> Cost:
+    def total(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) if known else None
+
+    so_far = total([c.cost_so_far for c in costs])
+    equivalent = total([c.on_demand_equivalent for c in costs])
+    savings = (sum(c.savings for c in costs)  # type: ignore[misc]
+               if costs and all(c.savings is not None for c in costs) else None)
+    return Cost(
+        cost_so_far=so_far,
+        cost_per_1000_steps=so_far / steps * 1000 if so_far is not None and steps else None,
+        on_demand_equivalent=equivalent,
+        savings=savings,
+        priced_sessions=sum(c.priced_sessions for c in costs),
+        unpriced_sessions=sum(c.unpriced_sessions for c in costs),
+    )
+
+
+def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | None = None) -> Report:
+    """The report over ``events``; ``restores`` ((time, step) of the job's restores) judge which
+    work was lost, by default these sessions' own restores."""
     by_session: dict[str, list[dict[str, Any]]] = {}
     for ev in sorted(events, key=_key):
         by_session.setdefault(str(ev["session"]), []).append(ev)
@@ -281,7 +347,7 @@ def report(events: list[dict[str, Any]]) -> Report:
         start_step = int(restore["step"]) if restore else 0
         points = [(start_step, 0.0)]
         for e in evs:
-            if e["event"] in ("progress", "checkpoint", "finish", "preempted") and "productive_s" in e:
+            if e["event"] in ("progress", "checkpoint", "finish", "preempted", "paused") and "productive_s" in e:
                 points.append((int(e["step"]), float(e["productive_s"])))
         sessions.append({
             "price": _price(start, "price_per_hour"),
@@ -293,8 +359,9 @@ def report(events: list[dict[str, Any]]) -> Report:
             "startup_s": float(restore["startup_s"]) if restore else max(float(e["t"]) for e in evs) - t0,
             "points": points,
             "blocked": sum(float(e.get("blocked_s", 0.0)) for e in evs
-                           if e["event"] in ("checkpoint", "preempted", "finish")),
+                           if e["event"] in ("checkpoint", "preempted", "finish", "paused")),
             "preempted": any(e["event"] == "preemption_notice" for e in evs),
+            "paused": any(e["event"] == "paused" for e in evs),
             "finished": any(e["event"] == "finish" for e in evs),
             "failed": any(e["event"] == "failed" for e in evs),
         })
@@ -303,7 +370,10 @@ def report(events: list[dict[str, Any]]) -> Report:
         return Report(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, False)
     productive = lost = 0.0
     for i, s in enumerate(sessions):
-        later = [x["restored_step"] for x in sessions[i + 1:] if x["restored_step"] is not None]
+        if restores is None:
+            later = [x["restored_step"] for x in sessions[i + 1:] if x["restored_step"] is not None]
+        else:
+            later = [step for t, step in restores if t > s["t1"]]
         done = s["points"][-1][1]
         s["kept"] = _productive_at(s["points"], min(later)) if later else done
         lost += done - s["kept"]
@@ -320,22 +390,26 @@ def report(events: list[dict[str, Any]]) -> Report:
         lost_s=lost,
         downtime_s=max(0.0, wall - spans),
         preemptions=sum(1 for s in sessions if s["preempted"]),
-        crashes=sum(1 for s in sessions[:-1] if not (s["preempted"] or s["finished"] or s["failed"])),
+        crashes=sum(1 for s in sessions[:-1] if not (s["preempted"] or s["paused"] or s["finished"] or s["failed"])),
         failures=sum(1 for s in sessions if s["failed"]),
         sessions=len(sessions),
         finished=sessions[-1]["finished"],
-        cost=_cost(sessions),
+        cost=_cost(sessions, _reached(sessions)),
+        steps=_reached(sessions),
     )
 
 
-def _cost(sessions: list[dict[str, Any]]) -> Cost:
-    priced = [s for s in sessions if s["price"] is not None]
-    on_demand = [s for s in sessions if s["on_demand_price"] is not None]
-    so_far = sum((s["t1"] - s["t0"]) / 3600 * s["price"] for s in priced) if priced else None
+def _reached(sessions: list[dict[str, Any]]) -> int:
     # Steps completed: where the newest session that got as far as a restore stands (a session
     # that failed during start-up reached no step at all).
     reached = [s for s in sessions if s["restored_step"] is not None or len(s["points"]) > 1]
-    steps = reached[-1]["points"][-1][0] if reached else 0
+    return reached[-1]["points"][-1][0] if reached else 0
+
+
+def _cost(sessions: list[dict[str, Any]], steps: int) -> Cost:
+    priced = [s for s in sessions if s["price"] is not None]
+    on_demand = [s for s in sessions if s["on_demand_price"] is not None]
+    so_far = sum((s["t1"] - s["t0"]) / 3600 * s["price"] for s in priced) if priced else None
     equivalent = sum(s["kept"] / 3600 * s["on_demand_price"] for s in on_demand) if on_demand else None
     complete = len(priced) == len(on_demand) == len(sessions)
     return Cost(

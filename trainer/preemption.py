@@ -62,6 +62,11 @@ class Preemption:
     def wait(self, timeout: float | None = None) -> bool:
         return self._event.wait(timeout)
 
+    def seconds_since_notice(self) -> float:
+        """How long ago this process got its notice (0.0 without one)."""
+        t = self.notice_monotonic
+        return 0.0 if t is None or not self._event.is_set() else max(0.0, time.monotonic() - t)
+
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT set the flag (main thread only, as Python requires)."""
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -4,6 +4,10 @@ A checkpoint at step N holds everything that decides steps N+1.. of the run: the
 LR scheduler and grad scaler state, the RNG state of Python, torch CPU and every CUDA device *on
 every rank*, the data position, the step, and the fingerprint of the settings that must not change
 across a resume. Restoring all of it makes the continued run bit-for-bit the uninterrupted one.
+
+At another world size (an elastic job lost or gained a node) the per-rank RNG streams cannot be
+carried over: every rank then reseeds from (seed, step, rank), so that a run taking the same
+world-size path reaches the same result whether or not it was interrupted on the way.
 """
 from __future__ import annotations
 
@@ -89,6 +93,8 @@ def build(
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    # Checkpoints written before elastic training recorded the world size; it may now change.
+    saved = {k: v for k, v in saved.items() if k != "world_size"}
     diffs = [
         f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
         for k in sorted(set(saved) | set(current))
@@ -122,8 +128,24 @@ def apply(
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     data.load_state_dict(state["data"])
-    set_rng_state(state["rng"][world.rank])
-    return int(state["step"])
+    step = int(state["step"])
+    if saved_world_size(state) == world.size:
+        set_rng_state(state["rng"][world.rank])
+    else:
+        reseed(int(state["fingerprint"]["seed"]), step, world.rank)
+    return step
+
+
+def saved_world_size(state: dict[str, Any]) -> int:
+    """The world size that wrote ``state`` (one RNG state per rank)."""
+    return len(state["rng"])
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Fresh, reproducible RNG streams for ``rank`` from ``step`` on (after a world-size change)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + (rank + 1) * 0x94D049BB133111EB) % 2**63
+    random.seed(mixed)
+    torch.manual_seed(mixed)
 
 
 def model_digest(model_state: dict[str, torch.Tensor]) -> str:

@@ -4,7 +4,7 @@ Read-only: it never downloads into, repairs or deletes anything on a tier.
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
 (the checkpointer's per-tier description) and ``goodput`` (see ``goodput.Report``; its ``cost``
-object is ``goodput.Cost``).
+object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per node).
 """
 from __future__ import annotations
 
@@ -70,6 +70,12 @@ def _human(s: dict[str, Any]) -> str:
         f"failures {g['failures']}, "
         f"finished {'yes' if g['finished'] else 'no'}")
     lines.append(_cost_line(g.get("cost") or {}))
+    for node, n in sorted((g.get("nodes") or {}).items()):
+        lines.append(
+            f"  node {node}: goodput {100 * n['goodput']:.1f}% of {n['wall_s']:.1f}s over {n['sessions']} "
+            f"session(s); productive {n['productive_s']:.1f}s, lost {n['lost_s']:.1f}s; preemptions "
+            f"{n['preemptions']}, crashes {n['crashes']}, failures {n['failures']}; "
+            f"cost {_usd((n.get('cost') or {}).get('cost_so_far'))}")
     return "\n".join(lines)
 
 

@@ -3,6 +3,11 @@
 Read ``run()`` top to bottom; the machinery sits behind small interfaces: ``Checkpointer``
 (tiers, async saves, intervals), ``state`` (what exact resume needs), ``Preemption`` (the flag),
 ``Health``, ``Ledger`` (goodput), ``Progress`` (logs) and ``World`` (DDP collectives).
+
+Under torchrun on several nodes, each node's local rank 0 (its "leader") runs that VM's health
+server, metadata watcher and goodput ledger; global rank 0 speaks for the job and saves DDP
+checkpoints. Every decision that changes control flow (stop, save, pause) is agreed on by all
+ranks in one small all-reduce per step, so a notice on any node stops every node at the same step.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED
 from trainer import distributed, state
 from trainer import task as tasks
 from trainer.config import RunConfig
-from trainer.goodput import Ledger, session_start_fields
+from trainer.goodput import Ledger, node_name, session_start_fields
 from trainer.health import Health, HealthServer
 from trainer.preemption import Preemption
 from trainer.progress import Progress, setup_logging
@@ -38,16 +43,16 @@ class Outcome:
 def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
         process_start: float | None = None) -> Outcome:
     process_start = process_start or time.time()
-    world = distributed.init()
+    world = distributed.init(cfg.collective_timeout_s)
     log = setup_logging(world.rank)
-    if not world.is_main:  # rank 0 speaks for the job; the others only warn
+    if not world.is_node_leader:  # rank 0 speaks for the job, leaders for their node; others warn
         logging.getLogger().setLevel(logging.WARNING)
     preempt = Preemption(log.getChild("preemption"))
     preempt.install_signal_handlers()
     session = _Session(cfg, world, log, preempt, make_checkpointer, process_start)
     try:
         return session.run()
-    except (state.ResumeMismatch, tasks.TaskError) as e:
+    except (state.ResumeMismatch, tasks.TaskError, BadWorld) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT)
@@ -61,6 +66,10 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
         world.close()
 
 
+class BadWorld(Exception):
+    """The settings cannot run at this world size (bad input: exit 2)."""
+
+
 class _Session:
     def __init__(self, cfg: RunConfig, world: distributed.World, log: logging.Logger, preempt: Preemption,
                  make_checkpointer: Callable[..., Any] | None, process_start: float):
@@ -72,6 +81,7 @@ class _Session:
         self.server: HealthServer | None = None
         self.health = Health(cfg.stall_timeout_s)
         self.productive_s = 0.0
+        self.stopping = False  # some rank got a preemption notice: every rank stops
 
     def run(self) -> Outcome:
         cfg, world, log = self.cfg, self.world, self.log
@@ -81,8 +91,14 @@ class _Session:
         if cfg.deterministic:
             _deterministic(device)
 
-        # Machinery that only one process per job runs: health, checkpoints, the ledger.
-        if world.is_main:
+        try:
+            accum = cfg.accum_steps(world.size)
+        except ValueError as e:
+            raise BadWorld(f"global_batch_size: {e}") from None
+
+        # Machinery that one process per VM runs: health, the metadata watcher, the ledger, and a
+        # checkpointer (rank 0's saves; every leader's tiers are offered at restore).
+        if world.is_node_leader:
             if cfg.health_port is not None:
                 self.server = HealthServer(self.health, host=cfg.health_host, port=cfg.health_port,
                                            request=cfg.health_request, log=log.getChild("health")).start()
@@ -92,7 +108,8 @@ class _Session:
             self.ledger = Ledger(cfg.run_dir, store=self.ckpt.gcs, log=log.getChild("goodput"))
             self.ledger.append("session_start", **session_start_fields(
                 self.process_start, price_per_hour=cfg.price_per_hour,
-                on_demand_price_per_hour=cfg.on_demand_price_per_hour))
+                on_demand_price_per_hour=cfg.on_demand_price_per_hour, main=world.is_main,
+                world_size=world.size))
 
         # Build the task: identical initial weights on every rank, then per-rank RNG streams.
         _seed(cfg.seed)
@@ -107,43 +124,48 @@ class _Session:
         data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size,
                          rank=world.rank, world_size=world.size)
         scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.precision == "fp16" else None
-        fingerprint = cfg.fingerprint(world_size=world.size, dataset_len=len(task.dataset))
-        if world.is_main:
-            log.info("event=start steps=%d world_size=%d device=%s task=%s %s", cfg.steps, world.size, device,
-                     cfg.task, " ".join(f"{k}={v}" for k, v in task.info.items()))
+        fingerprint = cfg.fingerprint(dataset_len=len(task.dataset))
+        if world.is_node_leader:
+            log.info("event=start steps=%d world_size=%d node=%s node_rank=%d restart=%d accum=%d device=%s "
+                     "task=%s %s", cfg.steps, world.size, node_name(), world.node_rank, world.restart_count,
+                     accum, device, cfg.task, " ".join(f"{k}={v}" for k, v in task.info.items()))
 
-        # Restore: rank 0 finds the newest valid checkpoint, every rank gets the same state.
+        # Restore: the newest valid checkpoint any node holds; every rank gets the same state.
         t_restore = time.monotonic()
-        restored = self.ckpt.restore() if world.is_main else None
-        saved = world.broadcast(restored.state if restored is not None else None)
+        saved, where = self._restore()
         start = 0
         if saved is not None:
             state.check_fingerprint(saved["fingerprint"], fingerprint)
             start = state.apply(saved, model=model, optimizer=task.optimizer, scheduler=task.scheduler,
                                 scaler=scaler, data=data, world=world)
         restore_s = time.monotonic() - t_restore
-        if world.is_main:
-            if restored is not None:
-                log.info("event=restore step=%d tier=%s path=%s seconds=%.3f", start, restored.tier,
-                         restored.path, restore_s)
+        if world.is_node_leader:
+            if saved is not None:
+                log.info("event=restore step=%d tier=%s path=%s seconds=%.3f world_size=%d", start, where[0],
+                         where[1], restore_s, world.size)
+                before = state.saved_world_size(saved)
+                if before != world.size:
+                    log.warning("event=world_size_change step=%d from=%d to=%d consumed=%d (RNG streams "
+                                "reseeded; the data position is in global samples)", start, before,
+                                world.size, data.consumed)
             else:
                 log.info("event=restore step=0 (no checkpoint: starting fresh)")
-            self.ledger.append("restore", step=start, seconds=restore_s,
+            self.ledger.append("restore", step=start, seconds=restore_s, world_size=world.size,
                                startup_s=max(0.0, time.time() - self.process_start - restore_s))
         if start >= cfg.steps:
             log.info("event=finished step=%d (already complete)", start)
-            if world.is_main:
+            if world.is_node_leader:
                 self.ledger.append("finish", step=start, blocked_s=0.0, productive_s=0.0)
             self.health.finished()
             return Outcome(EXIT_FINISHED)
-        if self.preempt.requested:  # the notice came during start-up: nothing new to save
+        if world.any_flags(self.preempt.requested)[0]:  # a notice during start-up: nothing new to save
             return self._stop_before_training(start)
 
         # The loop.
         self.preempt.step_completed(start)
-        step_fn = _StepFn(cfg, model, task, data, scaler, device, world)
+        step_fn = _StepFn(cfg, accum, model, task, data, scaler, device, world)
         progress = Progress(log, total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
-                            tokens_per_step=task.tokens_per_sample * cfg.batch_size * cfg.grad_accum_steps * world.size)
+                            tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size)
         last_progress_event = time.monotonic()
         t_loop = time.monotonic()
         done = start
@@ -154,21 +176,26 @@ class _Session:
             done = step + 1
             self.preempt.step_completed(done)
             self.health.beat()
-            progress.update(done, loss, task.optimizer.param_groups[0]["lr"])
+            if world.is_main:
+                progress.update(done, loss, task.optimizer.param_groups[0]["lr"])
 
             stop, due = world.any_flags(self.preempt.requested, world.is_main and self.ckpt.due(done))
-            if stop or done == cfg.steps:
+            self.stopping = stop
+            if stop or done == cfg.steps or done == cfg.stop_at_step:
                 break
             if due:
                 self._save(done, model, task, scaler, data, fingerprint)
-            if world.is_main and time.monotonic() - last_progress_event >= cfg.progress_every_s:
+            if world.is_node_leader and time.monotonic() - last_progress_event >= cfg.progress_every_s:
                 self.ledger.append("progress", step=done, productive_s=self.productive_s)
                 last_progress_event = time.monotonic()
         loop_s = time.monotonic() - t_loop
         progress.close()
 
-        if done < cfg.steps:
+        if done < cfg.steps and self.stopping:
             code = self._emergency_save(done, model, task, scaler, data, fingerprint)
+            return Outcome(code, done - start, loop_s)
+        if done < cfg.steps:
+            code = self._pause(done, model, task, scaler, data, fingerprint)
             return Outcome(code, done - start, loop_s)
         code = self._final_save(done, model, task, scaler, data, fingerprint)
         log.debug("session took %.1fs", time.monotonic() - t_start)
@@ -182,6 +209,28 @@ class _Session:
     def _meta(self, fingerprint: dict) -> dict:
         return {"world_size": self.world.size, "fingerprint": fingerprint}
 
+    def _restore(self) -> tuple[dict | None, tuple[str, str]]:
+        """The newest valid checkpoint of the job, on every rank, and (tier, path) it came from.
+
+        One process: its checkpointer restores. Several nodes: each node leader offers the newest
+        step its own tiers hold (a node's disk may hold a checkpoint newer than GCS has: the
+        previous rank 0 wrote it there before the world was re-formed), and the leader with the
+        newest restores and broadcasts (rank 0 on a tie)."""
+        world = self.world
+        if not world.distributed:
+            restored = self.ckpt.restore()
+            return (restored.state, (restored.tier, restored.path)) if restored else (None, ("", ""))
+        offers = world.all_gather(self.ckpt.newest_valid_step() if self.ckpt is not None else None)
+        best = max((s for s in offers if s is not None), default=None)
+        src = 0 if best is None or offers[0] == best else offers.index(best)
+        restored = self.ckpt.restore() if world.rank == src else None
+        payload = world.broadcast(
+            (restored.state, (restored.tier, f"{node_name()}:{restored.path}")) if restored else None, src=src)
+        saved, where = payload if payload is not None else (None, ("", ""))
+        if saved is not None and world.is_main and src != 0:
+            self.ckpt.mark_restored(int(saved["step"]))
+        return saved, where
+
     def _save(self, step: int, *args: Any) -> None:
         snapshot = self._state(step, *args)
         if not self.world.is_main:
@@ -191,37 +240,55 @@ class _Session:
         self.ledger.append("checkpoint", step=step, blocked_s=blocked, productive_s=self.productive_s)
 
     def _final_save(self, step: int, *args: Any) -> int:
-        if self.preempt.requested:  # the notice came during the last step: the deadline still holds
+        if self.stopping:  # the notice came during the last step: the deadline still holds
             return EXIT_FINISHED if self._emergency_save(step, *args) == EXIT_PREEMPTED else EXIT_FAILED
-        snapshot = self._state(step, *args)
-        if self.world.is_main:
-            t0 = time.monotonic()
-            self.ckpt.save(step, snapshot, meta=self._meta(args[-1]))
-            self.ckpt.wait()
-            blocked = time.monotonic() - t0
-            self.log.info("event=checkpoint_save step=%d blocked_s=%.4f final=1", step, blocked)
+        blocked = self._save_and_wait(step, *args)
+        if self.world.is_node_leader:
             self.ledger.append("finish", step=step, blocked_s=blocked, productive_s=self.productive_s)
             self.log.info("event=finished step=%d", step)
         self.health.finished()
-        self.world.barrier()
         return EXIT_FINISHED
 
+    def _pause(self, step: int, *args: Any) -> int:
+        """``stop_at_step`` reached: a checkpoint on every tier, then exit as if preempted."""
+        blocked = self._save_and_wait(step, *args)
+        if self.world.is_node_leader:
+            self.ledger.append("paused", step=step, blocked_s=blocked, productive_s=self.productive_s)
+            self.log.warning("event=paused step=%d (stop_at_step; run again without it to continue)", step)
+        return EXIT_PREEMPTED
+
+    def _save_and_wait(self, step: int, *args: Any) -> float:
+        """Save ``step`` to every tier and wait until it is durable; the seconds it took."""
+        t0 = time.monotonic()
+        snapshot = self._state(step, *args)
+        if self.world.is_main:
+            self.ckpt.save(step, snapshot, meta=self._meta(args[-1]), every_tier=True)
+            self.ckpt.wait()
+            self.log.info("event=checkpoint_save step=%d blocked_s=%.4f final=1", step, time.monotonic() - t0)
+        self.world.barrier()
+        return time.monotonic() - t0
+
     def _emergency_save(self, step: int, *args: Any) -> int:
-        """Notice received: the step in flight is done; make it durable within the budget."""
-        notice = self.preempt.notice_monotonic or time.monotonic()
-        deadline = notice + self.cfg.preemption_budget_s
+        """A notice on some node: the step in flight is done everywhere; make it durable within
+        the budget of the node that got the earliest notice (its window closes first)."""
+        t0 = time.monotonic()
+        elapsed = self.world.max_float(self.preempt.seconds_since_notice())
+        deadline = time.monotonic() + self.cfg.preemption_budget_s - elapsed
         snapshot = self._state(step, *args)
         ok = True
+        if self.world.is_node_leader:
+            self.ledger.append("preemption_notice", step=step, reason=self.preempt.reason or "another node")
         if self.world.is_main:
-            self.ledger.append("preemption_notice", step=step, reason=self.preempt.reason)
             report = self.ckpt.emergency_save(step, snapshot, deadline=deadline, meta=self._meta(args[-1]))
             ok = report.persistent_ok or bool(report.gcs_ok)
             self.log.warning("event=preempted step=%d persistent_ok=%d gcs_ok=%s seconds=%.3f detail=%s",
                              step, report.persistent_ok, report.gcs_ok, report.seconds, report.detail)
-            self.ledger.append("preempted", step=step, productive_s=self.productive_s, blocked_s=report.seconds,
-                               persistent_ok=report.persistent_ok, gcs_ok=report.gcs_ok)
-            self.ledger.flush(deadline - time.monotonic())
         ok = self.world.broadcast(ok)
+        if self.world.is_node_leader:
+            extra = {"persistent_ok": report.persistent_ok, "gcs_ok": report.gcs_ok} if self.world.is_main else {}
+            self.ledger.append("preempted", step=step, productive_s=self.productive_s,
+                               blocked_s=time.monotonic() - t0, **extra)
+            self.ledger.flush(deadline - time.monotonic())
         return EXIT_PREEMPTED if ok else EXIT_FAILED
 
     def _stop_before_training(self, step: int) -> Outcome:
@@ -255,9 +322,9 @@ class _Session:
 class _StepFn:
     """One optimizer step: ``grad_accum_steps`` micro-batches, clipping, mixed precision."""
 
-    def __init__(self, cfg: RunConfig, model: torch.nn.Module, task: tasks.Task, data: DataOrder,
+    def __init__(self, cfg: RunConfig, accum: int, model: torch.nn.Module, task: tasks.Task, data: DataOrder,
                  scaler: Any, device: torch.device, world: distributed.World):
-        self.cfg, self.model, self.task, self.data = cfg, model, task, data
+        self.cfg, self.accum, self.model, self.task, self.data = cfg, accum, model, task, data
         self.scaler, self.device, self.world = scaler, device, world
         self.loss_fn = task.loss_fn or (lambda m, batch: m(*batch))
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
@@ -273,7 +340,7 @@ class _StepFn:
         return tuple(b.to(self.device, non_blocking=True) if torch.is_tensor(b) else b for b in batch)
 
     def __call__(self) -> float:
-        accum, model, opt = self.cfg.grad_accum_steps, self.model, self.task.optimizer
+        accum, model, opt = self.accum, self.model, self.task.optimizer
         model.train()
         total = torch.zeros((), device=self.device)
         for micro in range(accum):

@@ -59,9 +59,9 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
 def test_fingerprint_excludes_checkpoint_cadence(tmp_path: Path) -> None:
     a = RunConfig(run_dir=tmp_path, steps=5, checkpoint_every_steps=2)
     b = RunConfig(run_dir=tmp_path, steps=5, checkpoint_every_steps=3, checkpoint_every_seconds=9)
-    assert a.fingerprint(world_size=1, dataset_len=7) == b.fingerprint(world_size=1, dataset_len=7)
+    assert a.fingerprint(dataset_len=7) == b.fingerprint(dataset_len=7)
     c = RunConfig(run_dir=tmp_path, steps=5, seed=1)
-    assert a.fingerprint(world_size=1, dataset_len=7) != c.fingerprint(world_size=1, dataset_len=7)
+    assert a.fingerprint(dataset_len=7) != c.fingerprint(dataset_len=7)
 
 
 def test_cli_exit_2_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,7 +97,7 @@ def test_unknown_task_is_bad_input(tmp_path: Path) -> None:
 def test_prices_are_checked_and_not_part_of_the_fingerprint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = RunConfig(run_dir=tmp_path, steps=5, price_per_hour=1.5, on_demand_price_per_hour=4.0)
     b = RunConfig(run_dir=tmp_path, steps=5, price_per_hour=2.0)
-    assert a.fingerprint(world_size=1, dataset_len=7) == b.fingerprint(world_size=1, dataset_len=7)
+    assert a.fingerprint(dataset_len=7) == b.fingerprint(dataset_len=7)
     for bad in ("-1", "nan", "inf"):
         assert main(["run", "--run-dir", str(tmp_path), "--steps", "5", "--price-per-hour", bad]) == 2
         assert capsys.readouterr().err.startswith("command line: price_per_hour: ")
@@ -133,3 +133,14 @@ def test_tier_settings_need_their_tier(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_run_config({"run_dir": tmp_path / "r", "steps": 10}, f)
     assert f"{f}: tiers: [tiers.local] is set but there is no local_dir (the local tier)" in e.value.lines
+
+
+def test_global_batch_size_sets_accumulation_per_world_size(tmp_path: Path) -> None:
+    cfg = RunConfig(run_dir=tmp_path, steps=5, batch_size=2, global_batch_size=12, grad_accum_steps=7)
+    assert [cfg.accum_steps(w) for w in (1, 2, 3, 6)] == [6, 3, 2, 1]
+    with pytest.raises(ValueError, match="global_batch_size 12 is not a multiple of batch_size 2 x world size 4"):
+        cfg.accum_steps(4)
+    # Without it, grad_accum_steps holds at every world size (the global batch follows the world).
+    assert RunConfig(run_dir=tmp_path, steps=5, grad_accum_steps=3).accum_steps(5) == 3
+    fp = cfg.fingerprint(dataset_len=7)
+    assert fp["global_batch_size"] == 12 and "grad_accum_steps" not in fp and "world_size" not in fp

@@ -138,3 +138,42 @@ def test_cost_with_one_unpriced_session_is_a_lower_bound_without_savings() -> No
     assert c.on_demand_equivalent == pytest.approx(3400 / 3600 * 4.0)
     assert c.savings is None
     assert (c.priced_sessions, c.unpriced_sessions) == (1, 1)
+
+
+def test_two_nodes_roll_up_per_node_and_for_the_job() -> None:
+    """An on-demand coordinator `c` ($6/h, rank 0 throughout) and a Spot worker `w` ($2/h): the
+    worker is lost at step 100 (checkpoint at 50); the coordinator restarts alone from 50."""
+    hour = 3600.0
+    events = [
+        ev("c1", 0, 0.0, "session_start", started=0.0, node="c", main=True, price_per_hour=6.0,
+           on_demand_price_per_hour=6.0),
+        ev("c1", 1, 10.0, "restore", step=0, seconds=1.0, startup_s=9.0),
+        ev("c1", 2, 510.0, "checkpoint", step=50, blocked_s=0.0, productive_s=500.0),
+        ev("c1", 3, 1010.0, "progress", step=100, productive_s=1000.0),
+        ev("c1", 4, 1020.0, "failed", reason="exception", detail="peer gone"),
+        ev("w1", 0, 0.0, "session_start", started=0.0, node="w", main=False, price_per_hour=2.0,
+           on_demand_price_per_hour=6.0),
+        ev("w1", 1, 10.0, "restore", step=0, seconds=1.0, startup_s=9.0),
+        ev("w1", 2, 1010.0, "progress", step=100, productive_s=1000.0),  # then the VM is gone
+        ev("c2", 0, 1030.0, "session_start", started=1030.0, node="c", main=True, price_per_hour=6.0,
+           on_demand_price_per_hour=6.0),
+        ev("c2", 1, 1040.0, "restore", step=50, seconds=2.0, startup_s=8.0),
+        ev("c2", 2, 2040.0, "finish", step=150, blocked_s=0.0, productive_s=1000.0),
+    ]
+    r = report(events)
+    # The job follows its rank-0 sessions (the coordinator's): 500 s of c1 were redone.
+    assert (r.sessions, r.failures, r.finished, r.steps) == (2, 1, True, 150)
+    assert r.productive_s == pytest.approx(1500.0) and r.lost_s == pytest.approx(500.0)
+    assert r.wall_s == pytest.approx(2040.0)
+    assert set(r.nodes) == {"c", "w"}
+    c, w = r.nodes["c"], r.nodes["w"]
+    assert (c["sessions"], c["finished"], w["sessions"], w["finished"]) == (2, True, 1, False)
+    # The job restored from step 50 after the worker was gone: half its work is lost too.
+    assert w["productive_s"] == pytest.approx(500.0) and w["lost_s"] == pytest.approx(500.0)
+    assert c["productive_s"] == pytest.approx(1500.0) and c["lost_s"] == pytest.approx(500.0)
+    # The job's cost is the nodes' costs together, each at its own price.
+    expected = (1020.0 + 1010.0) / hour * 6.0 + 1010.0 / hour * 2.0
+    assert r.cost.cost_so_far == pytest.approx(expected)
+    assert r.cost.cost_per_1000_steps == pytest.approx(expected / 150 * 1000)
+    assert r.cost.priced_sessions == 3
+    assert report([e for e in events if e["session"].startswith("c")]).nodes == {}  # one node: no rollup

@@ -40,3 +40,32 @@ def test_ranks_split_the_global_batch() -> None:
         merged += r0.next_indices() + r1.next_indices()
     assert merged == single
     assert r0.consumed == r1.consumed == 20
+
+
+def _step(orders: list[DataOrder], accum: int) -> list[int]:
+    """One optimizer step of a world of ``len(orders)`` ranks: every rank takes ``accum``
+    micro-batches; returns the samples the step consumed (all ranks)."""
+    out: list[int] = []
+    for _ in range(accum):
+        for o in orders:
+            out += o.next_indices()
+    return out
+
+
+def test_a_world_size_change_skips_and_repeats_no_sample() -> None:
+    """2 ranks for 3 steps, then 1 rank, then 3 ranks, each resuming from the saved position and
+    keeping a global batch of 6: the samples consumed are exactly the single stream's prefix."""
+    n, batch, global_batch = 17, 1, 6  # crosses epoch boundaries on the way
+    consumed: list[int] = []
+    position = {"consumed": 0}
+    for world_size, steps in ((2, 3), (1, 2), (3, 4)):
+        orders = [DataOrder(n, seed=5, batch_size=batch, rank=r, world_size=world_size) for r in range(world_size)]
+        for o in orders:
+            o.load_state_dict(position)
+        for _ in range(steps):
+            consumed += _step(orders, global_batch // (batch * world_size))
+        assert len({o.consumed for o in orders}) == 1
+        position = orders[0].state_dict()
+    single = _take(DataOrder(n, seed=5, batch_size=1), len(consumed))
+    assert consumed == single
+    assert position["consumed"] == (3 + 2 + 4) * global_batch

@@ -1,5 +1,5 @@
 """DDP under torchrun with 2 gloo ranks on CPU: a SIGTERM to the whole group mid-run, a restart,
-and the same final model as an uninterrupted 2-rank run. A resume on another world size is refused."""
+and the same final model as an uninterrupted 2-rank run. (World-size changes: test_e2e_elastic.)"""
 from __future__ import annotations
 
 import signal
@@ -32,14 +32,8 @@ def test_ddp_two_ranks_sigterm_and_resume_exactly(tmp_path: Path) -> None:
     saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
     assert 7 <= saved < STEPS
     s = status(run_dir)
-    assert s["latest_step"] == saved and s["fingerprint"]["world_size"] == 2
+    assert s["latest_step"] == saved
     assert s["data"]["consumed"] == saved * 2 * 4  # global samples: 2 ranks x batch 4 per step
-
-    # One process cannot continue a 2-rank run: refused with the setting named, nothing touched.
-    single = Proc(run_args(run_dir, STEPS, config))
-    assert single.wait() == 2, single.output[-3000:]
-    assert "world_size: checkpoint has 2, this run has 1" in single.output
-    assert status(run_dir)["latest_step"] == saved
 
     p = torchrun(run_dir, config)
     assert p.wait() == 0, p.output[-4000:]
