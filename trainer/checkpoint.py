@@ -71,6 +71,22 @@ class CheckpointInvalid(Exception):
     """A checkpoint that must not be used; ``str(exc)`` is the reason for the log."""
 
 
+#: Reason prefix of a valid-looking checkpoint of the other layout (whole-model vs sharded): never
+#: deleted by retention, and a restore that meets one refuses to start afresh over it.
+OTHER_LAYOUT = "other layout: "
+
+
+def other_layout(reason: str) -> bool:
+    return reason.startswith(OTHER_LAYOUT)
+
+
+def layout_mismatch(this: str, found: list[str]) -> str:
+    """The message of a run whose tiers hold checkpoints of the other layout."""
+    return (f'cannot resume: this run has parallelism = "{this}", but its tiers hold checkpoints of '
+            f"the other layout ({'; '.join(found[:5])}); use the original parallelism, or a new "
+            "--run-dir/--gcs-uri for a new run (nothing was deleted)")
+
+
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -310,6 +326,8 @@ def parse_manifest(data: bytes, step: int | None = None) -> dict:
     if want != hashlib.sha256(_canonical(m)).hexdigest():
         raise CheckpointInvalid("manifest checksum mismatch (manifest corrupted)")
     m["manifest_sha256"] = want
+    if isinstance(m.get("meta"), dict) and m["meta"].get("sharded"):
+        raise CheckpointInvalid(OTHER_LAYOUT + 'a sharded checkpoint (written with parallelism = "fsdp")')
     files = m.get("files")
     if not isinstance(files, dict) or set(files) != set(PAYLOAD):
         raise CheckpointInvalid("manifest file list is incomplete")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import (CheckpointInfo, CheckpointInvalid, Snapshot, SnapshotBuffer,
-                                check_checkpoint, delete_checkpoint, download_dir, list_checkpoints, load_dir,
+                                layout_mismatch, other_layout, check_checkpoint, delete_checkpoint, download_dir, list_checkpoints, load_dir,
                                 step_name, upload_dir, verify_dir, write_dir)
 from trainer.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
 from trainer.storage import DirStore, GcsStore, Store, UploadAborted
@@ -311,7 +311,7 @@ class Checkpointer:
             older = [i for i in list_checkpoints(t.store) if i.step < newest_step]
             keep_older = {i.step for i in [x for x in older if x.valid][: keep - 1]}
             for i in older:
-                if i.step in keep_older:
+                if i.step in keep_older or other_layout(i.reason):
                     continue
                 self.log.info("retention: deleting %s step %d (%s)", t.name, i.step,
                               f"beyond the newest {keep} valid" if i.valid else f"invalid: {i.reason}")
@@ -351,6 +351,7 @@ class Checkpointer:
                             self.log.info("removed leftovers of interrupted writes on %s: %s",
                                           t.name, ", ".join(removed))
             candidates: list[tuple[int, int, _Tier, CheckpointInfo]] = []
+            other: list[str] = []
             for rank, t in enumerate(self._tiers.values()):
                 try:
                     infos = self._list(t)
@@ -361,9 +362,15 @@ class Checkpointer:
                 for i in infos:
                     if i.valid:
                         candidates.append((i.step, rank, t, i))
+                    elif other_layout(i.reason):
+                        other.append(f"{t.name} step {i.step}: {i.reason[len('other layout: '):]}")
                     else:
                         self.log.warning("ignoring %s checkpoint step %d at %s: %s",
                                          t.name, i.step, i.location, i.reason)
+            if other and download:  # a trainer starting; status (download=False) only looks
+                from trainer.state import ResumeMismatch
+
+                raise ResumeMismatch(layout_mismatch("ddp", other))
             candidates.sort(key=lambda c: (-c[0], c[1]))
             for step, _, t, info in candidates:
                 try:

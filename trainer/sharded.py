@@ -78,8 +78,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import (FORMAT, FORMAT_VERSION, HASH_NAME, MANIFEST, CheckpointInfo,
-                                CheckpointInvalid, _canonical, _hash_file, _sizes, _store_location,
+from trainer.checkpoint import (FORMAT, FORMAT_VERSION, HASH_NAME, MANIFEST, OTHER_LAYOUT, CheckpointInfo,
+                                CheckpointInvalid, layout_mismatch, other_layout, _canonical, _hash_file, _sizes, _store_location,
                                 _verify_file, _write_hashed_plain, build_manifest, delete_checkpoint,
                                 parse_step, step_name)
 from trainer.checkpointer import TIERS, Checkpointer, EmergencyReport, Restored, TierPolicy, _check_meta
@@ -140,12 +140,21 @@ def shard(model: nn.Module, world: World, *, optimizer: torch.optim.Optimizer | 
 
 
 def _default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The elements of the outermost ``nn.ModuleList``/``nn.Sequential`` containers (the
+    transformer layers): one FSDP unit per layer. Containers inside a chosen layer (its MLP) are
+    not split further: the layer's output then is its own tensor, and units stay large enough
+    for one all-gather each."""
     out: list[nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)):
-            out.extend(c for c in m.children() if any(True for _ in c.parameters()))
-    # A block nested in another chosen block is sharded by itself first (inner before outer).
-    return list(reversed(out))
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                out.extend(c for c in child.children() if any(True for _ in c.parameters()))
+            else:
+                visit(child)
+
+    visit(model)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +181,7 @@ def parse_sharded_manifest(data: bytes, step: int | None = None) -> dict:
     m["manifest_sha256"] = want
     sharded = (m.get("meta") or {}).get("sharded") if isinstance(m.get("meta"), dict) else None
     if not isinstance(sharded, dict) or sharded.get("layout") != LAYOUT:
-        raise CheckpointInvalid("not a sharded checkpoint (written by the single-process Checkpointer?)")
+        raise CheckpointInvalid(OTHER_LAYOUT + 'a whole-model checkpoint (written with parallelism = "ddp")')
     files = m.get("files")
     if (not isinstance(files, dict) or DCP_METADATA not in files or EXTRAS not in files
             or not any(_SHARD_RE.match(n) for n in files)):
@@ -657,7 +666,7 @@ class ShardedCheckpointer(Checkpointer):
             older = [i for i in list_sharded(t.store) if i.step < newest_step]
             keep_older = {i.step for i in [x for x in older if x.valid][: keep - 1]}
             for i in older:
-                if i.step in keep_older:
+                if i.step in keep_older or other_layout(i.reason):
                     continue
                 self.log.info("retention: deleting %s step %d (%s)", t.name, i.step,
                               f"beyond the newest {keep} valid" if i.valid else f"invalid: {i.reason}")
@@ -689,6 +698,7 @@ class ShardedCheckpointer(Checkpointer):
                             self.log.info("removed leftovers of interrupted writes on %s: %s",
                                           t.name, ", ".join(removed))
             steps: list[int] | None = None
+            other: list[str] = []
             if self._rank == 0:
                 found: set[int] = set()
                 for t in self._tiers.values():
@@ -701,11 +711,15 @@ class ShardedCheckpointer(Checkpointer):
                     for i in infos:
                         if i.valid:
                             found.add(i.step)
+                        elif other_layout(i.reason):
+                            other.append(f"{t.name} step {i.step}: {i.reason[len(OTHER_LAYOUT):]}")
                         else:
                             self.log.warning("ignoring %s checkpoint step %d at %s: %s",
                                              t.name, i.step, i.location, i.reason)
                 steps = sorted(found, reverse=True)
-            steps = self._bcast(steps)
+            steps, other = self._bcast((steps, other))
+            if other:
+                raise ResumeMismatch(layout_mismatch("fsdp", other))
             for step in steps:
                 got = self._obtain(step) if self.is_leader else None
                 copies = self._all(got)
@@ -906,3 +920,36 @@ def _try(fn: Any) -> str | None:
 
 __all__ = ["ShardedCheckpointer", "shard", "parse_sharded_manifest", "list_sharded", "check_sharded",
            "verify_sharded_dir", "download_sharded", "EmergencyReport", "Restored", "TierPolicy"]
+
+
+def inspect(tiers: dict[str, Store]) -> tuple[int, str, str, dict, dict] | None:
+    """Read-only look for ``status``: the newest sharded checkpoint that fully verifies on any
+    tier (fastest first for equal steps) as (step, tier, location, full model state dict, extras),
+    without a process group. A GCS-only checkpoint is downloaded into a temporary folder, which is
+    removed afterwards; nothing on a tier is changed."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    candidates = []
+    for rank, (name, store) in enumerate(tiers.items()):
+        try:
+            infos = list_sharded(store)
+        except Exception:  # noqa: BLE001 - a tier being down: look at the others
+            continue
+        candidates += [(i.step, rank, name, store, i) for i in infos if i.valid]
+    for step, _, name, store, info in sorted(candidates, key=lambda c: (-c[0], c[1])):
+        with tempfile.TemporaryDirectory(prefix="spottrain-status-") as tmp:
+            try:
+                if isinstance(store, DirStore):
+                    folder = store.root / step_name(step)
+                    verify_sharded_dir(folder)
+                else:
+                    folder = download_sharded(store, step, Path(tmp))
+                with _single_process_quiet():
+                    dcp_to_torch_save(str(folder), str(Path(tmp) / "full.pt"))
+                full = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+                return step, name, info.location, full["model"], _load_extras(folder / EXTRAS)
+            except Exception:  # noqa: BLE001 - try the next older one, as a restore would
+                continue
+    return None

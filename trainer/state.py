@@ -64,8 +64,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def build(
     *,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
     scheduler: Any | None,
     scaler: Any | None,
     data: DataOrder,
@@ -74,22 +74,26 @@ def build(
 ) -> dict[str, Any] | None:
     """The state to save after ``step`` optimizer steps (on rank 0; None on the other ranks).
 
-    A collective under DDP: every rank must call it at the same step.
+    A collective under DDP: every rank must call it at the same step. With ``model`` and
+    ``optimizer`` None (sharded training) it is the small replicated rest, the "extras" saved
+    next to the shards.
     """
     rngs = world.gather(rng_state())
     if not world.is_main:
         return None
-    return {
+    out = {
         "format": FORMAT,
         "step": step,
-        "model": unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
         "rng": rngs,  # one per rank, indexed by rank
         "data": data.state_dict(),
         "fingerprint": fingerprint,
     }
+    if model is not None and optimizer is not None:
+        out["model"] = unwrap(model).state_dict()
+        out["optimizer"] = optimizer.state_dict()
+    return out
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -110,8 +114,8 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
 def apply(
     state: dict[str, Any],
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
     scheduler: Any | None,
     scaler: Any | None,
     data: DataOrder,
@@ -121,8 +125,10 @@ def apply(
 
     The caller has already broadcast the state to every rank and checked the fingerprint.
     """
-    unwrap(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if model is not None:  # None: sharded state, already loaded by the sharded checkpointer
+        unwrap(model).load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"] is not None:

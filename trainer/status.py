@@ -27,6 +27,8 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
     ckpt = Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, log=log)
     try:
         tiers = ckpt.describe().get("tiers", {})
+        if _sharded(tiers):
+            return _collect_sharded(cfg, ckpt, log)
         restored = ckpt.restore(download=False)
         events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
         if ckpt.gcs is not None:
@@ -44,6 +46,40 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
     if restored is not None and isinstance(restored.state, dict):
         out["data"] = restored.state.get("data")
         out["fingerprint"] = restored.state.get("fingerprint")
+    return out
+
+
+def _sharded(tiers: dict[str, Any]) -> bool:
+    from trainer.checkpoint import OTHER_LAYOUT
+
+    return any(c["reason"].startswith(OTHER_LAYOUT + "a sharded")
+               for t in tiers.values() for c in t.get("checkpoints", []))
+
+
+def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger) -> dict[str, Any]:
+    """The same report for a run with ``parallelism = "fsdp"`` (sharded checkpoints)."""
+    from trainer import sharded
+    from trainer.distributed import World
+    from trainer.state import model_digest
+
+    plain.close()
+    ckpt = sharded.ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
+                                       world=World(), log=log)
+    try:
+        tiers = ckpt.describe().get("tiers", {})
+        found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()})
+        events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
+        if ckpt.gcs is not None:
+            events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
+    finally:
+        ckpt.close()
+    step, tier, path, model, extras = found if found else (None, None, None, None, {})
+    out: dict[str, Any] = {
+        "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
+        "tier": tier, "path": path, "tiers": tiers, "goodput": report(events).as_dict(), "sharded": True,
+    }
+    if isinstance(extras, dict):
+        out["data"], out["fingerprint"] = extras.get("data"), extras.get("fingerprint")
     return out
 
 

@@ -82,6 +82,7 @@ class _Session:
         self.health = Health(cfg.stall_timeout_s)
         self.productive_s = 0.0
         self.stopping = False  # some rank got a preemption notice: every rank stops
+        self.sharded = cfg.parallelism == "fsdp"  # FSDP2: every rank saves its own shard
 
     def run(self) -> Outcome:
         cfg, world, log = self.cfg, self.world, self.log
@@ -96,6 +97,10 @@ class _Session:
         except ValueError as e:
             raise BadWorld(f"global_batch_size: {e}") from None
 
+        # Sharded state: every rank writes its shard, so every rank has a checkpointer (made by all
+        # ranks together: it opens a process group of its own).
+        if self.sharded:
+            self.ckpt = _sharded_checkpointer(cfg, world)
         # Machinery that one process per VM runs: health, the metadata watcher, the ledger, and a
         # checkpointer (rank 0's saves; every leader's tiers are offered at restore).
         if world.is_node_leader:
@@ -104,7 +109,8 @@ class _Session:
                                            request=cfg.health_request, log=log.getChild("health")).start()
             if cfg.watch_metadata:
                 self.preempt.watch_metadata()
-            self.ckpt = self.make_checkpointer(cfg)
+            if self.ckpt is None:
+                self.ckpt = self.make_checkpointer(cfg)
             self.ledger = Ledger(cfg.run_dir, store=self.ckpt.gcs, log=log.getChild("goodput"))
             self.ledger.append("session_start", **session_start_fields(
                 self.process_start, price_per_hour=cfg.price_per_hour,
@@ -118,7 +124,11 @@ class _Session:
         task = tasks.build(cfg.task, ctx, cfg.task_args)
         _seed((cfg.seed + 1_000_003 * world.rank) % 2**63)
         model = task.model
-        if world.distributed:
+        if self.sharded:
+            from trainer.sharded import shard
+
+            model = shard(model, world, optimizer=task.optimizer)
+        elif world.distributed:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None)
         data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size,
@@ -132,12 +142,13 @@ class _Session:
 
         # Restore: the newest valid checkpoint any node holds; every rank gets the same state.
         t_restore = time.monotonic()
-        saved, where = self._restore()
+        saved, where = self._restore(model, task.optimizer)
         start = 0
         if saved is not None:
             state.check_fingerprint(saved["fingerprint"], fingerprint)
-            start = state.apply(saved, model=model, optimizer=task.optimizer, scheduler=task.scheduler,
-                                scaler=scaler, data=data, world=world)
+            whole = not self.sharded  # sharded weights are already in place
+            start = state.apply(saved, model=model if whole else None, optimizer=task.optimizer if whole else None,
+                                scheduler=task.scheduler, scaler=scaler, data=data, world=world)
         restore_s = time.monotonic() - t_restore
         if world.is_node_leader:
             if saved is not None:
@@ -203,20 +214,26 @@ class _Session:
 
     def _state(self, step: int, model: Any, task: tasks.Task, scaler: Any, data: DataOrder,
                fingerprint: dict) -> dict | None:
-        return state.build(step=step, model=model, optimizer=task.optimizer, scheduler=task.scheduler,
-                           scaler=scaler, data=data, fingerprint=fingerprint, world=self.world)
+        whole = not self.sharded  # sharded: only the replicated rest; the shards go by DCP
+        return state.build(step=step, model=model if whole else None, optimizer=task.optimizer if whole else None,
+                           scheduler=task.scheduler, scaler=scaler, data=data, fingerprint=fingerprint,
+                           world=self.world)
 
     def _meta(self, fingerprint: dict) -> dict:
         return {"world_size": self.world.size, "fingerprint": fingerprint}
 
-    def _restore(self) -> tuple[dict | None, tuple[str, str]]:
+    def _restore(self, model: Any, optimizer: Any) -> tuple[dict | None, tuple[str, str]]:
         """The newest valid checkpoint of the job, on every rank, and (tier, path) it came from.
 
         One process: its checkpointer restores. Several nodes: each node leader offers the newest
         step its own tiers hold (a node's disk may hold a checkpoint newer than GCS has: the
         previous rank 0 wrote it there before the world was re-formed), and the leader with the
-        newest restores and broadcasts (rank 0 on a tie)."""
+        newest restores and broadcasts (rank 0 on a tie). Sharded: the sharded checkpointer loads
+        every rank's shards in place (resharding) and hands out the replicated rest."""
         world = self.world
+        if self.sharded:
+            restored = self.ckpt.restore(model, optimizer)
+            return (restored.state, (restored.tier, restored.path)) if restored else (None, ("", ""))
         if not world.distributed:
             restored = self.ckpt.restore()
             return (restored.state, (restored.tier, restored.path)) if restored else (None, ("", ""))
@@ -231,11 +248,19 @@ class _Session:
             self.ckpt.mark_restored(int(saved["step"]))
         return saved, where
 
+    def _write(self, step: int, snapshot: dict | None, args: tuple, **kw: Any) -> float:
+        """Hand ``snapshot`` to the checkpointer: rank 0 alone, or every rank (sharded)."""
+        if self.sharded:
+            return self.ckpt.save(step, args[0], args[1].optimizer, extras=snapshot, meta=self._meta(args[-1]), **kw)
+        if self.world.is_main:
+            return self.ckpt.save(step, snapshot, meta=self._meta(args[-1]), **kw)
+        return 0.0
+
     def _save(self, step: int, *args: Any) -> None:
         snapshot = self._state(step, *args)
+        blocked = self._write(step, snapshot, args)
         if not self.world.is_main:
             return
-        blocked = self.ckpt.save(step, snapshot, meta=self._meta(args[-1]))
         self.log.info("event=checkpoint_save step=%d blocked_s=%.4f", step, blocked)
         self.ledger.append("checkpoint", step=step, blocked_s=blocked, productive_s=self.productive_s)
 
@@ -261,9 +286,10 @@ class _Session:
         """Save ``step`` to every tier and wait until it is durable; the seconds it took."""
         t0 = time.monotonic()
         snapshot = self._state(step, *args)
-        if self.world.is_main:
-            self.ckpt.save(step, snapshot, meta=self._meta(args[-1]), every_tier=True)
+        self._write(step, snapshot, args, every_tier=True)
+        if self.sharded or self.world.is_main:
             self.ckpt.wait()
+        if self.world.is_main:
             self.log.info("event=checkpoint_save step=%d blocked_s=%.4f final=1", step, time.monotonic() - t0)
         self.world.barrier()
         return time.monotonic() - t0
@@ -278,8 +304,12 @@ class _Session:
         ok = True
         if self.world.is_node_leader:
             self.ledger.append("preemption_notice", step=step, reason=self.preempt.reason or "another node")
-        if self.world.is_main:
+        if self.sharded:  # every rank writes its shard
+            report = self.ckpt.emergency_save(step, args[0], args[1].optimizer, extras=snapshot,
+                                              deadline=deadline, meta=self._meta(args[-1]))
+        elif self.world.is_main:
             report = self.ckpt.emergency_save(step, snapshot, deadline=deadline, meta=self._meta(args[-1]))
+        if self.world.is_main:
             ok = report.persistent_ok or bool(report.gcs_ok)
             self.log.warning("event=preempted step=%d persistent_ok=%d gcs_ok=%s seconds=%.3f detail=%s",
                              step, report.persistent_ok, report.gcs_ok, report.seconds, report.detail)
@@ -333,6 +363,15 @@ class _StepFn:
         else:
             self.autocast = contextlib.nullcontext
 
+    def _sync(self, last: bool) -> Any:
+        model = self.model
+        if not self.world.distributed:
+            return contextlib.nullcontext()
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a switch, not a context
+            model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else model.no_sync()
+
     def _batch(self) -> tuple:
         samples = [self.task.dataset[i] for i in self.data.next_indices()]
         batch = torch.utils.data.default_collate(samples)
@@ -346,9 +385,8 @@ class _StepFn:
         for micro in range(accum):
             batch = self._batch()
             last = micro == accum - 1
-            # Under DDP, all-reduce gradients only on the last micro-batch.
-            sync = contextlib.nullcontext() if last or not self.world.distributed else model.no_sync()
-            with sync:
+            # Under DDP/FSDP, reduce gradients only on the last micro-batch.
+            with self._sync(last):
                 with self.autocast():
                     loss = self.loss_fn(model, batch) / accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -391,6 +429,15 @@ def _device(cfg: RunConfig, world: distributed.World) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", world.local_rank)
     return torch.device("cpu")
+
+
+def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:
+    from trainer.sharded import ShardedCheckpointer
+
+    return ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
+                               policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s, world=world,
+                               log=logging.getLogger("trainer.checkpoint"),
+                               collective_timeout_s=cfg.collective_timeout_s)
 
 
 def _default_checkpointer(cfg: RunConfig) -> Any:

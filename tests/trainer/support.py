@@ -124,8 +124,9 @@ class Proc:
         return "\n".join(self.lines)
 
     def kill(self) -> None:
+        """Clean-up: the process and whatever it started (torchrun's workers outlive their agent)."""
         if self.p.poll() is None:
-            self.p.kill()
+            self.power_off()
             self.p.wait()
 
 

@@ -568,3 +568,27 @@ def test_restore_reserves_the_snapshot_buffer(tmp_path: Path) -> None:
     c3 = ckpt(tmp_path, with_local=False)
     c3.restore(download=False)
     assert c3._reserver is None  # read-only look (status): no buffer
+
+
+def test_the_other_layout_is_never_deleted_and_blocks_a_fresh_start(tmp_path: Path) -> None:
+    """A run dir with sharded (fsdp) checkpoints: a whole-model checkpointer's retention keeps
+    them, and its restore refuses to start afresh over them (exit 2 upstream)."""
+    from trainer.distributed import World
+    from trainer.sharded import ShardedCheckpointer
+    from trainer.state import ResumeMismatch
+
+    run_dir = tmp_path / "run"
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sharded = ShardedCheckpointer(run_dir=run_dir, world=World())
+    sharded.save(2, model, opt, extras={"step": 2})
+    sharded.close()
+    plain = Checkpointer(run_dir=run_dir, policies={"persistent": TierPolicy(keep=1)})
+    for s in (4, 6):
+        plain.save(s, make_state(s))
+        plain.wait()
+    assert (run_dir / step_name(2)).is_dir()  # retention kept the other layout's checkpoint
+    assert not (run_dir / step_name(4)).exists()  # and applied keep=1 to its own
+    with pytest.raises(ResumeMismatch, match=r'parallelism = "ddp", but its tiers hold .*persistent step 2'):
+        plain.restore()
+    plain.close()

@@ -1,0 +1,58 @@
+"""FSDP2 in the training loop (2 gloo ranks on CPU under torchrun): every rank saves its shard
+through torch.distributed.checkpoint; a SIGTERM mid-run saves a sharded emergency checkpoint, and
+one process resumes it (resharding 2 -> 1) to the same final model as a run that took the same
+world-size path without the signal. Switching parallelism on a run dir is refused, nothing lost."""
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.support import Proc, run_args, status, write_config
+
+STEPS = 16
+
+
+def _args(run_dir: Path, config: Path, *extra: str) -> list[str]:
+    return run_args(run_dir, STEPS, config, "--checkpoint-every-steps", "4", *extra)
+
+
+def torchrun(run_dir: Path, config: Path, *extra: str) -> Proc:
+    return Proc([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                 *_args(run_dir, config, *extra)[2:]], new_session=True)
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_fsdp_sigterm_then_resume_on_one_process_matches_the_same_path(tmp_path: Path) -> None:
+    config = write_config(tmp_path, 'parallelism = "fsdp"\nglobal_batch_size = 8\n')
+    run_dir = tmp_path / "run"
+    p = torchrun(run_dir, config)
+    p.wait_for(r"event=step step=6/")
+    p.signal(signal.SIGTERM, group=True)
+    p.wait()
+    saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    assert 6 <= saved < STEPS
+    s = status(run_dir)
+    assert s["sharded"] and s["latest_step"] == saved and s["data"]["consumed"] == saved * 8
+
+    # The other layout is refused, and nothing is deleted.
+    (tmp_path / "ddp").mkdir()
+    ddp = Proc(_args(run_dir, write_config(tmp_path / "ddp", "global_batch_size = 8\n")))
+    assert ddp.wait() == 2
+    assert 'this run has parallelism = "ddp", but its tiers hold checkpoints of the other layout' in ddp.output
+    assert status(run_dir)["latest_step"] == saved
+
+    one = Proc(_args(run_dir, config))
+    assert one.wait() == 0, one.output[-4000:]
+    assert one.seen(rf"event=world_size_change step={saved} from=2 to=1 consumed={saved * 8} ")
+    final = status(run_dir)
+    assert final["latest_step"] == STEPS
+
+    ref = tmp_path / "ref"
+    two = torchrun(ref, config, "--stop-at-step", str(saved))
+    two.wait()
+    two.seen(rf"event=paused step={saved} ")
+    assert Proc(_args(ref, config)).wait() == 0
+    assert final["model_digest"] == status(ref)["model_digest"]
