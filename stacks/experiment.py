@@ -575,6 +575,47 @@ def pool_problems(exp: Experiment) -> Iterator[Problem]:
             "1024-65535",
         )
     yield from coordinator_problems(pool, m)
+    yield from global_batch_problems(exp)
+
+
+def global_batch_problems(exp: Experiment) -> Iterator[Problem]:
+    """`--global-batch-size G` in `trainer.args`: every world size the pool can take
+    (gpu_count x min_nodes .. max_nodes) must divide G, or the trainer would refuse to start
+    after a node is lost (it also needs G / world size to be a multiple of its batch_size, which
+    only the trainer knows)."""
+    pool, args = exp.pool, exp.trainer.args
+    assert pool is not None
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag != "--global-batch-size":
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        try:
+            g = int(value)
+        except ValueError:
+            yield f"trainer.args[{i}]", f"--global-batch-size needs a whole number, got {value!r}"
+            return
+        sizes = [exp.machine.gpu_count * n for n in range(pool.min_nodes, pool.max_nodes + 1)]
+        bad = [w for w in sizes if w <= 0 or g % w]
+        if bad:
+            ok = [w for w in sizes if w > 0 and not g % w]
+            yield (
+                f"trainer.args[{i}]",
+                f"--global-batch-size {g} is not divisible by the world size(s) {bad} this pool can "
+                f"run at (gpu_count x {pool.min_nodes}..{pool.max_nodes} nodes; divisible: "
+                f"{ok or 'none'}); allowed: a multiple of {_lcm(sizes)}",
+            )
+        return
+
+
+def _lcm(values: list[int]) -> int:
+    import math
+
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v) if v > 0 else out
+    return out
 
 
 def coordinator_problems(pool: Pool, m: Machine) -> Iterator[Problem]:

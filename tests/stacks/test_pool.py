@@ -396,6 +396,12 @@ RULES = [
      "coordinator_machine_type, rendezvous_port, max_restarts, rendezvous_last_call_s"),
     ("parallelism-enum", {"trainer": {"parallelism": "tp"}},
      "trainer.parallelism: Input should be 'ddp' or 'fsdp', got 'tp'"),
+    ("global-batch-not-divisible", {"pool": {"min_nodes": 2, "max_nodes": 4},
+                                    "trainer": {"args": ["--global-batch-size", "30"]}},
+     "trainer.args[0]: --global-batch-size 30 is not divisible by the world size(s) [4] this pool "
+     "can run at (gpu_count x 2..4 nodes; divisible: [2, 3]); allowed: a multiple of 12"),
+    ("global-batch-not-a-number", {"pool": POOL, "trainer": {"args": ["--global-batch-size=lots"]}},
+     "trainer.args[0]: --global-batch-size needs a whole number, got 'lots'"),
     ("parallelism-is-managed", {"trainer": {"args": ["--parallelism=fsdp"]}},
      "trainer.args[0]: --parallelism is set by the stack from other fields; allowed: any other "
      "flag"),
