@@ -52,6 +52,15 @@ CHECK_INTERVAL_S, TIMEOUT_S, HEALTHY_THRESHOLD, UNHEALTHY_THRESHOLD = 10, 5, 2, 
 DELETE_RULE = "ON_PERMANENT_INSTANCE_DELETION"
 
 
+def rejoin_threshold(last_call_s: int) -> int:
+    """Failed probes a pool worker may miss while the world is re-formed: the dead node's
+    rendezvous keep-alive expiring (3 x 5 s), the last call for more nodes, worker start-up and
+    restore (a minute allowed), at one probe per CHECK_INTERVAL_S; never fewer than the single-VM
+    threshold. Without it, autohealing would recreate healthy survivors mid-rendezvous."""
+    window_s = 15 + last_call_s + 60
+    return max(UNHEALTHY_THRESHOLD, -(-window_s // CHECK_INTERVAL_S))
+
+
 @dataclass(frozen=True)
 class GroupProps:
     project: str
@@ -63,6 +72,9 @@ class GroupProps:
     template_self_link: str
     health_port: int
     initial_delay_sec: int
+    #: Failed probes before a VM is recreated. A pool's workers answer nothing while torchrun
+    #: re-forms the world after another node was lost: see `rejoin_threshold`.
+    unhealthy_threshold: int = UNHEALTHY_THRESHOLD
     depends_on: tuple[ITerraformDependable, ...] = field(default_factory=tuple)
 
 
@@ -78,7 +90,7 @@ class TrainerGroup(Construct):
             check_interval_sec=CHECK_INTERVAL_S,
             timeout_sec=TIMEOUT_S,
             healthy_threshold=HEALTHY_THRESHOLD,
-            unhealthy_threshold=UNHEALTHY_THRESHOLD,
+            unhealthy_threshold=props.unhealthy_threshold,
             tcp_health_check=ComputeHealthCheckTcpHealthCheck(
                 port=props.health_port, request=HEALTH_REQUEST, response=HEALTH_RESPONSE
             ),

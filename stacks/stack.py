@@ -17,7 +17,7 @@ from stacks.boot import boot_props, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
 from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive
 from stacks.experiment import Experiment, code_path
-from stacks.group import GroupProps, TrainerGroup
+from stacks.group import UNHEALTHY_THRESHOLD, GroupProps, TrainerGroup, rejoin_threshold
 from stacks.identity import Identity, IdentityProps
 from stacks.instance_template import TemplateProps, TrainerTemplate
 from stacks.coordinator import Coordinator, CoordinatorProps
@@ -136,6 +136,8 @@ class TrainingStack(TerraformStack):
             template_self_link=template.self_link_unique,
             health_port=exp.trainer.health_port,
             initial_delay_sec=exp.group.initial_delay_sec,
+            unhealthy_threshold=(rejoin_threshold(exp.pool.rendezvous_last_call_s) if exp.pool
+                                 else UNHEALTHY_THRESHOLD),
             depends_on=tuple(identity.grants),
         ))
 

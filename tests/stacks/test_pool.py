@@ -125,6 +125,13 @@ def test_workers_are_spot_and_the_group_holds_every_node_but_the_coordinator(poo
     assert pooled.one("google_compute_instance_group_manager")["target_size"] == 3  # 4 - 1
 
 
+def test_workers_may_miss_health_probes_while_the_world_is_re_formed(pooled, example):
+    """A survivor answers no health probe between losing a peer and training again; autohealing
+    must not recreate it meanwhile (last call 45 s in the fixture: 15 + 45 + 60 s = 12 probes)."""
+    assert pooled.one("google_compute_health_check")["unhealthy_threshold"] == 12
+    assert example.one("google_compute_health_check")["unhealthy_threshold"] == 6
+
+
 def test_a_coordinator_that_does_not_train_leaves_every_node_to_the_group(rendezvous_only):
     s = rendezvous_only
     assert s.one("google_compute_instance_group_manager")["target_size"] == 3
