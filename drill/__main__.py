@@ -1,6 +1,13 @@
 """`python -m drill`: the local preemption drill (see drill/drill.py). Exit 0 when the final model
 digest equals the uninterrupted reference run's, 1 when it differs or the drill fails, 2 on bad
-input."""
+input.
+
+`--nodes N` (2 to 4) drills a multi-node pool instead (drill/pool_drill.py): an on-demand
+coordinator that trains and N-1 Spot workers, each a drill VM booted from the experiment's real
+pooled scripts (the drill's [pool]: min_nodes 1, max_nodes N), sharing one bucket; the workers
+are preempted in turn and brought back; every preemption must be a coordinated save (no step
+lost) and the final model must equal a run taking the same world-size path (replayed with
+torchrun --standalone)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +16,7 @@ import sys
 from pathlib import Path
 
 from drill.drill import DrillConfig, DrillFailure, check, render, run_drill
+from drill.pool_drill import check_pool, drill_pool, run_pool_drill
 
 #: `--soak`: a longer run with more preemptions, two of them on a wiped disk.
 SOAK = {"steps": 3000, "preemptions": 8, "wipe_disk_after": (3, 6)}
@@ -25,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=30.0, help="seconds from notice to hard power-off (default 30)")
     p.add_argument("--soak", action="store_true", help=f"the long setting: {SOAK}")
     p.add_argument("--keep", type=Path, help="keep VM state, journals and disks in this directory")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="training VMs: 1 (default) the single-VM drill; 2-4 a pool: an on-demand coordinator "
+                        "and N-1 Spot workers, preempted in turn (a wiped disk is then the worker's)")
     a = p.parse_args(argv)
     base = dict(SOAK) if a.soak else {}
     for key, value in (("steps", a.steps), ("preemptions", a.preemptions)):
@@ -32,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
             base[key] = value
     if a.wipe is not None:
         base["wipe_disk_after"] = tuple(a.wipe)
-    cfg = DrillConfig(experiment=a.experiment, seed=a.seed, window_s=a.window, workdir=a.keep, **base)
+    cfg = DrillConfig(experiment=a.experiment, seed=a.seed, window_s=a.window, workdir=a.keep, nodes=a.nodes, **base)
     from stacks.load import ExperimentError
 
     try:
-        check(cfg)
+        check(cfg) if cfg.nodes == 1 else check_pool(cfg)
         render(cfg, health_port=8471)  # the experiment file: validated before anything starts
+        if cfg.nodes > 1:
+            render(cfg, health_port=8471, pool=drill_pool(cfg))
     except ValueError as e:
         print(f"drill: {e}", file=sys.stderr)
         return 2
@@ -51,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print("drill: needs root (mount and PID namespaces, loop devices)", file=sys.stderr)
         return 2
     try:
-        result = run_drill(cfg)
+        result = run_drill(cfg) if cfg.nodes == 1 else run_pool_drill(cfg)
     except ValueError as e:
         print(f"drill: {e}", file=sys.stderr)
         return 2

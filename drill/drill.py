@@ -78,6 +78,9 @@ class DrillConfig:
     keep: bool = False
     trainer_source: Path = REPO / "trainer"
     """The trainer package the VMs get (snapshotted once per drill)."""
+    nodes: int = 1
+    """Training VMs: 1 is the single-VM drill; N >= 2 a pool (`drill.pool_drill`): an on-demand
+    coordinator that trains and N - 1 Spot workers, the workers preempted in turn."""
 
 
 @dataclass
@@ -140,6 +143,8 @@ class Rendered:
     health_port: int = 0
     uploads: tuple[tuple[str, Path], ...] = ()
     """(object name, local file) the stack would upload to the bucket: the code archives."""
+    props: Any = field(default=None, compare=False)
+    """The `stacks.boot.BootProps` the scripts were rendered from."""
 
     @property
     def delivers_trainer(self) -> bool:
@@ -147,17 +152,18 @@ class Rendered:
 
 
 def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = None,
-           code_dir: Path | None = None, extra: dict[str, Any] | None = None) -> Rendered:
+           code_dir: Path | None = None, extra: dict[str, Any] | None = None, pool: Any = None) -> Rendered:
     """The experiment's real scripts, as the stack renders them, with the drill's overrides.
 
     With `trainer_source` and a stack that delivers code (`stacks.delivery`), the trainer is
     packed as the stack packs it and the scripts fetch it from the bucket; otherwise the VM
-    image carries it preinstalled. `extra`: more BootProps fields (e.g. driver_timeout_s)."""
+    image carries it preinstalled. `extra`: more BootProps fields (e.g. driver_timeout_s).
+    `pool`: a `stacks.experiment.Pool` replacing the experiment's own (the multi-node drill's)."""
     from stacks.boot import boot_props, render as render_boot
     from stacks.load import load_file
 
     ef = load_file(cfg.experiment)
-    exp = ef.spec
+    exp = ef.spec if pool is None else ef.spec.model_copy(update={"pool": pool})
     every = cfg.checkpoint_every_steps or max(1, cfg.steps // 6)
     args = _replace_flag(list(exp.trainer.args), "--checkpoint-every-steps", str(every))
     uploads: list[tuple[str, Path]] = []
@@ -179,7 +185,7 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
                        args=tuple(args), **(extra or {}))
     scripts = render_boot(props)
     return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri,
-                    exp.machine.termination_action, exp.disk.local_ssd_count, health_port, tuple(uploads))
+                    exp.machine.termination_action, exp.disk.local_ssd_count, health_port, tuple(uploads), props)
 
 
 def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
@@ -203,21 +209,33 @@ class Deployment:
     scripts, a checkpoint disk; VMs come and go on top of it."""
 
     def __init__(self, root: Path, rendered: Rendered, cfg: DrillConfig, say: Callable[[str], None],
-                 image: Path, *, preinstall_trainer: bool = True, upload: bool = True) -> None:
+                 image: Path, *, preinstall_trainer: bool = True, upload: bool = True,
+                 gcs: StorageEmulator | None = None, attributes: dict[str, str] | None = None,
+                 hostname: str = "spottrain-drill-vm", image_files: dict[str, Path] | None = None,
+                 unit_environment: dict[str, str] | None = None) -> None:
         """`image`: a directory holding the `trainer` package the VMs run (a snapshot, so that
         every VM and the final `status` run the same code). `preinstall_trainer` puts it on the
-        VM image at /opt/spottrain/trainer: the boot scripts do not deliver it yet."""
+        VM image at /opt/spottrain/trainer: the boot scripts do not deliver it yet.
+
+        A pool's node (`drill.pool_drill`) shares the bucket of its pool (`gcs`, started and
+        stopped by the pool, which uploads the code once), has more instance metadata
+        (`attributes`, e.g. its role), its own host name, and more files on its image."""
         self.root = root
         self.image = image
         self.preinstall_trainer = preinstall_trainer and not rendered.delivers_trainer
-        self.upload_code = upload
+        self.owns_gcs = gcs is None
+        self.upload_code = upload and self.owns_gcs
         self.r = rendered
         self.cfg = cfg
         self.say = say
+        self.hostname = hostname
+        self.image_files = dict(image_files or {})
+        self.unit_environment = {"OMP_NUM_THREADS": "1", **(unit_environment or {})}
         root.mkdir(parents=True, exist_ok=True)
-        self.gcs = StorageEmulator(rendered.bucket, log=root / "gcs-emulator.log")
+        self.gcs = gcs if gcs is not None else StorageEmulator(rendered.bucket, log=root / "gcs-emulator.log")
         self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
-                                                   "shutdown-script": rendered.shutdown})
+                                                   "shutdown-script": rendered.shutdown, **(attributes or {})},
+                                       instance_name=hostname)
         self.disk = Disk(root / "checkpoint-disk.img", cfg.disk_mb)
         # Local NVMe SSDs: blank on every boot (Spot VMs lose them on preemption).
         self.local_ssds = {f"local-nvme-ssd-{i}": Disk(root / f"local-ssd-{i}.img", cfg.disk_mb)
@@ -226,7 +244,8 @@ class Deployment:
         self.finished_guest_attributes: dict[str, str] = {}
 
     def __enter__(self) -> "Deployment":
-        self.gcs.start()
+        if self.owns_gcs:
+            self.gcs.start()
         self.metadata.start()
         for name, path in self.r.uploads if self.upload_code else ():
             self.upload(name, path.read_bytes())
@@ -234,17 +253,20 @@ class Deployment:
                  "STORAGE_EMULATOR_HOST": self.gcs.host}
         # The fakes' addresses are in PID 1's environment: the scripts get them, and units get
         # what they name in PassEnvironment= (on GCE they are unset: the defaults are real).
-        self.vm = Sandbox(self.root / "vm", env=fakes,
-                          default_environment={"OMP_NUM_THREADS": "1"},
-                          disks={DEVICE_NAME: self.disk, **self.local_ssds},
-                          image_files={"/opt/spottrain/trainer": self.image / "trainer"} if self.preinstall_trainer else {})
+        image_files: dict[str, str | Path] = dict(self.image_files)
+        if self.preinstall_trainer:
+            image_files["/opt/spottrain/trainer"] = self.image / "trainer"
+        self.vm = Sandbox(self.root / "vm", env=fakes, hostname=self.hostname,
+                          default_environment=self.unit_environment,
+                          disks={DEVICE_NAME: self.disk, **self.local_ssds}, image_files=image_files)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.vm is not None:
             self.vm.close()
         self.metadata.stop()
-        self.gcs.stop()
+        if self.owns_gcs:
+            self.gcs.stop()
         for disk in (self.disk, *self.local_ssds.values()):
             disk.detach()
 

@@ -1,0 +1,64 @@
+"""The multi-node drill end to end: a coordinator and a Spot worker booted from the real pooled
+scripts, the worker preempted once and brought back; and its command-line checks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from drill.__main__ import main as drill_main
+from drill.drill import DrillConfig
+from drill.pool_drill import Session, run_pool_drill, world_size_path
+from drill_support import needs_root
+
+
+@needs_root
+@pytest.mark.xdist_group("torchrun")
+def test_pool_drill_one_worker_preemption(tmp_path: Path) -> None:
+    lines: list[str] = []
+    cfg = DrillConfig(nodes=2, steps=500, preemptions=1, seed=1, window_s=30.0, checkpoint_every_steps=50,
+                      disk_mb=64, workdir=tmp_path / "drill")
+    r = run_pool_drill(cfg, say=lines.append)
+    log = "\n".join(lines)
+
+    [p] = r.preemptions
+    assert p.worker == "example-worker-1"
+    # The loss: every rank stopped at one step, rank 0 saved it, the coordinator alone resumed
+    # from exactly that step (nothing lost).
+    assert (p.world_size_before, p.world_size_after) == (2, 1), log
+    assert p.saved_step is not None and p.resumed_from < p.saved_step < cfg.steps, log
+    assert p.restored_step == p.saved_step and p.steps_lost == 0, log
+    # The return: the agents' membership change is another coordinated save, and both nodes
+    # resume from it.
+    assert p.world_size_rejoined == 2, log
+    assert p.rejoin_saved_step == p.rejoin_restored_step, log
+    assert p.saved_step < p.rejoin_restored_step < cfg.steps, log
+    assert [ws for ws, _, _ in r.segments][-3:] == [2, 1, 2], log
+    assert r.segments[-1] == (2, p.rejoin_restored_step, cfg.steps)
+
+    # The same model as a run that took the same world-size path without VMs.
+    assert r.reference_digest is not None
+    assert r.digest == r.reference_digest, log
+    assert r.ok and "digest MATCHES" in log
+    s = r.status
+    assert s["latest_step"] == cfg.steps
+    g = s["goodput"]
+    assert g["finished"] is True
+    assert set(g["nodes"]) == {"example-coordinator", "example-worker-1"}
+    assert g["nodes"]["example-worker-1"]["sessions"] == 2
+
+
+def test_world_size_path_follows_the_sessions() -> None:
+    sessions = [Session(1, 0, 0, None), Session(2, 1, 0, None), Session(2, 2, 40, "gcs"),
+                Session(1, 3, 90, "persistent"), Session(2, 4, 150, "persistent")]
+    # A session that made no progress (the second world formed before the first trained) drops out.
+    assert world_size_path(sessions, 200) == [(2, 0, 40), (2, 40, 90), (1, 90, 150), (2, 150, 200)]
+
+
+def test_cli_refuses_a_pool_it_cannot_drill(capsys: pytest.CaptureFixture[str]) -> None:
+    assert drill_main(["--nodes", "5"]) == 2
+    assert "nodes: 5" in capsys.readouterr().err
+    assert drill_main(["--nodes", "2", "--preemptions", "2", "--steps", "300"]) == 2
+    assert "steps: 300 is too few for 2 preemption(s) of a pool" in capsys.readouterr().err
+    assert drill_main(["--nodes", "0"]) == 2
+    assert "nodes: 0" in capsys.readouterr().err
