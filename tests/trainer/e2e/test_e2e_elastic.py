@@ -169,3 +169,33 @@ def test_rendezvous_port_is_checked(tmp_path: Path) -> None:
     p = Proc([sys.executable, "-m", "trainer", "rendezvous", "--port", "70000"])
     assert p.wait() == 2
     assert "command line: port: must be 1..65535, got 70000" in p.output and "Traceback" not in p.output
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_the_node_holding_the_newest_checkpoint_restores_for_everyone(tmp_path: Path) -> None:
+    """Only node b's disk holds a checkpoint (step 10, written by a run of one process there); no
+    GCS. Whichever node rank 0 lands on, the job resumes from b's step 10, not from scratch."""
+    config = _config(tmp_path)
+    seed = Proc(_args(tmp_path / "b", config, "--stop-at-step", "10"))
+    assert seed.wait() == 75
+    port = free_port()
+    a = agent(tmp_path / "a", config, port, "a", True)
+    b = agent(tmp_path / "b", config, port, "b", False)
+    try:
+        assert [p.wait() for p in (a, b)] == [0, 0], a.output[-3000:] + b.output[-3000:]
+    finally:
+        a.kill()
+        b.kill()
+    for p in (a, b):  # every node leader logs where the job's state came from
+        assert p.seen(r"event=restore step=10 tier=persistent path=b:\S+ seconds=\S+ world_size=2")
+    final = [status(tmp_path / n) for n in ("a", "b")]
+    done = [s for s in final if s["latest_step"] == STEPS]
+    assert done
+
+    # The same path in one place: 1 process to step 10, then 2 to the end.
+    ref = tmp_path / "ref"
+    assert Proc(_args(ref, config, "--stop-at-step", "10")).wait() == 75
+    two = Proc([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                *_args(ref, config)[2:]], new_session=True)
+    assert two.wait() == 0, two.output[-3000:]
+    assert done[0]["model_digest"] == status(ref)["model_digest"]
