@@ -6,9 +6,11 @@
    node differs only in the health port: the drill's VMs share the host's network namespace.
 2. N drill VMs (`drill.sandbox`) share one GCS emulator (the bucket) and each has its own
    metadata server (`spottrain-role` = coordinator on the first, worker on the others), its own
-   checkpoint disk and host name. The coordinator's DNS name
-   (`coordinator.<experiment>.spottrain.internal`, a private Cloud DNS record on GCP) resolves to
-   127.0.0.1 through an /etc/hosts line on every VM's image.
+   checkpoint disk and host name. They share the host's network namespace, so each VM gets a
+   loopback address of its own (127.0.1.N) and every VM's image has an /etc/hosts naming them
+   all, and the coordinator's DNS name (`coordinator.<experiment>.spottrain.internal`, a private
+   Cloud DNS record on GCP) as the coordinator's address. Until the rendered trainer.sh sets
+   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see TORCH_RDZV_WORKAROUND), the VM image sets it.
 3. The on-demand coordinator is never preempted. Each round waits until all N nodes train, then
    preempts one Spot worker the GCE way (metadata `preempted` TRUE, ACPI soft-off, hard off when
    the window closes): every rank stops at the same step and rank 0 saves it; the survivors
