@@ -54,10 +54,10 @@ DELETE_RULE = "ON_PERMANENT_INSTANCE_DELETION"
 
 def rejoin_threshold(last_call_s: int) -> int:
     """Failed probes a pool worker may miss while the world is re-formed: the dead node's
-    rendezvous keep-alive expiring (3 x 5 s), the last call for more nodes, worker start-up and
+    rendezvous keep-alive expiring (3 x 1 s, set in trainer.sh), the last call for more nodes, worker start-up and
     restore (a minute allowed), at one probe per CHECK_INTERVAL_S; never fewer than the single-VM
     threshold. Without it, autohealing would recreate healthy survivors mid-rendezvous."""
-    window_s = 15 + last_call_s + 60
+    window_s = 3 + last_call_s + 60
     return max(UNHEALTHY_THRESHOLD, -(-window_s // CHECK_INTERVAL_S))
 
 
