@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,6 +68,8 @@ class Session:
     restart: int
     resumed_from: int
     tier: str | None
+    t: float = 0.0
+    """Wall time of its restore line in the coordinator's journal."""
 
 
 @dataclass
@@ -97,6 +100,11 @@ class PoolPreemption:
     """The coordinated save when the worker came back (the agents' membership change)."""
     rejoin_restored_step: int | None = None
     world_size_rejoined: int | None = None
+    recovered_s: float | None = None
+    """Notice -> the survivors' restore logged (their world re-formed, state loaded)."""
+    rejoin_s: float | None = None
+    """The worker's power-on -> all nodes' restore logged (boot, rendezvous, membership save)."""
+    rejoin_boot_t: float = 0.0
 
     @property
     def steps_lost(self) -> int | None:
@@ -259,7 +267,7 @@ class Pool:
                 continue
             m = RESTORE_LINE_RE.search(line)
             if m and pending is not None:
-                out.append(Session(pending[0], pending[1], int(m.group(1)), m.group(2)))
+                out.append(Session(pending[0], pending[1], int(m.group(1)), m.group(2), _wall(line)))
                 pending = None
         return out
 
@@ -282,6 +290,12 @@ class Pool:
         e0 = self.offsets[node.hostname][1]
         node.vm.wait_event(lambda ev: ev["event"] == "unit-exited" and ev["unit"] == UNIT and ev["status"] == 0,
                            self.cfg.guard_s, since=e0, check=lambda: node.check_unit(e0))
+
+
+def _wall(journal_line: str) -> float:
+    """The wall time a journal line was written (its first word, the journal's UTC stamp)."""
+    stamp = journal_line.split(" ", 1)[0]
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
 
 
 # --- the drill -----------------------------------------------------------------------------------
@@ -319,6 +333,7 @@ def run_pool_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> Pool
                     p.wiped_after = True
                 say(f"  {worker.hostname} comes back" + (" (recreated, blank disk)" if p.wiped_after else ""))
                 pool.rejoin_marks = pool.marks()
+                p.rejoin_boot_t = time.time()
                 pool.boot(worker, recreated=p.wiped_after)
             if preemptions:
                 idx, full = pool.wait_session(seen, n)
@@ -363,6 +378,7 @@ def _preempt(pool: Pool, worker: Deployment, p: PoolPreemption, cfg: DrillConfig
         f"preempting {worker.hostname} after step {p.notice_after_step} ...")
     since = pool.marks()
     e0 = len(worker.vm.events())
+    t_notice = time.time()
     worker.metadata.preempt()
     off = worker.vm.power_off(cfg.window_s)
     p.off_s, p.killed = float(off["seconds"]), bool(off["killed"])
@@ -375,9 +391,11 @@ def _preempt(pool: Pool, worker: Deployment, p: PoolPreemption, cfg: DrillConfig
         p.persistent_ok, p.gcs_ok, p.save_s = saved.group(2) == "1", saved.group(3), float(saved.group(4))
     idx, after = pool.wait_session(seen, p.world_size_before - 1)
     p.restored_step, p.restored_tier, p.world_size_after = after.resumed_from, after.tier, after.world_size
+    p.recovered_s = after.t - t_notice
     say(f"  notice -> every rank stopped; {host} saved step {p.saved_step} in {_f(p.save_s)} s; "
         f"{p.worker_exit=}; VM off after {p.off_s:.1f} s" + (" (KILLED)" if p.killed else "")
-        + f"; {after.world_size} node(s) resumed from step {after.resumed_from} ({after.tier or '-'})")
+        + f"; {after.world_size} node(s) resumed from step {after.resumed_from} ({after.tier or '-'}) "
+        f"{p.recovered_s:.1f} s after the notice")
     return idx + 1
 
 
@@ -385,8 +403,9 @@ def _rejoined(pool: Pool, p: PoolPreemption, full: Session, n: int) -> None:
     found = pool.find(PREEMPTED_RE, pool.rejoin_marks)
     p.rejoin_saved_step = int(found[1].group(1)) if found else None
     p.rejoin_restored_step, p.world_size_rejoined = full.resumed_from, full.world_size
+    p.rejoin_s = full.t - p.rejoin_boot_t
     pool.say(f"  {p.worker} rejoined: membership change saved step {p.rejoin_saved_step}; "
-             f"{n} nodes resumed from step {full.resumed_from}")
+             f"{n} nodes resumed from step {full.resumed_from}, {p.rejoin_s:.1f} s after its power-on")
 
 
 # --- the reference -------------------------------------------------------------------------------
@@ -438,15 +457,15 @@ def replay(segments: list[tuple[int, int, int]], props: Any, run_dir: Path, imag
 def report(r: PoolDrillResult) -> str:
     lines = ["", f"## Pool preemption drill ({r.config.nodes} nodes)", "",
              "| # | worker | world before | resumed from | notice after step | saved step (node) | save s | "
-             "worker exit | VM off s | world after | restored step | steps lost | rejoin saved | rejoin restored | "
-             "world rejoined |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "worker exit | VM off s | world after | restored step | steps lost | notice -> survivors restored s | "
+             "rejoin saved | rejoin restored | world rejoined | power-on -> rejoined s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in r.preemptions:
         lines.append(f"| {p.index} | {p.worker} | {p.world_size_before} | {p.resumed_from} | {p.notice_after_step} | "
                      f"{p.saved_step} ({p.saved_on}) | {_f(p.save_s)} | {p.worker_exit} | {p.off_s:.2f}"
                      f"{' KILLED' if p.killed else ''} | {p.world_size_after} | {p.restored_step} | "
-                     f"{p.steps_lost if p.steps_lost is not None else '-'} | {p.rejoin_saved_step} | "
-                     f"{p.rejoin_restored_step} | {p.world_size_rejoined} |")
+                     f"{p.steps_lost if p.steps_lost is not None else '-'} | {_f(p.recovered_s)} | "
+                     f"{p.rejoin_saved_step} | {p.rejoin_restored_step} | {p.world_size_rejoined} | {_f(p.rejoin_s)} |")
     lines += ["", "world-size path (coordinator's sessions): "
               + " -> ".join(f"{ws}@{a}" for ws, a, _ in r.segments) + f" -> end {r.config.steps}"]
     g = r.status.get("goodput", {})
