@@ -37,7 +37,8 @@ demo: setup
 	fi
 
 ## drill: the real boot scripts and trainer in a local VM stand-in, preempted K times; fails unless
-## the final model equals an uninterrupted run's. Needs root. DRILL_ARGS=--soak for the long one.
+## the final model equals an uninterrupted run's. Needs root. DRILL_ARGS=--soak for the long one;
+## DRILL_ARGS="--nodes 2 --preemptions 1 --steps 600" drills a multi-node pool.
 drill: setup
 	$(PY) -m drill $(DRILL_ARGS)
 

@@ -219,7 +219,10 @@ def run_trainer_sh(tmp_path: Path, trainer_sh: str, metadata_host: str) -> tuple
     bin_dir.mkdir(exist_ok=True)
     argv = tmp_path / "argv"
     fake = bin_dir / "python3"
-    fake.write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" > {shquote(argv)}\nexit 3\n")
+    store_env = tmp_path / "share-store-env"
+    fake.write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" > {shquote(argv)}\n"
+                    f"printf '%s' \"${{TORCH_DISABLE_SHARE_RDZV_TCP_STORE-unset}}\" > {shquote(store_env)}\n"
+                    "exit 3\n")
     fake.chmod(0o755)
     script = tmp_path / "trainer.sh"
     script.write_text(trainer_sh)
@@ -256,6 +259,8 @@ def test_torchrun_command_line_per_role(tmp_path, metadata, role, is_host):
     rc, argv = run_trainer_sh(tmp_path, scripts.trainer_sh.replace(
         "cd /nonexistent-not-used", f"cd {shquote(tmp_path / 'work')}"), metadata.host)
     assert rc == 3  # torchrun's exit status (here the fake's), passed on
+    # A node coming back must be able to rejoin (torch 2.13's shared store breaks that).
+    assert (tmp_path / "share-store-env").read_text() == "1"
     # The coordinator runs on demand: its ledger records its own on-demand price.
     prices = {"coordinator": pricing.coordinator_price_args(exp),
               "worker": pricing.trainer_price_args(exp)}

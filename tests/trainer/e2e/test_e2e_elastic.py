@@ -42,6 +42,8 @@ def agent(run_dir: Path, config: Path, port: int, node: str, host: bool, *extra:
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
            f"--rdzv-conf=is_host={'true' if host else 'false'},last_call_timeout=1",
            "--max-restarts=3", "--monitor-interval=0.5", "-m", *argv[2:]]
+    # As the pooled trainer.sh sets it: without it a node cannot rejoin a later round (torch 2.13).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return Proc(cmd, env=trainer_env(SPOTTRAIN_NODE=node, **env), new_session=True)
 
 
@@ -54,7 +56,7 @@ class Pool:
         self.flag = tmp / "gate"
         self.flag.touch()
         env = dict(gcs.env, GATE_FLAG=str(self.flag), GATE_AFTER=str(PARKED_AFTER * BATCH))
-        port = free_port()
+        self.port = port = free_port()
         self.a = agent(tmp / "a", self.config, port, "a", True, "--gcs-uri", gcs.uri, **env)
         self.b = agent(tmp / "b", self.config, port, "b", False, "--gcs-uri", gcs.uri, **env)
         for p in (self.a, self.b):
@@ -73,17 +75,27 @@ class Pool:
         return status(self.tmp / "a", "--gcs-uri", self.gcs.uri, env=trainer_env(**self.gcs.env), cli=True)
 
 
+def replay(tmp: Path, config: Path, path: list[tuple[int, int | None]]) -> str:
+    """The digest of a run without losses along ``path``: (world size, pause step or None for
+    the end) segments, each resuming the previous one's checkpoint."""
+    ref = tmp / "ref"
+    for size, stop in path:
+        extra = ("--stop-at-step", str(stop)) if stop is not None else ()
+        argv = _args(ref, config, *extra)
+        p = Proc(argv) if size == 1 else Proc(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={size}", "-m",
+             *argv[2:]], new_session=True)
+        rc = p.wait()  # under torchrun a pause is reported as the workers' failure (75)
+        if stop is None:
+            assert rc == 0, p.output[-4000:]
+        else:
+            p.seen(rf"event=paused step={stop} ")
+    return status(ref)["model_digest"]
+
+
 def same_path_digest(tmp: Path, config: Path, step: int) -> str:
     """The run without the loss: 2 ranks paused at ``step``, then 1 rank to the end."""
-    ref = tmp / "ref"
-    two = Proc([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                *_args(ref, config, "--stop-at-step", str(step))[2:]], new_session=True)
-    two.wait()  # torchrun reports the workers' 75 as a failure; the log says what was saved
-    two.seen(rf"event=paused step={step} ")
-    one = Proc(_args(ref, config))
-    assert one.wait() == 0, one.output[-4000:]
-    assert one.seen(rf"event=world_size_change step={step} from=2 to=1 consumed={step * 8} ")
-    return status(ref)["model_digest"]
+    return replay(tmp, config, [(2, step), (1, None)])
 
 
 @pytest.mark.xdist_group("torchrun")
@@ -199,3 +211,35 @@ def test_the_node_holding_the_newest_checkpoint_restores_for_everyone(tmp_path: 
                 *_args(ref, config)[2:]], new_session=True)
     assert two.wait() == 0, two.output[-3000:]
     assert done[0]["model_digest"] == status(ref)["model_digest"]
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_a_node_that_comes_back_rejoins_and_the_world_grows_again(tmp_path: Path, gcs_emulator) -> None:
+    """Node b is powered off; node a trains alone; b boots again and joins: a's worker saves at
+    once (torchrun stops it for the membership change) and both resume from that step at world
+    size 2. Same digest as a run that took the same world-size path."""
+    pool = Pool(tmp_path, gcs_emulator)
+    a = pool.a
+    try:
+        pool.main.wait_for(r"checkpoint step (\d+) durable on gcs")
+        pool.b.power_off()
+        pool.release()
+        a.wait_for(r"event=failed reason=exception")  # the dead peer, met in an all-reduce
+        pool.flag.touch()  # a's next worker parks again, 6 steps into its world of one
+        lost = int(a.wait_for(r"event=restore step=(\d+) .* world_size=1").group(1))
+        a.wait_for(rf"event=step step={lost + 6}/")
+        b = agent(tmp_path / "b", pool.config, pool.port, "b", False, "--gcs-uri", pool.gcs.uri,
+                  **pool.gcs.env)
+        pool.b = b
+        a.wait_for(r"event=preemption_notice reason=SIGTERM")  # torchrun makes room for b
+        pool.release()
+        grown = int(a.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+        assert a.wait() == 0 and b.wait() == 0, a.output[-3000:] + b.output[-3000:]
+    finally:
+        pool.close()
+    assert grown == lost + 7  # 6 steps, then the one parked in flight, finished first: nothing lost
+    for p in (a, b):
+        assert p.seen(rf"event=restore step={grown} .* world_size=2")
+    s = pool.status()
+    assert s["latest_step"] == STEPS
+    assert s["model_digest"] == replay(tmp_path, pool.config, [(2, lost), (1, grown), (2, None)])
