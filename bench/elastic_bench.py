@@ -142,6 +142,7 @@ def _agent(tmp: Path, node: str, port: int, host: bool, conf: str, gcs: StorageE
             "--checkpoint-every-steps", "5", "--gcs-uri", f"gs://{gcs.bucket}/runs/{prefix}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
                SPOTTRAIN_NODE=node, LOGLEVEL="INFO", STORAGE_EMULATOR_HOST=gcs.host,
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # as the pooled trainer.sh sets it
                GCE_METADATA_HOST=f"127.0.0.1:{free_port()}")
     return Agent(argv, env)
 
