@@ -45,7 +45,7 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -310,8 +310,9 @@ def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: 
     return json.dumps(body, sort_keys=True, indent=1).encode()
 
 
-def parse_manifest(data: bytes, step: int | None = None) -> dict:
-    """Parse and self-check a manifest; raise ``CheckpointInvalid`` with the reason."""
+def parse_manifest_header(data: bytes) -> dict:
+    """The checks every layout's manifest shares: JSON, format marker, version, file hash, and
+    the self-checksum; raise ``CheckpointInvalid`` with the reason."""
     try:
         m = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
@@ -326,18 +327,29 @@ def parse_manifest(data: bytes, step: int | None = None) -> dict:
     if want != hashlib.sha256(_canonical(m)).hexdigest():
         raise CheckpointInvalid("manifest checksum mismatch (manifest corrupted)")
     m["manifest_sha256"] = want
-    if isinstance(m.get("meta"), dict) and m["meta"].get("sharded"):
-        raise CheckpointInvalid(OTHER_LAYOUT + 'a sharded checkpoint (written with parallelism = "fsdp")')
-    files = m.get("files")
-    if not isinstance(files, dict) or set(files) != set(PAYLOAD):
-        raise CheckpointInvalid("manifest file list is incomplete")
-    for name, info in files.items():
+    return m
+
+
+def check_manifest_entries(m: dict, step: int | None) -> dict:
+    """Every file entry has a size and a sha256, and the manifest's step is the folder's."""
+    for name, info in m["files"].items():
         if not (isinstance(info, dict) and isinstance(info.get("size"), int)
                 and isinstance(info.get("sha256"), str)):
             raise CheckpointInvalid(f"manifest entry for {name} is malformed")
     if step is not None and m.get("step") != step:
         raise CheckpointInvalid(f"manifest says step {m.get('step')!r}, folder says {step}")
     return m
+
+
+def parse_manifest(data: bytes, step: int | None = None) -> dict:
+    """Parse and self-check a single-process manifest; raise ``CheckpointInvalid`` with the reason."""
+    m = parse_manifest_header(data)
+    if isinstance(m.get("meta"), dict) and m["meta"].get("sharded"):
+        raise CheckpointInvalid(OTHER_LAYOUT + 'a sharded checkpoint (written with parallelism = "fsdp")')
+    files = m.get("files")
+    if not isinstance(files, dict) or set(files) != set(PAYLOAD):
+        raise CheckpointInvalid("manifest file list is incomplete")
+    return check_manifest_entries(m, step)
 
 
 # --------------------------------------------------------------------------------------------
@@ -559,13 +571,17 @@ def _sizes(store: Store, prefix: str) -> dict[str, int]:
     return store.sizes(prefix) if hasattr(store, "sizes") else {k: -1 for k in store.list(prefix)}
 
 
-def _quick_check(store: Store, step: int, files: dict[str, int]) -> CheckpointInfo:
+#: A layout's manifest parser: ``parse_manifest`` here, ``sharded.parse_sharded_manifest``.
+ManifestParser = Callable[[bytes, "int | None"], dict]
+
+
+def _quick_check(store: Store, step: int, files: dict[str, int], parse: ManifestParser) -> CheckpointInfo:
     loc = _store_location(store, step)
     total = sum(v for v in files.values() if v > 0)
     if MANIFEST not in files:
         return CheckpointInfo(step, False, "no manifest (incomplete write or upload)", total, loc)
     try:
-        m = parse_manifest(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step)
+        m = parse(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step)
     except KeyError:
         return CheckpointInfo(step, False, "manifest vanished while listing", total, loc)
     except CheckpointInvalid as e:
@@ -579,7 +595,7 @@ def _quick_check(store: Store, step: int, files: dict[str, int]) -> CheckpointIn
     return CheckpointInfo(step, True, "", total, loc, m.get("created", ""), m)
 
 
-def list_checkpoints(store: Store) -> list[CheckpointInfo]:
+def list_checkpoints(store: Store, parse: ManifestParser = parse_manifest) -> list[CheckpointInfo]:
     """Every ``step-N`` on the store, newest first, each quick-checked (manifest self-checksum,
     every listed file present with the listed size; no hashing of payloads)."""
     by_step: dict[int, dict[str, int]] = {}
@@ -589,14 +605,14 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
         if step is None or "/" in name:
             continue
         by_step.setdefault(step, {})[name] = size
-    return [_quick_check(store, step, by_step[step]) for step in sorted(by_step, reverse=True)]
+    return [_quick_check(store, step, by_step[step], parse) for step in sorted(by_step, reverse=True)]
 
 
-def check_checkpoint(store: Store, step: int) -> CheckpointInfo | None:
+def check_checkpoint(store: Store, step: int, parse: ManifestParser = parse_manifest) -> CheckpointInfo | None:
     """Quick check of one step (None when nothing of it exists on the store)."""
     prefix = step_name(step) + "/"
     files = {k[len(prefix):]: v for k, v in _sizes(store, prefix).items() if "/" not in k[len(prefix):]}
-    return _quick_check(store, step, files) if files else None
+    return _quick_check(store, step, files, parse) if files else None
 
 
 def verify_dir(folder: Path) -> dict:

@@ -58,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import io
 import json
 import logging
@@ -78,10 +77,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import (FORMAT, FORMAT_VERSION, HASH_NAME, MANIFEST, OTHER_LAYOUT, CheckpointInfo,
-                                CheckpointInvalid, layout_mismatch, other_layout, _canonical, _hash_file, _sizes, _store_location,
-                                _verify_file, _write_hashed_plain, build_manifest, delete_checkpoint,
-                                parse_step, step_name)
+from trainer.checkpoint import (MANIFEST, OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid, _hash_file,
+                                _verify_file, _write_hashed_plain, build_manifest, check_checkpoint,
+                                check_manifest_entries, delete_checkpoint, layout_mismatch, list_checkpoints,
+                                other_layout, parse_manifest_header, parse_step, step_name)
 from trainer.checkpointer import TIERS, Checkpointer, EmergencyReport, Restored, TierPolicy, _check_meta
 from trainer.distributed import World
 from trainer.interval import DEFAULT_MTBF_S
@@ -163,22 +162,9 @@ def _default_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def parse_sharded_manifest(data: bytes, step: int | None = None) -> dict:
-    """``trainer.checkpoint.parse_manifest``'s checks with the sharded file list: the DCP index,
-    the extras and one or more rank files, nothing else; raises ``CheckpointInvalid``."""
-    try:
-        m = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointInvalid(f"manifest is not valid JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointInvalid("manifest has no spottrain format marker")
-    if m.get("version") != FORMAT_VERSION:
-        raise CheckpointInvalid(f"unsupported checkpoint format version {m.get('version')!r}")
-    if m.get("hash") != HASH_NAME:
-        raise CheckpointInvalid(f"unsupported file hash {m.get('hash')!r}")
-    want = m.pop("manifest_sha256", None)
-    if want != hashlib.sha256(_canonical(m)).hexdigest():
-        raise CheckpointInvalid("manifest checksum mismatch (manifest corrupted)")
-    m["manifest_sha256"] = want
+    """``trainer.checkpoint.parse_manifest`` with the sharded file list: the DCP index, the extras
+    and one or more rank files, nothing else; raises ``CheckpointInvalid``."""
+    m = parse_manifest_header(data)
     sharded = (m.get("meta") or {}).get("sharded") if isinstance(m.get("meta"), dict) else None
     if not isinstance(sharded, dict) or sharded.get("layout") != LAYOUT:
         raise CheckpointInvalid(OTHER_LAYOUT + 'a whole-model checkpoint (written with parallelism = "ddp")')
@@ -186,55 +172,21 @@ def parse_sharded_manifest(data: bytes, step: int | None = None) -> dict:
     if (not isinstance(files, dict) or DCP_METADATA not in files or EXTRAS not in files
             or not any(_SHARD_RE.match(n) for n in files)):
         raise CheckpointInvalid("manifest file list is incomplete")
-    for name, info in files.items():
+    for name in files:
         if not (isinstance(name, str) and name not in ("", ".", "..", MANIFEST) and "/" not in name
                 and not name.startswith(TMP_PREFIX)):
             raise CheckpointInvalid(f"manifest lists an invalid file name {name!r}")
-        if not (isinstance(info, dict) and isinstance(info.get("size"), int)
-                and isinstance(info.get("sha256"), str)):
-            raise CheckpointInvalid(f"manifest entry for {name} is malformed")
-    if step is not None and m.get("step") != step:
-        raise CheckpointInvalid(f"manifest says step {m.get('step')!r}, folder says {step}")
-    return m
-
-
-def _quick_check(store: Store, step: int, files: dict[str, int]) -> CheckpointInfo:
-    loc = _store_location(store, step)
-    total = sum(v for v in files.values() if v > 0)
-    if MANIFEST not in files:
-        return CheckpointInfo(step, False, "no manifest (incomplete write or upload)", total, loc)
-    try:
-        m = parse_sharded_manifest(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step)
-    except KeyError:
-        return CheckpointInfo(step, False, "manifest vanished while listing", total, loc)
-    except CheckpointInvalid as e:
-        return CheckpointInfo(step, False, str(e), total, loc)
-    for name, info in m["files"].items():
-        if name not in files:
-            return CheckpointInfo(step, False, f"{name} is missing", total, loc, m.get("created", ""))
-        if files[name] >= 0 and files[name] != info["size"]:
-            return CheckpointInfo(step, False, f"{name} is {files[name]} bytes, manifest says "
-                                  f"{info['size']} (truncated or partial)", total, loc, m.get("created", ""))
-    return CheckpointInfo(step, True, "", total, loc, m.get("created", ""), m)
+    return check_manifest_entries(m, step)
 
 
 def list_sharded(store: Store) -> list[CheckpointInfo]:
     """Every ``step-N`` on the store, newest first, quick-checked (manifest, presence, sizes)."""
-    by_step: dict[int, dict[str, int]] = {}
-    for key, size in _sizes(store, "step-").items():
-        folder, _, name = key.partition("/")
-        step = parse_step(folder)
-        if step is None or "/" in name:
-            continue
-        by_step.setdefault(step, {})[name] = size
-    return [_quick_check(store, s, by_step[s]) for s in sorted(by_step, reverse=True)]
+    return list_checkpoints(store, parse_sharded_manifest)
 
 
 def check_sharded(store: Store, step: int) -> CheckpointInfo | None:
     """Quick check of one step (None when nothing of it exists on the store)."""
-    prefix = step_name(step) + "/"
-    files = {k[len(prefix):]: v for k, v in _sizes(store, prefix).items() if "/" not in k[len(prefix):]}
-    return _quick_check(store, step, files) if files else None
+    return check_checkpoint(store, step, parse_sharded_manifest)
 
 
 def verify_sharded_dir(folder: Path) -> dict:
