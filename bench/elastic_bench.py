@@ -36,6 +36,7 @@ from pathlib import Path
 
 from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
+from drill.procs import power_off
 
 REPO = Path(__file__).resolve().parent.parent
 REPS = int(os.environ.get("SPOTTRAIN_BENCH_REPS", "3"))
@@ -107,30 +108,12 @@ class Agent:
         return "\n".join(line for _, line in self.lines[-n:])
 
     def power_off(self) -> None:
-        for pid in [self.p.pid, *_descendants(self.p.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        power_off(self.p.pid)
 
     def close(self) -> None:
         self.power_off()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.p.wait(timeout=30)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _agent(tmp: Path, node: str, port: int, host: bool, conf: str, gcs: StorageEmulator, prefix: str) -> Agent:

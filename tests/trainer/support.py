@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from drill.net import free_port
+from drill.procs import power_off
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 240.0  # a failure guard only: this box is small and shared
@@ -110,9 +111,7 @@ class Proc:
     def power_off(self) -> None:
         """SIGKILL the process and every descendant at once: a VM losing power. (torchrun starts
         its workers in sessions of their own, so killing the agent's group would spare them.)"""
-        for pid in [self.p.pid, *descendants(self.p.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        power_off(self.p.pid)
 
     def wait(self, timeout: float = TIMEOUT) -> int:
         rc = self.p.wait(timeout=timeout)
@@ -128,26 +127,6 @@ class Proc:
         if self.p.poll() is None:
             self.power_off()
             self.p.wait()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def run_args(run_dir: Path, steps: int, config: Path, *extra: str, seed: int = 0) -> list[str]:
