@@ -426,8 +426,10 @@ class Pool(Section):
     max_restarts: int = Field(default=100, ge=0, le=100000)
     """How often torchrun restarts the job (a node lost or joined, a rank failed) before it
     gives up; each restart resumes from the newest checkpoint."""
-    rendezvous_last_call_s: int = Field(default=30, ge=0, le=3600)
-    """Seconds the rendezvous waits for more nodes once min_nodes have joined."""
+    rendezvous_last_call_s: int = Field(default=10, ge=0, le=3600)
+    """Seconds the rendezvous waits for more nodes once min_nodes have joined. Every survivor
+    idles this long after each node loss (the lost node comes back minutes later, if at all), so
+    keep it short: a node that joins late costs only a coordinated save and a restart."""
 
     @field_validator("coordinator_machine_type")
     @classmethod

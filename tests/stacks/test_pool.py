@@ -324,7 +324,7 @@ def test_a_coordinator_that_does_not_train_serves_the_rendezvous(tmp_path, metad
     assert argv[:9] == ["-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=1",
                         "--rdzv-backend=c10d",
                         "--rdzv-endpoint=coordinator.cpu-coord.spottrain.internal:29400",
-                        "--rdzv-id=cpu-coord", "--rdzv-conf=is_host=false,last_call_timeout=30,keep_alive_interval=1,keep_alive_max_attempt=3",
+                        "--rdzv-id=cpu-coord", "--rdzv-conf=is_host=false,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3",
                         "--max-restarts=100"]
     # The startup script does not wait for a GPU driver on the CPU-only coordinator.
     assert 'if [[ "$role" == coordinator ]]; then' in scripts.startup
