@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import (CheckpointInfo, CheckpointInvalid, Snapshot, SnapshotBuffer,
-                                layout_mismatch, other_layout, check_checkpoint, delete_checkpoint, download_dir, list_checkpoints, load_dir,
-                                step_name, upload_dir, verify_dir, write_dir)
+from trainer.checkpoint import (CheckpointInfo, CheckpointInvalid, Snapshot, SnapshotBuffer, check_checkpoint,
+                                delete_checkpoint, download_dir, layout_mismatch, list_checkpoints, load_dir,
+                                other_layout, parse_manifest, step_name, upload_dir, verify_dir, write_dir)
 from trainer.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
 from trainer.storage import DirStore, GcsStore, Store, UploadAborted
 
@@ -103,6 +103,9 @@ class _Tier:
 
 class Checkpointer:
     """Asynchronous multi-tier checkpointing; see the module docstring."""
+
+    #: This checkpointer's layout: how its listings and retention read a manifest.
+    parse_manifest = staticmethod(parse_manifest)
 
     def __init__(self, *, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None,
                  policies: dict[str, TierPolicy] | None = None,
@@ -308,7 +311,7 @@ class Checkpointer:
         """
         keep = t.policy.keep
         with self._restore_lock:
-            older = [i for i in list_checkpoints(t.store) if i.step < newest_step]
+            older = [i for i in list_checkpoints(t.store, self.parse_manifest) if i.step < newest_step]
             keep_older = {i.step for i in [x for x in older if x.valid][: keep - 1]}
             for i in older:
                 if i.step in keep_older or other_layout(i.reason):
@@ -412,8 +415,8 @@ class Checkpointer:
     def _list(self, t: _Tier) -> list[CheckpointInfo]:
         if isinstance(t.store, GcsStore):
             with t.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):
-                return list_checkpoints(t.store)
-        return list_checkpoints(t.store)
+                return list_checkpoints(t.store, self.parse_manifest)
+        return list_checkpoints(t.store, self.parse_manifest)
 
     def _load(self, t: _Tier, step: int, info: CheckpointInfo, *, download: bool) -> tuple[Any, str, str]:
         if isinstance(t.store, DirStore):

@@ -296,6 +296,9 @@ class ShardedCheckpointer(Checkpointer):
     is written, listed, restored and retained. Every method but ``describe()`` is collective.
     """
 
+    #: Listings, retention and ``describe()`` read the sharded manifest.
+    parse_manifest = staticmethod(parse_sharded_manifest)
+
     def __init__(self, *, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None,
                  policies: dict[str, TierPolicy] | None = None, mtbf_s: float = DEFAULT_MTBF_S,
                  log: logging.Logger | None = None, world: World, gcs_client: Any = None,
@@ -608,27 +611,13 @@ class ShardedCheckpointer(Checkpointer):
 
     # ------------------------------------------------------------------------------ retention
     def _retain(self, t: Any, newest_step: int) -> None:
-        """As ``Checkpointer._retain`` with the sharded listing. ``_succeeded`` calls it on rank 0
-        only, which leads its node: on one host that is the node holding complete disk copies,
-        on several hosts the disks hold no committed checkpoints to prune."""
+        """``Checkpointer._retain`` (with the sharded listing, through ``parse_manifest``).
+        ``_succeeded`` calls it on rank 0 only, which leads its node: on one host that is the
+        node holding complete disk copies, on several hosts the disks hold no committed
+        checkpoints to prune."""
         if t.is_disk and not self.is_leader:
             return
-        keep = t.policy.keep
-        with self._restore_lock:
-            older = [i for i in list_sharded(t.store) if i.step < newest_step]
-            keep_older = {i.step for i in [x for x in older if x.valid][: keep - 1]}
-            for i in older:
-                if i.step in keep_older or other_layout(i.reason):
-                    continue
-                self.log.info("retention: deleting %s step %d (%s)", t.name, i.step,
-                              f"beyond the newest {keep} valid" if i.valid else f"invalid: {i.reason}")
-                delete_checkpoint(t.store, i.step)
-
-    def _list(self, t: Any) -> list[CheckpointInfo]:
-        if isinstance(t.store, GcsStore):
-            with t.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):
-                return list_sharded(t.store)
-        return list_sharded(t.store)
+        super()._retain(t, newest_step)
 
     # ------------------------------------------------------------------------------ restoring
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Restored | None:  # type: ignore[override]
