@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainer.checkpoint import (CheckpointInfo, CheckpointInvalid, Snapshot, SnapshotBuffer, check_checkpoint,
                                 delete_checkpoint, download_dir, layout_mismatch, list_checkpoints, load_dir,
@@ -453,12 +453,20 @@ class Checkpointer:
         does not abort it."""
         t0 = time.monotonic()
         meta = _check_meta(meta)
+        report = self._uninterrupted(step, t0, lambda: self._emergency(step, state, deadline, meta, t0))
+        (self.log.info if report.persistent_ok else self.log.error)("emergency save: %s", report.detail)
+        return report
+
+    def _uninterrupted(self, step: int, t0: float, save: Callable[[], EmergencyReport]) -> EmergencyReport:
+        """Run an emergency ``save`` in a thread and wait for it, ignoring Ctrl-C meanwhile: a
+        second signal must not break off the save (or, sharded, a collective) midway. A save
+        that raises is reported as failed, never raised."""
         result: list[EmergencyReport] = []
         done = threading.Event()
 
         def work() -> None:
             try:
-                result.append(self._emergency(step, state, deadline, meta, t0))
+                result.append(save())
             except BaseException as e:  # noqa: BLE001
                 result.append(EmergencyReport(step, False, None if self.gcs is None else False,
                                               time.monotonic() - t0,
@@ -466,17 +474,13 @@ class Checkpointer:
             finally:
                 done.set()
 
-        th = threading.Thread(target=work, name="checkpoint-emergency", daemon=True)
-        th.start()
+        threading.Thread(target=work, name="checkpoint-emergency", daemon=True).start()
         while True:
             try:
                 if done.wait(1.0):
-                    break
+                    return result[0]
             except KeyboardInterrupt:
                 self.log.warning("interrupt ignored: emergency checkpoint of step %d in progress", step)
-        report = result[0]
-        (self.log.info if report.persistent_ok else self.log.error)("emergency save: %s", report.detail)
-        return report
 
     def _emergency(self, step: int, state: dict, deadline: float, meta: dict, t0: float) -> EmergencyReport:
         gcs = self._tiers.get("gcs")

@@ -750,29 +750,8 @@ class ShardedCheckpointer(Checkpointer):
         ``deadline`` (time.monotonic), as ``Checkpointer.emergency_save``. On several nodes the
         disk copy is never complete (``persistent_ok`` False), so GCS is what counts."""
         t0 = time.monotonic()
-        result: list[EmergencyReport] = []
-        done = threading.Event()
-
-        def work() -> None:
-            try:
-                result.append(self._emergency_sharded(step, model, optimizer, extras, deadline, meta, t0))
-            except BaseException as e:  # noqa: BLE001
-                result.append(EmergencyReport(step, False, None if self.gcs is None else False,
-                                              time.monotonic() - t0,
-                                              f"step {step}: emergency save failed: {type(e).__name__}: {e}"))
-            finally:
-                done.set()
-
-        # In a thread so that a second signal (Ctrl-C) cannot break off a collective midway.
-        th = threading.Thread(target=work, name="sharded-checkpoint-emergency", daemon=True)
-        th.start()
-        while True:
-            try:
-                if done.wait(1.0):
-                    break
-            except KeyboardInterrupt:
-                self.log.warning("interrupt ignored: emergency checkpoint of step %d in progress", step)
-        report = result[0]
+        report = self._uninterrupted(
+            step, t0, lambda: self._emergency_sharded(step, model, optimizer, extras, deadline, meta, t0))
         if self._rank == 0:
             (self.log.info if report.persistent_ok or report.gcs_ok else self.log.error)(
                 "emergency save: %s", report.detail)
