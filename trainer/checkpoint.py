@@ -352,6 +352,10 @@ def parse_manifest(data: bytes, step: int | None = None) -> dict:
     return check_manifest_entries(m, step)
 
 
+#: A layout's manifest parser: ``parse_manifest`` here, ``sharded.parse_sharded_manifest``.
+ManifestParser = Callable[[bytes, "int | None"], dict]
+
+
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
@@ -460,9 +464,10 @@ def upload_dir(src: Path, store: GcsStore, step: int, *, deadline: float | None 
         store.put_bytes(f"{prefix}/{MANIFEST}", (Path(src) / MANIFEST).read_bytes())
 
 
-def download_dir(store: Store, step: int, root: Path) -> Path:
+def download_dir(store: Store, step: int, root: Path, parse: ManifestParser = parse_manifest) -> Path:
     """Copy ``step-N`` from ``store`` into ``root/step-N/`` atomically (manifest fetched last is
-    irrelevant here: the folder only appears after everything arrived and was verified)."""
+    irrelevant here: the folder only appears after everything arrived and was verified).
+    ``parse``: the layout's manifest parser (default ``parse_manifest``), which says the files."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_name(step)
@@ -470,11 +475,11 @@ def download_dir(store: Store, step: int, root: Path) -> Path:
     stage.mkdir()
     try:
         manifest_bytes = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
-        manifest = parse_manifest(manifest_bytes, step)
-        for name in PAYLOAD:
+        manifest = parse(manifest_bytes, step)
+        for name in manifest["files"]:
             store.get_file(f"{step_name(step)}/{name}", stage / name)
-        for name in PAYLOAD:
-            _verify_file(stage / name, manifest["files"][name])
+        for name, info in manifest["files"].items():
+            _verify_file(stage / name, info)
         _write_hashed_plain(stage / MANIFEST, manifest_bytes)
         fsync_dir(stage)
         if final.exists():
@@ -569,10 +574,6 @@ def _sizes(store: Store, prefix: str) -> dict[str, int]:
     if isinstance(store, DirStore) and not store.root.is_dir():
         return {}
     return store.sizes(prefix) if hasattr(store, "sizes") else {k: -1 for k in store.list(prefix)}
-
-
-#: A layout's manifest parser: ``parse_manifest`` here, ``sharded.parse_sharded_manifest``.
-ManifestParser = Callable[[bytes, "int | None"], dict]
 
 
 def _quick_check(store: Store, step: int, files: dict[str, int], parse: ManifestParser) -> CheckpointInfo:

@@ -37,9 +37,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.checkpoint import (CheckpointInfo, CheckpointInvalid, Snapshot, SnapshotBuffer, check_checkpoint,
-                                delete_checkpoint, download_dir, layout_mismatch, list_checkpoints, load_dir,
-                                other_layout, parse_manifest, step_name, upload_dir, verify_dir, write_dir)
+from trainer.checkpoint import (OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid, Snapshot, SnapshotBuffer,
+                                check_checkpoint, delete_checkpoint, download_dir, layout_mismatch,
+                                list_checkpoints, load_dir, other_layout, parse_manifest, step_name, upload_dir,
+                                verify_dir, write_dir)
 from trainer.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
 from trainer.storage import DirStore, GcsStore, Store, UploadAborted
 
@@ -335,6 +336,31 @@ class Checkpointer:
                 self.log.warning("cannot list checkpoints on %s (%s: %s)", t.name, type(e).__name__, e)
         return max(steps, default=None)
 
+    def _survey(self) -> tuple[list[tuple[int, int, _Tier, CheckpointInfo]], list[str]]:
+        """Every tier listed for a restore: the valid checkpoints as (step, tier rank, tier,
+        info), newest first and fastest tier first for equal steps, and a line per checkpoint of
+        the other layout. Invalid ones are logged with the reason; a tier that cannot be listed
+        is logged and skipped."""
+        candidates: list[tuple[int, int, _Tier, CheckpointInfo]] = []
+        other: list[str] = []
+        for rank, t in enumerate(self._tiers.values()):
+            try:
+                infos = self._list(t)
+            except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
+                self.log.warning("cannot list checkpoints on %s (%s: %s); ignoring that tier",
+                                 t.name, type(e).__name__, e)
+                continue
+            for i in infos:
+                if i.valid:
+                    candidates.append((i.step, rank, t, i))
+                elif other_layout(i.reason):
+                    other.append(f"{t.name} step {i.step}: {i.reason[len(OTHER_LAYOUT):]}")
+                else:
+                    self.log.warning("ignoring %s checkpoint step %d at %s: %s",
+                                     t.name, i.step, i.location, i.reason)
+        candidates.sort(key=lambda c: (-c[0], c[1]))
+        return candidates, other
+
     def mark_restored(self, step: int) -> None:
         """Another node restored ``step`` for the job: count the tiers' intervals from there."""
         now = time.monotonic()
@@ -353,28 +379,11 @@ class Checkpointer:
                         if removed:
                             self.log.info("removed leftovers of interrupted writes on %s: %s",
                                           t.name, ", ".join(removed))
-            candidates: list[tuple[int, int, _Tier, CheckpointInfo]] = []
-            other: list[str] = []
-            for rank, t in enumerate(self._tiers.values()):
-                try:
-                    infos = self._list(t)
-                except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
-                    self.log.warning("cannot list checkpoints on %s (%s: %s); ignoring that tier",
-                                     t.name, type(e).__name__, e)
-                    continue
-                for i in infos:
-                    if i.valid:
-                        candidates.append((i.step, rank, t, i))
-                    elif other_layout(i.reason):
-                        other.append(f"{t.name} step {i.step}: {i.reason[len('other layout: '):]}")
-                    else:
-                        self.log.warning("ignoring %s checkpoint step %d at %s: %s",
-                                         t.name, i.step, i.location, i.reason)
+            candidates, other = self._survey()
             if other and download:  # a trainer starting; status (download=False) only looks
                 from trainer.state import ResumeMismatch
 
                 raise ResumeMismatch(layout_mismatch("ddp", other))
-            candidates.sort(key=lambda c: (-c[0], c[1]))
             for step, _, t, info in candidates:
                 try:
                     state, path, tier = self._load(t, step, info, download=download)

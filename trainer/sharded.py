@@ -79,8 +79,8 @@ from torch import nn
 
 from trainer.checkpoint import (MANIFEST, OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid, _hash_file,
                                 _verify_file, _write_hashed_plain, build_manifest, check_checkpoint,
-                                check_manifest_entries, delete_checkpoint, layout_mismatch, list_checkpoints,
-                                other_layout, parse_manifest_header, parse_step, step_name)
+                                check_manifest_entries, delete_checkpoint, download_dir, layout_mismatch, list_checkpoints,
+                                parse_manifest_header, parse_step, step_name)
 from trainer.checkpointer import TIERS, Checkpointer, EmergencyReport, Restored, TierPolicy, _check_meta
 from trainer.distributed import World
 from trainer.interval import DEFAULT_MTBF_S
@@ -232,22 +232,7 @@ def copy_sharded_dir(src: Path, root: Path) -> Path:
 def download_sharded(store: Store, step: int, root: Path) -> Path:
     """Copy ``step-N`` from ``store`` into ``root/step-N/``: every file verified, then the
     manifest, then the atomic rename."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_name(step)
-    stage = root / f"{TMP_PREFIX}{final.name}-dl-{uuid.uuid4().hex[:8]}"
-    stage.mkdir()
-    try:
-        manifest = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
-        m = parse_sharded_manifest(manifest, step)
-        for name, info in sorted(m["files"].items()):
-            store.get_file(f"{step_name(step)}/{name}", stage / name)
-            _verify_file(stage / name, info)
-        _commit(stage, final, manifest)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return final
+    return download_dir(store, step, root, parse_sharded_manifest)
 
 
 def _file_entry(path: Path) -> dict:
@@ -641,23 +626,8 @@ class ShardedCheckpointer(Checkpointer):
             steps: list[int] | None = None
             other: list[str] = []
             if self._rank == 0:
-                found: set[int] = set()
-                for t in self._tiers.values():
-                    try:
-                        infos = self._list(t)
-                    except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
-                        self.log.warning("cannot list checkpoints on %s (%s: %s); ignoring that tier",
-                                         t.name, type(e).__name__, e)
-                        continue
-                    for i in infos:
-                        if i.valid:
-                            found.add(i.step)
-                        elif other_layout(i.reason):
-                            other.append(f"{t.name} step {i.step}: {i.reason[len(OTHER_LAYOUT):]}")
-                        else:
-                            self.log.warning("ignoring %s checkpoint step %d at %s: %s",
-                                             t.name, i.step, i.location, i.reason)
-                steps = sorted(found, reverse=True)
+                candidates, other = self._survey()
+                steps = sorted({c[0] for c in candidates}, reverse=True)
             steps, other = self._bcast((steps, other))
             if other:
                 raise ResumeMismatch(layout_mismatch("fsdp", other))
