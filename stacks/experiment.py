@@ -208,8 +208,9 @@ class Bucket(Section):
     """Overwritten or deleted objects keep this many older versions."""
     noncurrent_days: int = Field(default=7, ge=1, le=3650)
     """Older versions are deleted this many days after they stopped being current."""
-    soft_delete_days: int = Field(default=7, ge=0, le=90)
-    """Deleted objects stay restorable this many days (0 turns soft delete off)."""
+    soft_delete_days: int = Field(default=7, ge=0, le=R.SOFT_DELETE_MAX_DAYS)
+    """Deleted or overwritten objects stay restorable this many days: 0 (off) or 7 to 90, the
+    only values Cloud Storage accepts."""
 
     @field_validator("name")
     @classmethod
@@ -217,6 +218,14 @@ class Bucket(Section):
         if v is None:
             return v
         return _check_bucket_name(v)
+
+    @field_validator("soft_delete_days")
+    @classmethod
+    def _soft_delete(cls, v: int) -> int:
+        if 0 < v < R.SOFT_DELETE_MIN_DAYS:
+            raise ValueError(f"{v} is not valid; allowed: 0 (off) or {R.SOFT_DELETE_MIN_DAYS} "
+                             f"to {R.SOFT_DELETE_MAX_DAYS} (Cloud Storage refuses 1 to 6)")
+        return v
 
     @field_validator("bucket_location")
     @classmethod

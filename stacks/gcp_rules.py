@@ -131,6 +131,13 @@ CPU_MACHINE_TYPES: dict[str, MachineShape] = {
 DEFAULT_CPU_COORDINATOR = "e2-standard-4"
 
 
+# --- Cloud Storage --------------------------------------------------------------------------------
+
+#: Soft delete retention: 0 (off) or 7 to 90 days; the API answers 400 to anything else and the
+#: provider does not check it (cloud.google.com/storage/docs/soft-delete).
+SOFT_DELETE_MIN_DAYS, SOFT_DELETE_MAX_DAYS = 7, 90
+
+
 # --- disks, windows, health checks ---------------------------------------------------------------
 
 PD_SSD_MIN_GB, PD_SSD_MAX_GB = 10, 65536

@@ -100,6 +100,9 @@ RULES = [
      "\"US-CENTRAL1\", \"US\" or \"EU\""),
     ("soft-delete-range", {"bucket": {"soft_delete_days": 91}},
      "bucket.soft_delete_days: Input should be less than or equal to 90, got 91"),
+    ("soft-delete-below-gcs-minimum", {"bucket": {"soft_delete_days": 3}},
+     "bucket.soft_delete_days: 3 is not valid; allowed: 0 (off) or 7 to 90 (Cloud Storage "
+     "refuses 1 to 6)"),
     ("existing-network-needs-names", {"network": {"mode": "existing"}},
      "network.network: is required when mode = \"existing\"; allowed: an existing name"),
     ("dedicated-network-rejects-names", {"network": {"subnetwork": "mine"}},
