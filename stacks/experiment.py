@@ -95,10 +95,12 @@ class Machine(Section):
     """GPUs per VM: the built-in count on a2/a3/g2; 1, 2, 4 (or 8 for V100) on n1."""
     provisioning: Literal["spot", "standard"] = "spot"
     """"spot" (cheap, preemptible with a 30 s notice) or "standard" (on-demand)."""
-    termination_action: Literal["STOP", "DELETE"] = "STOP"
-    """What a Spot preemption does to the VM: "STOP" keeps its boot disk (faster restart, driver
-    already installed), "DELETE" removes it. The group recreates the VM either way and the
-    stateful checkpoint disk survives. Spot only."""
+    termination_action: Literal["STOP", "DELETE"] = "DELETE"
+    """What Compute Engine does to a preempted Spot VM: "DELETE" (default) or "STOP". In the
+    managed instance group it makes no difference to the trainer: the group counts a preempted VM
+    as failed and repairs it by recreating it from the template, so the boot disk is rebuilt
+    (driver and dependencies installed again) either way, while the stateful checkpoint disk is
+    kept and reattached. Spot only."""
     image_family: str = "pytorch-2-9-cu129-ubuntu-2204-nvidia-580"
     """Deep Learning VM image family (it must exist today; older families have been removed)."""
     image_project: str = "deeplearning-platform-release"

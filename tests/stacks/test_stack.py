@@ -172,20 +172,23 @@ def test_spot_scheduling(example):
         "preemptible": True,
         "automatic_restart": False,
         "on_host_maintenance": "TERMINATE",
-        "instance_termination_action": "STOP",
+        "instance_termination_action": "DELETE",
     }
 
 
-def test_delete_termination_action_reaches_the_template():
+def test_delete_is_the_default_termination_action_and_stop_reaches_the_template():
+    """In a group a preempted VM is recreated whatever the action: DELETE is the honest default."""
     from cdktn import Testing
 
     from stacks.stack import TrainingStack
 
-    stack = TrainingStack(Testing.app(), "deleting",
-                          variant({"machine": {"termination_action": "DELETE"}}, "deleting"))
+    data = {"machine": {"termination_action": None}}
+    assert variant(data).machine.termination_action == "DELETE"
+    stack = TrainingStack(Testing.app(), "stopping",
+                          variant({"machine": {"termination_action": "STOP"}}, "stopping"))
     t = json.loads(Testing.synth(stack))["resource"]["google_compute_instance_template"]
     (template,) = t.values()
-    assert template["scheduling"]["instance_termination_action"] == "DELETE"
+    assert template["scheduling"]["instance_termination_action"] == "STOP"
 
 
 def test_standard_provisioning(synthesized):
@@ -240,6 +243,9 @@ def test_checkpoint_disk_is_pd_ssd_with_the_fixed_device_name(example):
     assert disk["disk_size_gb"] == 300
     assert disk["type"] == "PERSISTENT"
     assert not disk["boot"]
+    # The group's stateful policy decides its deletion; Compute Engine's own deletion of a
+    # preempted VM must not take it (a hedge: undocumented for stateful disks).
+    assert disk["auto_delete"] is False
     assert f"/dev/disk/by-id/google-{DEVICE_NAME}" in t["metadata"]["startup-script"]
 
 
