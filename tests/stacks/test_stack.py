@@ -314,7 +314,9 @@ def test_regional_group_takes_the_stateful_constraints(synthesized):
     g = s.one("google_compute_region_instance_group_manager")
     assert g["region"] == "us-central1"
     assert g["distribution_policy_zones"] == ["us-central1-a", "us-central1-b", "us-central1-c"]
-    assert g["distribution_policy_target_shape"] == "EVEN"
+    # The shape that creates VMs where capacity is (EVEN is for serving); allowed with stateful
+    # disks and redistribution NONE.
+    assert g["distribution_policy_target_shape"] == "BALANCED"
     assert g["stateful_disk"] == [
         {"device_name": DEVICE_NAME, "delete_rule": "ON_PERMANENT_INSTANCE_DELETION"}
     ]
