@@ -261,6 +261,11 @@ class Network(Section):
     iap_ssh: bool = True
     """Open port 22 to Identity-Aware Proxy only (35.235.240.0/20) for `gcloud compute ssh
     --tunnel-through-iap`. Nothing is ever open to 0.0.0.0/0."""
+    dns_query_logging: bool | None = None
+    """Log every DNS query the VMs make to Cloud Logging (a Cloud DNS policy on the network).
+    Default: on for a `[pool]` on a dedicated network (its nodes look up the coordinator's
+    private name there; a few entries per boot and rendezvous), off otherwise: a network takes
+    only one DNS policy, and an existing network may have one already (the deploy would fail)."""
 
     @field_validator("network", "subnetwork")
     @classmethod
@@ -527,6 +532,13 @@ class Experiment(BaseModel):
             for path, msg in section.problems():
                 yield f"{key}.{path}", msg
         yield from cross_section_problems(self, name)
+
+    @property
+    def dns_query_logging(self) -> bool:
+        """`network.dns_query_logging` with its default applied."""
+        if self.network.dns_query_logging is not None:
+            return self.network.dns_query_logging
+        return self.pool is not None and self.network.mode == "dedicated"
 
     def bucket_name(self, name: str) -> str:
         # At most 30 + 1 + 21 + 5 = 57 characters: within the 63 allowed.

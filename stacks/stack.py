@@ -22,6 +22,8 @@ from stacks.identity import Identity, IdentityProps
 from stacks.instance_template import TemplateProps, TrainerTemplate
 from stacks.coordinator import Coordinator, CoordinatorProps
 from stacks.network import (
+    DnsQueryLogging,
+    DnsQueryLoggingProps,
     FirewallProps,
     NetworkProps,
     PoolFirewall,
@@ -81,6 +83,9 @@ class TrainingStack(TerraformStack):
         ))
         pool = layout(name, exp)
         firewall_project = network.subnetwork_project or gcp.project
+        if exp.dns_query_logging:
+            DnsQueryLogging(self, "dns-logging", DnsQueryLoggingProps(
+                project=firewall_project, name=name, network=network.network_ref))
         TrainerFirewall(self, "firewall", FirewallProps(
             # Shared VPC: firewall rules live in the host project.
             project=firewall_project,
