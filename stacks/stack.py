@@ -1,6 +1,6 @@
 """`TrainingStack`: one experiment's whole training environment as one Terraform stack.
 
-Composes the constructs (identity, bucket, network, firewall, template, group), the provider,
+Composes the constructs (APIs, identity, bucket, network, firewall, template, group), the provider,
 the state backend and the outputs a user needs next (bucket, group, account, log commands). A
 `[pool]` adds the on-demand coordinator, its private DNS name and the firewall rule between the
 pool's nodes (`stacks.pool`), and sizes the group for the Spot workers.
@@ -8,10 +8,11 @@ pool's nodes (`stacks.pool`), and sizes the group for the Spot workers.
 
 from __future__ import annotations
 
-from cdktn import GcsBackend, LocalBackend, TerraformOutput, TerraformStack
+from cdktn import Aspects, GcsBackend, LocalBackend, TerraformOutput, TerraformStack
 from cdktn_provider_google.provider import GoogleProvider
 from constructs import Construct
 
+from stacks import apis as A
 from stacks import gcp_rules as R
 from stacks.boot import boot_props, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
@@ -55,6 +56,10 @@ class TrainingStack(TerraformStack):
                        prefix=exp.backend.prefix or f"spottrain/{name}")
         else:
             LocalBackend(self, path=state_path(name))
+        # The APIs first: everything else in the stack waits for them.
+        apis = A.ProjectApis(self, "apis", A.ApisProps(project=gcp.project,
+                                                       services=A.required(exp)))
+        Aspects.of(self).add(A.WaitForApis(apis))
 
         identity = Identity(self, "identity", IdentityProps(
             project=gcp.project, account_id=f"{name}{R.SA_SUFFIX}", experiment=name))

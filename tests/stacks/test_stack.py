@@ -63,9 +63,40 @@ def test_no_default_compute_service_account_anywhere(synthesized, name):
 def test_group_waits_for_every_grant(example):
     group = example.one("google_compute_instance_group_manager")
     grants = [f"{kind}.{key}" for kind in ("google_project_iam_member",
-                                           "google_storage_bucket_iam_member")
+                                           "google_storage_bucket_iam_member",
+                                           "google_project_service")
               for key in example.json["resource"][kind]]
     assert sorted(group["depends_on"]) == sorted(grants)
+
+
+# --- APIs ----------------------------------------------------------------------------------------
+
+
+def _apis(s: Synthesized) -> dict[str, dict]:
+    return {f"google_project_service.{k}": v
+            for k, v in s.json["resource"]["google_project_service"].items()}
+
+
+@pytest.mark.parametrize("name", ["example", "l4-pool", "existing-net"])
+def test_the_stack_enables_the_apis_it_uses_and_everything_waits_for_them(synthesized, name):
+    s = synthesized[name]
+    apis = _apis(s)
+    expected = {"compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com",
+                "cloudresourcemanager.googleapis.com"}
+    if name == "l4-pool":
+        expected.add("dns.googleapis.com")  # the pool's private zone
+    assert {a["service"] for a in apis.values()} == expected
+    for api in apis.values():
+        # Shared by the whole project: a destroy never switches an API off.
+        assert api["disable_on_destroy"] is False
+        assert api["project"] == "my-project-123456"
+    # Every resource and data source waits for every API (so none meets a disabled one).
+    blocks = [*s.json["resource"].items(), *s.json.get("data", {}).items()]
+    waiting = [(kind, key, r) for kind, rs in blocks if kind != "google_project_service"
+               for key, r in rs.items()]
+    assert len(waiting) >= 10
+    for kind, key, r in waiting:
+        assert set(apis) <= set(r.get("depends_on", [])), f"{kind}.{key}"
 
 
 # --- bucket --------------------------------------------------------------------------------------
