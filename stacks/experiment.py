@@ -256,6 +256,14 @@ class Network(Section):
     """Existing subnetwork name in `gcp.region` (mode = "existing" only)."""
     subnetwork_project: str | None = None
     """Host project of a shared-VPC subnetwork (mode = "existing" only; default: `gcp.project`)."""
+    shared_vpc_network_user: Literal["grant", "granted"] | None = None
+    """Shared VPC only (`subnetwork_project` is another project), and then required. The group
+    creates its VMs as this project's Google APIs service agent
+    (PROJECT_NUMBER@cloudservices.gserviceaccount.com), which needs roles/compute.networkUser on
+    the host subnetwork; without it the group creates no VM and says so only in `list-errors`.
+    "grant": the stack grants it on the subnetwork (your account must be allowed to set IAM on
+    that subnetwork in the host project); "granted": the Shared VPC admin has granted it (on the
+    subnetwork or the host project) and the stack leaves it alone."""
     subnet_cidr: str = "10.20.0.0/24"
     """Primary range of the dedicated subnet (a private IPv4 range, /8 to /29)."""
     iap_ssh: bool = True
@@ -545,7 +553,30 @@ class Experiment(BaseModel):
         return self.bucket.name or f"{self.gcp.project}-{name}-ckpt"
 
 
+def shared_vpc_problems(exp: Experiment) -> Iterator[Problem]:
+    """The service agent's Network User on a shared VPC's subnetwork: said how, or refused."""
+    net = exp.network
+    shared = net.mode == "existing" and net.subnetwork_project not in (None, exp.gcp.project)
+    if shared and net.shared_vpc_network_user is None:
+        yield (
+            "network.shared_vpc_network_user",
+            f"is required for a shared VPC (subnetwork {net.subnetwork!r} of host project "
+            f"{net.subnetwork_project!r}): the group creates its VMs as project "
+            f"{exp.gcp.project!r}'s Google APIs service agent "
+            "(PROJECT_NUMBER@cloudservices.gserviceaccount.com), and without "
+            "roles/compute.networkUser on that subnetwork it creates no VM at all; allowed: "
+            '"grant" (the stack grants it) or "granted" (your Shared VPC admin did)',
+        )
+    if not shared and net.shared_vpc_network_user is not None:
+        yield (
+            "network.shared_vpc_network_user",
+            "applies only to a shared VPC (mode = \"existing\" with subnetwork_project another "
+            "project); allowed: remove it",
+        )
+
+
 def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
+    yield from shared_vpc_problems(exp)
     zones = len(exp.gcp.zones)
     if exp.group.placement == "zonal" and zones != 1:
         yield (

@@ -29,6 +29,8 @@ from stacks.network import (
     NetworkProps,
     PoolFirewall,
     PoolFirewallProps,
+    SharedVpcNetworkUser,
+    SharedVpcNetworkUserProps,
     TrainerFirewall,
     TrainerNetwork,
 )
@@ -88,6 +90,14 @@ class TrainingStack(TerraformStack):
         ))
         pool = layout(name, exp)
         firewall_project = network.subnetwork_project or gcp.project
+        # A shared VPC: the VMs' creator needs Network User on the host subnetwork.
+        vm_creator_grants = []
+        if net.shared_vpc_network_user == "grant":
+            assert net.subnetwork and net.subnetwork_project  # validated upstream
+            vm_creator_grants.append(SharedVpcNetworkUser(
+                self, "shared-vpc", SharedVpcNetworkUserProps(
+                    project=gcp.project, host_project=net.subnetwork_project,
+                    region=gcp.region, subnetwork=net.subnetwork)).grant)
         if exp.dns_query_logging:
             DnsQueryLogging(self, "dns-logging", DnsQueryLoggingProps(
                 project=firewall_project, name=name, network=network.network_ref))
@@ -148,7 +158,7 @@ class TrainingStack(TerraformStack):
             initial_delay_sec=exp.group.initial_delay_sec,
             unhealthy_threshold=(rejoin_threshold(exp.pool.rendezvous_last_call_s) if exp.pool
                                  else UNHEALTHY_THRESHOLD),
-            depends_on=tuple(identity.grants),
+            depends_on=(*identity.grants, *vm_creator_grants),
         ))
 
         if pool is not None:
@@ -251,6 +261,11 @@ class TrainingStack(TerraformStack):
                 "--query-path=spottrain/state",
                 "The VM's boot path state: starting, training, finished (scale to zero now), "
                 "failed (see serial_log_command), stopped-<trainer exit status>",
+            ),
+            "list_errors_command": (
+                f"gcloud compute instance-groups managed list-errors {group_name} {p} {where}",
+                "Why the group created no VM, or lost one (quota, capacity, permissions such as "
+                "a shared VPC's Network User): the group's own errors, newest first",
             ),
             "scale_to_zero_command": (
                 f"gcloud compute instance-groups managed resize {group_name} --size 0 {p} "

@@ -75,6 +75,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "existing-net": {
         "network": {"mode": "existing", "network": "shared-vpc", "subnetwork": "trainers",
                     "subnetwork_project": "host-project-42", "subnet_cidr": None,
+                    "shared_vpc_network_user": "grant",
                     "iap_ssh": False},
         "backend": {"type": "gcs", "bucket": "team-tf-state", "prefix": "spottrain/existing"},
         "bucket": {"name": "explicit-ckpt-bucket", "force_destroy": True},

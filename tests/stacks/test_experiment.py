@@ -107,6 +107,19 @@ RULES = [
      "network.network: is required when mode = \"existing\"; allowed: an existing name"),
     ("dedicated-network-rejects-names", {"network": {"subnetwork": "mine"}},
      "network.subnetwork: is set but mode = \"dedicated\"; allowed: set mode = \"existing\""),
+    ("shared-vpc-needs-network-user", {"network": {
+        "mode": "existing", "network": "vpc", "subnetwork": "sub",
+        "subnetwork_project": "host-project-1"}},
+     "network.shared_vpc_network_user: is required for a shared VPC (subnetwork 'sub' of host "
+     "project 'host-project-1'): the group creates its VMs as project 'my-project-123456''s "
+     "Google APIs service agent (PROJECT_NUMBER@cloudservices.gserviceaccount.com), and without "
+     "roles/compute.networkUser on that subnetwork it creates no VM at all; allowed: \"grant\" "
+     "(the stack grants it) or \"granted\" (your Shared VPC admin did)"),
+    ("network-user-only-for-shared-vpc", {"network": {
+        "mode": "existing", "network": "vpc", "subnetwork": "sub",
+        "shared_vpc_network_user": "grant"}},
+     "network.shared_vpc_network_user: applies only to a shared VPC (mode = \"existing\" with "
+     "subnetwork_project another project); allowed: remove it"),
     ("subnet-cidr", {"network": {"subnet_cidr": "8.8.8.0/24"}},
      "network.subnet_cidr: '8.8.8.0/24' is not valid; allowed: a private IPv4 range, /8 to /29"),
     ("network-mode-enum", {"network": {"mode": "default"}},

@@ -187,6 +187,37 @@ def test_existing_network_creates_no_network_and_targets_the_host_project(synthe
     assert rule["allow"] == [{"protocol": "tcp", "ports": ["8471"]}]
 
 
+def test_shared_vpc_grants_network_user_to_the_service_agent_when_asked(synthesized, example):
+    """The group creates VMs as the service project's Google APIs service agent; without Network
+    User on the host subnetwork it creates none (and says so only in list-errors)."""
+    s = synthesized["existing-net"]  # shared_vpc_network_user = "grant"
+    grant = s.one("google_compute_subnetwork_iam_member")
+    (project_key,) = s.json["data"]["google_project"]
+    assert s.json["data"]["google_project"][project_key]["project_id"] == "my-project-123456"
+    assert grant["project"] == "host-project-42"
+    assert (grant["region"], grant["subnetwork"]) == ("us-central1", "trainers")
+    assert grant["role"] == "roles/compute.networkUser"
+    assert grant["member"] == (f"serviceAccount:${{data.google_project.{project_key}.number}}"
+                               "@cloudservices.gserviceaccount.com")
+    (grant_key,) = s.json["resource"]["google_compute_subnetwork_iam_member"]
+    group = s.one("google_compute_instance_group_manager")
+    assert f"google_compute_subnetwork_iam_member.{grant_key}" in group["depends_on"]
+    # "granted": the admin did it; the stack leaves the host project's IAM alone.
+    assert synthesized["n1-v100-standard"].resources("google_compute_subnetwork_iam_member") == []
+    assert example.resources("google_compute_subnetwork_iam_member") == []
+    assert "google_project" not in example.json.get("data", {})
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_stack_says_how_to_see_why_the_group_made_no_vm(synthesized, name):
+    s = synthesized[name]
+    out = {k: v["value"] for k, v in s.json["output"].items()}
+    where = "--region us-central1" if name == "regional" else "--zone us-central1-a"
+    assert out["list_errors_command"] == (
+        f"gcloud compute instance-groups managed list-errors {name}-group "
+        f"--project my-project-123456 {where}")
+
+
 # --- instance template ---------------------------------------------------------------------------
 
 
