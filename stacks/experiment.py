@@ -206,13 +206,20 @@ class Bucket(Section):
     force_destroy: bool = False
     """Let `destroy` delete the bucket with every checkpoint in it. Off by default: a destroy
     then fails on a non-empty bucket instead of deleting checkpoints silently."""
-    keep_noncurrent_versions: int = Field(default=3, ge=1, le=100)
-    """Overwritten or deleted objects keep this many older versions."""
-    noncurrent_days: int = Field(default=7, ge=1, le=3650)
-    """Older versions are deleted this many days after they stopped being current."""
     soft_delete_days: int = Field(default=7, ge=0, le=R.SOFT_DELETE_MAX_DAYS)
     """Deleted or overwritten objects stay restorable this many days: 0 (off) or 7 to 90, the
-    only values Cloud Storage accepts."""
+    only values Cloud Storage accepts. Every checkpoint the trainer rotates out is kept (and
+    billed) this long: `make cost` shows how much that is."""
+    versioning: bool = False
+    """Object versioning. Off: the trainer writes every object once, under a new name, and
+    deletes only rotated checkpoints, so versions would keep only deleted checkpoints, which
+    soft delete keeps already; with both on, each rotated checkpoint is kept `noncurrent_days`
+    and then `soft_delete_days` more. Cloud Storage recommends soft delete instead."""
+    keep_noncurrent_versions: int = Field(default=3, ge=1, le=100)
+    """With versioning: overwritten or deleted objects keep this many older versions."""
+    noncurrent_days: int = Field(default=7, ge=1, le=3650)
+    """With versioning: older versions are deleted this many days after they stopped being
+    current."""
 
     @field_validator("name")
     @classmethod
@@ -220,6 +227,12 @@ class Bucket(Section):
         if v is None:
             return v
         return _check_bucket_name(v)
+
+    def problems(self) -> Iterator[Problem]:
+        if not self.versioning:
+            for key in ("keep_noncurrent_versions", "noncurrent_days"):
+                if key in self.model_fields_set:
+                    yield key, "applies only with versioning = true; allowed: remove it"
 
     @field_validator("soft_delete_days")
     @classmethod

@@ -70,6 +70,7 @@ class TrainingStack(TerraformStack):
             name=exp.bucket_name(name),
             location=exp.bucket.bucket_location,
             force_destroy=exp.bucket.force_destroy,
+            versioning=exp.bucket.versioning,
             keep_noncurrent_versions=exp.bucket.keep_noncurrent_versions,
             noncurrent_days=exp.bucket.noncurrent_days,
             soft_delete_days=exp.bucket.soft_delete_days,

@@ -103,6 +103,8 @@ RULES = [
     ("soft-delete-below-gcs-minimum", {"bucket": {"soft_delete_days": 3}},
      "bucket.soft_delete_days: 3 is not valid; allowed: 0 (off) or 7 to 90 (Cloud Storage "
      "refuses 1 to 6)"),
+    ("noncurrent-needs-versioning", {"bucket": {"noncurrent_days": 3}},
+     "bucket.noncurrent_days: applies only with versioning = true; allowed: remove it"),
     ("existing-network-needs-names", {"network": {"mode": "existing"}},
      "network.network: is required when mode = \"existing\"; allowed: an existing name"),
     ("dedicated-network-rejects-names", {"network": {"subnetwork": "mine"}},

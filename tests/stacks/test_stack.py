@@ -102,20 +102,35 @@ def test_the_stack_enables_the_apis_it_uses_and_everything_waits_for_them(synthe
 # --- bucket --------------------------------------------------------------------------------------
 
 
-def test_checkpoint_bucket_is_private_versioned_and_pruned(example):
+def test_checkpoint_bucket_is_private_and_soft_deletes_without_versions(example):
+    """Soft delete protects deleted and overwritten checkpoints; versions on top would keep each
+    rotated checkpoint twice as long for nothing (every object is create-only)."""
     b = example.one("google_storage_bucket")
     assert b["name"] == "my-project-123456-example-ckpt"
     assert b["location"] == "US-CENTRAL1"
     assert b["uniform_bucket_level_access"] is True
     assert b["public_access_prevention"] == "enforced"
-    assert b["versioning"] == {"enabled": True}
+    assert b["versioning"] == {"enabled": False}
+    assert "lifecycle_rule" not in b
     assert b["force_destroy"] is False
     assert b["soft_delete_policy"] == {"retention_duration_seconds": 7 * 86400}
     assert b["labels"] == {"team": "ml", "purpose": "example", "spottrain-experiment": "example"}
+
+
+def test_versioning_on_request_prunes_noncurrent_versions():
+    from cdktn import Testing
+
+    from stacks.stack import TrainingStack
+
+    exp = variant({"bucket": {"versioning": True, "keep_noncurrent_versions": 2,
+                              "noncurrent_days": 3}}, "versioned")
+    synth = json.loads(Testing.synth(TrainingStack(Testing.app(), "versioned", exp)))
+    (b,) = synth["resource"]["google_storage_bucket"].values()
+    assert b["versioning"] == {"enabled": True}
     conditions = [r["condition"] for r in b["lifecycle_rule"]]
     assert all(r["action"] == {"type": "Delete"} for r in b["lifecycle_rule"])
-    assert {"with_state": "ARCHIVED", "num_newer_versions": 3} in conditions
-    assert {"with_state": "ARCHIVED", "days_since_noncurrent_time": 7} in conditions
+    assert {"with_state": "ARCHIVED", "num_newer_versions": 2} in conditions
+    assert {"with_state": "ARCHIVED", "days_since_noncurrent_time": 3} in conditions
     # No rule ever touches live (current) checkpoints.
     assert all(c["with_state"] == "ARCHIVED" for c in conditions)
 
