@@ -435,6 +435,11 @@ class Cost(Section):
     `stacks/pricing.py`, e.g. a negotiated rate or a price checked today."""
     on_demand_per_hour: float | None = Field(default=None, gt=0)
     """All-in on-demand price of one VM in $/hour, overriding the catalog."""
+    checkpoint_interval_s: float | None = Field(default=None, gt=0)
+    """Assumed seconds between checkpoints that reach the bucket, for the storage estimate.
+    Default: from `--checkpoint-every-seconds` / `--checkpoint-every-steps` in `trainer.args`,
+    else 300 s (the trainer picks the automatic interval at run time and logs it as
+    "checkpoint interval for gcs: ...": put that figure here)."""
 
 
 class Pool(Section):
