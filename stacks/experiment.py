@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stacks import gcp_rules as R
+from trainer.gpu import runs_on, sm
 
 Problem = tuple[str, str]  # (dotted field path, "what is wrong and what is allowed")
 
@@ -161,6 +162,7 @@ class Machine(Section):
                         f"large for {self.gpu_count} x {self.gpu_type}; allowed: at most "
                         f"{lim.max_vcpus} vCPU and {lim.max_memory_gb:g} GB",
                     )
+        yield from self._gpu_against_image()
         if self.provisioning == "standard" and shape.spot_or_flex_only:
             yield (
                 "provisioning",
@@ -172,6 +174,31 @@ class Machine(Section):
                 "termination_action",
                 'applies only to provisioning = "spot"; allowed: remove it for "standard"',
             )
+
+
+    def _gpu_against_image(self) -> Iterator[Problem]:
+        """A GPU whose compute capability the image's PyTorch has no kernels for would pass
+        `import torch` and fail at its first kernel, on every restart, at GPU prices."""
+        capability = R.GPU_CAPABILITY.get(self.gpu_type)
+        arches = R.image_arch_list(self.image_family)
+        if capability is None or arches is None or runs_on(capability, arches):
+            return
+        yield (
+            "gpu_type",
+            f"{self.gpu_type} ({sm(capability)}) has no kernels in the PyTorch of image family "
+            f"{self.image_family!r} (built for {' '.join(arches)}): the trainer would fail at "
+            f"its first kernel; allowed: a newer GPU type, or an image family whose PyTorch "
+            f"includes {sm(capability)} (e.g. a cu126 build, if still published)",
+        )
+
+    def image_note(self) -> str | None:
+        """A line for the user when the GPU cannot be checked against the image before deploy."""
+        if R.image_arch_list(self.image_family) is not None:
+            return None
+        return (f"note: machine.image_family {self.image_family!r} is not in the table of "
+                "stacks/gcp_rules.py, so whether its PyTorch has kernels for "
+                f"{self.gpu_type} is unchecked here; the trainer checks it at start (exit 2 if "
+                "not)")
 
 
 class Disk(Section):

@@ -67,6 +67,20 @@ RULES = [
      "machine.provisioning: Input should be 'spot' or 'standard', got 'preemptible'"),
     ("termination-action-enum", {"machine": {"termination_action": "stop"}},
      "machine.termination_action: Input should be 'STOP' or 'DELETE', got 'stop'"),
+    ("pascal-under-the-default-cu129-image", {"machine": {
+        "machine_type": "n1-standard-8", "gpu_type": "nvidia-tesla-p100", "gpu_count": 1}},
+     "machine.gpu_type: nvidia-tesla-p100 (sm_60) has no kernels in the PyTorch of image family "
+     "'pytorch-2-9-cu129-ubuntu-2204-nvidia-580' (built for sm_70 sm_75 sm_80 sm_86 sm_90 "
+     "sm_100 sm_120 compute_120): the trainer would fail at its first kernel; allowed: a newer "
+     "GPU type, or an image family whose PyTorch includes sm_60 (e.g. a cu126 build, if still "
+     "published)"),
+    ("p4-under-cu128", {"machine": {
+        "machine_type": "n1-standard-8", "gpu_type": "nvidia-tesla-p4", "gpu_count": 1,
+        "image_family": "pytorch-2-8-cu128-ubuntu-2204-nvidia-570"}},
+     "machine.gpu_type: nvidia-tesla-p4 (sm_61) has no kernels in the PyTorch of image family "
+     "'pytorch-2-8-cu128-ubuntu-2204-nvidia-570' (built for sm_70 sm_75 sm_80 sm_86 sm_90 "
+     "sm_100 sm_120): the trainer would fail at its first kernel; allowed: a newer GPU type, or "
+     "an image family whose PyTorch includes sm_61 (e.g. a cu126 build, if still published)"),
     ("image-family-name", {"machine": {"image_family": "PyTorch Latest"}},
      "machine.image_family: 'PyTorch Latest' is not valid; allowed: lowercase letters, digits "
      "and hyphens"),
@@ -254,3 +268,23 @@ def test_issue_keys_exist_under_their_names():
                 "image_project", "checkpoint_disk_gb", "local_ssd_count", "bucket_location",
                 "force_destroy", "health_port", "task", "steps", "labels"]:
         assert key in keys, key
+
+
+def test_every_gpu_type_has_a_compute_capability_and_the_default_image_is_in_the_table():
+    from stacks import gcp_rules as R
+    from stacks.experiment import Machine
+
+    for gpu in [*R.N1_GPU_LIMITS, *(s.gpu_type for s in R.MACHINE_TYPES.values() if s.gpu_type)]:
+        assert gpu in R.GPU_CAPABILITY, gpu
+    assert R.image_arch_list(Machine.model_fields["image_family"].default) is not None
+    # Every GPU the other families offer runs under the default image: only Pascal needs cu126.
+    ok = parse(merged({}), "x").machine
+    assert ok.image_note() is None
+
+
+def test_an_image_family_outside_the_table_is_unchecked_and_says_so():
+    exp = parse(merged({"machine": {"machine_type": "n1-standard-8",
+                                    "gpu_type": "nvidia-tesla-p100", "gpu_count": 1,
+                                    "image_family": "my-own-pytorch-image"}}), "x")
+    note = exp.machine.image_note()
+    assert note is not None and "unchecked" in note and "nvidia-tesla-p100" in note
