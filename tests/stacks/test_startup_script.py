@@ -288,6 +288,103 @@ def test_a_corrupt_archive_fails_loudly_and_installs_nothing(deployment):
     assert not deployment.vm.path(f"/opt/spottrain/releases/{trainer.release.sha256}").exists()
 
 
+class ForbiddenFirst:
+    """A loopback HTTP proxy in front of the storage emulator that answers 403 to the first
+    `times` downloads of a code archive (a bucket grant not propagated yet), then forwards."""
+
+    def __init__(self, upstream: str, times: int) -> None:
+        import http.client
+        import http.server
+        import threading
+        from urllib.parse import urlsplit
+
+        self.left, self.forbidden = times, 0
+        up = urlsplit(upstream)
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _any(self) -> None:
+                if self.command == "GET" and "/o/code%2F" in self.path and proxy.left > 0:
+                    proxy.left -= 1
+                    proxy.forbidden += 1
+                    body = b'{"error": {"code": 403, "message": "does not have storage.objects.get"}}'
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                data = self.rfile.read(length) if length else None
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=data, headers=headers)
+                resp = conn.getresponse()
+                payload = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                conn.close()
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _any
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def forbidden_first(deployment):
+    """(make(times) -> proxy): the startup script's bucket answers 403 `times` times first."""
+    made: list[ForbiddenFirst] = []
+
+    def make(times: int) -> ForbiddenFirst:
+        proxy = ForbiddenFirst(deployment.gcs.host, times)
+        made.append(proxy)
+        deployment.vm.env["STORAGE_EMULATOR_HOST"] = proxy.host
+        return proxy
+
+    yield make
+    for proxy in made:
+        proxy.close()
+
+
+def test_a_403_on_the_code_download_is_retried_while_iam_propagates(deployment, forbidden_first):
+    for archive in deployment.archives:
+        deployment.upload(archive)
+    proxy = forbidden_first(2)
+    j0, e0 = deployment.boot(deployment.scripts(steps=10_000_000, forbidden_first_wait_s=1))
+    assert deployment.startup_rc(e0) == 0, deployment.vm.tail()
+    lines = deployment.startup_lines(j0)
+    waits = [line for line in lines if "answered HTTP 403" in line]
+    assert len(waits) == 2 and proxy.forbidden == 2, "\n".join(lines)
+    assert "retrying in 1 s" in waits[0] and "retrying in 2 s" in waits[1]  # backoff, logged
+    trainer = deployment.archives[0].release
+    assert any(f"code {trainer.sha256[:16]} installed in" in line for line in lines)
+
+
+def test_a_403_that_outlasts_iam_propagation_fails_clearly(deployment, forbidden_first):
+    for archive in deployment.archives:
+        deployment.upload(archive)
+    forbidden_first(10**6)
+    line = _fails_loudly(deployment, deployment.scripts(
+        steps=5, forbidden_retry_s=2, forbidden_first_wait_s=1), "cannot fetch trainer code")
+    assert "still HTTP 403 after" in line and "cannot read the bucket" in line, line
+    assert "did not arrive in 2 s" in line
+
+
 def test_no_gpu_driver_fails_with_a_clear_message_instead_of_hanging(deployment):
     for archive in deployment.archives:
         deployment.upload(archive)
