@@ -157,7 +157,7 @@ def test_delivered_code_trains_a_second_run_is_a_no_op_and_preemption_saves(depl
     for archive in dep.archives:
         sha = archive.release.sha256
         assert f"code {sha[:16]} installed in /opt/spottrain/releases/{sha} (sha256 verified)" in first
-    assert "formatting" not in first
+    assert "formatting" not in first and "growing" not in first  # same size: nothing to grow
     assert vm.exec(["blkid", "-s", "UUID", "-o", "value", DISK]).stdout == uuid
     assert vm.path("/mnt/spottrain/keep-me").read_text() == "checkpoints live here\n"
     # The trainer runs the user's task from the delivered code.
@@ -286,6 +286,27 @@ def test_a_corrupt_archive_fails_loudly_and_installs_nothing(deployment):
     line = _fails_loudly(deployment, deployment.scripts(steps=5), "trainer code")
     assert f"is corrupt: sha256 " in line and f"expected {trainer.release.sha256}" in line
     assert not deployment.vm.path(f"/opt/spottrain/releases/{trainer.release.sha256}").exists()
+
+
+def test_a_disk_grown_since_its_filesystem_was_made_gets_the_space_at_boot(deployment, tmp_path):
+    """`gcloud compute disks resize` grows the kept stateful disk, not its filesystem: the next
+    boot grows it online (a real ext4 on a loop device whose image was grown with truncate)."""
+    dep = deployment
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / "keep-me").write_text("checkpoints live here\n")
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-d", str(seed), str(dep.disk.path)], check=True)
+    os.truncate(dep.disk.path, 96 << 20)  # the disk, resized from 64 to 96 MiB
+    # Nothing uploaded: the boot stops at the code download, after the disk is ready.
+    j0, e0 = dep.boot(dep.scripts(steps=5))
+    assert dep.startup_rc(e0) != 0
+    lines = "\n".join(dep.startup_lines(j0))
+    assert "growing the checkpoint filesystem from 64 MiB to the disk's 96 MiB" in lines, lines
+    assert "checkpoint filesystem grown to 96 MiB" in lines and "formatting" not in lines
+    info = dep.vm.exec(["tune2fs", "-l", DISK]).stdout
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    assert int(fields["Block count"]) * int(fields["Block size"]) > 95 << 20
+    assert dep.vm.path("/mnt/spottrain/keep-me").read_text() == "checkpoints live here\n"
 
 
 class ForbiddenFirst:
