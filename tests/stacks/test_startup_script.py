@@ -415,6 +415,61 @@ def test_no_gpu_driver_fails_with_a_clear_message_instead_of_hanging(deployment)
     assert "couldn't communicate with the NVIDIA driver" in line
 
 
+GATED_UNIT = """\
+[Service]
+Type=exec
+ExecStart=/etc/spottrain/gated.sh
+KillMode=mixed
+TimeoutStopSec=25
+SuccessExitStatus=75
+"""
+# A trainer stand-in whose emergency save ends only when the test says so: it stays
+# "deactivating" as long as the test needs, without a timing guess.
+GATED_TRAINER = """\
+#!/bin/bash
+trap 'until [[ -e /run/release ]]; do sleep 0.05; done; echo "event=preempted step=7"; exit 75' TERM
+while :; do sleep 1 & wait $!; done
+"""
+
+
+def test_the_shutdown_script_waits_for_a_trainer_systemd_is_already_stopping(deployment):
+    """At power-off systemd stops every unit in parallel with the shutdown script: the trainer
+    can be "deactivating" when the script asks. It must still wait for the save and report it."""
+    dep, vm = deployment, deployment.vm
+    real = dep.scripts(steps=5)
+    install = (f"#!/bin/bash\nset -euo pipefail\ninstall -d /etc/spottrain\n"
+               f"cat > /etc/spottrain/gated.sh <<'EOF'\n{GATED_TRAINER}EOF\n"
+               "chmod 0755 /etc/spottrain/gated.sh\n"
+               f"cat > /etc/systemd/system/{UNIT} <<'EOF'\n{GATED_UNIT}EOF\n"
+               f"systemctl daemon-reload\nsystemctl start {UNIT}\n")
+    j0, e0 = dep.boot(BootScripts(startup=install, shutdown=real.shutdown, unit="", trainer_sh=""))
+    assert dep.startup_rc(e0) == 0, vm.tail()
+    # systemd's own stop, under way before the shutdown script asks.
+    vm.exec(["bash", "-c", f"systemctl stop {UNIT} >/dev/null 2>&1 &"])
+    vm.wait_event(lambda e: e["event"] == "unit-stopping" and e["unit"] == UNIT, GUARD_S, since=e0)
+    assert vm.exec(["systemctl", "is-active", UNIT]).stdout == "deactivating\n"
+    dep.metadata.preempt()
+
+    import threading
+
+    off: dict = {}
+    power = threading.Thread(target=lambda: off.update(vm.power_off(60)))
+    power.start()
+    try:
+        vm.wait_journal(lambda line: "spottrain-shutdown: the trainer is already stopping" in line,
+                        GUARD_S, since=j0)
+    finally:
+        if vm.running:
+            vm.path("/run/release").touch()  # the save completes
+        power.join()
+    assert not off["killed"], vm.tail()
+    shutdown = [line for line in vm.journal()[j0:].splitlines() if "spottrain-shutdown:" in line]
+    assert any("preemption: the trainer saved its emergency checkpoint and stopped (exit 75)"
+               in line for line in shutdown), "\n".join(shutdown)
+    assert not any("was not running" in line for line in shutdown)
+    assert dep.metadata.guest_attributes()["spottrain/state"] == "stopped-75"
+
+
 def test_bad_input_is_not_restarted_in_a_loop(deployment):
     """Exit 2 (bad input: here a task the delivered code does not have) stops the unit for good;
     restarting could not fix it."""
