@@ -12,6 +12,8 @@ from trainer.config import RunConfig
 from trainer.train import run
 from tests.trainer.support import restore_logging  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
 #: torch.cuda.get_arch_list() of the x86_64 CUDA 12.9 builds of PyTorch 2.8/2.9 (the default
 #: image family's), per pytorch/pytorch .ci/manywheel/build_cuda.sh: 7.0 ... 12.0+PTX.
 CU129 = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
@@ -71,5 +73,3 @@ def test_the_trainer_refuses_an_unsupported_gpu_as_bad_input(tmp_path: Path, mon
            "sm_60" in err, err
     assert not list((tmp_path / "run").glob("step-*"))  # nothing trained, nothing saved
 
-
-pytestmark = pytest.mark.usefixtures("restore_logging")
