@@ -52,7 +52,7 @@ SHAPES: list[tuple[str, dict[str, str]]] = [
     ("regional", {'zones = ["us-central1-a"]': 'zones = ["us-central1-a", "us-central1-b"]',
                   'placement = "zonal"': 'placement = "regional"'}),
     ("standard", {'provisioning = "spot"': 'provisioning = "standard"',
-                  'termination_action = "STOP"': ""}),
+                  'termination_action = "DELETE"': ""}),
     ("no-ssh", {"iap_ssh = true": "iap_ssh = false"}),
 ]
 

@@ -138,7 +138,6 @@ class Rendered:
     name: str
     bucket: str
     gcs_uri: str
-    termination_action: str
     local_ssd_count: int
     health_port: int = 0
     uploads: tuple[tuple[str, Path], ...] = ()
@@ -185,7 +184,7 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
                        args=tuple(args), **(extra or {}))
     scripts = render_boot(props)
     return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri,
-                    exp.machine.termination_action, exp.disk.local_ssd_count, health_port, tuple(uploads), props)
+                    exp.disk.local_ssd_count, health_port, tuple(uploads), props)
 
 
 def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
@@ -279,16 +278,16 @@ class Deployment:
                                 client_options={"api_endpoint": self.gcs.host})
         client.bucket(self.r.bucket).blob(name).upload_from_string(data, content_type="application/gzip")
 
-    def boot(self, *, recreated: bool = False) -> tuple[int, int]:
-        """Power on the VM; (journal offset, events offset) where this boot begins. With the
-        experiment's termination_action STOP the boot disk survives a preemption (the group
-        starts the same VM again) unless the VM was `recreated` (another zone: new boot disk)."""
+    def boot(self) -> tuple[int, int]:
+        """Power on the VM; (journal offset, events offset) where this boot begins. Every boot
+        starts from a pristine boot disk, whatever the termination action: the group repairs a
+        preempted VM by recreating it from the template; only the checkpoint disk is kept."""
         assert self.vm is not None
         self.metadata.reset()
         for ssd in self.local_ssds.values():
             ssd.blank()
         offsets = (len(self.vm.journal()), len(self.vm.events()))
-        self.vm.boot(keep_boot_disk=self.r.termination_action == "STOP" and not recreated)
+        self.vm.boot(keep_boot_disk=False)
         return offsets
 
     def wait_line(self, regex: re.Pattern[str], since: int, accept: Callable[[re.Match[str]], bool] = lambda m: True,
@@ -333,10 +332,10 @@ class Deployment:
             raise DrillFailure(f"trainer status failed ({out.returncode}):\n{out.stderr[-4000:]}")
         return json.loads(out.stdout)
 
-    def run_to_end(self, *, recreated: bool = False) -> tuple[int | None, str | None]:
+    def run_to_end(self) -> tuple[int | None, str | None]:
         """Boot a VM, wait until the trainer finished, power it off normally. (resumed step, tier)"""
         assert self.vm is not None
-        j0, e0 = self.boot(recreated=recreated)
+        j0, e0 = self.boot()
         restore = self.wait_line(RESTORE_RE, j0, events_since=e0)
         self.vm.wait_event(lambda ev: ev["event"] == "unit-exited" and ev["unit"] == UNIT and ev["status"] == 0,
                            self.cfg.guard_s, since=e0, check=lambda: self.check_unit(e0))
@@ -406,7 +405,7 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
         with Deployment(workdir / "drill", rendered, cfg, say, image) as dep:
             assert dep.vm is not None
             for i in range(1, cfg.preemptions + 1):
-                p = _preempt_round(dep, cfg, i, rng, say, recreated=i - 1 in cfg.wipe_disk_after)
+                p = _preempt_round(dep, cfg, i, rng, say)
                 if preemptions:
                     preemptions[-1].next_resumed_from = p.resumed_from
                 preemptions.append(p)
@@ -415,7 +414,7 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
                     p.wiped_after = True
                     say("  disk wiped: the next VM is recreated elsewhere, with a blank checkpoint disk and a new boot disk")
             say(f"round {cfg.preemptions + 1}: VM trains to the end ...")
-            resumed, tier = dep.run_to_end(recreated=cfg.preemptions in cfg.wipe_disk_after)
+            resumed, tier = dep.run_to_end()
             if preemptions:
                 preemptions[-1].next_resumed_from = resumed
             say(f"  resumed from step {resumed}" + (f" ({tier})" if tier else "") + "; finished; guest attributes: "
@@ -435,10 +434,9 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _preempt_round(dep: Deployment, cfg: DrillConfig, i: int, rng: random.Random, say: Callable[[str], None],
-                   *, recreated: bool) -> Preemption:
+def _preempt_round(dep: Deployment, cfg: DrillConfig, i: int, rng: random.Random, say: Callable[[str], None]) -> Preemption:
     assert dep.vm is not None
-    j0, e0 = dep.boot(recreated=recreated)
+    j0, e0 = dep.boot()
     p = Preemption(index=i, boot=dep.vm.boots)
     restore = dep.wait_line(RESTORE_RE, j0, events_since=e0)
     p.resumed_from, p.resumed_tier = int(restore.group(1)), restore.group(2)

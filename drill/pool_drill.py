@@ -221,8 +221,8 @@ class Pool:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
-    def boot(self, node: Deployment, *, recreated: bool = False) -> None:
-        self.offsets[node.hostname] = node.boot(recreated=recreated)
+    def boot(self, node: Deployment) -> None:
+        self.offsets[node.hostname] = node.boot()
 
     def journals(self) -> dict[str, str]:
         return {n.hostname: n.vm.journal() for n in self.nodes if n.vm is not None}
@@ -334,7 +334,7 @@ def run_pool_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> Pool
                 say(f"  {worker.hostname} comes back" + (" (recreated, blank disk)" if p.wiped_after else ""))
                 pool.rejoin_marks = pool.marks()
                 p.rejoin_boot_t = time.time()
-                pool.boot(worker, recreated=p.wiped_after)
+                pool.boot(worker)
             if preemptions:
                 idx, full = pool.wait_session(seen, n)
                 _rejoined(pool, preemptions[-1], full, n)

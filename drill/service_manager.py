@@ -358,8 +358,13 @@ class Service:
                 if self.state == "activating":
                     self.state = "inactive"
                 return 0, ""
+            # systemd merges a stop into the stop job already running: no second signal.
+            joining = self.state == "deactivating"
             self._stopping = True
             self.state = "deactivating"
+        if joining:  # the first stop's own timeout (then SIGKILL) bounds this wait
+            self.wait_inactive(float("inf"))
+            return 0, ""
         self.m.journal.log("systemd[1]", f"Stopping {self.unit.name}...")
         self.m.journal.event("unit-stopping", unit=self.unit.name, pid=main.pid)
         try:

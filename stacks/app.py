@@ -28,8 +28,8 @@ def main(target: Path | None = None) -> int:
             print(line, file=sys.stderr)
         return 2
     for e in experiments:
-        warning = estimate(e.spec).warning()
-        if warning:
-            print(f"{e.path}: {warning}", file=sys.stderr)
+        for warning in (estimate(e.spec).warning(), e.spec.machine.image_note()):
+            if warning:
+                print(f"{e.path}: {warning}", file=sys.stderr)
     build(experiments).synth()
     return 0

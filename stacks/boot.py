@@ -43,6 +43,12 @@ TRAINER_DEPS = ("pydantic>=2.7", "google-cloud-storage>=2.14", "google-crc32c>=1
                 "tomli>=2; python_version < '3.11'")
 #: Seconds the startup script waits for the NVIDIA driver (first boot installs it).
 DRIVER_TIMEOUT_S = 600
+#: Seconds the startup script keeps retrying a 403 on the code download, and its first wait
+#: (doubling to a minute). IAM grants "typically propagate in 2 minutes, but could potentially
+#: take 7 minutes or longer" (iam/docs/access-change-propagation): a first VM can meet its
+#: bucket before its grant. curl never retries a 403 itself.
+FORBIDDEN_RETRY_S = 600
+FORBIDDEN_FIRST_WAIT_S = 5
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,9 @@ class BootProps:
     """The delivered archives (`stacks.delivery`): one "trainer", optionally one "user". Empty:
     the image carries the trainer package in `workdir` (the drill's preinstalled image)."""
     driver_timeout_s: int = DRIVER_TIMEOUT_S
+    forbidden_retry_s: int = FORBIDDEN_RETRY_S
+    """How long a 403 on the code download is retried (IAM propagation) before failing."""
+    forbidden_first_wait_s: int = FORBIDDEN_FIRST_WAIT_S
     price_args: tuple[str, ...] = ()
     """`--price-per-hour P --on-demand-price-per-hour Q` (`stacks.pricing.trainer_price_args`):
     the prices the trainer's ledger records at every boot, so `trainer status` reports the cost."""
@@ -220,6 +229,8 @@ def render(props: BootProps) -> BootScripts:
         "pythons": list(PYTHONS),
         "trainer_deps": list(TRAINER_DEPS),
         "driver_timeout_s": props.driver_timeout_s,
+        "forbidden_retry_s": props.forbidden_retry_s,
+        "forbidden_first_wait_s": props.forbidden_first_wait_s,
         "pool": props.pool,
         "parallelism": props.parallelism,
         "role_key": ROLE_KEY,

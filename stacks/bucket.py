@@ -1,8 +1,11 @@
 """The checkpoint bucket: the durable tier that survives everything but a deliberate destroy.
 
-Private (uniform access, public access prevention enforced), versioned, with lifecycle rules
-that prune old noncurrent versions and a soft-delete window. `force_destroy` only when the
-experiment opts in: by default `destroy` fails on a bucket that still holds checkpoints.
+Private (uniform access, public access prevention enforced), with a soft-delete window that
+keeps every deleted or overwritten object restorable. Not versioned unless the experiment asks:
+the trainer's objects are create-only, so versions would duplicate what soft delete keeps (and
+bill it twice as long); with versioning, lifecycle rules prune old noncurrent versions.
+`force_destroy` only when the experiment opts in: by default `destroy` fails on a bucket that
+still holds checkpoints.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class CheckpointBucketProps:
     name: str
     location: str
     force_destroy: bool
+    versioning: bool
     keep_noncurrent_versions: int
     noncurrent_days: int
     soft_delete_days: int
@@ -36,6 +40,21 @@ class CheckpointBucket(Construct):
     def __init__(self, scope: Construct, id_: str, props: CheckpointBucketProps) -> None:
         super().__init__(scope, id_)
         delete = StorageBucketLifecycleRuleAction(type="Delete")
+        # A checkpoint overwritten or deleted keeps a few older versions, briefly.
+        noncurrent = [
+            StorageBucketLifecycleRule(
+                action=delete,
+                condition=StorageBucketLifecycleRuleCondition(
+                    with_state="ARCHIVED", num_newer_versions=props.keep_noncurrent_versions
+                ),
+            ),
+            StorageBucketLifecycleRule(
+                action=delete,
+                condition=StorageBucketLifecycleRuleCondition(
+                    with_state="ARCHIVED", days_since_noncurrent_time=props.noncurrent_days
+                ),
+            ),
+        ]
         self.bucket = StorageBucket(
             self,
             "bucket",
@@ -45,24 +64,10 @@ class CheckpointBucket(Construct):
             storage_class="STANDARD",
             uniform_bucket_level_access=True,
             public_access_prevention="enforced",
-            versioning=StorageBucketVersioning(enabled=True),
+            versioning=StorageBucketVersioning(enabled=props.versioning),
             force_destroy=props.force_destroy,
             labels=props.labels,
-            lifecycle_rule=[
-                # A checkpoint overwritten or deleted keeps a few older versions, briefly.
-                StorageBucketLifecycleRule(
-                    action=delete,
-                    condition=StorageBucketLifecycleRuleCondition(
-                        with_state="ARCHIVED", num_newer_versions=props.keep_noncurrent_versions
-                    ),
-                ),
-                StorageBucketLifecycleRule(
-                    action=delete,
-                    condition=StorageBucketLifecycleRuleCondition(
-                        with_state="ARCHIVED", days_since_noncurrent_time=props.noncurrent_days
-                    ),
-                ),
-            ],
+            lifecycle_rule=noncurrent if props.versioning else None,
             soft_delete_policy=StorageBucketSoftDeletePolicy(
                 retention_duration_seconds=props.soft_delete_days * 86400
             ),

@@ -20,6 +20,11 @@ SKIPS: dict[str, str] = {
     "CKV_GCP_38": "A pool coordinator's boot disk uses Google-managed encryption, like the "
     "workers' boot disks from the template; CSEK would put a raw key into the Terraform state and "
     "be needed at every restart.",
+    "CKV_GCP_78": "Versioning is off by default: every object the trainer writes is create-only "
+    "under a new name, so versions would keep only deleted (rotated) checkpoints, which soft "
+    "delete (7 days by default) keeps already; both together bill each rotated checkpoint twice "
+    "as long. Cloud Storage recommends soft delete instead of versioning; bucket.versioning = "
+    "true turns it on.",
     "CKV_GCP_76": "The subnet is IPv4-only; private_ip_google_access = true gives its VMs Google "
     "APIs without external IPs, and there is no IPv6 traffic to route privately.",
 }

@@ -11,6 +11,10 @@ most nodes (`stacks.pricing.pool_quote`). `steps_per_second` is then the pool's 
 most nodes, assumed to scale with the node count (the global batch stays constant), so the run
 takes max/min times as long at the fewest nodes; the comparison is the same pool all on demand at
 its most nodes.
+
+The checkpoint bucket's storage is its own section (`storage_estimate`): the checkpoints the
+trainer keeps, plus what soft delete (and versioning, when on) keeps of every checkpoint it
+rotates out, given the save interval and the retention.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from datetime import date
 from pathlib import Path
 
 from stacks import pricing
+from stacks.budget import BYTES_PER_PARAM
 from stacks.experiment import Experiment
 from stacks.load import ExperimentError, ExperimentFile, display, load_all
 
@@ -117,6 +122,7 @@ def describe(e: ExperimentFile, today: date | None = None) -> list[str]:
     if len(q.overridden) < 2 and age > pricing.SPOT_PRICE_PERIOD_DAYS:
         lines.append(f"  note              the catalog is {age} days old and Spot prices change "
                      "up to once a month: check them, or set [cost] spot_per_hour")
+    lines += storage_lines(exp, est.spot_hours)
     lines.append("  These are estimates from list prices and stated assumptions, not a bill.")
     return lines
 
@@ -162,7 +168,147 @@ def describe_pool(e: ExperimentFile, today: date | None = None) -> list[str]:
     if len(pq.worker.overridden) < 2 and age > pricing.SPOT_PRICE_PERIOD_DAYS:
         lines.append(f"  note              the catalog is {age} days old and Spot prices change "
                      "up to once a month: check them, or set [cost] spot_per_hour")
+    lines += storage_lines(exp, est.spot_hours)
     lines.append("  These are estimates from list prices and stated assumptions, not a bill.")
+    return lines
+
+
+# --- the checkpoint bucket's storage -------------------------------------------------------------
+
+#: Checkpoints the trainer keeps on each tier unless told otherwise (`trainer.config.RunConfig.keep`).
+TRAINER_KEEP = 3
+#: Assumed seconds between checkpoints reaching the bucket when nothing says otherwise.
+DEFAULT_CHECKPOINT_INTERVAL_S = 300.0
+
+
+@dataclass(frozen=True)
+class StorageEstimate:
+    """What the checkpoint bucket holds at its fullest: the kept checkpoints, plus every rotated
+    checkpoint that soft delete (and versioning) retains for its retention time."""
+
+    checkpoint_bytes: int | None  # None: the experiment declares no size
+    size_source: str
+    keep: int
+    interval_s: float
+    interval_source: str
+    retention_days: float  # how long a rotated checkpoint stays billed
+    retention_source: str
+    run_days: float  # a run shorter than the retention never fills it
+    price_gb_month: float
+    location: str
+
+    @property
+    def saves_per_day(self) -> float:
+        return 86400 / self.interval_s
+
+    @property
+    def kept_gb(self) -> float:
+        return self.keep * (self.checkpoint_bytes or 0) / 1e9
+
+    @property
+    def retained_gb(self) -> float:
+        """Rotated checkpoints still billed at the fullest: the saves of the last retention
+        window (or of the whole run, when shorter)."""
+        days = min(self.retention_days, self.run_days)
+        return self.saves_per_day * days * (self.checkpoint_bytes or 0) / 1e9
+
+    @property
+    def run_saves(self) -> float:
+        return self.run_days * self.saves_per_day
+
+    @property
+    def retention_cost(self) -> float:
+        """What the run's rotated checkpoints cost over their retention, each billed that long."""
+        days_per_month = pricing.HOURS_PER_MONTH / 24
+        return (self.run_saves * (self.checkpoint_bytes or 0) / 1e9 * self.retention_days
+                / days_per_month * self.price_gb_month)
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` in trainer arguments (the last one wins)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def _interval(exp: Experiment) -> tuple[float, str]:
+    if exp.cost.checkpoint_interval_s is not None:
+        return exp.cost.checkpoint_interval_s, "set in [cost]"
+    for flag, per_step in (("--checkpoint-every-seconds", False),
+                           ("--checkpoint-every-steps", True)):
+        value = _flag(exp.trainer.args, flag)
+        try:
+            v = float(value) if value is not None else 0.0
+        except ValueError:
+            continue
+        if v > 0:
+            if per_step:
+                return v / exp.cost.steps_per_second, f"{flag} {value} at the assumed steps/s"
+            return v, f"{flag} in trainer.args"
+    return DEFAULT_CHECKPOINT_INTERVAL_S, "assumed default; the trainer logs its own"
+
+
+def storage_estimate(exp: Experiment, run_hours: float) -> StorageEstimate:
+    t = exp.trainer
+    if t.state_bytes is not None:
+        size, source = t.state_bytes, "declared state_bytes"
+    elif t.param_count is not None:
+        size, source = t.param_count * BYTES_PER_PARAM, f"{t.param_count:,} params x " \
+            f"{BYTES_PER_PARAM} B"
+    else:
+        size, source = None, "undeclared"
+    interval, interval_source = _interval(exp)
+    b = exp.bucket
+    retention = float(b.soft_delete_days)
+    parts = [f"soft delete {b.soft_delete_days} d" if b.soft_delete_days else "soft delete off"]
+    if b.versioning:
+        retention += b.noncurrent_days
+        parts.append(f"versions {b.noncurrent_days} d")
+    location = b.bucket_location.upper()
+    kind = "multi-region" if location in pricing.GCS_MULTI_REGIONS else "region"
+    return StorageEstimate(
+        checkpoint_bytes=size, size_source=source, keep=TRAINER_KEEP, interval_s=interval,
+        interval_source=interval_source, retention_days=retention,
+        retention_source=" + ".join(parts), run_days=run_hours / 24,
+        price_gb_month=pricing.GCS_STANDARD_GB_MONTH[kind], location=location)
+
+
+def _size(gb: float) -> str:
+    return f"{gb / 1000:,.1f} TB" if gb >= 1000 else f"{gb:,.1f} GB"
+
+
+def storage_lines(exp: Experiment, run_hours: float) -> list[str]:
+    """The bucket's lines of the cost estimate."""
+    st = storage_estimate(exp, run_hours)
+    if st.checkpoint_bytes is None:
+        return ["  bucket storage    unknown checkpoint size (declare trainer.param_count or "
+                "trainer.state_bytes); soft delete and versioning retain every rotated "
+                "checkpoint for their retention"]
+    gb = st.checkpoint_bytes / 1e9
+    every = _hours(st.interval_s / 3600)
+    if st.retention_days:
+        retained = (f"{st.retention_source}: each rotated checkpoint stays billed "
+                    f"{st.retention_days:g} d: up to {_size(st.retained_gb)} at once "
+                    f"({_money(st.retained_gb * st.price_gb_month)}/month while it lasts), "
+                    f"{_money(st.retention_cost)} over this run's {st.run_saves:,.0f} saves")
+    else:
+        retained = "soft delete off, no versioning: a rotated checkpoint is gone at once"
+    lines = [
+        f"  bucket storage    {st.keep} kept x {gb:,.2f} GB ({st.size_source}) = "
+        f"{_size(st.kept_gb)}; one save every {every} ({st.interval_source}) rotates "
+        f"{st.saves_per_day:,.0f} a day out",
+        f"  retained          {retained}",
+        f"  storage price     STANDARD {_money(st.price_gb_month)}/GB-month in {st.location}: "
+        f"the {_size(st.kept_gb)} kept cost {_money(st.kept_gb * st.price_gb_month)}/month",
+    ]
+    if st.retained_gb > 10 * st.kept_gb:
+        lines.append(f"  note              retention holds {st.retained_gb / st.kept_gb:,.0f}x "
+                     "what the trainer keeps: a longer GCS interval or a shorter (or no) soft "
+                     "delete lowers it")
     return lines
 
 

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stacks import gcp_rules as R
+from trainer.gpu import runs_on, sm
 
 Problem = tuple[str, str]  # (dotted field path, "what is wrong and what is allowed")
 
@@ -95,10 +96,12 @@ class Machine(Section):
     """GPUs per VM: the built-in count on a2/a3/g2; 1, 2, 4 (or 8 for V100) on n1."""
     provisioning: Literal["spot", "standard"] = "spot"
     """"spot" (cheap, preemptible with a 30 s notice) or "standard" (on-demand)."""
-    termination_action: Literal["STOP", "DELETE"] = "STOP"
-    """What a Spot preemption does to the VM: "STOP" keeps its boot disk (faster restart, driver
-    already installed), "DELETE" removes it. The group recreates the VM either way and the
-    stateful checkpoint disk survives. Spot only."""
+    termination_action: Literal["STOP", "DELETE"] = "DELETE"
+    """What Compute Engine does to a preempted Spot VM: "DELETE" (default) or "STOP". In the
+    managed instance group it makes no difference to the trainer: the group counts a preempted VM
+    as failed and repairs it by recreating it from the template, so the boot disk is rebuilt
+    (driver and dependencies installed again) either way, while the stateful checkpoint disk is
+    kept and reattached. Spot only."""
     image_family: str = "pytorch-2-9-cu129-ubuntu-2204-nvidia-580"
     """Deep Learning VM image family (it must exist today; older families have been removed)."""
     image_project: str = "deeplearning-platform-release"
@@ -159,6 +162,7 @@ class Machine(Section):
                         f"large for {self.gpu_count} x {self.gpu_type}; allowed: at most "
                         f"{lim.max_vcpus} vCPU and {lim.max_memory_gb:g} GB",
                     )
+        yield from self._gpu_against_image()
         if self.provisioning == "standard" and shape.spot_or_flex_only:
             yield (
                 "provisioning",
@@ -170,6 +174,31 @@ class Machine(Section):
                 "termination_action",
                 'applies only to provisioning = "spot"; allowed: remove it for "standard"',
             )
+
+
+    def _gpu_against_image(self) -> Iterator[Problem]:
+        """A GPU whose compute capability the image's PyTorch has no kernels for would pass
+        `import torch` and fail at its first kernel, on every restart, at GPU prices."""
+        capability = R.GPU_CAPABILITY.get(self.gpu_type)
+        arches = R.image_arch_list(self.image_family)
+        if capability is None or arches is None or runs_on(capability, arches):
+            return
+        yield (
+            "gpu_type",
+            f"{self.gpu_type} ({sm(capability)}) has no kernels in the PyTorch of image family "
+            f"{self.image_family!r} (built for {' '.join(arches)}): the trainer would fail at "
+            f"its first kernel; allowed: a newer GPU type, or an image family whose PyTorch "
+            f"includes {sm(capability)} (e.g. a cu126 build, if still published)",
+        )
+
+    def image_note(self) -> str | None:
+        """A line for the user when the GPU cannot be checked against the image before deploy."""
+        if R.image_arch_list(self.image_family) is not None:
+            return None
+        return (f"note: machine.image_family {self.image_family!r} is not in the table of "
+                "stacks/gcp_rules.py, so whether its PyTorch has kernels for "
+                f"{self.gpu_type} is unchecked here; the trainer checks it at start (exit 2 if "
+                "not)")
 
 
 class Disk(Section):
@@ -204,12 +233,20 @@ class Bucket(Section):
     force_destroy: bool = False
     """Let `destroy` delete the bucket with every checkpoint in it. Off by default: a destroy
     then fails on a non-empty bucket instead of deleting checkpoints silently."""
+    soft_delete_days: int = Field(default=7, ge=0, le=R.SOFT_DELETE_MAX_DAYS)
+    """Deleted or overwritten objects stay restorable this many days: 0 (off) or 7 to 90, the
+    only values Cloud Storage accepts. Every checkpoint the trainer rotates out is kept (and
+    billed) this long: `make cost` shows how much that is."""
+    versioning: bool = False
+    """Object versioning. Off: the trainer writes every object once, under a new name, and
+    deletes only rotated checkpoints, so versions would keep only deleted checkpoints, which
+    soft delete keeps already; with both on, each rotated checkpoint is kept `noncurrent_days`
+    and then `soft_delete_days` more. Cloud Storage recommends soft delete instead."""
     keep_noncurrent_versions: int = Field(default=3, ge=1, le=100)
-    """Overwritten or deleted objects keep this many older versions."""
+    """With versioning: overwritten or deleted objects keep this many older versions."""
     noncurrent_days: int = Field(default=7, ge=1, le=3650)
-    """Older versions are deleted this many days after they stopped being current."""
-    soft_delete_days: int = Field(default=7, ge=0, le=90)
-    """Deleted objects stay restorable this many days (0 turns soft delete off)."""
+    """With versioning: older versions are deleted this many days after they stopped being
+    current."""
 
     @field_validator("name")
     @classmethod
@@ -217,6 +254,20 @@ class Bucket(Section):
         if v is None:
             return v
         return _check_bucket_name(v)
+
+    def problems(self) -> Iterator[Problem]:
+        if not self.versioning:
+            for key in ("keep_noncurrent_versions", "noncurrent_days"):
+                if key in self.model_fields_set:
+                    yield key, "applies only with versioning = true; allowed: remove it"
+
+    @field_validator("soft_delete_days")
+    @classmethod
+    def _soft_delete(cls, v: int) -> int:
+        if 0 < v < R.SOFT_DELETE_MIN_DAYS:
+            raise ValueError(f"{v} is not valid; allowed: 0 (off) or {R.SOFT_DELETE_MIN_DAYS} "
+                             f"to {R.SOFT_DELETE_MAX_DAYS} (Cloud Storage refuses 1 to 6)")
+        return v
 
     @field_validator("bucket_location")
     @classmethod
@@ -245,11 +296,24 @@ class Network(Section):
     """Existing subnetwork name in `gcp.region` (mode = "existing" only)."""
     subnetwork_project: str | None = None
     """Host project of a shared-VPC subnetwork (mode = "existing" only; default: `gcp.project`)."""
+    shared_vpc_network_user: Literal["grant", "granted"] | None = None
+    """Shared VPC only (`subnetwork_project` is another project), and then required. The group
+    creates its VMs as this project's Google APIs service agent
+    (PROJECT_NUMBER@cloudservices.gserviceaccount.com), which needs roles/compute.networkUser on
+    the host subnetwork; without it the group creates no VM and says so only in `list-errors`.
+    "grant": the stack grants it on the subnetwork (your account must be allowed to set IAM on
+    that subnetwork in the host project); "granted": the Shared VPC admin has granted it (on the
+    subnetwork or the host project) and the stack leaves it alone."""
     subnet_cidr: str = "10.20.0.0/24"
     """Primary range of the dedicated subnet (a private IPv4 range, /8 to /29)."""
     iap_ssh: bool = True
     """Open port 22 to Identity-Aware Proxy only (35.235.240.0/20) for `gcloud compute ssh
     --tunnel-through-iap`. Nothing is ever open to 0.0.0.0/0."""
+    dns_query_logging: bool | None = None
+    """Log every DNS query the VMs make to Cloud Logging (a Cloud DNS policy on the network).
+    Default: on for a `[pool]` on a dedicated network (its nodes look up the coordinator's
+    private name there; a few entries per boot and rendezvous), off otherwise: a network takes
+    only one DNS policy, and an existing network may have one already (the deploy would fail)."""
 
     @field_validator("network", "subnetwork")
     @classmethod
@@ -398,6 +462,11 @@ class Cost(Section):
     `stacks/pricing.py`, e.g. a negotiated rate or a price checked today."""
     on_demand_per_hour: float | None = Field(default=None, gt=0)
     """All-in on-demand price of one VM in $/hour, overriding the catalog."""
+    checkpoint_interval_s: float | None = Field(default=None, gt=0)
+    """Assumed seconds between checkpoints that reach the bucket, for the storage estimate.
+    Default: from `--checkpoint-every-seconds` / `--checkpoint-every-steps` in `trainer.args`,
+    else 300 s (the trainer picks the automatic interval at run time and logs it as
+    "checkpoint interval for gcs: ...": put that figure here)."""
 
 
 class Pool(Section):
@@ -517,12 +586,42 @@ class Experiment(BaseModel):
                 yield f"{key}.{path}", msg
         yield from cross_section_problems(self, name)
 
+    @property
+    def dns_query_logging(self) -> bool:
+        """`network.dns_query_logging` with its default applied."""
+        if self.network.dns_query_logging is not None:
+            return self.network.dns_query_logging
+        return self.pool is not None and self.network.mode == "dedicated"
+
     def bucket_name(self, name: str) -> str:
         # At most 30 + 1 + 21 + 5 = 57 characters: within the 63 allowed.
         return self.bucket.name or f"{self.gcp.project}-{name}-ckpt"
 
 
+def shared_vpc_problems(exp: Experiment) -> Iterator[Problem]:
+    """The service agent's Network User on a shared VPC's subnetwork: said how, or refused."""
+    net = exp.network
+    shared = net.mode == "existing" and net.subnetwork_project not in (None, exp.gcp.project)
+    if shared and net.shared_vpc_network_user is None:
+        yield (
+            "network.shared_vpc_network_user",
+            f"is required for a shared VPC (subnetwork {net.subnetwork!r} of host project "
+            f"{net.subnetwork_project!r}): the group creates its VMs as project "
+            f"{exp.gcp.project!r}'s Google APIs service agent "
+            "(PROJECT_NUMBER@cloudservices.gserviceaccount.com), and without "
+            "roles/compute.networkUser on that subnetwork it creates no VM at all; allowed: "
+            '"grant" (the stack grants it) or "granted" (your Shared VPC admin did)',
+        )
+    if not shared and net.shared_vpc_network_user is not None:
+        yield (
+            "network.shared_vpc_network_user",
+            "applies only to a shared VPC (mode = \"existing\" with subnetwork_project another "
+            "project); allowed: remove it",
+        )
+
+
 def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
+    yield from shared_vpc_problems(exp)
     zones = len(exp.gcp.zones)
     if exp.group.placement == "zonal" and zones != 1:
         yield (

@@ -114,6 +114,37 @@ N1_GPU_LIMITS: dict[str, dict[int, AttachLimit]] = {
     P4: {1: AttachLimit(24, 156), 2: AttachLimit(48, 312), 4: AttachLimit(96, 624)},
 }
 
+#: Compute capability of each GPU type, as (major, minor) (developer.nvidia.com/cuda-gpus).
+GPU_CAPABILITY: dict[str, tuple[int, int]] = {
+    P100: (6, 0), P4: (6, 1), V100: (7, 0), T4: (7, 5), A100_40: (8, 0), A100_80: (8, 0),
+    L4: (8, 9), H100: (9, 0), H100_MEGA: (9, 0),
+}
+
+# What `torch.cuda.get_arch_list()` says in the PyTorch of a Deep Learning VM image family, by
+# the family's "pytorch-<major>-<minor>-cu<NNN>" prefix. Source: the x86_64 wheel builds of
+# pytorch/pytorch, .ci/manywheel/build_cuda.sh on the 2.8 and 2.9 release branches
+# (TORCH_CUDA_ARCH_LIST: CUDA 12.6 "5.0;6.0;7.0;7.5;8.0;8.6;9.0", 12.8
+# "7.0;7.5;8.0;8.6;9.0;10.0;12.0", 12.9 the same with "12.0+PTX"); the images ship those
+# wheels. A family not listed here is unchecked before deploying; the trainer checks the GPU
+# against its own build at start either way (trainer/gpu.py).
+_CU126 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
+_CU128 = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
+_CU129 = (*_CU128, "compute_120")
+IMAGE_ARCH_LISTS: dict[str, tuple[str, ...]] = {
+    f"pytorch-2-{minor}-{cu}": arches
+    for minor in (8, 9)
+    for cu, arches in (("cu126", _CU126), ("cu128", _CU128), ("cu129", _CU129))
+}
+
+
+def image_arch_list(image_family: str) -> tuple[str, ...] | None:
+    """The arch list of the family's PyTorch, or None when the table does not know it."""
+    for prefix, arches in IMAGE_ARCH_LISTS.items():
+        if image_family == prefix or image_family.startswith(prefix + "-"):
+            return arches
+    return None
+
+
 #: Local SSD counts a VM may take through the template (375 GB NVMe each).
 LOCAL_SSD_COUNTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 24)
 LOCAL_SSD_GB = 375
@@ -129,6 +160,13 @@ CPU_MACHINE_TYPES: dict[str, MachineShape] = {
     **_e2(), **{t: s for t, s in MACHINE_TYPES.items() if family(t) == "n1"}}
 #: The coordinator's default machine type when it does not train.
 DEFAULT_CPU_COORDINATOR = "e2-standard-4"
+
+
+# --- Cloud Storage --------------------------------------------------------------------------------
+
+#: Soft delete retention: 0 (off) or 7 to 90 days; the API answers 400 to anything else and the
+#: provider does not check it (cloud.google.com/storage/docs/soft-delete).
+SOFT_DELETE_MIN_DAYS, SOFT_DELETE_MAX_DAYS = 7, 90
 
 
 # --- disks, windows, health checks ---------------------------------------------------------------

@@ -50,6 +50,8 @@ HEALTH_RESPONSE = "ok"
 #: unhealthy, so one slow answer during a checkpoint never recreates a VM.
 CHECK_INTERVAL_S, TIMEOUT_S, HEALTHY_THRESHOLD, UNHEALTHY_THRESHOLD = 10, 5, 2, 6
 DELETE_RULE = "ON_PERMANENT_INSTANCE_DELETION"
+#: A regional group's target distribution shape: the one that follows Spot capacity.
+TARGET_SHAPE = "BALANCED"
 
 
 def rejoin_threshold(last_call_s: int) -> int:
@@ -114,8 +116,13 @@ class TrainerGroup(Construct):
                     **common,
                     region=props.region,
                     distribution_policy_zones=list(props.zones),
-                    # Stateful regional groups: EVEN shape, no proactive redistribution.
-                    distribution_policy_target_shape="EVEN",
+                    # BALANCED creates a VM "in zones where resources are available" while
+                    # spreading as evenly as it can; EVEN keeps equal counts per zone whatever
+                    # the capacity (for serving). The comparison table of
+                    # compute/docs/instance-groups/regional-mig-distribution-shape lists
+                    # BALANCED for stateful workloads and for batch; it needs proactive
+                    # redistribution off, which a stateful group needs anyway (NONE below).
+                    distribution_policy_target_shape=TARGET_SHAPE,
                     version=[ComputeRegionInstanceGroupManagerVersion(
                         name="trainer", instance_template=props.template_self_link)],
                     named_port=[ComputeRegionInstanceGroupManagerNamedPort(

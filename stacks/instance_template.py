@@ -85,10 +85,14 @@ class TrainerTemplate(Construct):
                 labels=props.labels,
             ),
             # The checkpoint disk; the group keeps it stateful by this device_name, and the
-            # startup script finds it at /dev/disk/by-id/google-<device_name>.
+            # startup script finds it at /dev/disk/by-id/google-<device_name>. The group's
+            # stateful policy decides when it is deleted (permanent deletion of the instance);
+            # auto_delete = false is a hedge: whether Compute Engine's own deletion of a
+            # preempted Spot VM (termination action DELETE) spares a stateful disk that is
+            # marked auto-delete is not documented.
             ComputeInstanceTemplateDisk(
                 boot=False,
-                auto_delete=True,
+                auto_delete=False,
                 device_name=DEVICE_NAME,
                 disk_type="pd-ssd",
                 disk_size_gb=props.checkpoint_disk_gb,

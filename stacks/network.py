@@ -5,6 +5,9 @@ and Cloud NAT for egress. VMs never get external IPs either way. The firewall ad
 Google's health checkers to the health port and, optionally, IAP to SSH, on the trainer's tag;
 nothing is open to 0.0.0.0/0. A pool adds one rule: every TCP port (the rendezvous port and the
 collectives' ephemeral ports) from the experiment's service account to the same account only.
+Optionally, a DNS policy logs every query the network's VMs make (`DnsQueryLogging`). On a shared
+VPC, the service project's Google APIs service agent may get Network User on the host subnetwork
+(`SharedVpcNetworkUser`): the group creates its VMs as that agent.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from cdktn_provider_google.compute_network import ComputeNetwork
 from cdktn_provider_google.compute_router import ComputeRouter
 from cdktn_provider_google.compute_router_nat import ComputeRouterNat, ComputeRouterNatLogConfig
 from cdktn_provider_google.compute_subnetwork import ComputeSubnetwork, ComputeSubnetworkLogConfig
+from cdktn_provider_google.compute_subnetwork_iam_member import ComputeSubnetworkIamMember
+from cdktn_provider_google.data_google_project import DataGoogleProject
+from cdktn_provider_google.dns_policy import DnsPolicy, DnsPolicyNetworks
 from constructs import Construct
 
 from stacks import gcp_rules as R
@@ -166,4 +172,63 @@ class PoolFirewall(Construct):
             target_service_accounts=[props.service_account_email],
             allow=[ComputeFirewallAllow(protocol="tcp")],
             log_config=ComputeFirewallLogConfig(metadata="INCLUDE_ALL_METADATA"),
+        )
+
+
+@dataclass(frozen=True)
+class DnsQueryLoggingProps:
+    project: str  # the network's project (the host project of a shared VPC)
+    name: str
+    network: str  # id or URL of the network
+
+
+class DnsQueryLogging(Construct):
+    """A Cloud DNS server policy with query logging on the network: every lookup its VMs make
+    (the pool's rendezvous name included) goes to Cloud Logging. A network takes one policy, so
+    the stack adds it only to a network it owns unless the experiment asks
+    (`network.dns_query_logging`)."""
+
+    def __init__(self, scope: Construct, id_: str, props: DnsQueryLoggingProps) -> None:
+        super().__init__(scope, id_)
+        self.policy = DnsPolicy(
+            self,
+            "policy",
+            project=props.project,
+            name=f"{props.name}-dns-logging",
+            description="spottrain: log the DNS queries of the experiment's VMs",
+            enable_logging=True,
+            enable_inbound_forwarding=False,
+            networks=[DnsPolicyNetworks(network_url=props.network)],
+        )
+
+
+#: The role the group's VM creator needs on a shared VPC's subnetwork.
+NETWORK_USER = "roles/compute.networkUser"
+
+
+@dataclass(frozen=True)
+class SharedVpcNetworkUserProps:
+    project: str  # the service project (the experiment's)
+    host_project: str
+    region: str
+    subnetwork: str  # name in the host project
+
+
+class SharedVpcNetworkUser(Construct):
+    """Network User on the host subnetwork for the service project's Google APIs service agent
+    (`PROJECT_NUMBER@cloudservices.gserviceaccount.com`, the identity a managed instance group
+    creates VMs as). The project number comes from the project itself (a data source). Without
+    the grant the group silently creates no VM: `list_errors_command` shows why."""
+
+    def __init__(self, scope: Construct, id_: str, props: SharedVpcNetworkUserProps) -> None:
+        super().__init__(scope, id_)
+        project = DataGoogleProject(self, "service-project", project_id=props.project)
+        self.grant = ComputeSubnetworkIamMember(
+            self,
+            "network-user",
+            project=props.host_project,
+            region=props.region,
+            subnetwork=props.subnetwork,
+            role=NETWORK_USER,
+            member=f"serviceAccount:{project.number}@cloudservices.gserviceaccount.com",
         )

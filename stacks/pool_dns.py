@@ -1,8 +1,10 @@
 """A pool's stable rendezvous name: a private Cloud DNS zone on the experiment's network and one A
 record, `coordinator.<experiment>.spottrain.internal`, pointing at the coordinator's static IP.
 
-Private: the zone answers only inside the bound network (needs dns.googleapis.com enabled in the
-project). Query logging is on, so who resolved the coordinator shows in Cloud Logging.
+Private: the zone answers only inside the bound network (dns.googleapis.com is enabled by the
+stack's API list). A private zone takes no `cloud_logging_config` (public zones only: the API
+refuses it); query logging for private names is a DNS policy on the network
+(`stacks.network.DnsQueryLogging`), on by default for a pool on a dedicated network.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from dataclasses import dataclass, field
 
 from cdktn_provider_google.dns_managed_zone import (
     DnsManagedZone,
-    DnsManagedZoneCloudLoggingConfig,
     DnsManagedZonePrivateVisibilityConfig,
     DnsManagedZonePrivateVisibilityConfigNetworks,
 )
@@ -47,7 +48,6 @@ class PoolDns(Construct):
             private_visibility_config=DnsManagedZonePrivateVisibilityConfig(
                 networks=[DnsManagedZonePrivateVisibilityConfigNetworks(
                     network_url=props.network)]),
-            cloud_logging_config=DnsManagedZoneCloudLoggingConfig(enable_logging=True),
             labels=props.labels,
         )
         self.record = DnsRecordSet(

@@ -103,6 +103,12 @@ US_CENTRAL1 = RegionPrices(
     },
 )
 
+#: Cloud Storage STANDARD class per GB-month (cloud.google.com/storage/pricing), list prices:
+#: a region (us-central1's rate; most regions are within a few tenths of a cent) and the
+#: multi-regions. Soft-deleted and noncurrent objects are billed at the same rate while kept.
+GCS_STANDARD_GB_MONTH = {"region": 0.020, "multi-region": 0.026}
+GCS_MULTI_REGIONS = ("US", "EU", "ASIA")
+
 DEFAULT_REGION = "us-central1"
 #: Regions whose prices are known to differ get their own entry; others use DEFAULT_REGION's.
 REGIONS: dict[str, RegionPrices] = {DEFAULT_REGION: US_CENTRAL1}

@@ -240,7 +240,16 @@ def _flag(d: StackDiff, old: dict[str, Any], new: dict[str, Any]) -> None:
         elif kind == TEMPLATE:
             _flag_template(d, c, old.get(c.address), new.get(c.address))
         elif kind == DISK:
-            forced = [x for x in c.attrs if _top(x.path) in FORCE_NEW[DISK]]
+            forced = [x for x in c.attrs if _top(x.path) in FORCE_NEW[DISK]
+                      # the provider replaces a disk it is asked to shrink
+                      or (x.path == "size" and isinstance(x.old, int)
+                          and isinstance(x.new, int) and x.new < x.old)]
+            grown = [x for x in c.attrs if x.path == "size" and x not in forced]
+            if c.action == "changed" and grown and not forced:
+                d.notes.append(
+                    f"`{c.address}` (the coordinator's checkpoint disk) grows in place, "
+                    f"{_value(grown[0].old)} -> {_value(grown[0].new)} GB; its filesystem grows at "
+                    "the coordinator's next boot (the startup script runs resize2fs)")
             if c.action == "removed" or forced:
                 why = f" ({_attrs_brief(forced)})" if forced else ""
                 d.flags.append(f"{'REPLACES' if forced else 'DESTROYS'} the coordinator's "
@@ -296,6 +305,25 @@ def _flag_template(d: StackDiff, c: ResourceChange, old: dict | None, new: dict 
                 f"CHANGES the checkpoint disk definition in `{c.address}` "
                 f"({_attrs_brief(changes, 'disk')}): the group keeps each VM's existing stateful "
                 "disk as it is; only a disk created anew (new VM, scale from zero) gets it")
+            note = _disk_size_note(before.get("disk_size_gb"), after.get("disk_size_gb"))
+            if note:
+                d.notes.append(note)
+
+
+def _disk_size_note(old: Any, new: Any) -> str | None:
+    """What a `checkpoint_disk_gb` edit does to a running experiment, and what it does not."""
+    if not isinstance(old, int) or not isinstance(new, int) or old == new:
+        return None
+    if new < old:
+        return (f"checkpoint_disk_gb {old} -> {new}: disks cannot shrink; a running VM keeps its "
+                f"{old} GB disk, and only a disk created anew (a new VM, a scale from zero) is "
+                f"{new} GB")
+    return (f"checkpoint_disk_gb {old} -> {new}: a running VM's disk stays {old} GB (the group "
+            "keeps its stateful disk; a template change resizes nothing). To grow it now: "
+            f"`gcloud compute disks resize DISK --size {new} --zone ZONE` (DISK: the VM's "
+            f"`{CHECKPOINT_DEVICE}` disk, from `gcloud compute instances describe INSTANCE`); "
+            "the next boot grows its filesystem (the startup script runs resize2fs). A disk "
+            f"created anew (a new VM, a scale from zero) is {new} GB")
 
 
 def diff(old: dict[str, dict], new: dict[str, dict]) -> list[StackDiff]:

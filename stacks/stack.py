@@ -1,6 +1,6 @@
 """`TrainingStack`: one experiment's whole training environment as one Terraform stack.
 
-Composes the constructs (identity, bucket, network, firewall, template, group), the provider,
+Composes the constructs (APIs, identity, bucket, network, firewall, template, group), the provider,
 the state backend and the outputs a user needs next (bucket, group, account, log commands). A
 `[pool]` adds the on-demand coordinator, its private DNS name and the firewall rule between the
 pool's nodes (`stacks.pool`), and sizes the group for the Spot workers.
@@ -8,10 +8,11 @@ pool's nodes (`stacks.pool`), and sizes the group for the Spot workers.
 
 from __future__ import annotations
 
-from cdktn import GcsBackend, LocalBackend, TerraformOutput, TerraformStack
+from cdktn import Aspects, GcsBackend, LocalBackend, TerraformOutput, TerraformStack
 from cdktn_provider_google.provider import GoogleProvider
 from constructs import Construct
 
+from stacks import apis as A
 from stacks import gcp_rules as R
 from stacks.boot import boot_props, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
@@ -22,10 +23,14 @@ from stacks.identity import Identity, IdentityProps
 from stacks.instance_template import TemplateProps, TrainerTemplate
 from stacks.coordinator import Coordinator, CoordinatorProps
 from stacks.network import (
+    DnsQueryLogging,
+    DnsQueryLoggingProps,
     FirewallProps,
     NetworkProps,
     PoolFirewall,
     PoolFirewallProps,
+    SharedVpcNetworkUser,
+    SharedVpcNetworkUserProps,
     TrainerFirewall,
     TrainerNetwork,
 )
@@ -53,6 +58,10 @@ class TrainingStack(TerraformStack):
                        prefix=exp.backend.prefix or f"spottrain/{name}")
         else:
             LocalBackend(self, path=state_path(name))
+        # The APIs first: everything else in the stack waits for them.
+        apis = A.ProjectApis(self, "apis", A.ApisProps(project=gcp.project,
+                                                       services=A.required(exp)))
+        Aspects.of(self).add(A.WaitForApis(apis))
 
         identity = Identity(self, "identity", IdentityProps(
             project=gcp.project, account_id=f"{name}{R.SA_SUFFIX}", experiment=name))
@@ -61,6 +70,7 @@ class TrainingStack(TerraformStack):
             name=exp.bucket_name(name),
             location=exp.bucket.bucket_location,
             force_destroy=exp.bucket.force_destroy,
+            versioning=exp.bucket.versioning,
             keep_noncurrent_versions=exp.bucket.keep_noncurrent_versions,
             noncurrent_days=exp.bucket.noncurrent_days,
             soft_delete_days=exp.bucket.soft_delete_days,
@@ -81,6 +91,17 @@ class TrainingStack(TerraformStack):
         ))
         pool = layout(name, exp)
         firewall_project = network.subnetwork_project or gcp.project
+        # A shared VPC: the VMs' creator needs Network User on the host subnetwork.
+        vm_creator_grants = []
+        if net.shared_vpc_network_user == "grant":
+            assert net.subnetwork and net.subnetwork_project  # validated upstream
+            vm_creator_grants.append(SharedVpcNetworkUser(
+                self, "shared-vpc", SharedVpcNetworkUserProps(
+                    project=gcp.project, host_project=net.subnetwork_project,
+                    region=gcp.region, subnetwork=net.subnetwork)).grant)
+        if exp.dns_query_logging:
+            DnsQueryLogging(self, "dns-logging", DnsQueryLoggingProps(
+                project=firewall_project, name=name, network=network.network_ref))
         TrainerFirewall(self, "firewall", FirewallProps(
             # Shared VPC: firewall rules live in the host project.
             project=firewall_project,
@@ -138,7 +159,7 @@ class TrainingStack(TerraformStack):
             initial_delay_sec=exp.group.initial_delay_sec,
             unhealthy_threshold=(rejoin_threshold(exp.pool.rendezvous_last_call_s) if exp.pool
                                  else UNHEALTHY_THRESHOLD),
-            depends_on=tuple(identity.grants),
+            depends_on=(*identity.grants, *vm_creator_grants),
         ))
 
         if pool is not None:
@@ -241,6 +262,11 @@ class TrainingStack(TerraformStack):
                 "--query-path=spottrain/state",
                 "The VM's boot path state: starting, training, finished (scale to zero now), "
                 "failed (see serial_log_command), stopped-<trainer exit status>",
+            ),
+            "list_errors_command": (
+                f"gcloud compute instance-groups managed list-errors {group_name} {p} {where}",
+                "Why the group created no VM, or lost one (quota, capacity, permissions such as "
+                "a shared VPC's Network User): the group's own errors, newest first",
             ),
             "scale_to_zero_command": (
                 f"gcloud compute instance-groups managed resize {group_name} --size 0 {p} "

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED
-from trainer import distributed, state
+from trainer import distributed, gpu, state
 from trainer import task as tasks
 from trainer.config import RunConfig
 from trainer.goodput import Ledger, node_name, session_start_fields
@@ -52,7 +52,7 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     session = _Session(cfg, world, log, preempt, make_checkpointer, process_start)
     try:
         return session.run()
-    except (state.ResumeMismatch, tasks.TaskError, BadWorld) as e:
+    except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT)
@@ -89,6 +89,7 @@ class _Session:
         t_start = time.monotonic()
         torch.set_num_threads(cfg.threads)
         device = _device(cfg, world)
+        gpu.check(device)  # a GPU this PyTorch has no kernels for: bad input, not a restart loop
         if cfg.deterministic:
             _deterministic(device)
 

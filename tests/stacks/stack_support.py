@@ -48,6 +48,8 @@ def variant(overrides: dict[str, Any], name: str = "example") -> Experiment:
     return parse(merged(overrides), name, f"{name}.toml")
 
 
+PASCAL_IMAGE = "pytorch-2-8-cu126-ubuntu-2204-nvidia-570"
+
 #: Every configuration the suite synthesizes, by stack name.
 VARIANTS: dict[str, dict[str, Any]] = {
     "example": {},
@@ -67,14 +69,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
                           "gpu_count": 1}},
     "n1-v100": {"machine": {"machine_type": "n1-highmem-8", "gpu_type": "nvidia-tesla-v100",
                             "gpu_count": 2}},
+    # Pascal needs a PyTorch built for sm_60/61: the cu126 builds (not the default cu129).
     "n1-p100": {"machine": {"machine_type": "n1-standard-16", "gpu_type": "nvidia-tesla-p100",
-                            "gpu_count": 1}},
+                            "gpu_count": 1, "image_family": PASCAL_IMAGE}},
     "n1-p4": {"machine": {"machine_type": "n1-standard-4", "gpu_type": "nvidia-tesla-p4",
-                          "gpu_count": 4}},
+                          "gpu_count": 4, "image_family": PASCAL_IMAGE}},
     "standard": {"machine": {"provisioning": "standard", "termination_action": None}},
     "existing-net": {
         "network": {"mode": "existing", "network": "shared-vpc", "subnetwork": "trainers",
                     "subnetwork_project": "host-project-42", "subnet_cidr": None,
+                    "shared_vpc_network_user": "grant",
                     "iap_ssh": False},
         "backend": {"type": "gcs", "bucket": "team-tf-state", "prefix": "spottrain/existing"},
         "bucket": {"name": "explicit-ckpt-bucket", "force_destroy": True},

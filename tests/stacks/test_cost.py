@@ -94,3 +94,69 @@ def test_cost_command_bad_input_exits_2_naming_file_and_field(tmp_path):
     assert "cheap.toml: cost.spot_per_hour: Input should be greater than 0" in run.stderr
     assert "Traceback" not in run.stderr and run.stdout == ""
     assert cost.main(["a", "b"]) == 2
+
+
+# --- the checkpoint bucket's storage -------------------------------------------------------------
+
+
+def test_storage_estimate_known_case():
+    # 1 GB checkpoints every 600 s for a 24 h run: 144 saves, each rotated out and billed 7 more
+    # days by soft delete; 3 kept.
+    exp = variant({"trainer": {"steps": 86_400, "param_count": None, "state_bytes": 10**9},
+                   "cost": {"steps_per_second": 1.0, "expected_goodput": 1.0,
+                            "checkpoint_interval_s": 600}})
+    st = cost.storage_estimate(exp, run_hours=24)
+    assert (st.keep, st.kept_gb, st.saves_per_day) == (3, 3.0, 144)
+    assert st.retention_days == 7 and st.retention_source == "soft delete 7 d"
+    assert st.retained_gb == pytest.approx(144.0)  # a 1-day run fills 1 day of the window
+    assert st.retention_cost == pytest.approx(144 * 1 * 7 / (730 / 24) * 0.020)
+    assert st.price_gb_month == 0.020
+    longer = cost.storage_estimate(exp, run_hours=30 * 24)
+    assert longer.retained_gb == pytest.approx(144 * 7)  # the window is full: 7 days of saves
+
+
+def test_versioning_with_soft_delete_doubles_what_each_rotated_checkpoint_costs():
+    """The defaults keep a rotated checkpoint 7 days (soft delete); versioning on top would keep
+    it its noncurrent days first, then soft delete's 7 more."""
+    base = {"trainer": {"state_bytes": 10**9, "param_count": None}}
+    default = cost.storage_estimate(variant(base), run_hours=24 * 30)
+    versioned = cost.storage_estimate(variant({**base, "bucket": {"versioning": True}}),
+                                      run_hours=24 * 30)
+    assert default.retention_days == 7
+    assert versioned.retention_days == 14
+    assert versioned.retained_gb == pytest.approx(2 * default.retained_gb)
+    off = cost.storage_estimate(variant({**base, "bucket": {"soft_delete_days": 0}}),
+                                run_hours=24 * 30)
+    assert off.retained_gb == 0 and off.retention_cost == 0
+
+
+def test_storage_interval_comes_from_the_trainer_args_else_an_assumption():
+    def interval(overrides):
+        return cost.storage_estimate(variant(overrides), run_hours=1).interval_s
+
+    assert interval({"trainer": {"args": ["--checkpoint-every-seconds=900"]}}) == 900
+    assert interval({"trainer": {"args": ["--checkpoint-every-steps", "200"]},
+                     "cost": {"steps_per_second": 4.0}}) == 50
+    assert interval({"trainer": {"args": []}}) == cost.DEFAULT_CHECKPOINT_INTERVAL_S
+    assert interval({"cost": {"checkpoint_interval_s": 42}}) == 42
+
+
+def test_storage_lines_in_the_cost_output():
+    lines = cost.describe(_file({"trainer": {"state_bytes": 2 * 10**9, "param_count": None},
+                                 "cost": {"checkpoint_interval_s": 300}}),
+                          today=pricing.CATALOG_DATE)
+    text = "\n".join(lines)
+    assert "bucket storage    3 kept x 2.00 GB (declared state_bytes) = 6.0 GB; one save every " \
+           "5 min (set in [cost]) rotates 288 a day out" in text
+    assert "soft delete 7 d: each rotated checkpoint stays billed 7 d" in text
+    assert "STANDARD $0.0200/GB-month in US-CENTRAL1" in text
+    assert "retention holds" in text  # 7 days of 5-minute saves dwarf the 3 kept
+    assert lines[-1].startswith("  These are estimates")
+    unknown = cost.describe(_file({"trainer": {"param_count": None}}), today=pricing.CATALOG_DATE)
+    assert any("unknown checkpoint size" in line for line in unknown)
+
+
+def test_the_storage_estimate_keeps_what_the_trainer_keeps():
+    from trainer.config import RunConfig
+
+    assert cost.TRAINER_KEEP == RunConfig.model_fields["keep"].default

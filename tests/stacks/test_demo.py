@@ -16,7 +16,7 @@ def test_demo_summarizes_the_example(capsys, monkeypatch):
     assert demo.main([]) == 0
     out = capsys.readouterr().out
     assert "experiments/example.toml -> stack 'example'" in out
-    assert "g2-standard-8, GPUs built in, SPOT -> STOP" in out
+    assert "g2-standard-8, GPUs built in, SPOT -> DELETE" in out
     assert "tcp:8471 from 35.191.0.0/16, 130.211.0.0/22" in out
     assert "roles/storage.objectAdmin on the checkpoint bucket" in out
     assert "emergency save: 1.98 GB" in out and ": fits" in out

@@ -67,6 +67,20 @@ RULES = [
      "machine.provisioning: Input should be 'spot' or 'standard', got 'preemptible'"),
     ("termination-action-enum", {"machine": {"termination_action": "stop"}},
      "machine.termination_action: Input should be 'STOP' or 'DELETE', got 'stop'"),
+    ("pascal-under-the-default-cu129-image", {"machine": {
+        "machine_type": "n1-standard-8", "gpu_type": "nvidia-tesla-p100", "gpu_count": 1}},
+     "machine.gpu_type: nvidia-tesla-p100 (sm_60) has no kernels in the PyTorch of image family "
+     "'pytorch-2-9-cu129-ubuntu-2204-nvidia-580' (built for sm_70 sm_75 sm_80 sm_86 sm_90 "
+     "sm_100 sm_120 compute_120): the trainer would fail at its first kernel; allowed: a newer "
+     "GPU type, or an image family whose PyTorch includes sm_60 (e.g. a cu126 build, if still "
+     "published)"),
+    ("p4-under-cu128", {"machine": {
+        "machine_type": "n1-standard-8", "gpu_type": "nvidia-tesla-p4", "gpu_count": 1,
+        "image_family": "pytorch-2-8-cu128-ubuntu-2204-nvidia-570"}},
+     "machine.gpu_type: nvidia-tesla-p4 (sm_61) has no kernels in the PyTorch of image family "
+     "'pytorch-2-8-cu128-ubuntu-2204-nvidia-570' (built for sm_70 sm_75 sm_80 sm_86 sm_90 "
+     "sm_100 sm_120): the trainer would fail at its first kernel; allowed: a newer GPU type, or "
+     "an image family whose PyTorch includes sm_61 (e.g. a cu126 build, if still published)"),
     ("image-family-name", {"machine": {"image_family": "PyTorch Latest"}},
      "machine.image_family: 'PyTorch Latest' is not valid; allowed: lowercase letters, digits "
      "and hyphens"),
@@ -100,10 +114,28 @@ RULES = [
      "\"US-CENTRAL1\", \"US\" or \"EU\""),
     ("soft-delete-range", {"bucket": {"soft_delete_days": 91}},
      "bucket.soft_delete_days: Input should be less than or equal to 90, got 91"),
+    ("soft-delete-below-gcs-minimum", {"bucket": {"soft_delete_days": 3}},
+     "bucket.soft_delete_days: 3 is not valid; allowed: 0 (off) or 7 to 90 (Cloud Storage "
+     "refuses 1 to 6)"),
+    ("noncurrent-needs-versioning", {"bucket": {"noncurrent_days": 3}},
+     "bucket.noncurrent_days: applies only with versioning = true; allowed: remove it"),
     ("existing-network-needs-names", {"network": {"mode": "existing"}},
      "network.network: is required when mode = \"existing\"; allowed: an existing name"),
     ("dedicated-network-rejects-names", {"network": {"subnetwork": "mine"}},
      "network.subnetwork: is set but mode = \"dedicated\"; allowed: set mode = \"existing\""),
+    ("shared-vpc-needs-network-user", {"network": {
+        "mode": "existing", "network": "vpc", "subnetwork": "sub",
+        "subnetwork_project": "host-project-1"}},
+     "network.shared_vpc_network_user: is required for a shared VPC (subnetwork 'sub' of host "
+     "project 'host-project-1'): the group creates its VMs as project 'my-project-123456''s "
+     "Google APIs service agent (PROJECT_NUMBER@cloudservices.gserviceaccount.com), and without "
+     "roles/compute.networkUser on that subnetwork it creates no VM at all; allowed: \"grant\" "
+     "(the stack grants it) or \"granted\" (your Shared VPC admin did)"),
+    ("network-user-only-for-shared-vpc", {"network": {
+        "mode": "existing", "network": "vpc", "subnetwork": "sub",
+        "shared_vpc_network_user": "grant"}},
+     "network.shared_vpc_network_user: applies only to a shared VPC (mode = \"existing\" with "
+     "subnetwork_project another project); allowed: remove it"),
     ("subnet-cidr", {"network": {"subnet_cidr": "8.8.8.0/24"}},
      "network.subnet_cidr: '8.8.8.0/24' is not valid; allowed: a private IPv4 range, /8 to /29"),
     ("network-mode-enum", {"network": {"mode": "default"}},
@@ -236,3 +268,23 @@ def test_issue_keys_exist_under_their_names():
                 "image_project", "checkpoint_disk_gb", "local_ssd_count", "bucket_location",
                 "force_destroy", "health_port", "task", "steps", "labels"]:
         assert key in keys, key
+
+
+def test_every_gpu_type_has_a_compute_capability_and_the_default_image_is_in_the_table():
+    from stacks import gcp_rules as R
+    from stacks.experiment import Machine
+
+    for gpu in [*R.N1_GPU_LIMITS, *(s.gpu_type for s in R.MACHINE_TYPES.values() if s.gpu_type)]:
+        assert gpu in R.GPU_CAPABILITY, gpu
+    assert R.image_arch_list(Machine.model_fields["image_family"].default) is not None
+    # Every GPU the other families offer runs under the default image: only Pascal needs cu126.
+    ok = parse(merged({}), "x").machine
+    assert ok.image_note() is None
+
+
+def test_an_image_family_outside_the_table_is_unchecked_and_says_so():
+    exp = parse(merged({"machine": {"machine_type": "n1-standard-8",
+                                    "gpu_type": "nvidia-tesla-p100", "gpu_count": 1,
+                                    "image_family": "my-own-pytorch-image"}}), "x")
+    note = exp.machine.image_note()
+    assert note is not None and "unchecked" in note and "nvidia-tesla-p100" in note

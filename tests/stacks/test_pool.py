@@ -119,6 +119,29 @@ def test_dns_name_points_at_the_coordinators_static_ip(pooled):
     assert out["rendezvous_endpoint"] == "coordinator.l4-pool.spottrain.internal:29500"
 
 
+def test_private_zone_has_no_logging_config_and_a_dns_policy_logs_queries(pooled, example,
+                                                                         synthesized):
+    """A private zone refuses cloud_logging_config (public zones only); query logging is a DNS
+    policy on the network: on for a pool on its own network, off where the network is not the
+    stack's (one policy per network) unless asked, and absent from single-VM stacks."""
+    for s in synthesized.values():
+        for zone in s.resources("google_dns_managed_zone"):
+            assert zone["visibility"] == "private" and "cloud_logging_config" not in zone
+    policy = pooled.one("google_dns_policy")
+    assert policy["enable_logging"] is True
+    assert policy["networks"] == [
+        {"network_url": f"{ref(pooled, 'google_compute_network')}.id}}"}]
+    assert example.resources("google_dns_policy") == []
+    from stack_support import VARIANTS
+
+    shared = {**VARIANTS["existing-net"], "pool": POOL}
+    assert variant(shared).dns_query_logging is False
+    asked = variant({**shared, "network": {**shared["network"], "dns_query_logging": True}})
+    assert asked.dns_query_logging is True
+    assert variant({"pool": POOL, "network": {"dns_query_logging": False}}).dns_query_logging \
+        is False
+
+
 def test_workers_are_spot_and_the_group_holds_every_node_but_the_coordinator(pooled):
     template = pooled.one("google_compute_instance_template")
     assert template["scheduling"]["provisioning_model"] == "SPOT"
@@ -548,6 +571,7 @@ def test_pools_on_an_existing_shared_vpc_and_a_regional_group(tmp_path):
         {"network_url": "projects/host-project-42/global/networks/shared-vpc"}]
     rules = {r["name"]: r for r in shared.resources("google_compute_firewall")}
     assert rules["shared-pool-allow-pool"]["project"] == "host-project-42"
+    assert shared.resources("google_dns_policy") == []  # not our network: not our policy
     regional = Synthesized("regional-pool", variant({**VARIANTS["regional"], "pool": POOL},
                                                     "regional-pool"))
     g = regional.one("google_compute_region_instance_group_manager")

@@ -93,13 +93,16 @@ def _changes(markdown: str) -> dict[str, list[str]]:
 def test_review_reports_exactly_the_edits(reviewed):
     changes = {re.sub(r"\.[^ ]+$", "", k).replace(" ", ":"): v
                for k, v in _changes(reviewed).items()}
+    # The script's length is the template's business; the edit is two lines either way.
+    changes[f"changed:{TEMPLATE}"] = [re.sub(r"\(\d+ lines of text\)", "(N lines of text)", c)
+                                      for c in changes.get(f"changed:{TEMPLATE}", [])]
     assert changes == {
         f"changed:{TEMPLATE}": [
             "guest_accelerator[0].count: 1 -> 2",
             'machine_type: "n1-standard-8" -> "n1-standard-16"',
             # A bigger machine costs more: the trainer's --price-per-hour and
             # --on-demand-price-per-hour words in the startup script change with it.
-            "metadata.startup-script: (307 lines of text) -> (307 lines of text), "
+            "metadata.startup-script: (N lines of text) -> (N lines of text), "
             "2 line(s) added, 2 removed",
         ],
         "changed:google_storage_bucket": ['location: "US-CENTRAL1" -> "US-EAST1"'],
@@ -193,6 +196,15 @@ def test_checkpoint_disk_definition_change_is_flagged_boot_disk_is_not():
     assert len(d.flags) == 1
     assert "CHANGES the checkpoint disk definition" in d.flags[0]
     assert "disk.disk_size_gb 300 -> 500" in d.flags[0]
+    # What the edit does to a running experiment, and how to get the space anyway.
+    (note,) = [n for n in d.notes if "checkpoint_disk_gb" in n]
+    assert "a running VM's disk stays 300 GB" in note
+    assert "gcloud compute disks resize DISK --size 500 --zone ZONE" in note
+    assert "the next boot grows its filesystem" in note
+    d = review.diff_stack("x", _stack(**{f"{TEMPLATE}__t": _template(500)}),
+                          _stack(**{f"{TEMPLATE}__t": _template(300)}))
+    (note,) = [n for n in d.notes if "checkpoint_disk_gb" in n]
+    assert "disks cannot shrink; a running VM keeps its 500 GB disk" in note
     boot = _template(300)
     boot["disk"][0]["disk_size_gb"] = 100
     d = review.diff_stack("x", _stack(**{f"{TEMPLATE}__t": _template(300)}),
@@ -214,6 +226,12 @@ def test_a_pools_coordinator_disk_and_recreation_are_flagged():
     d = review.diff_stack("x", _stack(google_compute_disk__c=disk),
                           _stack(google_compute_disk__c={**disk, "size": 500}))
     assert d.flags == [] and d.status == "changed"  # grows in place
+    assert any("grows in place, 300 -> 500 GB; its filesystem grows at the coordinator's next "
+               "boot" in n for n in d.notes), d.notes
+    d = review.diff_stack("x", _stack(google_compute_disk__c=disk),
+                          _stack(google_compute_disk__c={**disk, "size": 200}))
+    assert len(d.flags) == 1  # the provider replaces a disk it is asked to shrink
+    assert d.flags[0].startswith("REPLACES the coordinator's checkpoint disk")
     d = review.diff_stack("x", _stack(google_compute_disk__c=disk),
                           _stack(google_compute_disk__c={**disk, "zone": "us-central1-b"}))
     assert len(d.flags) == 1

@@ -63,28 +63,74 @@ def test_no_default_compute_service_account_anywhere(synthesized, name):
 def test_group_waits_for_every_grant(example):
     group = example.one("google_compute_instance_group_manager")
     grants = [f"{kind}.{key}" for kind in ("google_project_iam_member",
-                                           "google_storage_bucket_iam_member")
+                                           "google_storage_bucket_iam_member",
+                                           "google_project_service")
               for key in example.json["resource"][kind]]
     assert sorted(group["depends_on"]) == sorted(grants)
+
+
+# --- APIs ----------------------------------------------------------------------------------------
+
+
+def _apis(s: Synthesized) -> dict[str, dict]:
+    return {f"google_project_service.{k}": v
+            for k, v in s.json["resource"]["google_project_service"].items()}
+
+
+@pytest.mark.parametrize("name", ["example", "l4-pool", "existing-net"])
+def test_the_stack_enables_the_apis_it_uses_and_everything_waits_for_them(synthesized, name):
+    s = synthesized[name]
+    apis = _apis(s)
+    expected = {"compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com",
+                "cloudresourcemanager.googleapis.com"}
+    if name == "l4-pool":
+        expected.add("dns.googleapis.com")  # the pool's private zone
+    assert {a["service"] for a in apis.values()} == expected
+    for api in apis.values():
+        # Shared by the whole project: a destroy never switches an API off.
+        assert api["disable_on_destroy"] is False
+        assert api["project"] == "my-project-123456"
+    # Every resource and data source waits for every API (so none meets a disabled one).
+    blocks = [*s.json["resource"].items(), *s.json.get("data", {}).items()]
+    waiting = [(kind, key, r) for kind, rs in blocks if kind != "google_project_service"
+               for key, r in rs.items()]
+    assert len(waiting) >= 10
+    for kind, key, r in waiting:
+        assert set(apis) <= set(r.get("depends_on", [])), f"{kind}.{key}"
 
 
 # --- bucket --------------------------------------------------------------------------------------
 
 
-def test_checkpoint_bucket_is_private_versioned_and_pruned(example):
+def test_checkpoint_bucket_is_private_and_soft_deletes_without_versions(example):
+    """Soft delete protects deleted and overwritten checkpoints; versions on top would keep each
+    rotated checkpoint twice as long for nothing (every object is create-only)."""
     b = example.one("google_storage_bucket")
     assert b["name"] == "my-project-123456-example-ckpt"
     assert b["location"] == "US-CENTRAL1"
     assert b["uniform_bucket_level_access"] is True
     assert b["public_access_prevention"] == "enforced"
-    assert b["versioning"] == {"enabled": True}
+    assert b["versioning"] == {"enabled": False}
+    assert "lifecycle_rule" not in b
     assert b["force_destroy"] is False
     assert b["soft_delete_policy"] == {"retention_duration_seconds": 7 * 86400}
     assert b["labels"] == {"team": "ml", "purpose": "example", "spottrain-experiment": "example"}
+
+
+def test_versioning_on_request_prunes_noncurrent_versions():
+    from cdktn import Testing
+
+    from stacks.stack import TrainingStack
+
+    exp = variant({"bucket": {"versioning": True, "keep_noncurrent_versions": 2,
+                              "noncurrent_days": 3}}, "versioned")
+    synth = json.loads(Testing.synth(TrainingStack(Testing.app(), "versioned", exp)))
+    (b,) = synth["resource"]["google_storage_bucket"].values()
+    assert b["versioning"] == {"enabled": True}
     conditions = [r["condition"] for r in b["lifecycle_rule"]]
     assert all(r["action"] == {"type": "Delete"} for r in b["lifecycle_rule"])
-    assert {"with_state": "ARCHIVED", "num_newer_versions": 3} in conditions
-    assert {"with_state": "ARCHIVED", "days_since_noncurrent_time": 7} in conditions
+    assert {"with_state": "ARCHIVED", "num_newer_versions": 2} in conditions
+    assert {"with_state": "ARCHIVED", "days_since_noncurrent_time": 3} in conditions
     # No rule ever touches live (current) checkpoints.
     assert all(c["with_state"] == "ARCHIVED" for c in conditions)
 
@@ -156,6 +202,37 @@ def test_existing_network_creates_no_network_and_targets_the_host_project(synthe
     assert rule["allow"] == [{"protocol": "tcp", "ports": ["8471"]}]
 
 
+def test_shared_vpc_grants_network_user_to_the_service_agent_when_asked(synthesized, example):
+    """The group creates VMs as the service project's Google APIs service agent; without Network
+    User on the host subnetwork it creates none (and says so only in list-errors)."""
+    s = synthesized["existing-net"]  # shared_vpc_network_user = "grant"
+    grant = s.one("google_compute_subnetwork_iam_member")
+    (project_key,) = s.json["data"]["google_project"]
+    assert s.json["data"]["google_project"][project_key]["project_id"] == "my-project-123456"
+    assert grant["project"] == "host-project-42"
+    assert (grant["region"], grant["subnetwork"]) == ("us-central1", "trainers")
+    assert grant["role"] == "roles/compute.networkUser"
+    assert grant["member"] == (f"serviceAccount:${{data.google_project.{project_key}.number}}"
+                               "@cloudservices.gserviceaccount.com")
+    (grant_key,) = s.json["resource"]["google_compute_subnetwork_iam_member"]
+    group = s.one("google_compute_instance_group_manager")
+    assert f"google_compute_subnetwork_iam_member.{grant_key}" in group["depends_on"]
+    # "granted": the admin did it; the stack leaves the host project's IAM alone.
+    assert synthesized["n1-v100-standard"].resources("google_compute_subnetwork_iam_member") == []
+    assert example.resources("google_compute_subnetwork_iam_member") == []
+    assert "google_project" not in example.json.get("data", {})
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_stack_says_how_to_see_why_the_group_made_no_vm(synthesized, name):
+    s = synthesized[name]
+    out = {k: v["value"] for k, v in s.json["output"].items()}
+    where = "--region us-central1" if name == "regional" else "--zone us-central1-a"
+    assert out["list_errors_command"] == (
+        f"gcloud compute instance-groups managed list-errors {name}-group "
+        f"--project my-project-123456 {where}")
+
+
 # --- instance template ---------------------------------------------------------------------------
 
 
@@ -172,20 +249,23 @@ def test_spot_scheduling(example):
         "preemptible": True,
         "automatic_restart": False,
         "on_host_maintenance": "TERMINATE",
-        "instance_termination_action": "STOP",
+        "instance_termination_action": "DELETE",
     }
 
 
-def test_delete_termination_action_reaches_the_template():
+def test_delete_is_the_default_termination_action_and_stop_reaches_the_template():
+    """In a group a preempted VM is recreated whatever the action: DELETE is the honest default."""
     from cdktn import Testing
 
     from stacks.stack import TrainingStack
 
-    stack = TrainingStack(Testing.app(), "deleting",
-                          variant({"machine": {"termination_action": "DELETE"}}, "deleting"))
+    data = {"machine": {"termination_action": None}}
+    assert variant(data).machine.termination_action == "DELETE"
+    stack = TrainingStack(Testing.app(), "stopping",
+                          variant({"machine": {"termination_action": "STOP"}}, "stopping"))
     t = json.loads(Testing.synth(stack))["resource"]["google_compute_instance_template"]
     (template,) = t.values()
-    assert template["scheduling"]["instance_termination_action"] == "DELETE"
+    assert template["scheduling"]["instance_termination_action"] == "STOP"
 
 
 def test_standard_provisioning(synthesized):
@@ -240,6 +320,9 @@ def test_checkpoint_disk_is_pd_ssd_with_the_fixed_device_name(example):
     assert disk["disk_size_gb"] == 300
     assert disk["type"] == "PERSISTENT"
     assert not disk["boot"]
+    # The group's stateful policy decides its deletion; Compute Engine's own deletion of a
+    # preempted VM must not take it (a hedge: undocumented for stateful disks).
+    assert disk["auto_delete"] is False
     assert f"/dev/disk/by-id/google-{DEVICE_NAME}" in t["metadata"]["startup-script"]
 
 
@@ -308,7 +391,9 @@ def test_regional_group_takes_the_stateful_constraints(synthesized):
     g = s.one("google_compute_region_instance_group_manager")
     assert g["region"] == "us-central1"
     assert g["distribution_policy_zones"] == ["us-central1-a", "us-central1-b", "us-central1-c"]
-    assert g["distribution_policy_target_shape"] == "EVEN"
+    # The shape that creates VMs where capacity is (EVEN is for serving); allowed with stateful
+    # disks and redistribution NONE.
+    assert g["distribution_policy_target_shape"] == "BALANCED"
     assert g["stateful_disk"] == [
         {"device_name": DEVICE_NAME, "delete_rule": "ON_PERMANENT_INSTANCE_DELETION"}
     ]

@@ -157,7 +157,7 @@ def test_delivered_code_trains_a_second_run_is_a_no_op_and_preemption_saves(depl
     for archive in dep.archives:
         sha = archive.release.sha256
         assert f"code {sha[:16]} installed in /opt/spottrain/releases/{sha} (sha256 verified)" in first
-    assert "formatting" not in first
+    assert "formatting" not in first and "growing" not in first  # same size: nothing to grow
     assert vm.exec(["blkid", "-s", "UUID", "-o", "value", DISK]).stdout == uuid
     assert vm.path("/mnt/spottrain/keep-me").read_text() == "checkpoints live here\n"
     # The trainer runs the user's task from the delivered code.
@@ -288,6 +288,124 @@ def test_a_corrupt_archive_fails_loudly_and_installs_nothing(deployment):
     assert not deployment.vm.path(f"/opt/spottrain/releases/{trainer.release.sha256}").exists()
 
 
+def test_a_disk_grown_since_its_filesystem_was_made_gets_the_space_at_boot(deployment, tmp_path):
+    """`gcloud compute disks resize` grows the kept stateful disk, not its filesystem: the next
+    boot grows it online (a real ext4 on a loop device whose image was grown with truncate)."""
+    dep = deployment
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / "keep-me").write_text("checkpoints live here\n")
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-d", str(seed), str(dep.disk.path)], check=True)
+    os.truncate(dep.disk.path, 96 << 20)  # the disk, resized from 64 to 96 MiB
+    # Nothing uploaded: the boot stops at the code download, after the disk is ready.
+    j0, e0 = dep.boot(dep.scripts(steps=5))
+    assert dep.startup_rc(e0) != 0
+    lines = "\n".join(dep.startup_lines(j0))
+    assert "growing the checkpoint filesystem from 64 MiB to the disk's 96 MiB" in lines, lines
+    assert "checkpoint filesystem grown to 96 MiB" in lines and "formatting" not in lines
+    info = dep.vm.exec(["tune2fs", "-l", DISK]).stdout
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    assert int(fields["Block count"]) * int(fields["Block size"]) > 95 << 20
+    assert dep.vm.path("/mnt/spottrain/keep-me").read_text() == "checkpoints live here\n"
+
+
+class ForbiddenFirst:
+    """A loopback HTTP proxy in front of the storage emulator that answers 403 to the first
+    `times` downloads of a code archive (a bucket grant not propagated yet), then forwards."""
+
+    def __init__(self, upstream: str, times: int) -> None:
+        import http.client
+        import http.server
+        import threading
+        from urllib.parse import urlsplit
+
+        self.left, self.forbidden = times, 0
+        up = urlsplit(upstream)
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _any(self) -> None:
+                if self.command == "GET" and "/o/code%2F" in self.path and proxy.left > 0:
+                    proxy.left -= 1
+                    proxy.forbidden += 1
+                    body = b'{"error": {"code": 403, "message": "does not have storage.objects.get"}}'
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                data = self.rfile.read(length) if length else None
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=data, headers=headers)
+                resp = conn.getresponse()
+                payload = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                conn.close()
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _any
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def forbidden_first(deployment):
+    """(make(times) -> proxy): the startup script's bucket answers 403 `times` times first."""
+    made: list[ForbiddenFirst] = []
+
+    def make(times: int) -> ForbiddenFirst:
+        proxy = ForbiddenFirst(deployment.gcs.host, times)
+        made.append(proxy)
+        deployment.vm.env["STORAGE_EMULATOR_HOST"] = proxy.host
+        return proxy
+
+    yield make
+    for proxy in made:
+        proxy.close()
+
+
+def test_a_403_on_the_code_download_is_retried_while_iam_propagates(deployment, forbidden_first):
+    for archive in deployment.archives:
+        deployment.upload(archive)
+    proxy = forbidden_first(2)
+    j0, e0 = deployment.boot(deployment.scripts(steps=10_000_000, forbidden_first_wait_s=1))
+    assert deployment.startup_rc(e0) == 0, deployment.vm.tail()
+    lines = deployment.startup_lines(j0)
+    waits = [line for line in lines if "answered HTTP 403" in line]
+    assert len(waits) == 2 and proxy.forbidden == 2, "\n".join(lines)
+    assert "retrying in 1 s" in waits[0] and "retrying in 2 s" in waits[1]  # backoff, logged
+    trainer = deployment.archives[0].release
+    assert any(f"code {trainer.sha256[:16]} installed in" in line for line in lines)
+
+
+def test_a_403_that_outlasts_iam_propagation_fails_clearly(deployment, forbidden_first):
+    for archive in deployment.archives:
+        deployment.upload(archive)
+    forbidden_first(10**6)
+    line = _fails_loudly(deployment, deployment.scripts(
+        steps=5, forbidden_retry_s=2, forbidden_first_wait_s=1), "cannot fetch trainer code")
+    assert "still HTTP 403 after" in line and "cannot read the bucket" in line, line
+    assert "did not arrive in 2 s" in line
+
+
 def test_no_gpu_driver_fails_with_a_clear_message_instead_of_hanging(deployment):
     for archive in deployment.archives:
         deployment.upload(archive)
@@ -295,6 +413,61 @@ def test_no_gpu_driver_fails_with_a_clear_message_instead_of_hanging(deployment)
     line = _fails_loudly(deployment, deployment.scripts(steps=5, driver_timeout_s=1),
                          "no working GPU driver after 1 s")
     assert "couldn't communicate with the NVIDIA driver" in line
+
+
+GATED_UNIT = """\
+[Service]
+Type=exec
+ExecStart=/etc/spottrain/gated.sh
+KillMode=mixed
+TimeoutStopSec=25
+SuccessExitStatus=75
+"""
+# A trainer stand-in whose emergency save ends only when the test says so: it stays
+# "deactivating" as long as the test needs, without a timing guess.
+GATED_TRAINER = """\
+#!/bin/bash
+trap 'until [[ -e /run/release ]]; do sleep 0.05; done; echo "event=preempted step=7"; exit 75' TERM
+while :; do sleep 1 & wait $!; done
+"""
+
+
+def test_the_shutdown_script_waits_for_a_trainer_systemd_is_already_stopping(deployment):
+    """At power-off systemd stops every unit in parallel with the shutdown script: the trainer
+    can be "deactivating" when the script asks. It must still wait for the save and report it."""
+    dep, vm = deployment, deployment.vm
+    real = dep.scripts(steps=5)
+    install = (f"#!/bin/bash\nset -euo pipefail\ninstall -d /etc/spottrain\n"
+               f"cat > /etc/spottrain/gated.sh <<'EOF'\n{GATED_TRAINER}EOF\n"
+               "chmod 0755 /etc/spottrain/gated.sh\n"
+               f"cat > /etc/systemd/system/{UNIT} <<'EOF'\n{GATED_UNIT}EOF\n"
+               f"systemctl daemon-reload\nsystemctl start {UNIT}\n")
+    j0, e0 = dep.boot(BootScripts(startup=install, shutdown=real.shutdown, unit="", trainer_sh=""))
+    assert dep.startup_rc(e0) == 0, vm.tail()
+    # systemd's own stop, under way before the shutdown script asks.
+    vm.exec(["bash", "-c", f"systemctl stop {UNIT} >/dev/null 2>&1 &"])
+    vm.wait_event(lambda e: e["event"] == "unit-stopping" and e["unit"] == UNIT, GUARD_S, since=e0)
+    assert vm.exec(["systemctl", "is-active", UNIT]).stdout == "deactivating\n"
+    dep.metadata.preempt()
+
+    import threading
+
+    off: dict = {}
+    power = threading.Thread(target=lambda: off.update(vm.power_off(60)))
+    power.start()
+    try:
+        vm.wait_journal(lambda line: "spottrain-shutdown: the trainer is already stopping" in line,
+                        GUARD_S, since=j0)
+    finally:
+        if vm.running:
+            vm.path("/run/release").touch()  # the save completes
+        power.join()
+    assert not off["killed"], vm.tail()
+    shutdown = [line for line in vm.journal()[j0:].splitlines() if "spottrain-shutdown:" in line]
+    assert any("preemption: the trainer saved its emergency checkpoint and stopped (exit 75)"
+               in line for line in shutdown), "\n".join(shutdown)
+    assert not any("was not running" in line for line in shutdown)
+    assert dep.metadata.guest_attributes()["spottrain/state"] == "stopped-75"
 
 
 def test_bad_input_is_not_restarted_in_a_loop(deployment):
