@@ -9,7 +9,7 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo drill soak bench synth cost review clean
+.PHONY: setup test demo drill soak bench synth cost review preflight clean
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
 setup: $(STAMP)
@@ -58,6 +58,11 @@ synth: setup
 ## cost: expected cost, Spot against on-demand, of every experiment (or EXPERIMENT=path).
 cost: setup
 	$(PY) -m stacks.cost $(EXPERIMENT)
+
+## preflight: before a deploy, with your application-default credentials: APIs enabled, GPU quota,
+## machine type per zone, image family, Spot obtainability (make preflight EXPERIMENT=path).
+preflight: setup
+	$(PY) -m stacks.preflight $(EXPERIMENT)
 
 ## review: offline infrastructure review, e.g. make review BASE=origin/main [HEAD=rev].
 review: setup

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from drill.fake_gcp import FakeGcp
 from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
 from drill.metadata_server import MetadataServer
@@ -47,6 +48,8 @@ STEP_RE = re.compile(r"\bevent=step step=(\d+)/(\d+)\b.*?steps_per_s=([\d.]+)")
 RESTORE_RE = re.compile(r"\bevent=restore step=(\d+)(?: tier=(\S+))?")
 PREEMPTED_RE = re.compile(r"\bevent=preempted step=(\d+)(?: persistent_ok=(\d) gcs_ok=(\S+) seconds=([\d.]+))?")
 EXIT_PREEMPTED = 75
+#: The access token the fake metadata server hands out, which the fake Compute API accepts.
+DRILL_TOKEN = "drill-fake-token"
 MIN_STEPS_PER_ROUND = 30
 
 
@@ -124,6 +127,8 @@ class DrillResult:
     workdir: Path | None = None
     after_finish: dict[str, Any] = field(default_factory=dict)
     """One more boot after the run finished: {"unit_started": bool, "guest_state": str|None}."""
+    group_sizes: list[int] = field(default_factory=list)
+    """The group's target size after every change the fake Compute API saw (scale to zero)."""
 
     @property
     def ok(self) -> bool:
@@ -211,14 +216,17 @@ class Deployment:
                  image: Path, *, preinstall_trainer: bool = True, upload: bool = True,
                  gcs: StorageEmulator | None = None, attributes: dict[str, str] | None = None,
                  hostname: str = "spottrain-drill-vm", image_files: dict[str, Path] | None = None,
-                 unit_environment: dict[str, str] | None = None) -> None:
+                 unit_environment: dict[str, str] | None = None, compute: FakeGcp | None = None) -> None:
         """`image`: a directory holding the `trainer` package the VMs run (a snapshot, so that
         every VM and the final `status` run the same code). `preinstall_trainer` puts it on the
         VM image at /opt/spottrain/trainer: the boot scripts do not deliver it yet.
 
         A pool's node (`drill.pool_drill`) shares the bucket of its pool (`gcs`, started and
         stopped by the pool, which uploads the code once), has more instance metadata
-        (`attributes`, e.g. its role), its own host name, and more files on its image."""
+        (`attributes`, e.g. its role), its own host name, and more files on its image.
+
+        `compute`: the fake Compute API the VM's own calls reach (scale to zero); by default one of
+        its own, holding the experiment's group with this VM in it (a pool shares one)."""
         self.root = root
         self.image = image
         self.preinstall_trainer = preinstall_trainer and not rendered.delivers_trainer
@@ -232,9 +240,21 @@ class Deployment:
         self.unit_environment = {"OMP_NUM_THREADS": "1", **(unit_environment or {})}
         root.mkdir(parents=True, exist_ok=True)
         self.gcs = gcs if gcs is not None else StorageEmulator(rendered.bucket, log=root / "gcs-emulator.log")
+        target = rendered.props.scale if rendered.props is not None else None
+        project = target.project if target is not None else "spottrain-drill"
+        zone = target.location.split("/", 1)[1] if target is not None else "europe-west4-a"
+        if target is not None and target.location.startswith("regions/"):
+            zone += "-a"
+        self.owns_compute = compute is None
+        self.compute = compute if compute is not None else FakeGcp(project, token=DRILL_TOKEN)
+        if self.owns_compute and target is not None:
+            for group in target.groups[:1]:
+                where = {"zone": zone} if target.location.startswith("zones/") else \
+                    {"region": zone[:-2], "zones": (zone,)}
+                self.compute.add_group(group, instances=(hostname,), **where)  # type: ignore[arg-type]
         self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
                                                    "shutdown-script": rendered.shutdown, **(attributes or {})},
-                                       instance_name=hostname)
+                                       instance_name=hostname, zone=zone, project_id=project)
         self.disk = Disk(root / "checkpoint-disk.img", cfg.disk_mb)
         # Local NVMe SSDs: blank on every boot (Spot VMs lose them on preemption).
         self.local_ssds = {f"local-nvme-ssd-{i}": Disk(root / f"local-ssd-{i}.img", cfg.disk_mb)
@@ -245,11 +265,13 @@ class Deployment:
     def __enter__(self) -> "Deployment":
         if self.owns_gcs:
             self.gcs.start()
+        if self.owns_compute:
+            self.compute.start()
         self.metadata.start()
         for name, path in self.r.uploads if self.upload_code else ():
             self.upload(name, path.read_bytes())
         fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
-                 "STORAGE_EMULATOR_HOST": self.gcs.host}
+                 "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_COMPUTE_API": self.compute.compute_api}
         # The fakes' addresses are in PID 1's environment: the scripts get them, and units get
         # what they name in PassEnvironment= (on GCE they are unset: the defaults are real).
         image_files: dict[str, str | Path] = dict(self.image_files)
@@ -266,6 +288,8 @@ class Deployment:
         self.metadata.stop()
         if self.owns_gcs:
             self.gcs.stop()
+        if self.owns_compute:
+            self.compute.stop()
         for disk in (self.disk, *self.local_ssds.values()):
             disk.detach()
 
@@ -310,10 +334,27 @@ class Deployment:
             if ev["event"] == "unit-exited" and ev["unit"] == UNIT and not ev["clean"]:
                 raise DrillFailure(f"{UNIT} failed ({ev['code']} {ev['status']}); journal tail:\n{self.vm.tail()}")
 
+    @property
+    def group(self) -> str | None:
+        """The group this VM belongs to (None when the scripts never touch their group)."""
+        target = self.r.props.scale if self.r.props is not None else None
+        return target.groups[0] if target is not None else None
+
+    def group_size(self) -> int | None:
+        return self.compute.group(self.group).target_size if self.group else None
+
+    def wait_group_size(self, size: int) -> bool:
+        """Wait until the fake Compute API has the group at `size` (what stops the recreation)."""
+        return self.group is not None and self.compute.wait_for(
+            lambda gcp: gcp.group(self.group).target_size == size, self.cfg.guard_s)
+
     def boot_after_finish(self) -> dict[str, Any]:
-        """Boot once more after the run finished (a repair, a restart): the trainer must not
-        start again. Waits for the startup script, then powers off."""
+        """Boot once more after the run finished, as if someone had resized the group to 1 by
+        hand: the trainer must not start again, and the VM stops paying again. Waits for the
+        startup script, then powers off."""
         assert self.vm is not None
+        if self.group is not None:
+            self.compute.set_target(self.group, 1)  # `gcloud ... resize --size 1`, by hand
         _, e0 = self.boot()
         ev = self.vm.wait_event(lambda e: e["event"] == "startup-script-exited", self.cfg.guard_s, since=e0)
         units = [e["unit"] for e in self.vm.events()[e0:] if e["event"] == "unit-started"]
@@ -321,7 +362,7 @@ class Deployment:
         health = health_answer(self.r.health_port, timeout=30 if units else 0)
         self.vm.power_off(self.cfg.window_s)
         return {"startup_rc": ev["rc"], "unit_started": UNIT in units, "other_units": units,
-                "guest_state": state, "health": health}
+                "guest_state": state, "health": health, "group_size": self.group_size()}
 
     def status(self) -> dict[str, Any]:
         """`python -m trainer status --json` over the disk (mounted read-only) and the bucket."""
@@ -340,6 +381,8 @@ class Deployment:
         self.vm.wait_event(lambda ev: ev["event"] == "unit-exited" and ev["unit"] == UNIT and ev["status"] == 0,
                            self.cfg.guard_s, since=e0, check=lambda: self.check_unit(e0))
         self.finished_guest_attributes = self.metadata.guest_attributes()
+        if self.group is not None and not self.wait_group_size(0):
+            raise DrillFailure(f"the finished run did not scale {self.group} to zero; journal tail:\n{self.vm.tail()}")
         self.vm.power_off(self.cfg.window_s)
         return int(restore.group(1)), restore.group(2)
 
@@ -421,12 +464,18 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
                 + (", ".join(f"{k}={v}" for k, v in dep.finished_guest_attributes.items()) or "none"))
             status = dep.status()
             drill_s = time.monotonic() - t1
+            if dep.group is not None:
+                say(f"the finished VM scaled its group {dep.group} to {dep.group_size()} through the Compute "
+                    "API: the VM stand-in recreates nothing")
             after = dep.boot_after_finish()
-            say(f"after the finish: one more boot started the trainer: {'YES' if after['unit_started'] else 'no'}"
+            say(f"after the finish: one more boot (a manual resize to 1) started the trainer: "
+                f"{'YES' if after['unit_started'] else 'no'}"
                 f" (units started: {', '.join(after['other_units']) or 'none'}); "
-                f"guest attribute spottrain/state={after['guest_state']}; health answer {after['health']!r}")
+                f"guest attribute spottrain/state={after['guest_state']}; health answer {after['health']!r}; "
+                f"group size afterwards {after['group_size']}")
+            sizes = [size for _, size in dep.compute.group(dep.group).history] if dep.group else []
         result = DrillResult(cfg, ref_status.get("model_digest"), status.get("model_digest"), status,
-                             preemptions, reference_s, drill_s, resumed, workdir, after)
+                             preemptions, reference_s, drill_s, resumed, workdir, after, sizes)
         say(report(result))
         return result
     finally:

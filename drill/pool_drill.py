@@ -40,8 +40,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from drill.drill import (PREEMPTED_RE, STEP_RE, UNIT, Deployment, DrillConfig, DrillFailure, Rendered, _f,
+from drill.drill import (DRILL_TOKEN, PREEMPTED_RE, STEP_RE, UNIT, Deployment, DrillConfig, DrillFailure, Rendered, _f,
                          check, render)
+from drill.fake_gcp import FakeGcp
 from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
 
@@ -190,12 +191,21 @@ class Pool:
         if self.workaround:
             say("pool drill: NOTE the rendered trainer.sh does not set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; without it "
                 "a worker coming back hangs the rendezvous (torch 2.13); the drill's VM image sets it for now")
+        # The Compute API the nodes' own calls reach when the job is done (scale to zero): the
+        # workers' group and the coordinator, as the stack creates them.
+        target = r0.props.scale
+        self.compute = FakeGcp(target.project if target else "spottrain-drill", token=DRILL_TOKEN)
+        if target is not None:
+            zone = target.location.split("/", 1)[1]
+            self.compute.add_group(target.groups[0], zone=zone, instances=tuple(names[1:]))
+            self.compute.add_instance(zone, names[0])
         self.nodes: list[Deployment] = []
         for i, (rendered, host) in enumerate(zip(self.rendered, names)):
             role = COORDINATOR if i == 0 else WORKER
             self.nodes.append(Deployment(root / host, rendered, cfg, say, image, gcs=self.gcs, hostname=host,
                                          attributes={ROLE_KEY: role, "enable-guest-attributes": "TRUE"},
-                                         image_files={"/etc/hosts": hosts}, unit_environment=self.workaround))
+                                         image_files={"/etc/hosts": hosts}, unit_environment=self.workaround,
+                                         compute=self.compute))
         self.offsets: dict[str, tuple[int, int]] = {}
         self.rejoin_marks: dict[str, int] = {}
         """Journal ends when the last preempted worker was booted again."""
@@ -212,6 +222,8 @@ class Pool:
     def __enter__(self) -> "Pool":
         self.gcs.start()
         self._stack.callback(self.gcs.stop)
+        self.compute.start()
+        self._stack.callback(self.compute.stop)
         for node in self.nodes:
             self._stack.enter_context(node)
         for name, path in self.rendered[0].uploads:  # what `cdktn deploy` uploads, once

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,45 @@ def _quote(text: str, allowed: str) -> str:
 
 
 @dataclass(frozen=True)
+class ScaleTarget:
+    """What the VM's own scale calls (`trainer.scale`) act on; the rest of its settings (bucket,
+    prefix, steps, run dir) come from `BootProps`, so the drill's overrides reach them too."""
+
+    project: str
+    location: str  # "zones/<zone>" or "regions/<region>"
+    groups: tuple[str, ...]  # the experiment's group names (Spot first; an on-demand fallback)
+    stop_when_done: bool = True  # False: stop_paying.sh only says so
+    coordinator: str | None = None  # "zones/<zone>/instances/<name>" of a pool
+    run_duration_s: int | None = None  # flex-start
+    stop_before_s: int = 600  # flex-start
+
+
+def group_name(name: str, kind: str = "") -> str:
+    """The managed instance group of an experiment ("" the main one, "od" the on-demand fallback)."""
+    return f"{name}-{kind}-group" if kind else f"{name}-group"
+
+
+def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
+    """None when the VM never touches its group: no scale to zero and no flex-start successor."""
+    m, c = exp.machine, exp.capacity
+    flex = m.provisioning == "flex-start"
+    if not (exp.group.stop_when_done or flex):
+        return None
+    regional = exp.group.placement == "regional"
+    pool = layout(name, exp)
+    groups = (group_name(name),) + ((group_name(name, "od"),) if c.on_demand_fallback_minutes else ())
+    return ScaleTarget(
+        project=exp.gcp.project,
+        location=f"regions/{exp.gcp.region}" if regional else f"zones/{exp.gcp.zones[0]}",
+        groups=groups,
+        stop_when_done=exp.group.stop_when_done,
+        coordinator=f"zones/{exp.gcp.zones[0]}/instances/{pool.coordinator_name}" if pool else None,
+        run_duration_s=c.flex_max_run_hours * 3600 if flex else None,
+        stop_before_s=c.flex_stop_before_minutes * 60,
+    )
+
+
+@dataclass(frozen=True)
 class BootProps:
     """Everything the scripts need; all already validated."""
 
@@ -106,6 +146,9 @@ class BootProps:
     """`--parallelism ddp|fsdp` for the trainer; None passes no flag (the single-VM default)."""
     coordinator_price_args: tuple[str, ...] = ()
     """A pool's coordinator's `price_args` (on demand); trainer.sh picks them by role."""
+    scale: ScaleTarget | None = None
+    """The VM's own group, for stopping paying when the job is done and for flex-start successors
+    (`stacks.scale_to_zero`); None: the VM never touches its group."""
 
     @property
     def gcs_uri(self) -> str:
@@ -144,6 +187,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         # renders byte-identical scripts.
         parallelism=exp.trainer.parallelism
         if exp.pool is not None or "parallelism" in exp.trainer.model_fields_set else None,
+        scale=scale_target(name, exp),
     )
     fields.update(overrides)
     return BootProps(**fields)
@@ -173,6 +217,20 @@ class BootScripts:
     trainer_sh: str
     finished_health: str = ""
     finished_unit: str = ""
+    stop_paying: str = ""
+    scale_settings: str = ""  # /etc/spottrain/scale.json ("" when the VM never scales its group)
+
+
+def scale_settings(props: BootProps) -> str:
+    """`trainer.scale.Settings` as JSON, deterministic (it is part of the startup script)."""
+    t = props.scale
+    if t is None:
+        return ""
+    settings = {"project": t.project, "location": t.location, "groups": list(t.groups),
+                "bucket": props.bucket, "prefix": f"runs/{props.name}", "steps": props.steps,
+                "run_dir": RUN_DIR, "coordinator": t.coordinator, "run_duration_s": t.run_duration_s,
+                "stop_before_s": t.stop_before_s}
+    return json.dumps(settings, sort_keys=True)
 
 
 def _release(props: BootProps, kind: str) -> dict[str, str] | None:
@@ -236,14 +294,21 @@ def render(props: BootProps) -> BootScripts:
         "role_key": ROLE_KEY,
         "coordinator_role": COORDINATOR,
         "worker_role": WORKER,
+        "scale_settings": scale_settings(props),
+        "stop_when_done": props.scale is not None and props.scale.stop_when_done,
+        "flex": props.scale is not None and props.scale.run_duration_s is not None,
     }
     trainer_sh = env.get_template("trainer.sh.j2").render(ctx).rstrip("\n")
     unit = env.get_template("spottrain.service.j2").render(ctx).rstrip("\n")
     finished_health = env.get_template("finished_health.py.j2").render(ctx).rstrip("\n")
     finished_unit = env.get_template("spottrain-finished.service.j2").render(ctx).rstrip("\n")
+    stop_paying = env.get_template("stop_paying.sh.j2").render(ctx).rstrip("\n")
+    deadline_unit = env.get_template("spottrain-deadline.service.j2").render(ctx).rstrip("\n") \
+        if ctx["flex"] else ""
     startup = env.get_template("startup.sh.j2").render(
         ctx, trainer_sh=trainer_sh, unit=unit, finished_health=finished_health,
-        finished_unit=finished_unit)
+        finished_unit=finished_unit, stop_paying=stop_paying, deadline_unit=deadline_unit)
     shutdown = env.get_template("shutdown.sh.j2").render(ctx)
     return BootScripts(startup=startup, shutdown=shutdown, unit=unit, trainer_sh=trainer_sh,
-                       finished_health=finished_health, finished_unit=finished_unit)
+                       finished_health=finished_health, finished_unit=finished_unit,
+                       stop_paying=stop_paying, scale_settings=ctx["scale_settings"])

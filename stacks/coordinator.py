@@ -59,6 +59,9 @@ class CoordinatorProps:
     scripts: BootScripts
     labels: dict[str, str] = field(default_factory=dict)
     depends_on: tuple = ()  # grants and code objects, as for the group
+    #: Overrides `running`: an expression that stops the coordinator once the job is done
+    #: (`stacks.scale_to_zero`).
+    desired_status: str | None = None
 
 
 class Coordinator(Construct):
@@ -109,7 +112,7 @@ class Coordinator(Construct):
             machine_type=p.machine_type,
             labels=p.labels,
             tags=[p.network_tag],
-            desired_status="RUNNING" if p.running else "TERMINATED",
+            desired_status=p.desired_status or ("RUNNING" if p.running else "TERMINATED"),
             allow_stopping_for_update=True,
             boot_disk=ComputeInstanceBootDisk(
                 auto_delete=True,

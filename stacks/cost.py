@@ -28,6 +28,7 @@ from stacks import pricing
 from stacks.budget import BYTES_PER_PARAM
 from stacks.experiment import Experiment
 from stacks.load import ExperimentError, ExperimentFile, display, load_all
+from stacks.policy_cost import policy_lines
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def describe(e: ExperimentFile, today: date | None = None) -> list[str]:
         + ("" if m.provisioning == "spot" else
            ' (not taken: provisioning = "standard")'),
     ]
+    lines += policy_lines(exp)
     if not q.on_demand_offered:
         lines.append(f"  note              {m.machine_type} is not offered on demand; the "
                      "on-demand figure is the a3-highgpu-8g rate per GPU, for comparison")

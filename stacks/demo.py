@@ -33,10 +33,16 @@ def _summary(kind: str, r: dict) -> str:
                 f", disks: {disks}, no external IP, shielded")
     if kind.endswith("instance_group_manager"):
         where = r.get("zone") or ",".join(r.get("distribution_policy_zones", []))
-        return (f"{r['name']}  size {r['target_size']} in {where}, autoheal after "
-                f"{r['auto_healing_policies']['initial_delay_sec']} s, stateful disk "
-                f"{r['stateful_disk'][0]['device_name']}, update {r['update_policy']['type']}"
-                f"/{r['update_policy']['replacement_method']}")
+        size = r["target_size"]
+        if isinstance(size, str):  # stacks.scale_to_zero: 0 once a stop marker exists
+            size = f"{size.rsplit(':', 1)[-1].strip(' }')} (0 once the job has stopped itself)"
+        heal = r.get("auto_healing_policies")
+        disk = r.get("stateful_disk")
+        return (f"{r['name']}  size {size} in {where}, "
+                + (f"autoheal after {heal['initial_delay_sec']} s, " if heal else "no autohealing, ")
+                + (f"stateful disk {disk[0]['device_name']}, " if disk else "no stateful disk, ")
+                + f"update {r['update_policy']['type']}"
+                + (f"/{r['update_policy']['replacement_method']}" if "replacement_method" in r["update_policy"] else ""))
     if kind == "google_storage_bucket":
         return (f"{r['name']}  {r['location']}, versioned, public access "
                 f"{r['public_access_prevention']}, force_destroy={str(r['force_destroy']).lower()}")
@@ -47,8 +53,11 @@ def _summary(kind: str, r: dict) -> str:
         return f"{r['name']}  tcp:{ports} from {', '.join(r['source_ranges'])}"
     if kind == "google_compute_instance":
         s = r["scheduling"]
+        status = r["desired_status"]
+        if "${" in status:  # stacks.scale_to_zero: stopped once a stop marker exists
+            status = "RUNNING (TERMINATED once the job has stopped itself)"
         return (f"{r['name']}  {r['machine_type']}, {s['provisioning_model']}, role "
-                f"{r['metadata'].get('spottrain-role')}, {r['desired_status']}, static internal "
+                f"{r['metadata'].get('spottrain-role')}, {status}, static internal "
                 "IP, no external IP, shielded")
     if kind == "google_dns_record_set":
         return f"{r['name']}  {r['type']} -> the coordinator's static IP"
@@ -63,7 +72,10 @@ def _summary(kind: str, r: dict) -> str:
         return (f"{r['name']}  tcp:{t['port']} sends {t['request']!r}, expects {t['response']!r}, "
                 f"every {r['check_interval_sec']} s")
     if kind.endswith("iam_member"):
-        return r["role"] + (" on the checkpoint bucket" if "bucket" in r else " on the project")
+        role = r["role"] if not r["role"].startswith("${") else "custom role"
+        where = " on the checkpoint bucket" if "bucket" in r else " on the project" if "project" in r \
+            and "instance_name" not in r and "name" not in r else " on one resource"
+        return role + where + (f" if {r['condition']['title']}" if "condition" in r else "")
     return str(r.get("name") or r.get("account_id") or "")
 
 
@@ -97,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     print("outputs after deploy:")
     for key, out_ in stack["output"].items():
         value = out_["value"]
-        print(f"  {key:24} {value if not value.startswith('${') else '(known after deploy)'}")
+        print(f"  {key:24} {value if '${' not in value else '(known after deploy)'}")
     return 0
 
 

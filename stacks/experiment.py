@@ -94,8 +94,11 @@ class Machine(Section):
     nvidia-tesla-t4, -v100, -p100, -p4."""
     gpu_count: int = Field(ge=1)
     """GPUs per VM: the built-in count on a2/a3/g2; 1, 2, 4 (or 8 for V100) on n1."""
-    provisioning: Literal["spot", "standard"] = "spot"
-    """"spot" (cheap, preemptible with a 30 s notice) or "standard" (on-demand)."""
+    provisioning: Literal["spot", "standard", "flex-start"] = "spot"
+    """"spot" (cheap, preemptible with a 30 s notice), "standard" (on-demand) or "flex-start"
+    (Dynamic Workload Scheduler: queued until capacity exists, discounted, never preempted, deleted
+    after `capacity.flex_max_run_hours`; the job continues on the next flex-start VM, see
+    docs/capacity.md)."""
     termination_action: Literal["STOP", "DELETE"] = "DELETE"
     """What Compute Engine does to a preempted Spot VM: "DELETE" (default) or "STOP". In the
     managed instance group it makes no difference to the trainer: the group counts a preempted VM
@@ -169,10 +172,16 @@ class Machine(Section):
                 f"{self.machine_type} is offered only as Spot (or flex-start); allowed: "
                 '"spot", or a3-highgpu-8g for standard',
             )
-        if self.provisioning == "standard" and "termination_action" in self.model_fields_set:
+        if self.provisioning != "spot" and "termination_action" in self.model_fields_set:
             yield (
                 "termination_action",
-                'applies only to provisioning = "spot"; allowed: remove it for "standard"',
+                f'applies only to provisioning = "spot"; allowed: remove it for "{self.provisioning}"',
+            )
+        if self.provisioning == "flex-start" and R.family(self.machine_type) not in R.FLEX_START_FAMILIES:
+            yield (
+                "provisioning",
+                f"flex-start does not offer {self.machine_type}; allowed: a machine type of family "
+                + ", ".join(R.FLEX_START_FAMILIES),
             )
 
 
@@ -361,6 +370,12 @@ class Group(Section):
     initial_delay_sec: int = Field(default=900, ge=0, le=3600)
     """Seconds after a VM starts before autohealing judges it: driver install plus checkpoint
     restore must fit."""
+    stop_when_done: bool = True
+    """Stop paying by itself: once the final checkpoint is in the bucket (or the job stopped on
+    bad input and the bucket holds its newest checkpoint), the VM scales its own group to zero
+    (and stops a pool's coordinator) through a custom role limited to this group. The next deploy
+    keeps it at zero; see docs/capacity.md. false: the VM idles ("ok finished") until you scale to
+    zero."""
 
 
 class Trainer(Section):
@@ -467,6 +482,49 @@ class Cost(Section):
     Default: from `--checkpoint-every-seconds` / `--checkpoint-every-steps` in `trainer.args`,
     else 300 s (the trainer picks the automatic interval at run time and logs it as
     "checkpoint interval for gcs: ...": put that figure here)."""
+    flex_start_per_hour: float | None = Field(default=None, gt=0)
+    """All-in flex-start price of one VM in $/hour (default: on demand less the documented
+    best-case discount; see stacks/policy_cost.py)."""
+    restart_minutes: float = Field(default=10.0, ge=0, le=240)
+    """Assumed minutes from a new VM to training again (boot, driver, restore): what each
+    flex-start VM after the first, and each fallback switch, costs."""
+
+
+class Capacity(Section):
+    """Ways to get GPUs when Spot runs dry, and what they trade away (docs/capacity.md)."""
+
+    machine_types: list[str] = []
+    """More machine types the group may create, ranked after `machine.machine_type` (instance
+    flexibility: the group takes the first one with capacity). Each must carry the same GPUs
+    (`machine.gpu_type` x `gpu_count`). Regional placement only, no `[pool]`, not flex-start."""
+    zone_change_on_repair: bool = False
+    """Regional placement: a VM recreated after a preemption may come back in another zone of
+    `gcp.zones` (where there is capacity). Its checkpoint disk then cannot follow it, so the disk
+    is not stateful: every new VM restores from the bucket (the disk tier still serves restarts
+    on the same VM)."""
+    on_demand_fallback_minutes: int | None = Field(default=None, ge=5, le=1440)
+    """Switch to an on-demand VM after this many minutes without a Spot VM, and back to Spot once
+    the Compute API's capacity advice says Spot is obtainable again (a scheduled Cloud Run job;
+    nothing always-on). Unset: off. Spot provisioning only, no `[pool]`."""
+    fallback_check_minutes: int = Field(default=5, ge=1, le=60)
+    """How often the fallback check runs (Cloud Scheduler)."""
+    back_to_spot_obtainability: float = Field(default=0.7, gt=0, le=1)
+    """Capacity-advice obtainability score (0-1) at or above which the job goes back to Spot."""
+    min_on_demand_minutes: int = Field(default=30, ge=0, le=1440)
+    """Stay on demand at least this long before going back to Spot (each switch costs a save and a
+    restore)."""
+    flex_max_run_hours: int = Field(default=168, ge=1, le=R.FLEX_START_MAX_RUN_S // 3600)
+    """flex-start: how long each VM may run (at most 7 days); the job continues on the next one."""
+    flex_stop_before_minutes: int = Field(default=10, ge=2, le=120)
+    """flex-start: stop the trainer this long before the VM's end, so that its save reaches the
+    bucket before Compute Engine deletes the VM."""
+
+    @field_validator("machine_types")
+    @classmethod
+    def _types(cls, v: list[str]) -> list[str]:
+        for t in v:
+            _pattern(t, R.GCP_NAME, "a machine type name")
+        return v
 
 
 class Pool(Section):
@@ -529,6 +587,7 @@ class Pool(Section):
 SECTIONS: dict[str, type[Section]] = {
     "gcp": Gcp, "machine": Machine, "disk": Disk, "bucket": Bucket, "network": Network,
     "group": Group, "trainer": Trainer, "pool": Pool, "backend": Backend, "cost": Cost,
+    "capacity": Capacity,
 }  # fmt: skip
 
 
@@ -559,6 +618,8 @@ class Experiment(BaseModel):
     """Terraform state backend."""
     cost: Cost = Cost()
     """Assumptions and price overrides for the cost estimate."""
+    capacity: Capacity = Capacity()
+    """Capacity options: ranked machine types, zone change, on-demand fallback, flex-start."""
 
     @field_validator("labels")
     @classmethod
@@ -656,11 +717,57 @@ def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
             yield "bucket.name", f"the default name: {err}; or set bucket.name"
     if exp.pool is not None:
         yield from pool_problems(exp)
+    yield from capacity_problems(exp)
     if exp.backend.bucket is not None and exp.backend.bucket == exp.bucket_name(name):
         yield (
             "backend.bucket",
             "is the checkpoint bucket this stack creates; allowed: a separate, existing bucket",
         )
+
+
+def capacity_problems(exp: Experiment) -> Iterator[Problem]:
+    """The `[capacity]` options against placement, provisioning and the pool."""
+    c, m = exp.capacity, exp.machine
+    regional = exp.group.placement == "regional"
+    if c.machine_types:
+        if not regional:
+            yield ("capacity.machine_types", 'ranked machine types need placement = "regional" (the '
+                   'provider offers instance flexibility on regional groups only); allowed: [] or a '
+                   'regional group')
+        if exp.pool is not None or m.provisioning == "flex-start":
+            yield ("capacity.machine_types", "is not supported with a [pool] or flex-start; allowed: []")
+        for i, t in enumerate(c.machine_types):
+            if t == m.machine_type or t in c.machine_types[:i]:
+                yield f"capacity.machine_types[{i}]", f"{t} is listed twice; allowed: distinct types"
+                continue
+            as_machine = m.model_copy(update={"machine_type": t})
+            for path, msg in as_machine.problems():
+                if path in ("machine_type", "gpu_type", "gpu_count", "provisioning"):
+                    yield (f"capacity.machine_types[{i}]",
+                           f"{t} cannot take the group's {m.gpu_count} x {m.gpu_type}: {msg}")
+            base = R.MACHINE_TYPES.get(m.machine_type)
+            if base is not None and t in R.MACHINE_TYPES and base.gpu_type is None \
+                    and R.MACHINE_TYPES[t].gpu_type is not None:
+                yield (f"capacity.machine_types[{i}]",
+                       f"{t} has GPUs built in and {m.machine_type} takes attached ones: one template "
+                       "cannot serve both; allowed: machine types of the same family")
+    if c.zone_change_on_repair and not regional:
+        yield ("capacity.zone_change_on_repair", 'needs placement = "regional" (a zonal group has one '
+               'zone); allowed: false')
+    if c.on_demand_fallback_minutes is not None:
+        if m.provisioning != "spot":
+            yield ("capacity.on_demand_fallback_minutes", f'falls back from Spot, but provisioning = '
+                   f'"{m.provisioning}"; allowed: unset, or provisioning = "spot"')
+        if exp.pool is not None:
+            yield ("capacity.on_demand_fallback_minutes", "is not supported with a [pool] (its "
+                   "coordinator is on demand already); allowed: unset")
+        shape = R.MACHINE_TYPES.get(m.machine_type)
+        if shape is not None and shape.spot_or_flex_only:
+            yield ("capacity.on_demand_fallback_minutes", f"{m.machine_type} is not offered on demand; "
+                   "allowed: unset, or a machine type offered on demand")
+    if m.provisioning == "flex-start" and exp.pool is not None:
+        yield ("machine.provisioning", 'flex-start is not supported with a [pool] yet; allowed: "spot" '
+               'or "standard"')
 
 
 def pool_problems(exp: Experiment) -> Iterator[Problem]:

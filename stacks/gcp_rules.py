@@ -187,8 +187,19 @@ def pd_ssd_vm_write_cap_mb_s(vcpus: int) -> float:
     return 1200.0
 
 
-#: Seconds between the ACPI soft-off and the hard power-off.
-SHUTDOWN_WINDOW_S = {"spot": 30, "standard": 120}
+#: Seconds between the ACPI soft-off and the hard power-off. A flex-start VM deleted at the end
+#: of its run duration is given no documented window: plan as for Spot (its trainer saves before
+#: the end anyway, `capacity.flex_stop_before_minutes`).
+SHUTDOWN_WINDOW_S = {"spot": 30, "standard": 120, "flex-start": 30}
+
+# --- flex-start (Dynamic Workload Scheduler) -----------------------------------------------------
+
+#: Machine families flex-start offers that this project supports (GPU VMs; compute/docs/instances/
+#: about-flex-start-vms). N1 with attached GPUs is not among them.
+FLEX_START_FAMILIES = ("a2", "a3", "g2")
+#: A flex-start VM runs at most 7 days (resize requests accept 10 minutes to 7 days).
+FLEX_START_MAX_RUN_S = 7 * 24 * 3600
+FLEX_START_MIN_RUN_S = 10 * 60
 #: Seconds of the window not available to the save: the shutdown script starting, the trainer
 #: noticing, fsync and unit teardown.
 SHUTDOWN_MARGIN_S = 10

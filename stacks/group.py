@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cdktn import ITerraformDependable
+from cdktn import ITerraformDependable, TerraformResourceLifecycle
 
 from cdktn_provider_google.compute_health_check import (
     ComputeHealthCheck,
@@ -31,6 +31,8 @@ from cdktn_provider_google.compute_instance_group_manager import (
 from cdktn_provider_google.compute_region_instance_group_manager import (
     ComputeRegionInstanceGroupManager,
     ComputeRegionInstanceGroupManagerAutoHealingPolicies,
+    ComputeRegionInstanceGroupManagerInstanceFlexibilityPolicy,
+    ComputeRegionInstanceGroupManagerInstanceFlexibilityPolicyInstanceSelections as Selection,
     ComputeRegionInstanceGroupManagerInstanceLifecyclePolicy,
     ComputeRegionInstanceGroupManagerInstanceLifecyclePolicyOnRepair as OnRepair,
     ComputeRegionInstanceGroupManagerNamedPort,
@@ -40,7 +42,7 @@ from cdktn_provider_google.compute_region_instance_group_manager import (
 )
 from constructs import Construct
 
-from stacks.boot import DEVICE_NAME
+from stacks.boot import DEVICE_NAME, group_name
 
 #: The health protocol shared with the trainer: this request, and only an answer starting "ok"
 #: passes (the trainer answers "starting", "stalled" or "finished" otherwise).
@@ -78,6 +80,18 @@ class GroupProps:
     #: re-forms the world after another node was lost: see `rejoin_threshold`.
     unhealthy_threshold: int = UNHEALTHY_THRESHOLD
     depends_on: tuple[ITerraformDependable, ...] = field(default_factory=tuple)
+    #: "" for the experiment's group, "od" for its on-demand fallback group (`stacks.fallback`).
+    kind: str = ""
+    #: The checkpoint disk follows the instance across repairs. False with `zone_change`: a disk
+    #: cannot leave its zone, so every new VM restores from the bucket.
+    stateful: bool = True
+    #: Regional only: a repaired VM may come back in another zone (`capacity.zone_change_on_repair`).
+    zone_change: bool = False
+    #: Regional only: instance flexibility, the template's machine type first, then these ranked.
+    machine_types: tuple[str, ...] = ()
+    primary_machine_type: str = ""
+    #: Someone else sets the size after creation (the on-demand fallback's Cloud Run job).
+    size_managed_elsewhere: bool = False
 
 
 class TrainerGroup(Construct):
@@ -87,7 +101,7 @@ class TrainerGroup(Construct):
             self,
             "health-check",
             project=props.project,
-            name=f"{props.name}-health",
+            name=f"{props.name}-{props.kind}-health" if props.kind else f"{props.name}-health",
             description="spottrain trainer answers ok while steps progress",
             check_interval_sec=CHECK_INTERVAL_S,
             timeout_sec=TIMEOUT_S,
@@ -100,14 +114,17 @@ class TrainerGroup(Construct):
         )
         common = dict(
             project=props.project,
-            name=f"{props.name}-group",
-            base_instance_name=props.name,
+            name=group_name(props.name, props.kind),
+            base_instance_name=f"{props.name}-{props.kind}" if props.kind else props.name,
             target_size=props.workers,
             description=f"spottrain trainer group for {props.name}",
             # Terraform returns at once; VMs take minutes (driver install, restore).
             wait_for_instances=False,
             depends_on=list(props.depends_on) or None,
+            lifecycle=TerraformResourceLifecycle(ignore_changes=["target_size"])
+            if props.size_managed_elsewhere else None,
         )
+        flexible = bool(props.machine_types)
         if props.regional:
             self.manager: ComputeInstanceGroupManager | ComputeRegionInstanceGroupManager = (
                 ComputeRegionInstanceGroupManager(
@@ -123,6 +140,11 @@ class TrainerGroup(Construct):
                     # BALANCED for stateful workloads and for batch; it needs proactive
                     # redistribution off, which a stateful group needs anyway (NONE below).
                     distribution_policy_target_shape=TARGET_SHAPE,
+                    instance_flexibility_policy=ComputeRegionInstanceGroupManagerInstanceFlexibilityPolicy(
+                        instance_selections=[
+                            Selection(name=f"rank-{i}", rank=i, machine_types=[t])
+                            for i, t in enumerate((props.primary_machine_type, *props.machine_types))
+                        ]) if flexible else None,
                     version=[ComputeRegionInstanceGroupManagerVersion(
                         name="trainer", instance_template=props.template_self_link)],
                     named_port=[ComputeRegionInstanceGroupManagerNamedPort(
@@ -132,13 +154,14 @@ class TrainerGroup(Construct):
                         initial_delay_sec=props.initial_delay_sec,
                     ),
                     stateful_disk=[ComputeRegionInstanceGroupManagerStatefulDisk(
-                        device_name=DEVICE_NAME, delete_rule=DELETE_RULE)],
+                        device_name=DEVICE_NAME, delete_rule=DELETE_RULE)] if props.stateful else None,
                     instance_lifecycle_policy=(
                         ComputeRegionInstanceGroupManagerInstanceLifecyclePolicy(
                             default_action_on_failure="REPAIR",
                             force_update_on_repair="YES",
-                            # A zonal disk cannot follow its VM to another zone.
-                            on_repair=OnRepair(allow_changing_zone="NO"),
+                            # A zonal disk cannot follow its VM to another zone: only a group
+                            # without a stateful disk may move a repaired VM.
+                            on_repair=OnRepair(allow_changing_zone="YES" if props.zone_change else "NO"),
                         )
                     ),
                     update_policy=ComputeRegionInstanceGroupManagerUpdatePolicy(
@@ -165,7 +188,7 @@ class TrainerGroup(Construct):
                     health_check=self.health_check.id, initial_delay_sec=props.initial_delay_sec
                 ),
                 stateful_disk=[ComputeInstanceGroupManagerStatefulDisk(
-                    device_name=DEVICE_NAME, delete_rule=DELETE_RULE)],
+                    device_name=DEVICE_NAME, delete_rule=DELETE_RULE)] if props.stateful else None,
                 instance_lifecycle_policy=ComputeInstanceGroupManagerInstanceLifecyclePolicy(
                     default_action_on_failure="REPAIR", force_update_on_repair="YES"
                 ),

@@ -16,6 +16,7 @@ from cdktn_provider_google.compute_instance_template import (
     ComputeInstanceTemplateGuestAccelerator,
     ComputeInstanceTemplateNetworkInterface,
     ComputeInstanceTemplateScheduling,
+    ComputeInstanceTemplateSchedulingMaxRunDuration,
     ComputeInstanceTemplateServiceAccount,
     ComputeInstanceTemplateShieldedInstanceConfig,
 )
@@ -51,9 +52,25 @@ class TemplateProps:
     depends_on: tuple = ()  # the code objects the startup script fetches
     extra_metadata: dict[str, str] = field(default_factory=dict)
     """More instance metadata, e.g. a pool's `spottrain-role = worker` (none for one VM)."""
+    flex_max_run_s: int | None = None
+    """flex-start provisioning (`spot` False): each VM runs at most this long, then is deleted."""
+    name_suffix: str = ""
+    """A second template of the same experiment (the on-demand fallback's, "od")."""
 
 
-def scheduling(spot: bool, termination_action: str) -> ComputeInstanceTemplateScheduling:
+def scheduling(spot: bool, termination_action: str,
+               flex_max_run_s: int | None = None) -> ComputeInstanceTemplateScheduling:
+    if flex_max_run_s is not None:
+        # Dynamic Workload Scheduler: not preemptible; deleted (DELETE is the only action) when
+        # its run duration ends. The group's resize request asks for the same duration.
+        return ComputeInstanceTemplateScheduling(
+            provisioning_model="FLEX_START",
+            preemptible=False,
+            automatic_restart=False,
+            on_host_maintenance="TERMINATE",
+            instance_termination_action="DELETE",
+            max_run_duration=ComputeInstanceTemplateSchedulingMaxRunDuration(seconds=flex_max_run_s),
+        )
     if spot:
         # The API's required Spot combination; GPUs also require TERMINATE on host maintenance.
         return ComputeInstanceTemplateScheduling(
@@ -113,7 +130,7 @@ class TrainerTemplate(Construct):
             "template",
             project=props.project,
             region=props.region,
-            name_prefix=f"{props.name}-",
+            name_prefix=f"{props.name}-{props.name_suffix}-" if props.name_suffix else f"{props.name}-",
             description=f"spottrain trainer VM for {props.name}",
             machine_type=props.machine_type,
             labels=props.labels,
@@ -124,7 +141,7 @@ class TrainerTemplate(Construct):
             ]
             if props.attach_gpus
             else None,
-            scheduling=scheduling(props.spot, props.termination_action),
+            scheduling=scheduling(props.spot, props.termination_action, props.flex_max_run_s),
             network_interface=[
                 # No access_config: no external IP. Egress goes through Cloud NAT.
                 ComputeInstanceTemplateNetworkInterface(

@@ -8,16 +8,20 @@ pool's nodes (`stacks.pool`), and sizes the group for the Spot workers.
 
 from __future__ import annotations
 
+from typing import Any
+
 from cdktn import Aspects, GcsBackend, LocalBackend, TerraformOutput, TerraformStack
 from cdktn_provider_google.provider import GoogleProvider
 from constructs import Construct
 
 from stacks import apis as A
 from stacks import gcp_rules as R
-from stacks.boot import boot_props, render
+from stacks.boot import boot_props, group_name, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
 from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive
 from stacks.experiment import Experiment, code_path
+from stacks.fallback import FallbackProps, OnDemandFallback
+from stacks.flex_start import FlexStartGroup, FlexStartProps
 from stacks.group import UNHEALTHY_THRESHOLD, GroupProps, TrainerGroup, rejoin_threshold
 from stacks.identity import Identity, IdentityProps
 from stacks.instance_template import TemplateProps, TrainerTemplate
@@ -36,6 +40,9 @@ from stacks.network import (
 )
 from stacks.pool import ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pool_dns import PoolDns, PoolDnsProps
+from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
+from trainer import scale as vm_scale
+from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
 
 
 def state_path(name: str) -> str:
@@ -120,8 +127,21 @@ class TrainingStack(TerraformStack):
         delivery = CodeDelivery(self, "code", DeliveryProps(
             bucket=bucket.name, archives=tuple(archives)))
 
-        scripts = render(boot_props(name, exp, releases=tuple(a.release for a in archives)))
-        template = TrainerTemplate(self, "template", TemplateProps(
+        props = boot_props(name, exp, releases=tuple(a.release for a in archives))
+        scripts = render(props)
+        c, flex = exp.capacity, m.provisioning == "flex-start"
+        fallback = c.on_demand_fallback_minutes is not None
+        regional = exp.group.placement == "regional"
+        location = f"regions/{gcp.region}" if regional else f"zones/{gcp.zones[0]}"
+        # Scale to zero when the job is done (and flex-start successors): `stacks.scale_to_zero`.
+        stop: ScaleToZero | None = None
+        if props.scale is not None:
+            stop = ScaleToZero(self, "scale-to-zero", ScaleToZeroProps(
+                project=gcp.project, experiment=name, groups=props.scale.groups, location=location,
+                member=identity.member, bucket=bucket.name, prefix=f"runs/{name}", steps=props.steps,
+                script_digest=vm_scale.digest(scripts.startup), pool=pool is not None,
+                depends_on=(bucket.bucket,)))
+        template_props = TemplateProps(
             project=gcp.project,
             region=gcp.region,
             name=name,
@@ -144,23 +164,44 @@ class TrainingStack(TerraformStack):
             scripts=scripts,
             labels=labels,
             depends_on=tuple(delivery.objects),
-            extra_metadata={ROLE_KEY: WORKER} if pool else {},
-        ))
-        regional = exp.group.placement == "regional"
-        group = TrainerGroup(self, "group", GroupProps(
-            project=gcp.project,
-            region=gcp.region,
-            zones=tuple(gcp.zones),
-            name=name,
-            regional=regional,
-            workers=pool.worker_target if pool else exp.group.workers,
-            template_self_link=template.self_link_unique,
-            health_port=exp.trainer.health_port,
-            initial_delay_sec=exp.group.initial_delay_sec,
-            unhealthy_threshold=(rejoin_threshold(exp.pool.rendezvous_last_call_s) if exp.pool
-                                 else UNHEALTHY_THRESHOLD),
-            depends_on=(*identity.grants, *vm_creator_grants),
-        ))
+            extra_metadata={**({ROLE_KEY: WORKER} if pool else {}),
+                            PROVISIONING_KEY: PROVISIONING_MODELS[m.provisioning]},
+            flex_max_run_s=c.flex_max_run_hours * 3600 if flex else None,
+        )
+        template = TrainerTemplate(self, "template", template_props)
+        workers = pool.worker_target if pool else exp.group.workers
+        group: TrainerGroup | FlexStartGroup
+        if flex:
+            group = FlexStartGroup(self, "group", FlexStartProps(
+                project=gcp.project, region=gcp.region, zones=tuple(gcp.zones), name=name,
+                regional=regional, workers=workers, template_self_link=template.self_link_unique,
+                health_port=exp.trainer.health_port, run_duration_s=c.flex_max_run_hours * 3600,
+                depends_on=(*identity.grants, *vm_creator_grants)))
+        else:
+            group_props = GroupProps(
+                project=gcp.project,
+                region=gcp.region,
+                zones=tuple(gcp.zones),
+                name=name,
+                regional=regional,
+                workers=stop.target_size(workers) if stop else workers,
+                template_self_link=template.self_link_unique,
+                health_port=exp.trainer.health_port,
+                initial_delay_sec=exp.group.initial_delay_sec,
+                unhealthy_threshold=(rejoin_threshold(exp.pool.rendezvous_last_call_s) if exp.pool
+                                     else UNHEALTHY_THRESHOLD),
+                # A short job may finish minutes after its VM starts: its role must exist by then.
+                depends_on=(*identity.grants, *vm_creator_grants, *(stop.grants if stop else ())),
+                stateful=not c.zone_change_on_repair,
+                zone_change=c.zone_change_on_repair,
+                machine_types=tuple(c.machine_types),
+                primary_machine_type=m.machine_type,
+                size_managed_elsewhere=fallback,
+            )
+            group = TrainerGroup(self, "group", group_props)
+        if fallback:
+            self._fallback(name, exp, template_props, group_props, bucket.name, archives[0].release,
+                           stop, location, delivery.objects)
 
         if pool is not None:
             coordinator = Coordinator(self, "coordinator", CoordinatorProps(
@@ -176,6 +217,7 @@ class TrainingStack(TerraformStack):
                 is None,
                 gvnic=R.MACHINE_TYPES.get(pool.coordinator_machine_type, m.shape).gvnic_required,
                 running=pool.running,
+                desired_status=stop.coordinator_status(pool.running) if stop else None,
                 image_project=m.image_project,
                 image_family=m.image_family,
                 boot_disk_gb=m.boot_disk_gb,
@@ -187,7 +229,7 @@ class TrainingStack(TerraformStack):
                 network_tag=tag,
                 scripts=scripts,
                 labels=labels,
-                depends_on=(*identity.grants, *delivery.objects),
+                depends_on=(*identity.grants, *delivery.objects, *(stop.grants if stop else ())),
             ))
             PoolDns(self, "pool-dns", PoolDnsProps(
                 project=gcp.project,
@@ -205,8 +247,45 @@ class TrainingStack(TerraformStack):
                 service_account_email=identity.email,
             ))
             self._pool_outputs(exp, pool, coordinator)
+            if stop is not None:
+                stop.grant_coordinator(gcp.zones[0], coordinator.instance.name)
 
         self._outputs(name, exp, bucket.name, group, identity.email, regional)
+        if stop is not None:
+            TerraformOutput(self, "stop_markers", value=" ".join(
+                f"gs://{exp.bucket_name(name)}/{n}" for n in stop.marker_names.values()),
+                description="The job stopped itself (finished, or bad input) when one of these "
+                "objects exists; the next deploy keeps the group at zero. Delete it to start again")
+
+    def _fallback(self, name: str, exp: Experiment, template_props: TemplateProps,
+                  group_props: GroupProps, bucket: str, code: Any, stop: ScaleToZero | None,
+                  location: str, code_objects: list) -> None:
+        """The on-demand group and its scheduled check (`stacks.fallback`)."""
+        import dataclasses
+
+        c = exp.capacity
+        od_template = TrainerTemplate(self, "od-template", dataclasses.replace(
+            template_props, spot=False, name_suffix="od",
+            extra_metadata={**template_props.extra_metadata, PROVISIONING_KEY: "STANDARD"}))
+        TrainerGroup(self, "od-group", dataclasses.replace(
+            group_props, kind="od", workers=0, template_self_link=od_template.self_link_unique))
+        markers = tuple(stop.marker_names.values()) if stop else tuple(
+            vm_scale.markers(f"runs/{name}", exp.trainer.steps, "none").values())
+        assert c.on_demand_fallback_minutes is not None
+        check = OnDemandFallback(self, "capacity-check", FallbackProps(
+            project=exp.gcp.project, region=exp.gcp.region, name=name, location=location,
+            spot_group=group_name(name), od_group=group_name(name, "od"),
+            machine_type=exp.machine.machine_type, zones=tuple(exp.gcp.zones), bucket=bucket,
+            stop_markers=markers, paused=exp.group.workers == 0,
+            fallback_after_s=c.on_demand_fallback_minutes * 60,
+            min_on_demand_s=c.min_on_demand_minutes * 60,
+            back_to_spot=c.back_to_spot_obtainability, check_minutes=c.fallback_check_minutes,
+            code=code, labels={**exp.labels, "spottrain-experiment": name},
+            depends_on=tuple(code_objects)))
+        TerraformOutput(self, "capacity_check_log_command", value=(
+            f"gcloud logging read 'resource.type=\"cloud_run_job\" AND resource.labels.job_name=\""
+            f"{check.job.name}\"' --project {exp.gcp.project} --limit 20"),
+            description="What the on-demand fallback check decided, newest first")
 
     def _pool_outputs(self, exp: Experiment, pool: PoolLayout, coordinator: Coordinator) -> None:
         where = f"--project {exp.gcp.project} --zone {exp.gcp.zones[0]}"

@@ -12,6 +12,10 @@ Report (all sessions together), after ml-goodput-measurement:
 - ``startup_s``, ``restore_s``, ``checkpoint_blocked_s``: badput of start-up, restore, and the time
   the loop was blocked by checkpoint snapshots and emergency saves;
 - ``downtime_s``: wall time outside any session (VM recreation) and after a session's last event;
+- ``capacity_wait_s``: the part of the downtime spent without any VM: from the previous session's
+  last event to the boot of the VM that ran the next session (its ``placement`` event: zone,
+  provisioning model, boot time from the metadata server and the kernel). ``capacity_wait`` splits
+  it by ``zone/PROVISIONING_MODEL`` of the VM that ended the wait; the rest of the gap is boot;
 - ``goodput`` = productive_s / wall_s; ``preemptions``: preemption notices; ``crashes``: sessions
   that ended without a trace (SIGKILL, hard power-off, OOM kill); ``failures``: sessions that
   stopped on an error (bad input, an exception); ``sessions``; ``finished``;
@@ -261,6 +265,9 @@ class Report:
     sessions: int
     finished: bool
     cost: Cost = field(default_factory=lambda: Cost(None, None, None, None, 0, 0))
+    #: Seconds without any VM before a session (waiting for capacity), and by zone/model.
+    capacity_wait_s: float = 0.0
+    capacity_wait: dict[str, float] = field(default_factory=dict)
     #: The latest step the job has reached (the newest session's last recorded step).
     steps: int = 0
     #: Per node (multi-node jobs only): the same report over that node's sessions.
@@ -269,6 +276,7 @@ class Report:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["nodes"] = dict(self.nodes)
+        d["capacity_wait"] = {k: round(v, 3) for k, v in self.capacity_wait.items()}
         # Money stays unrounded: a short run costs fractions of a cent, and the fields must agree.
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items()}
 
@@ -344,12 +352,14 @@ def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | No
         start = next((e for e in evs if e["event"] == "session_start"), None)
         t0 = float(start["started"]) if start else float(evs[0]["t"])
         restore = next((e for e in evs if e["event"] == "restore"), None)
+        where = next((e for e in evs if e["event"] == "placement"), None)
         start_step = int(restore["step"]) if restore else 0
         points = [(start_step, 0.0)]
         for e in evs:
             if e["event"] in ("progress", "checkpoint", "finish", "preempted", "paused") and "productive_s" in e:
                 points.append((int(e["step"]), float(e["productive_s"])))
         sessions.append({
+            "placement": where,
             "price": _price(start, "price_per_hour"),
             "on_demand_price": _price(start, "on_demand_price_per_hour"),
             "t0": t0,
@@ -380,6 +390,7 @@ def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | No
         productive += s["kept"]
     wall = max(s["t1"] for s in sessions) - sessions[0]["t0"]
     spans = sum(s["t1"] - s["t0"] for s in sessions)
+    waited = _capacity_wait(sessions)
     return Report(
         goodput=productive / wall if wall > 0 else 0.0,
         wall_s=wall,
@@ -396,7 +407,26 @@ def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | No
         finished=sessions[-1]["finished"],
         cost=_cost(sessions, _reached(sessions)),
         steps=_reached(sessions),
+        capacity_wait_s=sum(waited.values()),
+        capacity_wait=waited,
     )
+
+
+def _capacity_wait(sessions: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds between a session's end and the boot of the VM that ran the next one, by the
+    zone/provisioning model of that VM. A session restarted on the same VM (booted before the
+    previous session ended) waited for nothing; a session without a placement is not counted."""
+    out: dict[str, float] = {}
+    for prev, s in zip(sessions, sessions[1:]):
+        where = s["placement"]
+        boot = where.get("boot_time") if where else None
+        if not isinstance(boot, (int, float)) or isinstance(boot, bool):
+            continue
+        waited = min(max(0.0, float(boot) - prev["t1"]), max(0.0, s["t0"] - prev["t1"]))
+        if waited > 0:
+            key = f"{where.get('zone') or '?'}/{where.get('provisioning') or '?'}"
+            out[key] = out.get(key, 0.0) + waited
+    return out
 
 
 def _reached(sessions: list[dict[str, Any]]) -> int:

@@ -105,6 +105,10 @@ def _human(s: dict[str, Any]) -> str:
         f"down {g['downtime_s']:.1f}s; preemptions {g['preemptions']}, crashes {g['crashes']}, "
         f"failures {g['failures']}, "
         f"finished {'yes' if g['finished'] else 'no'}")
+    waits = g.get("capacity_wait") or {}
+    if waits:
+        lines.append(f"waiting for capacity: {g['capacity_wait_s']:.1f}s without a VM ("
+                     + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(waits.items())) + ")")
     lines.append(_cost_line(g.get("cost") or {}))
     for node, n in sorted((g.get("nodes") or {}).items()):
         lines.append(

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED
-from trainer import distributed, gpu, state
+from trainer import distributed, gpu, placement, state
 from trainer import task as tasks
 from trainer.config import RunConfig
 from trainer.goodput import Ledger, node_name, session_start_fields
@@ -117,6 +117,10 @@ class _Session:
                 self.process_start, price_per_hour=cfg.price_per_hour,
                 on_demand_price_per_hour=cfg.on_demand_price_per_hour, main=world.is_main,
                 world_size=world.size))
+            if cfg.watch_metadata:  # where this session runs, for the time spent without a VM
+                where = placement.read()
+                if where is not None:
+                    self.ledger.append("placement", **where)
 
         # Build the task: identical initial weights on every rank, then per-rank RNG streams.
         _seed(cfg.seed)

@@ -37,6 +37,10 @@ def test_drill_two_preemptions_one_wiped_disk(tmp_path: Path) -> None:
     assert (c["priced_sessions"], c["unpriced_sessions"]) == (3, 0)
     assert c["cost_so_far"] > 0 and c["on_demand_equivalent"] > 0 and c["savings"] is not None
     assert result.status["latest_step"] == cfg.steps
+    # The finished VM stopped paying by itself: it scaled its group to zero through the (fake)
+    # Compute API; a manual resize to 1 later brings a VM that does not train and stops again.
+    assert result.group_sizes == [1, 0, 1, 0], "\n".join(lines)
+    assert result.after_finish["group_size"] == 0
     # A finished run does not train again on the next boot, and says so.
     assert result.after_finish["startup_rc"] == 0
     assert result.after_finish["unit_started"] is False

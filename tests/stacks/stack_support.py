@@ -27,6 +27,14 @@ def scrub_code_hashes(text: str) -> str:
     return re.sub(r"(?:\b|(?<=%2F))(trainer|user)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
 
 
+def unless_stopped(value: Any) -> Any:
+    """A group size or coordinator status that a stop marker overrides (`stacks.scale_to_zero`
+    synthesizes `marker-count > 0 ? 0 : N`): the value while no marker exists."""
+    if isinstance(value, str) and value.startswith("${") and " ? " in value:
+        return json.loads(value.rsplit(":", 1)[-1].strip(" }"))
+    return value
+
+
 def example_data() -> dict[str, Any]:
     return tomllib.loads(EXAMPLE.read_text())
 
@@ -75,6 +83,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "n1-p4": {"machine": {"machine_type": "n1-standard-4", "gpu_type": "nvidia-tesla-p4",
                           "gpu_count": 4, "image_family": PASCAL_IMAGE}},
     "standard": {"machine": {"provisioning": "standard", "termination_action": None}},
+    # Capacity options (docs/capacity.md); each is synthesized, checked by checkov and tested in
+    # tests/stacks/test_capacity.py.
+    "flex-start": {"machine": {"provisioning": "flex-start", "termination_action": None},
+                   "capacity": {"flex_max_run_hours": 72}},
+    "flex-regional": {"machine": {"machine_type": "a3-highgpu-8g", "gpu_type": "nvidia-h100-80gb",
+                                  "gpu_count": 8, "provisioning": "flex-start", "termination_action": None},
+                      "gcp": {"zones": ["us-central1-a", "us-central1-b"]}, "group": {"placement": "regional"}},
+    "ranked-types": {"gcp": {"zones": ["us-central1-a", "us-central1-b", "us-central1-c"]},
+                     "group": {"placement": "regional"},
+                     "capacity": {"machine_types": ["g2-standard-12", "g2-standard-16"]}},
+    "zone-change": {"gcp": {"zones": ["us-central1-a", "us-central1-b"]}, "group": {"placement": "regional"},
+                    "capacity": {"zone_change_on_repair": True}},
+    "od-fallback": {"capacity": {"on_demand_fallback_minutes": 30, "fallback_check_minutes": 5}},
+    "no-stop": {"group": {"stop_when_done": False}},
     "existing-net": {
         "network": {"mode": "existing", "network": "shared-vpc", "subnetwork": "trainers",
                     "subnetwork_project": "host-project-42", "subnet_cidr": None,

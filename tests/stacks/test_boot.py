@@ -33,7 +33,7 @@ def props_for(name: str) -> BootProps:
 
 def shellcheck(tmp_path: Path, scripts: BootScripts, *options: str) -> None:
     files = []
-    for key in ("startup", "shutdown", "trainer_sh"):
+    for key in ("startup", "shutdown", "trainer_sh", "stop_paying"):
         f = tmp_path / f"{key}.sh"
         f.write_text(getattr(scripts, key))
         files.append(str(f))

@@ -64,7 +64,7 @@ RULES = [
      "machine.termination_action: applies only to provisioning = \"spot\"; allowed: remove it "
      "for \"standard\""),
     ("provisioning-enum", {"machine": {"provisioning": "preemptible"}},
-     "machine.provisioning: Input should be 'spot' or 'standard', got 'preemptible'"),
+     "machine.provisioning: Input should be 'spot', 'standard' or 'flex-start', got 'preemptible'"),
     ("termination-action-enum", {"machine": {"termination_action": "stop"}},
      "machine.termination_action: Input should be 'STOP' or 'DELETE', got 'stop'"),
     ("pascal-under-the-default-cu129-image", {"machine": {
@@ -188,7 +188,7 @@ RULES = [
      "termination_action, image_family, image_project, boot_disk_gb"),
     ("unknown-section", {"cluster": {"size": 2}},
      "cluster: unknown key; allowed: labels, gcp, machine, disk, bucket, network, group, "
-     "trainer, pool, backend, cost"),
+     "trainer, pool, backend, cost, capacity"),
     ("missing-required", {"trainer": {"steps": None}}, "trainer.steps: is required"),
 ]
 

@@ -177,3 +177,41 @@ def test_two_nodes_roll_up_per_node_and_for_the_job() -> None:
     assert r.cost.cost_per_1000_steps == pytest.approx(expected / 150 * 1000)
     assert r.cost.priced_sessions == 3
     assert report([e for e in events if e["session"].startswith("c")]).nodes == {}  # one node: no rollup
+
+
+def test_time_without_a_vm_is_counted_by_zone_and_provisioning_model() -> None:
+    """Session 1 ends at 100; the next VM boots at 700 in zone b (Spot), its trainer starts at 760:
+    600 s waited for capacity, 60 s were boot. Session 3 is a restart on that same VM (booted
+    before session 2 ended): no wait. Session 4 comes 1000 s later on demand in zone c."""
+    events = [
+        ev("s1", 0, 0.0, "session_start", started=0.0),
+        ev("s1", 1, 1.0, "placement", zone="us-central1-a", provisioning="SPOT", boot_time=-50.0),
+        ev("s1", 2, 100.0, "preemption_notice", step=10),
+        ev("s2", 0, 760.0, "session_start", started=760.0),
+        ev("s2", 1, 761.0, "placement", zone="us-central1-b", provisioning="SPOT", boot_time=700.0),
+        ev("s2", 2, 800.0, "progress", step=20, productive_s=30.0),  # then a crash
+        ev("s3", 0, 810.0, "session_start", started=810.0),
+        ev("s3", 1, 811.0, "placement", zone="us-central1-b", provisioning="SPOT", boot_time=700.0),
+        ev("s3", 2, 900.0, "preemption_notice", step=30),
+        ev("s4", 0, 1950.0, "session_start", started=1950.0),
+        ev("s4", 1, 1951.0, "placement", zone="us-central1-c", provisioning="STANDARD", boot_time=1900.0),
+        ev("s4", 2, 2000.0, "finish", step=40, blocked_s=0.0, productive_s=40.0),
+    ]
+    r = report(events)
+    assert r.capacity_wait == {"us-central1-b/SPOT": 600.0, "us-central1-c/STANDARD": 1000.0}
+    assert r.capacity_wait_s == 1600.0
+    assert r.downtime_s == pytest.approx(660.0 + 10.0 + 1050.0)  # waits, boots and the crash gap
+    d = r.as_dict()
+    assert d["capacity_wait"] == {"us-central1-b/SPOT": 600.0, "us-central1-c/STANDARD": 1000.0}
+
+
+def test_sessions_without_a_placement_count_no_capacity_wait() -> None:
+    events = [
+        ev("s1", 0, 0.0, "session_start", started=0.0),
+        ev("s1", 1, 100.0, "preemption_notice", step=10),
+        ev("s2", 0, 900.0, "session_start", started=900.0),
+        ev("s2", 1, 1000.0, "finish", step=20, blocked_s=0.0, productive_s=10.0),
+    ]
+    r = report(events)
+    assert (r.capacity_wait_s, r.capacity_wait) == (0.0, {})
+    assert r.downtime_s == pytest.approx(800.0)

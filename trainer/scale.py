@@ -1,0 +1,283 @@
+"""What a training VM may do to its own group: stop paying, and ask for its successor.
+
+`python -m trainer.scale stop REASON [--detail TEXT]` (REASON: `finished` or `bad-input`) is the
+one path a job that needs no VM takes, for a run that finished and for one that cannot continue
+without a human (issue 10's exit-2 path calls it through `/etc/spottrain/stop_paying.sh REASON`):
+
+1. It checks that scaling to zero loses nothing: the group deletes the VM *and its checkpoint
+   disk*. `finished` needs the final checkpoint's manifest in the bucket (`step-<steps>`);
+   `bad-input` needs the bucket to hold a checkpoint at least as new as the newest on this VM's
+   disk. Otherwise it refuses (exit 3): the VM stays, idle and paying, and the log says why.
+2. It writes a stop marker into the bucket, create-only: `<prefix>/stop/finished-steps-<steps>.json`
+   or `<prefix>/stop/bad-input-<digest>.json` (digest: the first 16 hex of the startup script's
+   sha256, so a fixed experiment, which renders another script, is a new start). The stack reads
+   these markers at the next deploy and keeps the group at zero (`stacks.scale_to_zero`); a VM
+   that boots anyway (a manual resize) honours them (`honour`) and stops again.
+3. A pool's coordinator (a plain VM outside the group) is stopped; then the group is resized to
+   zero and the call waits until the group says so; a coordinator running this stops itself last.
+
+`python -m trainer.scale honour` (at boot): exit 10 after stopping again when a marker for this
+experiment exists, 0 when there is none. `python -m trainer.scale successor` (flex-start): asks
+the group for the next VM with a resize request, unless a marker says the job is done; `deadline`
+waits until the flex-start VM's end is near, stops the trainer (it saves and exits 75) and then
+asks for the successor.
+
+Settings come from `/etc/spottrain/scale.json` (`--config`), written by the startup script from
+the stack's own values (`Settings` below). Exit status: 0 done, 1 an API call failed, 2 bad
+input, 3 refused (not durable), 10 `honour` stopped the group.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from trainer.gce import ApiError, Client, metadata
+
+CONFIG = Path("/etc/spottrain/scale.json")
+REASONS = ("finished", "bad-input")
+EXIT_OK, EXIT_API, EXIT_BAD, EXIT_REFUSED, EXIT_HONOURED = 0, 1, 2, 3, 10
+_STEP = re.compile(r"step-(\d{8,})$")
+
+
+@dataclass(frozen=True)
+class Settings:
+    project: str
+    location: str  # "zones/<zone>" (zonal groups) or "regions/<region>"
+    groups: tuple[str, ...]  # the experiment's managed instance groups (Spot, and on-demand fallback)
+    bucket: str
+    prefix: str  # the job's object prefix, "runs/<experiment>"
+    steps: int
+    run_dir: str = "/mnt/spottrain/run"
+    coordinator: str | None = None  # a pool's coordinator VM, "zones/<zone>/instances/<name>"
+    run_duration_s: int | None = None  # flex-start: the VM's maximum run duration
+    stop_before_s: int = 600  # flex-start: stop the trainer this long before the VM's end
+
+    def group_path(self, group: str) -> str:
+        return f"projects/{self.project}/{self.location}/instanceGroupManagers/{group}"
+
+    @classmethod
+    def load(cls, path: Path) -> "Settings":
+        data = json.loads(path.read_text())
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)}")
+        if not data.get("groups"):
+            raise ValueError("groups: at least one group is required")
+        return cls(**{**data, "groups": tuple(data["groups"])})
+
+
+def digest(script: str) -> str:
+    """The stop-marker digest of a startup script (the stack computes the same at synthesis)."""
+    return hashlib.sha256(script.encode()).hexdigest()[:16]
+
+
+def markers(prefix: str, steps: int, script_digest: str) -> dict[str, str]:
+    """reason -> the object name that records it (the stack's data sources read these names)."""
+    # ".json" ends each name, so no name is a prefix of another (steps 2000 vs 20000).
+    return {"finished": f"{prefix}/stop/finished-steps-{steps}.json",
+            "bad-input": f"{prefix}/stop/bad-input-{script_digest}.json"}
+
+
+def log(event: str, **fields: Any) -> None:
+    parts = " ".join(f"{k}={v}" for k, v in fields.items())
+    print(f"spottrain-scale: event={event} {parts}".rstrip(), file=sys.stderr, flush=True)
+
+
+def _newest_step(names: list[str]) -> int | None:
+    steps = [int(m.group(1)) for n in names if n.endswith("/manifest.json")
+             and (m := _STEP.search(n.rsplit("/", 2)[-2]))]
+    return max(steps) if steps else None
+
+
+def local_newest(run_dir: Path) -> int | None:
+    """The newest step on this VM's disk that has a manifest (complete folders only)."""
+    try:
+        names = [f"{p.name}/manifest.json" for p in run_dir.iterdir() if (p / "manifest.json").is_file()]
+    except OSError:
+        return None
+    return _newest_step([f"x/{n}" for n in names])
+
+
+class Scaler:
+    def __init__(self, settings: Settings, client: Client, script_digest: str) -> None:
+        self.s, self.c, self.digest = settings, client, script_digest
+
+    def markers(self) -> dict[str, str]:
+        return markers(self.s.prefix, self.s.steps, self.digest)
+
+    def durable(self, reason: str) -> tuple[bool, str]:
+        """Would scaling to zero (which deletes this VM's disk) lose a checkpoint?"""
+        s = self.s
+        if reason == "finished":
+            final = f"{s.prefix}/step-{s.steps:08d}/manifest.json"
+            if self.c.object_exists(s.bucket, final):
+                return True, f"gs://{s.bucket}/{final} is there"
+            return False, (f"the final checkpoint gs://{s.bucket}/{final} is not in the bucket; its only "
+                           "copy may be on this VM's disk, which scaling to zero would delete")
+        in_gcs = _newest_step(self.c.list_objects(s.bucket, f"{s.prefix}/step-"))
+        on_disk = local_newest(Path(s.run_dir))
+        if on_disk is None or (in_gcs is not None and in_gcs >= on_disk):
+            return True, f"newest on disk {on_disk}, in the bucket {in_gcs}"
+        return False, (f"this VM's disk holds step {on_disk}, the bucket only {in_gcs}: scaling to "
+                       "zero would delete the newest checkpoint with the disk")
+
+    def stop(self, reason: str, detail: str = "") -> int:
+        ok, why = self.durable(reason)
+        if not ok:
+            log("stop_refused", reason=reason, why=repr(why))
+            return EXIT_REFUSED
+        marker = self.markers()[reason]
+        record = {"reason": reason, "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "instance": _safe_metadata("instance/name"), "detail": detail[:2000],
+                  "steps": self.s.steps, "startup_script_digest": self.digest}
+        created = self.c.create_object(self.s.bucket, marker, json.dumps(record, sort_keys=True).encode())
+        log("stop_marker", object=f"gs://{self.s.bucket}/{marker}", created=int(created), durable=repr(why))
+        me = _self_path()
+        if self.s.coordinator and self.s.coordinator != me:
+            self._stop_instance(self.s.coordinator)
+        for group in self.s.groups:
+            self.resize(group, 0)
+        if self.s.coordinator and self.s.coordinator == me:
+            self._stop_instance(me)  # last: this process may not outlive it
+        return EXIT_OK
+
+    def resize(self, group: str, size: int, timeout: float = 300.0) -> None:
+        path = self.s.group_path(group)
+        op = self.c.compute_call("POST", f"{path}/resize", query={"size": size})
+        self.c.wait(self.s.project, op, timeout)
+        deadline = time.monotonic() + timeout
+        while True:  # the group's own view, which is what stops the recreation
+            target = int(self.c.compute_call("GET", path).get("targetSize", -1))
+            if target == size:
+                log("group_resized", group=group, target_size=size)
+                return
+            if time.monotonic() > deadline:
+                raise ApiError(0, "DEADLINE_EXCEEDED", f"{group} still at {target}", path)
+            self.c.sleep(2.0)
+
+    def _stop_instance(self, path: str) -> None:
+        op = self.c.compute_call("POST", f"projects/{self.s.project}/{path}/stop")
+        log("instance_stopping", instance=path)
+        self.c.wait(self.s.project, op)
+
+    def marker_present(self) -> str | None:
+        for reason, name in self.markers().items():
+            if self.c.object_exists(self.s.bucket, name):
+                return reason
+        return None
+
+    def honour(self) -> int:
+        reason = self.marker_present()
+        if reason is None:
+            return EXIT_OK
+        log("stop_marker_found", reason=reason, object=f"gs://{self.s.bucket}/{self.markers()[reason]}")
+        rc = self.stop(reason, detail="honoured at boot")
+        return EXIT_HONOURED if rc == EXIT_OK else rc
+
+    def successor(self, now: datetime | None = None) -> int:
+        """Flex-start: one more VM for the job through a resize request (it restores from GCS)."""
+        if self.s.run_duration_s is None:
+            log("successor_refused", why="not a flex-start group")
+            return EXIT_BAD
+        reason = self.marker_present()
+        if reason is not None:
+            log("successor_skipped", why=f"the job is stopped ({reason})")
+            return EXIT_OK
+        stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S")
+        group = self.s.groups[0]
+        body = {"name": f"{group}-{stamp}"[:63], "resizeBy": 1,
+                "requestedRunDuration": {"seconds": str(self.s.run_duration_s)},
+                "description": "spottrain: the next flex-start VM of this job (resumes from GCS)"}
+        op = self.c.compute_call("POST", f"{self.s.group_path(group)}/resizeRequests", body=body)
+        self.c.wait(self.s.project, op)
+        log("successor_requested", resize_request=body["name"], run_duration_s=self.s.run_duration_s)
+        return EXIT_OK
+
+
+def deadline_at(boot_time: float, run_duration_s: int, stop_before_s: int) -> float:
+    """When a flex-start VM stops its trainer: its end (boot + run duration) less the margin the
+    emergency save and upload need; never before it booted."""
+    return max(boot_time, boot_time + run_duration_s - stop_before_s)
+
+
+def boot_time() -> float:
+    with open("/proc/stat") as f:
+        return float(next(line.split()[1] for line in f if line.startswith("btime")))
+
+
+def _safe_metadata(path: str) -> str:
+    try:
+        return metadata(path)
+    except ApiError:
+        return ""
+
+
+def _self_path() -> str:
+    zone = _safe_metadata("instance/zone").rsplit("/", 1)[-1]
+    name = _safe_metadata("instance/name")
+    return f"zones/{zone}/instances/{name}" if zone and name else ""
+
+
+def _script_digest() -> str:
+    return digest(metadata("instance/attributes/startup-script"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=CONFIG)
+    sub = p.add_subparsers(dest="command", required=True)
+    stop = sub.add_parser("stop", help="scale the group to zero (finished, bad-input)")
+    stop.add_argument("reason", choices=REASONS)
+    stop.add_argument("--detail", default="", help="what a human should know (kept in the marker)")
+    sub.add_parser("honour", help="at boot: stop again if a stop marker exists (exit 10)")
+    sub.add_parser("successor", help="flex-start: request the next VM")
+    sub.add_parser("deadline", help="flex-start: stop the trainer before the VM's end, then request the next VM")
+    a = p.parse_args(argv)
+    try:
+        settings = Settings.load(a.config)
+    except (OSError, ValueError, TypeError) as e:
+        print(f"{a.config}: {e}", file=sys.stderr)
+        return EXIT_BAD
+    try:
+        scaler = Scaler(settings, Client(), _script_digest())
+        if a.command == "stop":
+            return scaler.stop(a.reason, a.detail)
+        if a.command == "honour":
+            return scaler.honour()
+        if a.command == "successor":
+            return scaler.successor()
+        return run_deadline(scaler)
+    except ApiError as e:
+        log("api_error", code=e.code, status=e.status, message=repr(e.message), url=e.url)
+        if e.code == 403:
+            log("hint", text=repr("the VM's service account may not resize its group: check the custom role "
+                                  "and its IAM condition (docs/capacity.md); scale_to_zero_command does it by hand"))
+        return EXIT_API
+
+
+def run_deadline(scaler: Scaler) -> int:
+    s = scaler.s
+    if s.run_duration_s is None:
+        log("deadline_refused", why="not a flex-start group")
+        return EXIT_BAD
+    at = deadline_at(boot_time(), s.run_duration_s, s.stop_before_s)
+    log("deadline", stop_trainer_at=datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds"))
+    while (left := at - time.time()) > 0:
+        time.sleep(min(left, 300.0))  # the wait is the point; re-read the clock after a suspend
+    log("deadline_reached", action="stopping the trainer (it saves and exits 75)")
+    subprocess.run(["systemctl", "stop", "spottrain.service"], check=False)
+    return scaler.successor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
