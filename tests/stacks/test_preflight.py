@@ -1,0 +1,116 @@
+"""`make preflight`: the REST checks with application-default credentials, against the fake
+Google APIs (drill/fake_gcp.py), and what it says without credentials."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from drill.fake_gcp import FakeGcp
+from drill.net import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "experiments" / "example.toml"
+IMAGE = ("deeplearning-platform-release", "pytorch-2-9-cu129-ubuntu-2204-nvidia-580")
+
+
+@pytest.fixture
+def gcp(tmp_path: Path) -> Iterator[tuple[FakeGcp, dict[str, str]]]:
+    with FakeGcp("my-project-123456") as fake:
+        fake.add_region("us-central1", ("us-central1-a", "us-central1-b"),
+                        {"PREEMPTIBLE_NVIDIA_L4_GPUS": 4, "NVIDIA_L4_GPUS": 1}, ("g2-standard-8",))
+        fake.add_image(*IMAGE)
+        fake.services.update({a: "ENABLED" for a in ("compute.googleapis.com", "iam.googleapis.com",
+                                                      "storage.googleapis.com")})
+        # A service-account key whose token_uri is the fake's (google-auth pins user credentials
+        # to Google's endpoint, but honours a key file's): ADC signs a JWT and trades it there.
+        email = "deployer@my-project-123456.iam.gserviceaccount.com"
+        fake.service_accounts.add(email)
+        adc = tmp_path / "adc.json"
+        adc.write_text(json.dumps({"type": "service_account", "project_id": "my-project-123456",
+                                   "private_key_id": "k1", "private_key": _private_key(), "client_email": email,
+                                   "client_id": "1", "token_uri": fake.token_uri}))
+        env = {**os.environ, "GOOGLE_APPLICATION_CREDENTIALS": str(adc), "SPOTTRAIN_COMPUTE_API": fake.compute_api,
+               "SPOTTRAIN_SERVICEUSAGE_API": fake.serviceusage_api, "GCE_METADATA_HOST": f"127.0.0.1:{free_port()}",
+               "NO_GCE_CHECK": "True", "HOME": str(tmp_path)}
+        yield fake, env
+
+
+def _private_key() -> str:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption()).decode()
+
+
+def preflight(env: dict[str, str], target: Path = EXAMPLE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stacks.preflight", str(target)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_every_check_passes_against_a_ready_project(gcp) -> None:
+    fake, env = gcp
+    out = preflight(env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "  ok   apis: enabled: compute.googleapis.com, iam.googleapis.com, storage.googleapis.com" in lines
+    assert "  ok   quota: PREEMPTIBLE_NVIDIA_L4_GPUS in us-central1: 4 free of 4, 1 needed" in lines
+    assert "  ok   machine type: g2-standard-8 offered in us-central1-a" in lines
+    assert f"  ok   image: {IMAGE[0]}/{IMAGE[1]} -> {IMAGE[1]}-v20260101" in lines
+    assert "  ok   spot obtainability: g2-standard-8 in us-central1-a: 0.90 (estimated uptime 3600s)" in lines
+    # The real protocol: a refreshed ADC token on every call, the capacity advice asked for Spot.
+    assert fake.calls_to("POST", "/token")
+    (advice,) = fake.calls_to("POST", "/advice/capacity")
+    assert advice.body["instanceProperties"]["scheduling"]["provisioningModel"] == "SPOT"
+
+
+def test_what_the_api_would_refuse_is_a_failure_and_a_stockout_a_warning(gcp, tmp_path: Path) -> None:
+    fake, env = gcp
+    fake.services["storage.googleapis.com"] = "DISABLED"
+    fake.regions["us-central1"]["quotas"]["PREEMPTIBLE_NVIDIA_L4_GPUS"] = 0
+    fake.machine_types["us-central1-a"].discard("g2-standard-8")
+    fake.images.clear()
+    fake.capacity = lambda zone, model: model != "SPOT"
+    out = preflight(env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = out.stdout
+    assert "FAIL apis: not enabled: storage.googleapis.com (gcloud services enable storage.googleapis.com" in text
+    assert "FAIL quota: PREEMPTIBLE_NVIDIA_L4_GPUS in us-central1: 0 free of 0, 1 needed" in text
+    assert "FAIL machine type: g2-standard-8 is not offered in us-central1-a" in text
+    assert f"FAIL image: family {IMAGE[0]}/{IMAGE[1]} resolves to no image" in text
+    assert "warn spot obtainability: g2-standard-8 in us-central1-a: 0.10" in text
+
+
+def test_an_api_error_is_one_line_not_a_traceback(gcp) -> None:
+    fake, env = gcp
+    fake.deny("GET", r"/regions/us-central1$")
+    out = preflight(env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "FAIL quota: the API answered 403 PERMISSION_DENIED" in out.stdout
+
+
+def test_without_credentials_it_says_what_it_would_check(tmp_path: Path) -> None:
+    env = {**os.environ, "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "missing.json"),
+           "GCE_METADATA_HOST": f"127.0.0.1:{free_port()}", "NO_GCE_CHECK": "True", "HOME": str(tmp_path)}
+    out = preflight(env)
+    assert out.returncode == 3
+    assert "Traceback" not in out.stderr
+    assert "no usable application-default credentials" in out.stderr
+    assert "gcloud auth application-default login" in out.stderr
+    assert "example: GPU quota PREEMPTIBLE_NVIDIA_L4_GPUS in us-central1: 1 needed" in out.stderr
+    assert "example: Spot obtainability of g2-standard-8 per zone (capacity advice)" in out.stderr
+
+
+def test_a_bad_experiment_file_is_bad_input(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(EXAMPLE.read_text().replace("steps = 20000", "steps = -1"))
+    out = preflight(dict(os.environ), bad)
+    assert out.returncode == 2 and "bad.toml: trainer.steps" in out.stderr
