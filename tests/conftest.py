@@ -18,3 +18,75 @@ os.environ["TMPDIR"] = _PRIVATE_TMP  # read by child processes, the jsii runtime
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     shutil.rmtree(_PRIVATE_TMP, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults as they happen: Cloud Storage behind a misbehaving proxy, disks that fill or go read-only
+# ------------------------------------------------------------------------------------------------
+
+import uuid  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@dataclass
+class ProxiedGcs:
+    """gcp-storage-emulator behind `drill.fault_proxy.FaultProxy`; `env` points clients (and
+    trainer subprocesses) at the proxy, `direct` at the emulator itself."""
+
+    emulator: Any
+    proxy: Any
+    bucket: str
+    uri: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def client(self, direct: bool = False) -> Any:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        host = self.emulator.host if direct else self.proxy.host
+        return storage.Client(project="spottrain-test", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": host})
+
+
+@pytest.fixture
+def gcs_proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[ProxiedGcs]:
+    from drill.fault_proxy import FaultProxy
+    from drill.gcs_emulator import StorageEmulator
+
+    bucket = "spottrain-test"
+    emu = StorageEmulator(bucket, quiet=True).start()
+    proxy = FaultProxy(emu.host).start()
+    env = {"STORAGE_EMULATOR_HOST": proxy.host, "GOOGLE_CLOUD_PROJECT": "spottrain-test"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        yield ProxiedGcs(emu, proxy, bucket, f"gs://{bucket}/runs/{uuid.uuid4().hex[:8]}", env)
+    finally:
+        proxy.stop()
+        emu.stop()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """`small_fs(name, size_bytes)`: a real tmpfs of that size mounted under tmp_path (root only;
+    the test is skipped otherwise). Unmounted at teardown."""
+    from drill.small_fs import SmallFs
+
+    if not SmallFs.possible():
+        pytest.skip("a real small filesystem needs root (mount -t tmpfs)")
+    mounted: list[SmallFs] = []
+
+    def make(name: str = "disk", size_bytes: int = 64 << 20) -> SmallFs:
+        fs = SmallFs(tmp_path / name, size_bytes).__enter__()
+        mounted.append(fs)
+        return fs
+
+    try:
+        yield make
+    finally:
+        for fs in reversed(mounted):
+            fs.__exit__(None, None, None)

@@ -1,0 +1,81 @@
+"""The fault proxy itself: each misbehaviour reaches the real client as Cloud Storage would show it."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from google.api_core import exceptions as gexc
+
+
+def _bucket(gcs_proxy, direct: bool = False):
+    return gcs_proxy.client(direct=direct).bucket(gcs_proxy.bucket)
+
+
+def test_requests_pass_through_and_resumable_uploads_stay_on_the_proxy(gcs_proxy) -> None:
+    b = _bucket(gcs_proxy)
+    b.blob("a/small").upload_from_string(b"x" * 10)
+    big = b.blob("a/big")
+    big.chunk_size = 4 << 20
+    data = b"y" * (9 << 20)  # over 8 MiB: resumable, and its Location must point at the proxy
+    big.upload_from_string(data)
+    assert _bucket(gcs_proxy, direct=True).blob("a/big").download_as_bytes() == data
+    assert sorted(x.name for x in gcs_proxy.client().list_blobs(b, prefix="a/")) == ["a/big", "a/small"]
+    assert any("upload_id" in s.path for s in gcs_proxy.proxy.seen("PUT"))
+
+
+@pytest.mark.parametrize("status, error", [(403, gexc.Forbidden), (429, gexc.TooManyRequests),
+                                           (503, gexc.ServiceUnavailable)])
+def test_a_status_rule_answers_once_then_lets_requests_through(gcs_proxy, status, error) -> None:
+    b = _bucket(gcs_proxy)
+    b.blob("k").upload_from_string(b"v")
+    gcs_proxy.proxy.add("GET", r"alt=media object=k$", "status", status=status, times=1)
+    with pytest.raises(error):
+        b.blob("k").download_as_bytes(retry=None)
+    assert b.blob("k").download_as_bytes(retry=None) == b"v"
+
+
+def test_a_stalled_request_is_held_until_released(gcs_proxy) -> None:
+    b = _bucket(gcs_proxy)
+    rule = gcs_proxy.proxy.add("POST", r"object=held$", "stall")
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (b.blob("held").upload_from_string(b"1", retry=None), done.set()))
+    t.start()
+    assert gcs_proxy.proxy.wait_stalled(rule)
+    assert not done.is_set() and _bucket(gcs_proxy, direct=True).get_blob("held") is None
+    gcs_proxy.proxy.release(rule)
+    t.join(30)
+    assert done.is_set() and _bucket(gcs_proxy, direct=True).get_blob("held") is not None
+
+
+def test_down_refuses_connections_and_up_restores_them(gcs_proxy) -> None:
+    import requests
+
+    b = _bucket(gcs_proxy)
+    gcs_proxy.proxy.down()
+    with pytest.raises(requests.ConnectionError):
+        b.blob("x").upload_from_string(b"1", retry=None)
+    gcs_proxy.proxy.up()
+    b.blob("x").upload_from_string(b"1", retry=None)
+
+
+def test_after_forward_writes_but_loses_the_answer(gcs_proxy) -> None:
+    b = _bucket(gcs_proxy)
+    gcs_proxy.proxy.add("POST", r"object=lost$", "after-forward", status=503)
+    with pytest.raises(gexc.ServiceUnavailable):
+        b.blob("lost").upload_from_string(b"1", retry=None)
+    assert _bucket(gcs_proxy, direct=True).blob("lost").download_as_bytes() == b"1"
+
+
+def test_generation_preconditions_are_enforced(gcs_proxy) -> None:
+    b = _bucket(gcs_proxy)
+    b.blob("lease").upload_from_string(b"A", if_generation_match=0)
+    with pytest.raises(gexc.PreconditionFailed):
+        b.blob("lease").upload_from_string(b"B", if_generation_match=0, retry=None)
+    gen = b.get_blob("lease").generation
+    with pytest.raises(gexc.PreconditionFailed):
+        b.blob("lease").upload_from_string(b"C", if_generation_match=gen + 1, retry=None)
+    b.blob("lease").upload_from_string(b"D", if_generation_match=gen, retry=None)
+    assert b.blob("lease").download_as_bytes() == b"D"
+    with pytest.raises(gexc.PreconditionFailed):
+        b.blob("lease").delete(if_generation_match=gen, retry=None)  # it moved on
+    assert b.get_blob("lease") is not None
