@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, fsync_dir
+from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, copy_file_durable, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +424,7 @@ def write_dir(snap: Snapshot, root: Path) -> tuple[Path, dict]:
                 TENSORS: _write_hashed(stage / TENSORS, snap.tensor_bytes(), pool),
                 STATE: _write_hashed(stage / STATE, memoryview(snap.structure), pool),
             }
-        manifest = build_manifest(snap.step, files, snap.meta, snap.created_unix)
+        manifest = snapshot_manifest(snap, files)
         _write_hashed_plain(stage / MANIFEST, manifest)
         fsync_dir(stage)
         os.rename(stage, final)  # the commit point: the folder appears complete or not at all
@@ -433,6 +433,20 @@ def write_dir(snap: Snapshot, root: Path) -> tuple[Path, dict]:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return final, json.loads(manifest)
+
+
+def snapshot_manifest(snap: Snapshot, files: dict[str, dict]) -> bytes:
+    """The manifest of ``snap`` whose payload files have these sizes and digests: the one place
+    a whole-model manifest is built, for a disk folder and for an upload from memory alike."""
+    return build_manifest(snap.step, files, snap.meta, snap.created_unix)
+
+
+def snapshot_files(snap: Snapshot) -> dict[str, dict]:
+    """Size and ``chunked_sha256`` of every payload file of ``snap``, hashed from host memory
+    (what ``write_dir`` computes while writing), for an upload without a disk copy."""
+    with cf.ThreadPoolExecutor(_hash_workers(), thread_name_prefix="ckpt-hash") as pool:
+        data = {TENSORS: snap.tensor_bytes(), STATE: memoryview(snap.structure)}
+        return {name: {"size": len(mv), "sha256": chunked_sha256(mv, pool)} for name, mv in data.items()}
 
 
 def _write_hashed_plain(path: Path, data: bytes) -> None:
@@ -446,22 +460,68 @@ def _write_hashed_plain(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def upload_dir(src: Path, store: GcsStore, step: int, *, deadline: float | None = None) -> None:
-    """Upload a verified local checkpoint folder to GCS: payload create-only, manifest last.
+def upload_dir(src: Path, store: GcsStore, step: int, *, deadline: float | None = None,
+               parse: ManifestParser = parse_manifest) -> None:
+    """Upload a committed checkpoint folder to GCS: every file its manifest lists (``parse``: the
+    layout's manifest parser, default ``parse_manifest``) create-only, then the manifest.
 
     With ``deadline`` (time.monotonic), the upload gives up when it passes; the manifest is never
     uploaded after the deadline, so a late upload leaves only payload objects, which no restore
     will choose.
     """
     prefix = step_name(step)
+    manifest = (Path(src) / MANIFEST).read_bytes()
+    names = sorted(parse(manifest, step)["files"])
     with store.deadline(deadline):
-        for name in PAYLOAD:
+        for name in names:
             store.put_file(Path(src) / name, f"{prefix}/{name}")
-        if deadline is not None and time.monotonic() > deadline:
-            from trainer.storage import UploadAborted
+        _put_manifest(store, prefix, manifest, deadline)
 
-            raise UploadAborted("deadline passed before the manifest upload")
-        store.put_bytes(f"{prefix}/{MANIFEST}", (Path(src) / MANIFEST).read_bytes())
+
+def upload_snapshot(snap: Snapshot, store: GcsStore, *, deadline: float | None = None) -> None:
+    """Upload ``snap`` straight from host memory (its disk copy could not be written): the payload
+    create-only, then the manifest, as ``upload_dir`` does for a folder."""
+    prefix = step_name(snap.step)
+    files = snapshot_files(snap)
+    manifest = snapshot_manifest(snap, files)
+    with store.deadline(deadline):
+        store.put_memory(f"{prefix}/{TENSORS}", snap.tensor_bytes())
+        store.put_memory(f"{prefix}/{STATE}", snap.structure)
+        _put_manifest(store, prefix, manifest, deadline)
+
+
+def _put_manifest(store: GcsStore, prefix: str, manifest: bytes, deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        from trainer.storage import UploadAborted
+
+        raise UploadAborted("deadline passed before the manifest upload")
+    store.put_bytes(f"{prefix}/{MANIFEST}", manifest)
+
+
+def copy_dir(src: Path, root: Path, parse: ManifestParser = parse_manifest) -> Path:
+    """Copy a checkpoint folder holding its manifest (a committed one, or a staging folder) into
+    ``root/step-N/`` (another disk tier) atomically: every file the manifest lists, fsynced, the
+    manifest last, then the rename."""
+    src, root = Path(src), Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = (src / MANIFEST).read_bytes()
+    m = parse(manifest, parse_step(src.name))
+    final = root / step_name(m["step"])
+    stage = root / f"{TMP_PREFIX}{final.name}-cp-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        for name in m["files"]:
+            copy_file_durable(src / name, stage / name)
+        _write_hashed_plain(stage / MANIFEST, manifest)
+        fsync_dir(stage)
+        if final.exists():
+            raise FileExistsError(str(final))
+        os.rename(stage, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return final
 
 
 def download_dir(store: Store, step: int, root: Path, parse: ManifestParser = parse_manifest) -> Path:
