@@ -201,7 +201,9 @@ class Ledger:
         done = self.flush(timeout)
         if self._thread is not None:
             self._mirror.put(None)
-        os.close(self._fd)
+        with self._lock:  # a late append from a background thread must not write to a reused fd
+            os.close(self._fd)
+            self._fd = -1
         return done
 
 

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import random
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -331,36 +330,11 @@ class _Session:
             delay = min(2 * delay, 60.0)
 
     def _watched(self, work: Callable[[], Any]) -> tuple[bool, Any]:
-        """Run ``work`` (on rank 0, or on every rank when sharded) while every rank watches for a
-        preemption notice: (False, rank 0's result) once every rank's work is done, or (True,
-        None) as soon as some rank got a notice; the work is then left to itself."""
-        mine = self.sharded or self.world.is_main
-        result: list[Any] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                result.append(work())
-            except BaseException as e:  # noqa: BLE001 - raised below, on every rank
-                result.append(e)
-            finally:
-                done.set()
-
-        if mine:
-            threading.Thread(target=run, name="trainer-watched", daemon=True).start()
-        else:
-            done.set()
-        while True:
-            notice, busy = self.world.any_flags(self.preempt.requested, not done.wait(0.25))
-            if notice:
-                self.stopping = True
-                return True, None
-            if not busy:
-                break
-        out = self.world.broadcast(result[0] if self.world.is_main else None)
-        if isinstance(out, BaseException):
-            raise out
-        return False, out
+        """``work`` on rank 0 (every rank when sharded) while every rank watches for a notice."""
+        notice, out = self.world.run_watching(work if self.sharded or self.world.is_main else None,
+                                              lambda: self.preempt.requested)
+        self.stopping = self.stopping or notice
+        return notice, out
 
     def _not_durable(self, step: int, durable: Any, what: str) -> int:
         detail = f"{what} (step {step}) is not durable after {self.cfg.durable_timeout_s:.0f}s: {durable.detail}"
@@ -433,6 +407,7 @@ class _Session:
         notice = self.preempt.notice_monotonic
         budget = 30.0 if notice is None else notice + self.cfg.preemption_budget_s - time.monotonic()
         if self.ckpt is not None:
+            self.ckpt.on_tier_health = None  # an abandoned upload may still report after the ledger closed
             with contextlib.suppress(Exception):
                 self.ckpt.close(timeout=self.cfg.durable_timeout_s if notice is None else max(0.0, budget))
         if self.ledger is not None:
