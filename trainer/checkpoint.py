@@ -17,7 +17,9 @@ every tier, so an interrupted write or upload never produces a valid checkpoint.
 
 On a directory tier the folder is assembled under a ``.tmp-`` name, every file and the folder are
 fsynced, and the folder becomes visible by one atomic ``rename`` (then the parent is fsynced). On
-GCS the payload objects are uploaded create-only, then the manifest.
+GCS the payload objects are uploaded create-only, then the manifest: from a committed folder
+(``upload_dir``) or, when no disk tier could take the save, from the snapshot in host memory
+(``upload_snapshot``); both build the manifest the same way (``snapshot_manifest``).
 
 Why raw tensor bytes rather than one ``torch.save``: the snapshot already sits in one contiguous
 host buffer (see ``SnapshotBuffer``), so writing it is a handful of large ``os.write`` calls that

@@ -31,13 +31,21 @@ talks to the other ranks only over a separate gloo process group made at constru
 training loop keeps using the default group meanwhile, and collectives from two threads on one
 group are unsafe. One save is in flight at a time; ``due()`` answers False meanwhile.
 
+Tiers fail independently, as in ``Checkpointer``: the shards are staged on the first due disk tier
+that takes them on every rank, else (GCS being due) in ``/dev/shm`` or the temporary folder; the
+staging folder is renamed into its own tier and copied into the others. The upload is the
+uploader's, never the save thread's: on one node rank 0 uploads the complete folder alone (the
+committed copy, else the staging folder, which the upload then owns and removes); across nodes
+every rank uploads its own files, in order, over the uploader's own process group. The emergency
+save waits for no upload (see ``Checkpointer``).
+
 Which copies are complete: a tier copy is valid only if every file of the manifest is there and
 verifies. Ranks that share a run dir (same host, same directory) form a *node*; its lowest rank
 (LOCAL_RANK 0 under torchrun) is the node leader, which commits, copies, verifies and deletes
 folders on that node's disks. On one host all ranks share the run dir, so the disk tiers hold
 complete checkpoints as usual. On several hosts each node's disk only ever receives its own ranks'
 shard files, so no disk holds a complete copy: the staging folder is used for the upload and then
-removed, and **the GCS copy is the only complete one** (without ``gcs_uri`` a multi-node run has
+removed, and **the GCS copy is the only complete one** (the only durable tier there) (without ``gcs_uri`` a multi-node run has
 no usable checkpoint; the constructor says so). On restore each node leader downloads the chosen
 step from GCS into its node's persistent tier, verifies it, and then every rank loads from its
 own node's folder. (A run dir shared between hosts, e.g. over NFS, is not supported: each host
