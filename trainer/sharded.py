@@ -537,12 +537,14 @@ class ShardedCheckpointer(Checkpointer):
             self._enqueue(_Upload(step, folder=stage, manifest=manifest, collective=True, cleanup=cleanup))
             out.detail.append("GCS upload queued")
             return True
-        if self._rank != 0:  # one node: rank 0 uploads the complete folder alone
-            return False
-        if job.deadline is not None:
+        if job.deadline is not None:  # one node: rank 0 uploads the complete folder alone
             parts: list[str] = []
-            out.gcs = self._emergency_upload(self._tiers["gcs"], step, src, job.deadline, parts)
+            if self._rank == 0:
+                out.gcs = self._emergency_upload(self._tiers["gcs"], step, src, job.deadline, parts)
+            out.gcs, parts = self._bcast((out.gcs, parts))
             out.detail += parts
+            return False
+        if self._rank != 0:
             return False
         if tier is not None:
             self._pin(tier, step)
