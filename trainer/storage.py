@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Protocol, TypeVar, runtime_checkable
+from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,14 @@ class Store(Protocol):
     def get_file(self, key: str, dst: Path) -> None: ...
     def list(self, prefix: str) -> list[str]: ...
     def delete_prefix(self, prefix: str) -> None: ...
+
+
+class ObjectInfo(NamedTuple):
+    """One object as a listing shows it."""
+
+    size: int
+    crc32c: str  # base64, as GCS reports it
+    generation: int
 
 
 class UploadAborted(Exception):
@@ -580,6 +588,27 @@ class GcsStore:
 
     def sizes(self, prefix: str) -> dict[str, int]:
         return {self._key_of(b.name): int(b.size or 0) for b in self._list_blobs(prefix)}
+
+    def objects(self, prefix: str) -> dict[str, ObjectInfo]:
+        """Key -> size, CRC32C and generation of every object under ``prefix`` (one listing)."""
+        return {self._key_of(b.name): ObjectInfo(int(b.size or 0), b.crc32c or "", int(b.generation or 0))
+                for b in self._list_blobs(prefix)}
+
+    def replace_file(self, src: Path, key: str, *, generation: int) -> None:
+        """Upload ``src`` to ``key`` only if the object's generation is still ``generation`` (0:
+        only if there is none). The precondition makes the retries safe. A 412 whose object
+        already holds exactly this content (our own write whose answer was lost) counts as done;
+        otherwise ``FileExistsError``: someone else changed the object since it was listed."""
+        src = Path(src)
+        size = src.stat().st_size
+
+        def upload() -> None:
+            blob = self._blob(key)
+            with open(src, "rb") as f:
+                blob.upload_from_file(_AbortableReader(f, self._deadline(), self._aborted), size=size,
+                                      if_generation_match=generation, retry=None, timeout=self._timeout())
+
+        self._create_only(key, upload, lambda: (size, _crc32c_file(src)))
 
     def delete_prefix(self, prefix: str) -> None:
         from google.api_core import exceptions as gexc
