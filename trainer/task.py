@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -22,10 +23,14 @@ class TaskContext:
     """What the trainer tells the task about the run."""
 
     seed: int
-    steps: int  # total optimizer steps of the job, for LR schedules
+    steps: int  # total optimizer steps of the job, for LR schedules (the new total after extend_steps)
     device: torch.device
     rank: int
     world_size: int
+    #: The run's artifacts directory (``RUN_DIR/artifacts``): files a task keeps besides the
+    #: checkpoints (samples, a best-validation copy, tokenizer files), copied to
+    #: ``<gcs_uri>/artifacts/`` and back to a fresh disk; see ``trainer.artifacts``.
+    artifacts_dir: Path | None = None
 
 
 class Dataset(Protocol):
