@@ -67,3 +67,14 @@ def test_cli_names_the_file_and_field_of_a_bad_experiment(tmp_path: Path, capsys
     assert "bad.toml" in err and "trainer.steps" in err
     assert drill_main(["--experiment", str(tmp_path / "missing.toml")]) == 2
     assert "missing.toml" in capsys.readouterr().err
+
+
+def test_the_report_explains_a_short_runs_low_goodput() -> None:
+    from drill.drill import DrillResult, report
+
+    g = {"goodput": 0.22, "wall_s": 100.0, "sessions": 3, "preemptions": 2, "crashes": 0, "finished": True,
+         "productive_s": 22.0, "startup_s": 30.0, "restore_s": 6.0, "downtime_s": 40.0}
+    text = report(DrillResult(DrillConfig(), "d", "d", {"goodput": g}))
+    assert "goodput 22.0% of 100.0 s wall over 3 session(s)" in text
+    assert ("(why so low: this run trains for only 22.0 s, while each of its 3 VM boots pays about 12.0 s of "
+            "trainer start-up and restore, plus 40.0 s without a trainer in all") in text

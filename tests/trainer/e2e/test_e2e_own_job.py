@@ -219,6 +219,10 @@ def test_a_sharded_run_exports_and_seeds_runs_of_either_layout(tmp_path: Path, z
     refused = run(zygote, tmp_path / "to-ddp-opt", 2, ddp, "--init-from", str(src), "--init-from-optimizer", rc=2)
     assert 'init_from_optimizer: the source was trained with parallelism = "fsdp" and this run has "ddp"' \
         in refused.output
+    # And back: that DDP run's whole-model checkpoint into an FSDP run.
+    p = run(zygote, tmp_path / "back-to-fsdp", 2, frozen, "--init-from", str(tmp_path / "to-ddp"))
+    assert p.seen(r"event=init_from .* layout=whole-model optimizer=0 ")
+    assert status(tmp_path / "back-to-fsdp")["model_digest"] == digest
 
 
 # ------------------------------------------------------------------------------------------------
