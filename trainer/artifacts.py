@@ -47,6 +47,8 @@ from trainer.storage import TMP_PREFIX, GcsStore, fsync_dir
 
 DIR = "artifacts"
 PREFIX = DIR + "/"
+#: Seconds the start-up listing of the bucket may take (GCS down must not hold the start long).
+RESTORE_LIST_TIMEOUT_S = 60.0
 _CHUNK = 8 << 20
 
 
@@ -99,6 +101,7 @@ class Artifacts:
         self._thread: threading.Thread | None = None
         self._wanted = threading.Event()
         self._abort = threading.Event()  # stops a copy in flight (an emergency save goes first)
+        self._paused = False  # after abort(): no more background copies
         self._closed = False
         self._crc: dict[str, tuple[tuple[int, int, int, int], str]] = {}  # name -> (stat key, crc)
 
@@ -110,7 +113,8 @@ class Artifacts:
             return 0
         got = 0
         try:
-            remote = self.store.objects(PREFIX)
+            with self.store.deadline(time.monotonic() + RESTORE_LIST_TIMEOUT_S):
+                remote = self.store.objects(PREFIX)
             for key in sorted(remote):
                 name = key[len(PREFIX):]
                 if not _plain(name):
@@ -128,7 +132,7 @@ class Artifacts:
         return got
 
     # ------------------------------------------------------------------------------ sync
-    def sync(self, deadline: float | None = None) -> SyncReport:
+    def sync(self, deadline: float | None = None, *, background: bool = False) -> SyncReport:
         """Copy new and changed files now (see the module docstring); ``deadline``
         (time.monotonic) bounds the GCS calls. Never raises."""
         report = SyncReport()
@@ -139,6 +143,10 @@ class Artifacts:
             report.failed.append("another copy was still running at the deadline")
             return report
         try:
+            if background and self._paused:
+                return report
+            if not background:
+                self._abort.clear()  # the aborted copy has let go of the lock: it is over
             stage = self.staging / f"{TMP_PREFIX}artifacts-{uuid.uuid4().hex[:8]}"
             try:
                 with self.store.deadline(deadline), self.store.aborting(self._abort):
@@ -202,7 +210,7 @@ class Artifacts:
     def sync_soon(self, after: Callable[[], None] | None = None) -> None:
         """Ask for a copy in the background; ``after`` runs first (waiting for the checkpoint
         save in flight). A request while one runs makes it run once more."""
-        if self.store is None or self._closed:
+        if self.store is None or self._closed or self._paused:
             return
         self._wanted.set()
         if self._thread is not None and self._thread.is_alive():
@@ -214,7 +222,7 @@ class Artifacts:
                 if after is not None:
                     with contextlib.suppress(Exception):
                         after()
-                self.sync()
+                self.sync(background=True)
 
         self._thread = threading.Thread(target=loop, name="artifacts-sync", daemon=True)
         self._thread.start()
@@ -230,15 +238,13 @@ class Artifacts:
             th.join(timeout)
         return not self.busy
 
-    def abort(self, timeout: float = 2.0) -> None:
-        """Stop the background copy in flight (its unfinished upload creates no object) and wait
-        up to ``timeout`` s for it to go; later copies run again."""
+    def abort(self) -> None:
+        """The process is about to stop (a preemption notice): the background copy in flight stops
+        at its next chunk or retry (an unfinished upload creates no object) and none starts again.
+        Returns at once; a later ``sync()`` (with what time is left) waits for the lock."""
+        self._paused = True
         self._wanted.clear()
         self._abort.set()
-        try:
-            self.wait(timeout)
-        finally:
-            self._abort.clear()
 
     def close(self) -> None:
         """No new background copies; one in flight is left to finish (or to die with the

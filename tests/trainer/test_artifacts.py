@@ -107,3 +107,23 @@ def test_without_gcs_nothing_is_copied(tmp_path: Path) -> None:
     a = Artifacts(tmp_path / "run" / "artifacts", None, staging=tmp_path / "run")
     (a.root / "x").write_text("x")
     assert a.sync().uploaded == [] and a.restore() == 0
+
+
+def test_an_emergency_never_waits_for_a_copy_in_flight(gcs_proxy, tmp_path: Path) -> None:
+    """abort() at a preemption notice returns at once; a copy stalled in the network keeps its lock,
+    so the emergency's own copy gives up at its deadline instead of waiting; no copy starts again."""
+    import time
+
+    a = make(tmp_path, gcs_proxy)
+    (a.root / "big.bin").write_bytes(b"x" * 1000)
+    stall = gcs_proxy.proxy.add("POST", r"object=runs/.*/artifacts/big.bin", "stall")
+    a.sync_soon()
+    assert gcs_proxy.proxy.wait_stalled(stall)
+    a.abort()
+    r = a.sync(deadline=time.monotonic() + 0.5)
+    assert r.failed == ["another copy was still running at the deadline"]
+    gcs_proxy.proxy.release(stall)
+    assert a.wait(60)
+    (a.root / "later.txt").write_text("after the notice")
+    a.sync_soon()
+    assert not a.busy and uploads(gcs_proxy, "later.txt") == 0
