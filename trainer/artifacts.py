@@ -197,7 +197,7 @@ class Artifacts:
                 report.unchanged += 1
                 return
             assert self.store is not None
-            self.store.replace_file(copy, PREFIX + name, generation=remote.generation if remote else 0)
+            self.store.put_file(copy, PREFIX + name, generation=remote.generation if remote else 0)
             report.uploaded.append(name)
         except FileNotFoundError:
             pass  # removed (or renamed) since the walk: nothing to copy
