@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stacks import gcp_rules as R
+from stacks import task_check, trainer_config
 from trainer.gpu import runs_on, sm
 
 Problem = tuple[str, str]  # (dotted field path, "what is wrong and what is allowed")
@@ -428,8 +429,6 @@ class Trainer(Section):
         return v
 
     def problems(self) -> Iterator[Problem]:
-        from stacks import task_check, trainer_config
-
         if self.param_count is not None and self.state_bytes is not None:
             yield "state_bytes", "is set together with param_count; allowed: one of the two"
         # With the local tier assumed present: `cross_section_problems` checks it against the disk.

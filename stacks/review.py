@@ -467,9 +467,13 @@ def judge_job(d: StackDiff, old: dict | None, new: dict | None, old_file: dict |
             f"Keep the old values, or train a new run under another experiment name.{hint}")
     elif replaced:
         d.job = "restarts"
+        unread = before is None or after is None
         d.job_lines.append(f"running job: {VERDICTS['restarts']}: the group recreates the VM; the "
                            "trainer saves on the way down and the new VM resumes from the newest "
-                           "checkpoint with the same fingerprint")
+                           + ("checkpoint (the trainer's settings could not be read back from one "
+                              "revision's startup script: whether its checkpoints accept the new "
+                              "ones is unchecked)" if unread else
+                              "checkpoint with the same fingerprint"))
     elif d.changes:
         d.job = "resumes"
         d.job_lines.append(f"running job: {VERDICTS['resumes']}: nothing the VM runs changes")

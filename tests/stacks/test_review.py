@@ -426,3 +426,14 @@ def test_trainer_settings_are_read_back_as_the_vm_reads_them():
     assert (cfg.steps, cfg.batch_size, cfg.seed, cfg.tiers["gcs"].keep) == (20000, 4, 3, 2)
     assert cfg.gcs_uri == "gs://my-project-123456-x-ckpt/runs/x"
     assert review.trainer_settings(_stack()) is None
+
+
+@pytest.mark.skipif("extend_steps" not in __import__("trainer.config").config.RunConfig.model_fields,
+                    reason="the trainer has no explicit steps extension yet (own-job-trainer)")
+def test_a_steps_edit_with_extend_steps_continues_the_run():
+    d = judge({"trainer": {"steps": 30000, "config": {"extend_steps": True}}})
+    assert d.job == "restarts", d.job_lines
+    assert any(line.startswith("steps 20000 -> 30000 with extend_steps") for line in d.job_lines)
+    assert "`trainer.steps`: 20000 -> 30000: extends the run (extend_steps)" in d.edits
+    d = judge({"trainer": {"steps": 30000}})
+    assert "set `extend_steps = true` in `[trainer.config]`" in d.job_lines[0]
