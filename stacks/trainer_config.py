@@ -28,8 +28,8 @@ Problem = tuple[str, str]
 #: RunConfig settings the stack sets from other fields (or relies on), and where they come from.
 STACK_SETTINGS: dict[str, str] = {
     "run_dir": "the stack: the checkpoint disk's run directory",
-    "local_dir": "the stack from disk.local_ssd_count (the local SSD tier)",
-    "gcs_uri": "the stack: the experiment's bucket ([bucket])",
+    "local_dir": "the stack from disk.local_ssd_count: the local SSD tier",
+    "gcs_uri": "the stack: the experiment's bucket",
     "steps": "trainer.steps",
     "task": "trainer.task",
     "health_port": "trainer.health_port",

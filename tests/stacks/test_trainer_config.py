@@ -54,7 +54,7 @@ def test_a_typo_exits_2_naming_the_file_and_key_before_anything_is_synthesized(t
     ({"steps": 5}, "trainer.config.steps: is set by trainer.steps; allowed: remove it here and set "
      "trainer.steps"),
     ({"gcs_uri": "gs://other/x"}, "trainer.config.gcs_uri: is set by the stack: the experiment's "
-     "bucket ([bucket]); allowed: remove it here"),
+     "bucket; allowed: remove it here"),
     ({"health_request": "hi"}, "trainer.config.health_request: is set by the stack: the group's "
      "health check sends this request; allowed: remove it here"),
 ])
