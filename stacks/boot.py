@@ -45,7 +45,7 @@ STOP_SLACK_S = 5
 #: Interpreters tried in order for the image's Python with torch (Deep Learning VM images).
 PYTHONS = ("/opt/conda/bin/python3", "/usr/bin/python3", "python3")
 #: The trainer's own dependencies besides torch (pyproject.toml), installed when missing.
-TRAINER_DEPS = ("pydantic>=2.7", "google-cloud-storage>=2.14", "google-crc32c>=1.5",
+TRAINER_DEPS = ("pydantic>=2.7", "google-cloud-storage>=2.14", "google-crc32c>=1.5", "safetensors>=0.4",
                 "tomli>=2; python_version < '3.11'")
 #: Seconds the startup script waits for the NVIDIA driver (first boot installs it).
 DRIVER_TIMEOUT_S = 600

@@ -90,3 +90,14 @@ def test_drill_a_two_gpu_vm_runs_two_ranks_and_resumes_exactly(tmp_path: Path) -
         starts = [line for line in journal.splitlines() if "event=start " in line]
         assert starts and all("world_size=2" in line for line in starts), starts
     assert result.status["latest_step"] == cfg.steps
+
+
+def test_the_report_explains_a_short_runs_low_goodput() -> None:
+    from drill.drill import DrillResult, report
+
+    g = {"goodput": 0.22, "wall_s": 100.0, "sessions": 3, "preemptions": 2, "crashes": 0, "finished": True,
+         "productive_s": 22.0, "startup_s": 30.0, "restore_s": 6.0, "downtime_s": 40.0}
+    text = report(DrillResult(DrillConfig(), "d", "d", {"goodput": g}))
+    assert "goodput 22.0% of 100.0 s wall over 3 session(s)" in text
+    assert ("(why so low: this run trains for only 22.0 s, while each of its 3 VM boots pays about 12.0 s of "
+            "trainer start-up and restore, plus 40.0 s without a trainer in all") in text
