@@ -1,4 +1,7 @@
-"""Command line: ``python -m trainer run|status|rendezvous ...`` (a stable contract).
+"""Command line: ``python -m trainer run|status|rendezvous|stage ...`` (a stable contract).
+
+``stage`` copies a ``gs://`` prefix onto a local disk before training, verified and resumable
+(``trainer.staging``; its exit codes: 0 staged, 1 failed, run it again to resume, 2 bad input).
 
 ``rendezvous`` hosts the c10d rendezvous store of a multi-node job on a coordinator that does not
 train (when it trains, its torchrun agent hosts the store itself).
@@ -69,6 +72,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--local-dir", type=Path)
     s.add_argument("--json", action="store_true", help="print one JSON object")
 
+    g = sub.add_parser("stage", help="copy gs://BUCKET/PREFIX into a directory, verified and resumable")
+    g.add_argument("--from", dest="source", required=True, help="gs://BUCKET/PREFIX to stage")
+    g.add_argument("--to", dest="dest", type=Path, required=True, help="local directory (created if missing)")
+    g.add_argument("--parallel", type=int, default=16, help="downloads at once (default 16)")
+    g.add_argument("--rehash", action="store_true",
+                   help="recompute the CRC32C of every file already staged instead of trusting size and mtime")
+    g.add_argument("--run-dir", type=Path, help="the run's persistent dir: its goodput ledger gets a staging event")
+    g.add_argument("--health-port", type=int, help="answer the health check on this TCP port while staging")
+    g.add_argument("--stall-timeout-s", type=float, default=600.0,
+                   help="health answers 'stalled' after this long without a byte (default 600)")
+    g.add_argument("--forbidden-retry-s", type=float, default=600.0,
+                   help="keep retrying HTTP 403 this long: a new bucket grant takes minutes (default 600)")
+
     z = sub.add_parser("rendezvous", help="host a multi-node job's c10d rendezvous store until SIGTERM")
     z.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
     z.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
@@ -85,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                 "checkpoint_every_seconds", "local_dir", "health_port", "price_per_hour",
                 "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step")}
             cfg = load_run_config(cli, args.config)
+        elif args.command == "stage":
+            if args.health_port is not None and not 0 <= args.health_port <= 65535:
+                raise ConfigError([f"command line: health_port: must be 0..65535, got {args.health_port}"])
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
@@ -100,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.train import run  # torch loads only once the input is known to be good
 
         return run(cfg, process_start=started).code
+    if args.command == "stage":
+        from trainer.staging import main as stage_main
+
+        return stage_main(args)
     if args.command == "rendezvous":
         from trainer.rendezvous import serve
 
