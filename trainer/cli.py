@@ -54,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every-steps", type=int, help="save every K steps")
     r.add_argument("--checkpoint-every-seconds", type=float, help="save every T seconds")
     r.add_argument("--local-dir", type=Path, help="optional fast tier (local SSD)")
+    r.add_argument("--data-dir", type=Path, help="the staged dataset, handed to the task as ctx.data_dir")
     r.add_argument("--health-port", type=int, help="TCP health port (default 8471; 0 = any free port)")
     r.add_argument("--price-per-hour", type=float,
                    help="USD per hour of this VM as provisioned, for the cost in `status` (may change on resume)")
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             cli = {k: getattr(args, k) for k in (
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
-                "checkpoint_every_seconds", "local_dir", "health_port", "price_per_hour",
+                "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
                 "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step")}
             cfg = load_run_config(cli, args.config)
         elif args.command == "stage":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -26,6 +27,7 @@ class TaskContext:
     device: torch.device
     rank: int
     world_size: int
+    data_dir: Path | None = None  # the staged dataset (`[data]` in the experiment), None without one
 
 
 class Dataset(Protocol):

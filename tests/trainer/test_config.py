@@ -144,3 +144,12 @@ def test_global_batch_size_sets_accumulation_per_world_size(tmp_path: Path) -> N
     assert RunConfig(run_dir=tmp_path, steps=5, grad_accum_steps=3).accum_steps(5) == 3
     fp = cfg.fingerprint(dataset_len=7)
     assert fp["global_batch_size"] == 12 and "grad_accum_steps" not in fp and "world_size" not in fp
+
+
+def test_data_dir_from_file_or_flag_is_not_part_of_the_fingerprint(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('data_dir = "/mnt/localssd/data"\n')
+    a = load_run_config({"run_dir": tmp_path, "steps": 5}, cfg_file)
+    b = load_run_config({"run_dir": tmp_path, "steps": 5, "data_dir": Path("/mnt/spottrain/data")}, cfg_file)
+    assert a.data_dir == Path("/mnt/localssd/data") and b.data_dir == Path("/mnt/spottrain/data")
+    assert a.fingerprint(dataset_len=10) == b.fingerprint(dataset_len=10)
