@@ -33,6 +33,9 @@ LOCAL_DIR = f"{LOCAL_MOUNT_DIR}/run"
 WORKDIR = "/opt/spottrain"
 #: Where delivered archives are unpacked, one directory per sha256 (on the boot disk).
 RELEASES_DIR = f"{WORKDIR}/releases"
+#: Where `[data]` is staged: the local SSDs when they are mounted, else the checkpoint disk.
+DATA_DIR_LOCAL = f"{LOCAL_MOUNT_DIR}/data"
+DATA_DIR_DISK = f"{MOUNT_DIR}/data"
 #: On the checkpoint disk: written when the trainer exits 0; no later boot trains again.
 FINISHED_FILE = f"{MOUNT_DIR}/spottrain-finished"
 #: Seconds of the shutdown window kept back from the trainer for the kernel's own power-off.
@@ -149,6 +152,10 @@ class BootProps:
     scale: ScaleTarget | None = None
     """The VM's own group, for stopping paying when the job is done and for flex-start successors
     (`stacks.scale_to_zero`); None: the VM never touches its group."""
+    data_source: str | None = None
+    """`[data] source`: staged before training (`python -m trainer stage`) and passed to the
+    trainer as `--data-dir`; None: no dataset."""
+    data_parallel: int = 16
 
     @property
     def gcs_uri(self) -> str:
@@ -188,6 +195,8 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         parallelism=exp.trainer.parallelism
         if exp.pool is not None or "parallelism" in exp.trainer.model_fields_set else None,
         scale=scale_target(name, exp),
+        data_source=exp.data.source if exp.data is not None else None,
+        data_parallel=exp.data.parallel if exp.data is not None else 16,
     )
     fields.update(overrides)
     return BootProps(**fields)
@@ -297,6 +306,9 @@ def render(props: BootProps) -> BootScripts:
         "scale_settings": scale_settings(props),
         "stop_when_done": props.scale is not None and props.scale.stop_when_done,
         "flex": props.scale is not None and props.scale.run_duration_s is not None,
+        "data": None if props.data_source is None else {
+            "source": props.data_source, "parallel": props.data_parallel,
+            "local_dir": DATA_DIR_LOCAL, "disk_dir": DATA_DIR_DISK},
     }
     trainer_sh = env.get_template("trainer.sh.j2").render(ctx).rstrip("\n")
     unit = env.get_template("spottrain.service.j2").render(ctx).rstrip("\n")

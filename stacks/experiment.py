@@ -584,10 +584,65 @@ class Pool(Section):
         return machine.machine_type if self.coordinator_trains else R.DEFAULT_CPU_COORDINATOR
 
 
+# --- [data]: a dataset staged onto each VM before training (issue 11; docs/data.md) -----------
+#: gs://BUCKET[/PREFIX]: a readable bucket's name (dots allowed: it is not created here) and an
+#: object prefix of printable characters without empty, "." or ".." parts.
+DATA_SOURCE = re.compile(r"^gs://([a-z0-9][-_.a-z0-9]{1,220}[a-z0-9])(/[^\x00-\x1f\x7f]*)?$")
+
+
+class Data(Section):
+    """Your dataset: every object under a `gs://` prefix, staged onto each VM before the trainer
+    starts (local SSDs when the VM has them, else the checkpoint disk), verified and resumable,
+    and handed to the task as `ctx.data_dir`. The VMs' service account gets read access on that
+    bucket only (roles/storage.objectViewer). See docs/data.md."""
+
+    source: str
+    """REQUIRED. gs://BUCKET/PREFIX of the dataset, e.g. "gs://my-datasets/openwebtext". A bucket
+    of yours other than the checkpoint bucket; every object under the prefix is staged, keeping
+    its path below the prefix (gs://b/p/train/0.bin becomes DATA_DIR/train/0.bin)."""
+    parallel: int = Field(default=16, ge=1, le=64)
+    """Downloads at once while staging (large objects are fetched in 32 MiB slices)."""
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        m = DATA_SOURCE.match(v)
+        allowed = ('allowed: gs://BUCKET/PREFIX (bucket: 3-222 of a-z 0-9 - _ ., starting and '
+                   'ending with a letter or digit; prefix: /-separated parts, none empty, "." or "..")')
+        if not m:
+            raise ValueError(f"{v!r} is not valid; {allowed}")
+        bucket, prefix = m.group(1), (m.group(2) or "").strip("/")
+        if any(len(part) > 63 for part in bucket.split(".")) or ".." in bucket:
+            raise ValueError(f"{v!r} is not valid; {allowed}")
+        if bucket.startswith("goog") or "google" in bucket:
+            raise ValueError(f"{v!r} is not valid; allowed: a bucket without a goog prefix or 'google'")
+        if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
+            raise ValueError(f"{v!r} is not valid; {allowed}")
+        return v
+
+    @property
+    def bucket(self) -> str:
+        return self.source.removeprefix("gs://").split("/", 1)[0]
+
+
+def data_problems(exp: "Experiment", name: str) -> Iterator[Problem]:
+    """The data bucket against the buckets the stack owns."""
+    if exp.data is None:
+        return
+    if exp.data.bucket == exp.bucket_name(name):
+        yield ("data.source", f"{exp.data.bucket!r} is the checkpoint bucket this stack creates (and "
+               "may destroy with force_destroy; its soft delete and lifecycle apply to everything in "
+               "it); allowed: a separate bucket holding your data")
+    if exp.backend.bucket is not None and exp.data.bucket == exp.backend.bucket:
+        yield ("data.source", f"{exp.data.bucket!r} is the Terraform state bucket (the VMs would read "
+               "the state); allowed: a separate bucket holding your data")
+# --- end [data] ---------------------------------------------------------------------------------
+
+
 SECTIONS: dict[str, type[Section]] = {
     "gcp": Gcp, "machine": Machine, "disk": Disk, "bucket": Bucket, "network": Network,
     "group": Group, "trainer": Trainer, "pool": Pool, "backend": Backend, "cost": Cost,
-    "capacity": Capacity,
+    "capacity": Capacity, "data": Data,
 }  # fmt: skip
 
 
@@ -620,6 +675,8 @@ class Experiment(BaseModel):
     """Assumptions and price overrides for the cost estimate."""
     capacity: Capacity = Capacity()
     """Capacity options: ranked machine types, zone change, on-demand fallback, flex-start."""
+    data: Data | None = None
+    """A dataset in a bucket, staged onto each VM before training (absent: none)."""
 
     @field_validator("labels")
     @classmethod
@@ -718,6 +775,7 @@ def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
     if exp.pool is not None:
         yield from pool_problems(exp)
     yield from capacity_problems(exp)
+    yield from data_problems(exp, name)
     if exp.backend.bucket is not None and exp.backend.bucket == exp.bucket_name(name):
         yield (
             "backend.bucket",

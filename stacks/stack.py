@@ -84,6 +84,8 @@ class TrainingStack(TerraformStack):
             labels=labels,
         ))
         identity.grant_bucket(bucket.name)
+        if exp.data is not None:  # read on the dataset's bucket, which the stack does not own
+            identity.grant_data_bucket(exp.data.bucket)
 
         net = exp.network
         network = TrainerNetwork(self, "network", NetworkProps(
@@ -339,7 +341,8 @@ class TrainingStack(TerraformStack):
             "state_command": (
                 f"gcloud compute instances get-guest-attributes INSTANCE {p} {zone} "
                 "--query-path=spottrain/state",
-                "The VM's boot path state: starting, training, finished (scale to zero now), "
+                "The VM's boot path state: starting, staging (the [data] dataset), training, "
+                "finished (scale to zero now), "
                 "failed (see serial_log_command), stopped-<trainer exit status>",
             ),
             "list_errors_command": (

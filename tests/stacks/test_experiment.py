@@ -188,8 +188,28 @@ RULES = [
      "termination_action, image_family, image_project, boot_disk_gb"),
     ("unknown-section", {"cluster": {"size": 2}},
      "cluster: unknown key; allowed: labels, gcp, machine, disk, bucket, network, group, "
-     "trainer, pool, backend, cost, capacity"),
+     "trainer, pool, backend, cost, capacity, data"),
     ("missing-required", {"trainer": {"steps": None}}, "trainer.steps: is required"),
+    # [data]
+    ("data-source-not-gs", {"data": {"source": "s3://bucket/x"}},
+     "data.source: 's3://bucket/x' is not valid; allowed: gs://BUCKET/PREFIX (bucket: 3-222 of "
+     "a-z 0-9 - _ ., starting and ending with a letter or digit; prefix: /-separated parts, none "
+     'empty, "." or "..")'),
+    ("data-source-dotdot", {"data": {"source": "gs://my-data/a/../b"}},
+     "data.source: 'gs://my-data/a/../b' is not valid; allowed: gs://BUCKET/PREFIX (bucket: 3-222 "
+     "of a-z 0-9 - _ ., starting and ending with a letter or digit; prefix: /-separated parts, none "
+     'empty, "." or "..")'),
+    ("data-not-the-checkpoint-bucket", {"data": {"source": "gs://my-project-123456-x-ckpt/data"}},
+     "data.source: 'my-project-123456-x-ckpt' is the checkpoint bucket this stack creates (and may "
+     "destroy with force_destroy; its soft delete and lifecycle apply to everything in it); "
+     "allowed: a separate bucket holding your data"),
+    ("data-not-the-state-bucket", {"backend": {"type": "gcs", "bucket": "team-state"},
+                                   "data": {"source": "gs://team-state/x"}},
+     "data.source: 'team-state' is the Terraform state bucket (the VMs would read the state); "
+     "allowed: a separate bucket holding your data"),
+    ("data-parallel", {"data": {"source": "gs://my-data/x", "parallel": 0}},
+     "data.parallel: Input should be greater than or equal to 1, got 0"),
+    ("data-source-required", {"data": {"parallel": 4}}, "data.source: is required"),
 ]
 
 
