@@ -111,6 +111,15 @@ class Machine(Section):
     """Project that publishes `image_family`."""
     boot_disk_gb: int = Field(default=200, ge=R.BOOT_DISK_MIN_GB, le=R.PD_SSD_MAX_GB)
     """Boot disk size in GB (pd-balanced); the Deep Learning VM images need about 50 GB."""
+    python_version: str | None = None
+    """The image's Python as "X.Y", for the wheels the stack resolves at deploy time (see
+    docs/dependencies.md). Default: from `image_family` (stacks/gcp_rules.py names the Python of
+    ubuntu-2204, ubuntu-2404 and debian-12 families); required for a family that names none."""
+
+    @field_validator("python_version")
+    @classmethod
+    def _python(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, re.compile(r"^3\.[0-9]{1,2}$"), 'a Python version such as "3.10"')
 
     @field_validator("image_family", "image_project")
     @classmethod
@@ -166,6 +175,11 @@ class Machine(Section):
                         f"{lim.max_vcpus} vCPU and {lim.max_memory_gb:g} GB",
                     )
         yield from self._gpu_against_image()
+        if R.image_python(self.image_family, self.python_version) is None:
+            yield ("image_family", f"{self.image_family!r} names no OS whose Python stacks/gcp_rules.py "
+                   "knows, so the wheels shipped with the code cannot be resolved for it; allowed: "
+                   "a family naming " + ", ".join(R.IMAGE_OS_PYTHON) + ', or set machine.python_version '
+                   '(e.g. "3.10")')
         if self.provisioning == "standard" and shape.spot_or_flex_only:
             yield (
                 "provisioning",

@@ -18,7 +18,7 @@ from stacks import apis as A
 from stacks import gcp_rules as R
 from stacks.boot import boot_props, group_name, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
-from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive
+from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
 from stacks.experiment import Experiment, code_path
 from stacks.fallback import FallbackProps, OnDemandFallback
 from stacks.flex_start import FlexStartGroup, FlexStartProps
@@ -40,6 +40,8 @@ from stacks.network import (
 )
 from stacks.pool import ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pool_dns import PoolDns, PoolDnsProps
+from stacks.wheels import resolve as resolve_wheels
+from stacks.wheels import wheel_set
 from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
 from trainer import scale as vm_scale
 from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
@@ -124,8 +126,11 @@ class TrainingStack(TerraformStack):
         # The trainer (and the user's code) as content-named objects in the bucket: a code
         # change renames them, which changes the startup script and so the template.
         archives = [trainer_archive()]
-        if exp.trainer.code_dir is not None:
-            archives.append(user_archive(code_path(exp.trainer.code_dir)))
+        code = code_path(exp.trainer.code_dir) if exp.trainer.code_dir is not None else None
+        if code is not None:
+            archives.append(user_archive(code))
+        # The dependencies as wheels for the image's Python: the VM installs them offline.
+        archives.append(wheels_archive(resolve_wheels(wheel_set(exp, code))))
         delivery = CodeDelivery(self, "code", DeliveryProps(
             bucket=bucket.name, archives=tuple(archives)))
 

@@ -16,6 +16,25 @@ _PRIVATE_TMP = tempfile.mkdtemp(prefix="spottrain-tests-")
 os.environ["TMPDIR"] = _PRIVATE_TMP  # read by child processes, the jsii runtime among them
 
 
+# Synthesis resolves the dependencies' wheels (stacks/wheels.py): against a local index of tiny
+# stand-in wheels for the trainer's requirements, into a private cache, never against PyPI.
+def _local_wheel_index() -> None:
+    from pathlib import Path as _Path
+
+    from stacks.wheels import CACHE_ENV, INDEX_ENV, build_wheel
+
+    index = _Path(_PRIVATE_TMP) / "wheel-index"
+    index.mkdir()
+    for name, version in (("pydantic", "2.7.0"), ("google-cloud-storage", "2.14.0"),
+                          ("google-crc32c", "1.5.0"), ("tomli", "2.0.1")):
+        build_wheel(index, name, version)
+    os.environ[INDEX_ENV] = str(index)
+    os.environ[CACHE_ENV] = str(_Path(_PRIVATE_TMP) / "wheel-cache")
+
+
+_local_wheel_index()
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     shutil.rmtree(_PRIVATE_TMP, ignore_errors=True)
 
