@@ -535,41 +535,62 @@ class Stager:
         units: list[tuple[_Job, int, int]] = []
         changed = threading.Event()
         for r in todo:
-            tmp = tmp_dir / uuid.uuid4().hex
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             slices = [(s, min(s + self.slice_bytes, r.size)) for s in range(0, r.size, self.slice_bytes)] \
                 if r.crc32c is not None and r.size > self.slice_bytes else [(0, r.size)]
-            job = _Job(r, tmp, fd, slices, md5=hashlib.md5() if r.crc32c is None and r.md5 else None,
-                       left=len(slices))
+            job = _Job(r, tmp_dir / uuid.uuid4().hex, -1, slices,
+                       md5=hashlib.md5() if r.crc32c is None and r.md5 else None, left=len(slices))
             jobs.append(job)
             units += [(job, s, e) for s, e in slices]
         bucket = self._bucket()
+        # Verifying, fsyncing and renaming a finished file runs beside the downloads, so that the
+        # next object's bytes flow while the last one's reach the disk.
+        finishers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="stage-finish")
+        finishing: list[Any] = []
+
+        def finish(job: _Job) -> None:
+            try:
+                self._finish(job, manifest, result)
+            except _Changed as e:
+                log.warning("event=staging_object_changed object=%s error=%r", job.remote.name, str(e)[:200])
+                changed.set()
 
         def unit(job: _Job, start: int, end: int) -> None:
             try:
+                with job.lock:  # opened when its first slice starts: a million objects, few fds
+                    if job.fd < 0:
+                        job.fd = os.open(job.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 self._fetch(bucket, job, start, end)
                 with job.lock:
                     job.left -= 1
                     last = job.left == 0
                 if last:
-                    self._finish(job, manifest, result)
+                    finishing.append(finishers.submit(finish, job))
             except _Changed as e:  # pinned to the listed generation: the next round lists it again
                 log.warning("event=staging_object_changed object=%s error=%r", job.remote.name, str(e)[:200])
                 changed.set()
 
+        def first_failure(futures: list[Any]) -> BaseException | None:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            return failed[0].exception() if failed else None
+
         try:
             with ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="stage") as pool:
                 futures = [pool.submit(unit, *u) for u in units]
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                failed = [f for f in done if f.exception() is not None]
-                if failed:
+                error = first_failure(futures)
+                if error is not None:
                     self._abort.set()
                     wait(futures)
-                    raise failed[0].exception()  # type: ignore[misc]
+            error = error or first_failure(list(finishing))
+            if error is not None:
+                self._abort.set()
+                raise error
         finally:
+            finishers.shutdown(wait=True)
             for job in jobs:
-                with contextlib.suppress(OSError):
-                    os.close(job.fd)
+                if job.fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(job.fd)
                 job.tmp.unlink(missing_ok=True)
         return changed.is_set()
 
