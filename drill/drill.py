@@ -237,6 +237,14 @@ class Deployment:
         self.say = say
         self.hostname = hostname
         self.image_files = dict(image_files or {})
+        if "/etc/hosts" not in self.image_files:
+            # The VM's own name resolves, as GCE's internal DNS makes it: torchrun --standalone
+            # (a VM with several GPUs) serves its rendezvous store under the host name.
+            root.mkdir(parents=True, exist_ok=True)
+            hosts = root / "hosts"
+            base = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
+            hosts.write_text(base.rstrip("\n") + f"\n127.0.1.1 {hostname}\n")
+            self.image_files["/etc/hosts"] = hosts
         self.unit_environment = {"OMP_NUM_THREADS": "1", **(unit_environment or {})}
         root.mkdir(parents=True, exist_ok=True)
         self.gcs = gcs if gcs is not None else StorageEmulator(rendered.bucket, log=root / "gcs-emulator.log")
