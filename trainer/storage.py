@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Protocol, TypeVar, runtime_checkable
+from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,14 @@ class Store(Protocol):
     def get_file(self, key: str, dst: Path) -> None: ...
     def list(self, prefix: str) -> list[str]: ...
     def delete_prefix(self, prefix: str) -> None: ...
+
+
+class ObjectInfo(NamedTuple):
+    """One object as a listing shows it."""
+
+    size: int
+    crc32c: str  # base64, as GCS reports it
+    generation: int
 
 
 class UploadAborted(Exception):
@@ -516,24 +524,30 @@ class GcsStore:
         b.chunk_size = self.CHUNK_SIZE
         return b
 
-    def put_file(self, src: Path, key: str) -> None:
+    def put_file(self, src: Path, key: str, *, generation: int = 0) -> None:
+        """Upload ``src`` to ``key``: create-only, or with ``generation`` only while the object is
+        still at that generation (replacing exactly what was seen). The precondition makes the
+        retries safe. A 412 whose object already holds exactly this content (our own write whose
+        answer was lost) counts as done; otherwise ``FileExistsError``."""
         src = Path(src)
         size = src.stat().st_size
-        self._put_stream(key, lambda: open(src, "rb"), size, lambda: _crc32c_file(src))
+        self._put_stream(key, lambda: open(src, "rb"), size, lambda: _crc32c_file(src), generation=generation)
 
     def put_memory(self, key: str, data: memoryview | bytes) -> None:
         """``put_file`` from host memory (a snapshot whose disk copy could not be written)."""
         mv = memoryview(data).cast("B")
         self._put_stream(key, lambda: contextlib.closing(_MemoryReader(mv)), len(mv), lambda: _crc32c_bytes(mv))
 
-    def _put_stream(self, key: str, opener: Callable[[], Any], size: int, crc: Callable[[], str]) -> None:
-        """Create-only, chunked upload of what ``opener`` opens; the deadline and the abort are
-        checked before every chunk, and every request is bounded by ``_timeout()``."""
+    def _put_stream(self, key: str, opener: Callable[[], Any], size: int, crc: Callable[[], str], *,
+                    generation: int = 0) -> None:
+        """Chunked upload of what ``opener`` opens (create-only, or at ``generation``, see
+        ``put_file``); the deadline and the abort are checked before every chunk, and every
+        request is bounded by ``_timeout()``."""
         def upload() -> None:
             blob = self._blob(key)
             with opener() as f:
                 blob.upload_from_file(_AbortableReader(f, self._deadline(), self._aborted), size=size,
-                                      if_generation_match=0, retry=None, timeout=self._timeout())
+                                      if_generation_match=generation, retry=None, timeout=self._timeout())
 
         self._create_only(key, upload, lambda: (size, crc()))
 
@@ -613,6 +627,11 @@ class GcsStore:
 
     def sizes(self, prefix: str) -> dict[str, int]:
         return {self._key_of(b.name): int(b.size or 0) for b in self._list_blobs(prefix)}
+
+    def objects(self, prefix: str) -> dict[str, ObjectInfo]:
+        """Key -> size, CRC32C and generation of every object under ``prefix`` (one listing)."""
+        return {self._key_of(b.name): ObjectInfo(int(b.size or 0), b.crc32c or "", int(b.generation or 0))
+                for b in self._list_blobs(prefix)}
 
     def delete_prefix(self, prefix: str) -> None:
         from google.api_core import exceptions as gexc
