@@ -222,7 +222,11 @@ class Checkpointer:
         #: Called with (tier, failure record or None when it works again) on each change; the
         #: session puts it into the goodput ledger. Must not raise (errors are logged).
         self.on_tier_health: Callable[[str, dict | None], None] | None = None
-        self._restore_lock = threading.Lock()  # retention never deletes while a restore runs
+        # Retention never deletes while a restore runs: one lock per tier (retention on GCS, which
+        # may sit in a stalled request, must never hold a disk tier's retention up), all of them
+        # for a restore.
+        self._tier_locks = {name: threading.Lock() for name in self._tiers}
+        self._restore_lock = _Locks(list(self._tier_locks.values()))
         self._started = time.monotonic()
         self.stats: dict[str, Any] = {
             "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
@@ -604,7 +608,7 @@ class Checkpointer:
         is kept until that upload ended.
         """
         keep = t.policy.keep
-        with self._restore_lock:
+        with self._tier_locks[t.name]:
             older = [i for i in list_checkpoints(t.store, self.parse_manifest) if i.step < newest_step]
             keep_older = {i.step for i in [x for x in older if x.valid][: keep - 1]}
             pinned = self._pinned(t.name)
@@ -946,6 +950,21 @@ class Checkpointer:
                     entry["newest_valid"] = i.step
             out["tiers"][name] = entry
         return out
+
+
+class _Locks:
+    """Several locks taken together, always in the same order."""
+
+    def __init__(self, locks: list[threading.Lock]) -> None:
+        self._locks = locks
+
+    def __enter__(self) -> None:
+        for lock in self._locks:
+            lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        for lock in reversed(self._locks):
+            lock.release()
 
 
 def describe_failing(failing: dict[str, dict[str, Any]]) -> str:

@@ -731,10 +731,15 @@ def test_a_stalled_retention_listing_never_holds_the_emergency_save(gcs_proxy, t
     c.save(2, make_state(2))
     assert gcs_proxy.proxy.wait_stalled(stall, timeout=GUARD)
     assert "step 2 durable on gcs" in logwatch.text()  # retention comes after the upload
-    got = in_thread(lambda: c.emergency_save(3, make_state(3), deadline=time.monotonic() + GUARD))
+    # The next disk save and its retention go on meanwhile (GCS retention holds no disk tier up).
+    c.save(3, make_state(3))
+    c._thread.join(GUARD)
+    assert not c._busy(), "the disk writer waited for GCS retention"
+    got = in_thread(lambda: c.emergency_save(4, make_state(4), deadline=time.monotonic() + GUARD))
     assert got and got[0].complete, got[0].detail if got else "the emergency save waited for retention"
     assert stall.held == 1
-    assert gcs_steps(c) == {1, 2, 3}  # retention was cut short: nothing it would delete is gone yet
+    assert gcs_steps(c) == {1, 2, 4}  # retention was cut short: nothing it would delete is gone yet
+    assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {1, 2, 3, 4}
 
 
 def test_a_stalled_upload_never_holds_the_disk_saves_hostage(gcs_proxy, tmp_path: Path, logwatch) -> None:
