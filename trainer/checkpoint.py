@@ -504,45 +504,44 @@ def copy_dir(src: Path, root: Path, parse: ManifestParser = parse_manifest) -> P
     """Copy a checkpoint folder holding its manifest (a committed one, or a staging folder) into
     ``root/step-N/`` (another disk tier) atomically: every file the manifest lists, fsynced, the
     manifest last, then the rename."""
-    src, root = Path(src), Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    src = Path(src)
     manifest = (src / MANIFEST).read_bytes()
     m = parse(manifest, parse_step(src.name))
-    final = root / step_name(m["step"])
-    stage = root / f"{TMP_PREFIX}{final.name}-cp-{uuid.uuid4().hex[:8]}"
-    stage.mkdir()
-    try:
+
+    def fill(stage: Path) -> bytes:
         for name in m["files"]:
             copy_file_durable(src / name, stage / name)
-        _write_hashed_plain(stage / MANIFEST, manifest)
-        fsync_dir(stage)
-        if final.exists():
-            raise FileExistsError(str(final))
-        os.rename(stage, final)
-        fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return final
+        return manifest
+
+    return _assemble(Path(root), step_name(m["step"]), "cp", fill)
 
 
 def download_dir(store: Store, step: int, root: Path, parse: ManifestParser = parse_manifest) -> Path:
     """Copy ``step-N`` from ``store`` into ``root/step-N/`` atomically (manifest fetched last is
     irrelevant here: the folder only appears after everything arrived and was verified).
     ``parse``: the layout's manifest parser (default ``parse_manifest``), which says the files."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_name(step)
-    stage = root / f"{TMP_PREFIX}{final.name}-dl-{uuid.uuid4().hex[:8]}"
-    stage.mkdir()
-    try:
+    def fill(stage: Path) -> bytes:
         manifest_bytes = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
         manifest = parse(manifest_bytes, step)
         for name in manifest["files"]:
             store.get_file(f"{step_name(step)}/{name}", stage / name)
         for name, info in manifest["files"].items():
             _verify_file(stage / name, info)
-        _write_hashed_plain(stage / MANIFEST, manifest_bytes)
+        return manifest_bytes
+
+    return _assemble(Path(root), step_name(step), "dl", fill)
+
+
+def _assemble(root: Path, name: str, kind: str, fill: Callable[[Path], bytes]) -> Path:
+    """Make ``root/name`` appear whole: ``fill(stage)`` puts the payload into a ``.tmp-`` folder and
+    returns the manifest, written last; then fsync and one atomic rename (``FileExistsError`` when
+    ``root/name`` is there already)."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    stage = root / f"{TMP_PREFIX}{name}-{kind}-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        _write_hashed_plain(stage / MANIFEST, fill(stage))
         fsync_dir(stage)
         if final.exists():
             raise FileExistsError(str(final))
