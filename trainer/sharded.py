@@ -531,8 +531,9 @@ class ShardedCheckpointer(Checkpointer):
 
         if self.nodes > 1:  # every rank uploads its own files, in order, on every rank
             if job.deadline is not None:
+                t1 = time.monotonic()
                 out.gcs, why = self._upload_sharded(step, stage, manifest, job.deadline)
-                self._record_upload(step, out, why, time.monotonic())
+                self._record_upload(step, out, why, t1)
                 return False
             self._enqueue(_Upload(step, folder=stage, manifest=manifest, collective=True, cleanup=cleanup))
             out.detail.append("GCS upload queued")
