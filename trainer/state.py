@@ -89,6 +89,7 @@ def build(
         "rng": rngs,  # one per rank, indexed by rank
         "data": data.state_dict(),
         "fingerprint": fingerprint,
+        "torch": torch.__version__,  # compared at resume: a change is reported (check_versions)
     }
     if model is not None and optimizer is not None:
         out["model"] = unwrap(model).state_dict()
@@ -96,19 +97,43 @@ def build(
     return out
 
 
-def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
+#: Fingerprint keys added after checkpoints existed. A checkpoint without one predates the key, so
+#: what its run used is unknown: the resume is accepted with a warning naming the key (refusing
+#: would strand every running job at its next restart), and its next checkpoint records the key.
+LATER_KEYS = ("threads", "deterministic", "device")
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Raise ``ResumeMismatch`` naming every setting that differs; the warnings to log (keys
+    the checkpoint predates, see ``LATER_KEYS``)."""
     # Checkpoints written before elastic training recorded the world size; it may now change.
     saved = {k: v for k, v in saved.items() if k != "world_size"}
+    predates = [k for k in LATER_KEYS if k in current and k not in saved]
     diffs = [
         f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
         for k in sorted(set(saved) | set(current))
-        if saved.get(k) != current.get(k)
+        if k not in predates and saved.get(k) != current.get(k)
     ]
     if diffs:
         raise ResumeMismatch(
             "cannot resume: these settings differ from the run that wrote the checkpoint "
             "(use the original settings, or a new --run-dir/--gcs-uri for a new run): " + "; ".join(diffs)
         )
+    return [f"event=fingerprint_unrecorded key={k} value={current[k]!r} (the checkpoint predates this "
+            "setting in the fingerprint: resuming with this run's value; if the run used another one, "
+            "the results differ from an uninterrupted run)" for k in predates]
+
+
+def check_versions(saved: dict[str, Any]) -> list[str]:
+    """Warnings when the checkpoint was written by another PyTorch. Not refused: the VM image
+    brings its own PyTorch and a recreated VM boots the image family's newest, so refusing
+    would strand a job at an ordinary image update; another version only stops the run from
+    being bit-identical to an uninterrupted one (other kernels, other rounding)."""
+    then = saved.get("torch")
+    if not isinstance(then, str) or then == torch.__version__:
+        return []
+    return [f"event=torch_version_change from={then} to={torch.__version__} (resuming; results are no "
+            "longer bit-identical to an uninterrupted run)"]
 
 
 def apply(
