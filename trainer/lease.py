@@ -284,10 +284,11 @@ class Lease:
         interval = self.ttl_s / 4
         failures = 0
         while not self._stop.wait(interval if failures == 0 else min(interval, 2.0 ** failures)):
-            if self._lost is not None:
+            gen = self._gen
+            if self._lost is not None or gen is None:
                 return
             try:
-                ok = self._write(self._gen or 0, seconds=interval)
+                ok = self._write(gen, seconds=interval)
             except Exception as e:  # noqa: BLE001 - unreachable: retried; check() stops writes meanwhile
                 failures += 1
                 self.log.warning("event=lease_renew ok=0 error=%r (writes to GCS stop %.0f s after the last "

@@ -640,9 +640,10 @@ class GcsStore:
             blob = self._bucket.get_blob(self._object(key), retry=None, timeout=self._timeout())
             if blob is None:
                 return None
+            # Read before the download: it resets them from the answer's headers (which may lack them).
+            generation, updated = int(blob.generation), blob.updated
             data = blob.download_as_bytes(retry=None, timeout=self._timeout())  # pinned to that generation
-            updated = blob.updated.timestamp() if blob.updated is not None else None
-            return data, int(blob.generation), updated
+            return data, generation, updated.timestamp() if updated is not None else None
 
         from google.api_core import exceptions as gexc
 
