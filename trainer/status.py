@@ -3,8 +3,11 @@
 Read-only: it never downloads into, repairs or deletes anything on a tier.
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
-(the checkpointer's per-tier description) and ``goodput`` (see ``goodput.Report``; its ``cost``
-object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per node).
+(the checkpointer's per-tier description), ``unknown_tiers`` (tier -> error for those that could
+not be read: the newest checkpoint may be there) and ``goodput`` (see ``goodput.Report``; its
+``cost`` object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per
+node; ``ledger_errors`` and ``skipped_events`` say what the ledger could not write or read, and
+``skipped`` lists the first malformed events left out).
 """
 from __future__ import annotations
 

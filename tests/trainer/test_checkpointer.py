@@ -602,3 +602,19 @@ def test_the_other_layout_is_never_deleted_and_blocks_a_fresh_start(tmp_path: Pa
     with pytest.raises(ResumeMismatch, match=r'parallelism = "ddp", but its tiers hold .*persistent step 2'):
         plain.restore()
     plain.close()
+
+
+def test_a_download_that_fails_is_unknown_not_a_reason_to_fall_back(gcs_proxy, tmp_path: Path, logwatch) -> None:
+    c = Checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(),
+                     policies={"persistent": EVERY, "gcs": EVERY})
+    save_steps(c, [1, 2])
+    c.close()
+    shutil.rmtree(tmp_path / "run")  # a blank disk: the checkpoints are only in GCS
+    # The listing and the manifests answer; step 2's payload does not (403).
+    gcs_proxy.proxy.add("GET", r"alt=media.* object=.*step-00000002/(?!manifest)", "status", status=403, times=None)
+    c2 = Checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client())
+    with pytest.raises(TierUnknown, match="gcs: Forbidden"):
+        c2.restore()  # not step 1 (older), not "nothing": step 2 exists
+    assert "falling back" not in logwatch.text()
+    gcs_proxy.proxy.clear()
+    assert c2.restore().step == 2
