@@ -23,6 +23,7 @@ from stacks import gcp_rules as R
 from stacks.experiment import Experiment
 from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args
+from stacks.trainer_config import to_toml
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 DEVICE_NAME = "spottrain-checkpoints"
@@ -33,6 +34,10 @@ LOCAL_DIR = f"{LOCAL_MOUNT_DIR}/run"
 WORKDIR = "/opt/spottrain"
 #: Where delivered archives are unpacked, one directory per sha256 (on the boot disk).
 RELEASES_DIR = f"{WORKDIR}/releases"
+#: `[trainer.config]` on the VM, the trainer's `--config` file (`stacks.trainer_config`).
+CONFIG_FILE = "/etc/spottrain/trainer.toml"
+#: Where each rank of a torchrun launch records its exit status (`trainer.exit_status`).
+EXIT_DIR = "/run/spottrain/exit"
 #: On the checkpoint disk: written when the trainer exits 0; no later boot trains again.
 FINISHED_FILE = f"{MOUNT_DIR}/spottrain-finished"
 #: Seconds of the shutdown window kept back from the trainer for the kernel's own power-off.
@@ -40,7 +45,7 @@ STOP_SLACK_S = 5
 #: Interpreters tried in order for the image's Python with torch (Deep Learning VM images).
 PYTHONS = ("/opt/conda/bin/python3", "/usr/bin/python3", "python3")
 #: The trainer's own dependencies besides torch (pyproject.toml), installed when missing.
-TRAINER_DEPS = ("pydantic>=2.7", "google-cloud-storage>=2.14", "google-crc32c>=1.5",
+TRAINER_DEPS = ("pydantic>=2.7", "google-cloud-storage>=2.14", "google-crc32c>=1.5", "safetensors>=0.4",
                 "tomli>=2; python_version < '3.11'")
 #: Seconds the startup script waits for the NVIDIA driver (first boot installs it).
 DRIVER_TIMEOUT_S = 600
@@ -141,7 +146,14 @@ class BootProps:
     the prices the trainer's ledger records at every boot, so `trainer status` reports the cost."""
     pool: PoolLayout | None = None
     """A multi-node pool (`stacks.pool`): the trainer runs under torchrun with a c10d rendezvous
-    on the coordinator; None: one VM runs `python3 -m trainer run` as before."""
+    on the coordinator; None: one VM."""
+    nproc_per_node: int = 1
+    """Trainer processes per VM, one per GPU (`machine.gpu_count`). A single VM with more than
+    one runs `torchrun --standalone --nproc-per-node=N`; with one, `python3 -m trainer run`."""
+    config: str = ""
+    """`[trainer.config]` as the TOML file the trainer reads (`--config`); "" for none."""
+    exit_dir: str = EXIT_DIR
+    """Under torchrun: where each rank records its exit status (`trainer.exit_status`)."""
     parallelism: str | None = None
     """`--parallelism ddp|fsdp` for the trainer; None passes no flag (the single-VM default)."""
     coordinator_price_args: tuple[str, ...] = ()
@@ -153,6 +165,11 @@ class BootProps:
     @property
     def gcs_uri(self) -> str:
         return f"gs://{self.bucket}/runs/{self.name}"
+
+    @property
+    def torchrun(self) -> bool:
+        """Whether the trainer runs under torchrun (a pool, or several GPUs on one VM)."""
+        return self.pool is not None or self.nproc_per_node > 1
 
     @property
     def window_s(self) -> int:
@@ -182,6 +199,8 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         releases=tuple(releases),
         price_args=tuple(trainer_price_args(exp)),
         pool=layout(name, exp),
+        nproc_per_node=exp.machine.gpu_count,
+        config=to_toml(exp.trainer.config),
         coordinator_price_args=tuple(coordinator_price_args(exp)) if exp.pool else (),
         # Passed with a pool, or when the experiment sets it: an unchanged single-VM experiment
         # renders byte-identical scripts.
@@ -290,6 +309,11 @@ def render(props: BootProps) -> BootScripts:
         "forbidden_retry_s": props.forbidden_retry_s,
         "forbidden_first_wait_s": props.forbidden_first_wait_s,
         "pool": props.pool,
+        "torchrun": props.torchrun,
+        "nproc_per_node": props.pool.nproc_per_node if props.pool else props.nproc_per_node,
+        "exit_dir": props.exit_dir,
+        "trainer_config": props.config.rstrip("\n"),
+        "config_file": CONFIG_FILE,
         "parallelism": props.parallelism,
         "role_key": ROLE_KEY,
         "coordinator_role": COORDINATOR,

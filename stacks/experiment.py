@@ -12,11 +12,12 @@ import ipaddress
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stacks import gcp_rules as R
+from stacks import task_check, trainer_config
 from trainer.gpu import runs_on, sm
 
 Problem = tuple[str, str]  # (dotted field path, "what is wrong and what is allowed")
@@ -403,6 +404,16 @@ class Trainer(Section):
     VM next to the trainer and put on its PYTHONPATH, so that `task` can name a module in it,
     e.g. "mycode" holding mymodel/task.py with task = "mymodel.task:build". Packed like the
     trainer (no __pycache__, tests or hidden entries); a change in it rolls the group."""
+    config: dict[str, Any] = {}
+    """The trainer's own settings, as in its config file (`python -m trainer run --config`): any
+    setting of docs/reference/trainer.md with the same name and type, tables included
+    (`[trainer.config.task_args]`, `[trainer.config.tiers.gcs]`), e.g. `batch_size = 32`,
+    `precision = "bf16"`. Checked by the trainer's own model before anything is deployed, and
+    written to /etc/spottrain/trainer.toml on the VM. The settings the stack sets from other
+    fields (run_dir, local_dir, gcs_uri, steps, task, health_port, health_host, health_request,
+    parallelism, the prices) are refused here, and so is a setting that `args` passes as a flag
+    too. A change that alters the resume fingerprint (seed, task_args, batch_size...) is refused
+    by the running job's checkpoints: `make review` says which."""
 
     @field_validator("task")
     @classmethod
@@ -420,6 +431,11 @@ class Trainer(Section):
     def problems(self) -> Iterator[Problem]:
         if self.param_count is not None and self.state_bytes is not None:
             yield "state_bytes", "is set together with param_count; allowed: one of the two"
+        # With the local tier assumed present: `cross_section_problems` checks it against the disk.
+        yield from trainer_config.problems(self.config, steps=self.steps, task=self.task,
+                                           local_ssd=True, args=self.args)
+        user_code = code_path(self.code_dir) if self.code_dir is not None else None
+        yield from task_check.problems(self.task, user_code, self.config.get("task_args", {}))
         for i, arg in enumerate(self.args):
             if any(ord(c) < 32 or ord(c) == 127 for c in arg):
                 yield f"args[{i}]", "contains a control character; allowed: printable text"
@@ -683,6 +699,11 @@ def shared_vpc_problems(exp: Experiment) -> Iterator[Problem]:
 
 def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
     yield from shared_vpc_problems(exp)
+    tiers = exp.trainer.config.get("tiers")
+    if isinstance(tiers, dict) and "local" in tiers and exp.disk.local_ssd_count == 0:
+        yield ("trainer.config.tiers.local",
+               "sets the local SSD tier, but disk.local_ssd_count = 0 (there is none); allowed: "
+               "remove it, or add local SSDs")
     zones = len(exp.gcp.zones)
     if exp.group.placement == "zonal" and zones != 1:
         yield (
@@ -787,34 +808,40 @@ def pool_problems(exp: Experiment) -> Iterator[Problem]:
 
 
 def global_batch_problems(exp: Experiment) -> Iterator[Problem]:
-    """`--global-batch-size G` in `trainer.args`: every world size the pool can take
-    (gpu_count x min_nodes .. max_nodes) must divide G, or the trainer would refuse to start
-    after a node is lost (it also needs G / world size to be a multiple of its batch_size, which
-    only the trainer knows)."""
+    """`global_batch_size` in `[trainer.config]` or `--global-batch-size G` in `trainer.args`:
+    every world size the pool can take (gpu_count x min_nodes .. max_nodes) must divide G, or the
+    trainer would refuse to start after a node is lost (it also needs G / world size to be a
+    multiple of its batch_size, which only the trainer knows)."""
     pool, args = exp.pool, exp.trainer.args
     assert pool is not None
+    found: tuple[str, object] | None = None
+    configured = exp.trainer.config.get("global_batch_size")
+    if isinstance(configured, int) and not isinstance(configured, bool):
+        found = "trainer.config.global_batch_size", configured  # args cannot set it too (refused)
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
-        if flag != "--global-batch-size":
+        if found is not None or flag != "--global-batch-size":
             continue
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
-        try:
-            g = int(value)
-        except ValueError:
-            yield f"trainer.args[{i}]", f"--global-batch-size needs a whole number, got {value!r}"
-            return
-        sizes = [exp.machine.gpu_count * n for n in range(pool.min_nodes, pool.max_nodes + 1)]
-        bad = [w for w in sizes if w <= 0 or g % w]
-        if bad:
-            ok = [w for w in sizes if w > 0 and not g % w]
-            yield (
-                f"trainer.args[{i}]",
-                f"--global-batch-size {g} is not divisible by the world size(s) {bad} this pool can "
-                f"run at (gpu_count x {pool.min_nodes}..{pool.max_nodes} nodes; divisible: "
-                f"{ok or 'none'}); allowed: a multiple of {_lcm(sizes)}",
-            )
+        found = f"trainer.args[{i}]", value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if found is None:
         return
+    path, value = found
+    try:
+        g = int(value)  # type: ignore[call-overload]
+    except ValueError:
+        yield path, f"--global-batch-size needs a whole number, got {value!r}"
+        return
+    sizes = [exp.machine.gpu_count * n for n in range(pool.min_nodes, pool.max_nodes + 1)]
+    bad = [w for w in sizes if w <= 0 or g % w]
+    if bad:
+        ok = [w for w in sizes if w > 0 and not g % w]
+        yield (
+            path,
+            f"{'global_batch_size' if path.startswith('trainer.config') else '--global-batch-size'}"
+            f" {g} is not divisible by the world size(s) {bad} this pool can "
+            f"run at (gpu_count x {pool.min_nodes}..{pool.max_nodes} nodes; divisible: "
+            f"{ok or 'none'}); allowed: a multiple of {_lcm(sizes)}",
+        )
 
 
 def _lcm(values: list[int]) -> int:

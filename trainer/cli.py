@@ -1,27 +1,49 @@
-"""Command line: ``python -m trainer run|status|rendezvous ...`` (a stable contract).
+"""Command line: ``python -m trainer run|status|export|rendezvous ...`` (a stable contract).
+
+``export`` writes a run's trained weights as a plain state dict in safetensors (trainer.export).
 
 ``rendezvous`` hosts the c10d rendezvous store of a multi-node job on a coordinator that does not
 train (when it trains, its torchrun agent hosts the store itself).
 
 Exit codes: 0 finished (also: already finished), 75 stopped by preemption after a successful save
 (run the same command again to resume), 2 bad input or a resume with other settings, 1 failed.
+
+With ``SPOTTRAIN_BAD_INPUT_FILE`` set (the VM's trainer.sh sets it), an exit 2 of ``run`` also
+writes its reason there, for the VM's state output (health answer, guest attributes, stop marker);
+under torchrun, whose own exit status hides the workers', the file is what tells bad input apart.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 from trainer import EXIT_BAD_INPUT
-from trainer.config import ConfigError, load_run_config, load_status_config
+from trainer.config import ConfigError, load_export_config, load_run_config, load_status_config
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors: same format and exit code as ours
         self.print_usage(sys.stderr)
         print(f"command line: {message}", file=sys.stderr)
+        record_bad_input([f"command line: {message}"])
         sys.exit(EXIT_BAD_INPUT)
+
+
+def record_bad_input(lines: list[str]) -> None:
+    """Write why the run refused its input to ``$SPOTTRAIN_BAD_INPUT_FILE`` (best effort)."""
+    path = os.environ.get("SPOTTRAIN_BAD_INPUT_FILE")
+    if not path:
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines)[:4000] + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _process_start() -> float:
@@ -61,13 +83,27 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--global-batch-size", type=int,
                    help="samples per optimizer step over all ranks, constant across world sizes")
     r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75")
+    r.add_argument("--extend-steps", action="store_const", const=True,
+                   help="resume a run whose checkpoint has another --steps total (raise it: extend the run)")
+    r.add_argument("--init-from", metavar="SOURCE",
+                   help="start this new run from another run's checkpoint (its run dir or gs:// prefix)")
+    r.add_argument("--init-from-step", type=int, help="the step of --init-from to start from (default: newest)")
+    r.add_argument("--init-from-optimizer", action="store_const", const=True,
+                   help="with --init-from: also take its optimizer state (default: weights only)")
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
-    s.add_argument("--run-dir", type=Path)
-    s.add_argument("--gcs-uri")
-    s.add_argument("--local-dir", type=Path)
+    s.add_argument("--run-dir", type=Path, help="persistent tier to inspect (read only)")
+    s.add_argument("--gcs-uri", help="durable tier to inspect, gs://BUCKET/PREFIX (and the ledger mirror)")
+    s.add_argument("--local-dir", type=Path, help="fast tier to inspect")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+
+    e = sub.add_parser("export", help="write a run's weights as a plain state dict in safetensors (+ JSON sidecar)")
+    e.add_argument("--run-dir", type=Path, help="the run's run dir")
+    e.add_argument("--gcs-uri", help="the run's gs://BUCKET/PREFIX")
+    e.add_argument("--local-dir", type=Path, help="the run's local tier, if any")
+    e.add_argument("--step", type=int, help="the checkpoint to export (default: the newest valid one)")
+    e.add_argument("--out", type=Path, required=True, help="FILE.safetensors to write (sidecar: FILE.json)")
 
     z = sub.add_parser("rendezvous", help="host a multi-node job's c10d rendezvous store until SIGTERM")
     z.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
@@ -83,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             cli = {k: getattr(args, k) for k in (
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
                 "checkpoint_every_seconds", "local_dir", "health_port", "price_per_hour",
-                "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step")}
+                "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
+                "extend_steps", "init_from", "init_from_step", "init_from_optimizer")}
             cfg = load_run_config(cli, args.config)
+        elif args.command == "export":
+            ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out")})
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
@@ -94,12 +133,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)
+        if args.command == "run":
+            record_bad_input(e.lines)
         return EXIT_BAD_INPUT
 
     if args.command == "run":
         from trainer.train import run  # torch loads only once the input is known to be good
 
-        return run(cfg, process_start=started).code
+        outcome = run(cfg, process_start=started)
+        if outcome.code == EXIT_BAD_INPUT:
+            record_bad_input([outcome.reason])
+        return outcome.code
+    if args.command == "export":
+        from trainer.export import main as export_main
+
+        return export_main(ecfg)
     if args.command == "rendezvous":
         from trainer.rendezvous import serve
 

@@ -4,10 +4,12 @@ Read-only: it never downloads into, repairs or deletes anything on a tier.
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
 (the checkpointer's per-tier description), ``unknown_tiers`` (tier -> error for those that could
-not be read: the newest checkpoint may be there) and ``goodput`` (see ``goodput.Report``; its
+not be read: the newest checkpoint may be there), ``goodput`` (see ``goodput.Report``; its
 ``cost`` object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per
 node; ``ledger_errors`` and ``skipped_events`` say what the ledger could not write or read, and
-``skipped`` lists the first malformed events left out).
+``skipped`` lists the first malformed events left out), ``stopped`` (why the newest session
+stopped on an error: its ledger's ``failed`` event, e.g. bad input; None otherwise) and
+``history`` (changes of the run: ``steps_changed`` and ``init_from`` events).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
         "tiers": tiers,
         "unknown_tiers": _unknown(tiers),
         "goodput": _goodput(events, skipped),
+        **_story(events),
     }
     if restored is not None and isinstance(restored.state, dict):
         out["data"] = restored.state.get("data")
@@ -105,10 +108,21 @@ def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger) -> dict
         "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
         "tier": tier, "path": path, "tiers": tiers, "unknown_tiers": _unknown(tiers),
         "goodput": _goodput(events, skipped), "sharded": True,
+        **_story(events),
     }
     if isinstance(extras, dict):
         out["data"], out["fingerprint"] = extras.get("data"), extras.get("fingerprint")
     return out
+
+
+def _story(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Why the newest session stopped on an error, and the run's changes (see the docstring)."""
+    newest = max((str(e["session"]) for e in events), default=None)
+    failed = [e for e in events if str(e["session"]) == newest and e["event"] == "failed"]
+    stopped = {k: failed[-1].get(k) for k in ("reason", "detail", "t")} if failed else None
+    history = [{k: v for k, v in e.items() if k not in ("session", "seq")} for e in events
+               if e["event"] in ("steps_changed", "init_from")]
+    return {"stopped": stopped, "history": history}
 
 
 def _human(s: dict[str, Any]) -> str:
@@ -145,6 +159,14 @@ def _human(s: dict[str, Any]) -> str:
         lines.append("ledger: " + ", ".join([f"{n} failed write(s) to the {'run dir' if w == 'local' else w}"
                                              for w, n in sorted(errors.items())]
                                             + [f"{g.get('skipped_events', 0)} malformed event(s) skipped"]))
+    for h in s.get("history") or []:
+        if h["event"] == "steps_changed":
+            lines.append(f"steps changed at step {h.get('step')}: {h.get('from')} -> {h.get('to')} (extend_steps)")
+        else:
+            lines.append(f"started from {h.get('location')} (step {h.get('step')}, "
+                         f"{'weights and optimizer' if h.get('optimizer') else 'weights'}; init_from)")
+    if s.get("stopped"):
+        lines.append(f"STOPPED: the newest session failed ({s['stopped']['reason']}): {s['stopped']['detail']}")
     for node, n in sorted((g.get("nodes") or {}).items()):
         lines.append(
             f"  node {node}: goodput {100 * n['goodput']:.1f}% of {n['wall_s']:.1f}s over {n['sessions']} "

@@ -56,15 +56,16 @@ def until_known(attempt: Callable[[], T], *, wait_s: float, log: logging.Logger,
                 on_wait: Callable[[str], None], sleep: Callable[[float], bool],
                 agree: Callable[[bool, bool], tuple[bool, bool]] = lambda give_up, stop: (give_up, stop),
                 stop_requested: Callable[[], bool] = lambda: False,
-                clock: Callable[[], float] = time.monotonic) -> T:
+                clock: Callable[[], float] = time.monotonic, waited_before: float = 0.0) -> T:
     """``attempt()`` until it raises no :class:`TierUnknown`; its result.
 
     ``on_wait(text)`` is told what is awaited (the health answer); ``sleep(s)`` returns True when
     interrupted by a preemption notice; ``agree(give_up, stop)`` makes both decisions job-wide.
-    Raises :class:`StillUnknown` after ``wait_s`` and :class:`Stopped` on a notice.
+    Raises :class:`StillUnknown` once ``waited_before`` (earlier waits of the same start-up) plus
+    this wait reach ``wait_s``, and :class:`Stopped` on a notice.
     """
-    start = clock()
-    end_wall = time.time() + wait_s
+    start = clock() - waited_before
+    end_wall = time.time() - waited_before + wait_s
     delay = FIRST_BACKOFF_S
     tries = 0
     while True:

@@ -8,37 +8,44 @@ from stack_support import variant
 
 from stacks.budget import BYTES_PER_PARAM, COPY, PERIODIC, STEP, UPLOAD_CHUNK_BYTES, WRITE, estimate
 
-GB = 124_000_000 * BYTES_PER_PARAM / 1e6  # the example's state, MB
+GPT2_SMALL = {"trainer": {"param_count": 124_000_000}}
+MB = 124_000_000 * BYTES_PER_PARAM / 1e6  # its state
 
 
-def test_example_fits_in_the_worst_case():
+def test_the_example_declares_its_tasks_true_size():
     b = estimate(variant({}))
+    assert b.state_bytes == 111_616 * BYTES_PER_PARAM  # the bundled GPT task's parameters
+    assert b.fits is True
+    assert b.describe().startswith("emergency save: 1.8 MB (111,616 params x 16 B)")
+
+
+def test_every_part_of_the_worst_case_is_counted_in_order():
+    b = estimate(variant({**GPT2_SMALL, "disk": {"checkpoint_disk_gb": 500}}))
     assert b.state_bytes == 124_000_000 * BYTES_PER_PARAM
     assert b.write_mb_s == 240  # 500 GB x 0.48, capped by g2-standard-8's 8 vCPUs
     assert (b.window_s, b.available_s) == (30, 20)
     parts = dict(b.parts)
     assert [p for p, _ in b.parts] == [STEP, PERIODIC, COPY, WRITE]  # the order they happen in
     assert parts[STEP] == 1.0  # 1 / cost.steps_per_second
-    assert parts[PERIODIC] == pytest.approx(GB / 240 + UPLOAD_CHUNK_BYTES / 1e6 / 2000)
+    assert parts[PERIODIC] == pytest.approx(MB / 240 + UPLOAD_CHUNK_BYTES / 1e6 / 2000)
     assert parts[COPY] == pytest.approx(1.984 / 24)  # one L4 over PCIe 4.0
-    assert parts[WRITE] == pytest.approx(GB / 240)
+    assert parts[WRITE] == pytest.approx(MB / 240)
     assert b.seconds == pytest.approx(sum(parts.values()))
     assert b.fits is True and b.warning() is None
     assert "worst case the step in flight 1.0 s" in b.describe() and ": fits" in b.describe()
 
 
 def test_the_disk_write_alone_would_fit_but_the_worst_case_does_not():
-    # The old estimate (disk write only): 1984 MB at 144 MB/s = 13.8 s of 20 s, "fits".
-    b = estimate(variant({"disk": {"checkpoint_disk_gb": 300}}))
-    assert dict(b.parts)[WRITE] == pytest.approx(GB / 144) and dict(b.parts)[WRITE] < b.available_s
+    # Counting only the disk write: 1984 MB at 144 MB/s = 13.8 s of 20 s, "fits".
+    b = estimate(variant(GPT2_SMALL))
+    assert dict(b.parts)[WRITE] == pytest.approx(MB / 144) and dict(b.parts)[WRITE] < b.available_s
     assert b.fits is False
     warning = b.warning()
     assert warning.startswith("WARNING: emergency save: 1.98 GB")
     assert "DOES NOT FIT. Most of it is a periodic save still writing (13.8 s)" in warning
     # Both disk writes must fit beside the step and the copy: 2 x 1984 MB in 18.9 s.
     assert "raise disk.checkpoint_disk_gb to at least 438" in warning
-    fixed = estimate(variant({"disk": {"checkpoint_disk_gb": 438}}))
-    assert fixed.fits is True
+    assert estimate(variant({**GPT2_SMALL, "disk": {"checkpoint_disk_gb": 438}})).fits is True
 
 
 def test_a_slow_step_dominates_and_is_named():
@@ -56,10 +63,10 @@ def test_a_vm_cap_no_disk_size_can_beat_is_said():
 
 
 def test_local_ssds_add_their_write_to_the_periodic_save_waited_for():
-    over = {"machine": {"machine_type": "n1-standard-8", "gpu_type": "nvidia-tesla-t4", "gpu_count": 1},
-            "disk": {"local_ssd_count": 2}}
+    over = {**GPT2_SMALL, "machine": {"machine_type": "n1-standard-8", "gpu_type": "nvidia-tesla-t4",
+                                      "gpu_count": 1}, "disk": {"local_ssd_count": 2}}
     b = estimate(variant(over))
-    assert dict(b.parts)[PERIODIC] == pytest.approx(GB / 700 + GB / 240 + UPLOAD_CHUNK_BYTES / 1e6 / 2000)
+    assert dict(b.parts)[PERIODIC] == pytest.approx(MB / 700 + MB / 144 + UPLOAD_CHUNK_BYTES / 1e6 / 2000)
     assert "local SSD, then its whole disk write" in b.describe()
     assert dict(b.parts)[COPY] == pytest.approx(1.984 / 12)  # a T4 on PCIe 3.0
 
@@ -71,7 +78,7 @@ def test_declared_state_bytes_win():
 
 
 def test_standard_vms_have_a_longer_window():
-    b = estimate(variant({"machine": {"provisioning": "standard", "termination_action": None},
+    b = estimate(variant({**GPT2_SMALL, "machine": {"provisioning": "standard", "termination_action": None},
                           "disk": {"checkpoint_disk_gb": 100}}))
     assert (b.window_s, b.available_s) == (120, 110)
     assert b.fits is True

@@ -507,7 +507,7 @@ def test_pool_cost_is_the_coordinator_on_demand_plus_spot_workers():
     cpu = pricing.pool_quote(variant(RENDEZVOUS_ONLY))
     assert cpu.coordinator == pytest.approx(
         pricing.machine_rate("e2-standard-4", "nvidia-l4", 0).on_demand
-        + (200 * 0.10 + 500 * 0.17) / pricing.HOURS_PER_MONTH)
+        + (200 * 0.10 + 300 * 0.17) / pricing.HOURS_PER_MONTH)
     assert (cpu.min_workers, cpu.max_workers) == (1, 3)
 
 

@@ -324,7 +324,7 @@ def test_checkpoint_disk_is_pd_ssd_with_the_fixed_device_name(example):
     t = example.one("google_compute_instance_template")
     (disk,) = [d for d in t["disk"] if d.get("device_name") == DEVICE_NAME]
     assert disk["disk_type"] == "pd-ssd"
-    assert disk["disk_size_gb"] == 500
+    assert disk["disk_size_gb"] == 300
     assert disk["type"] == "PERSISTENT"
     assert not disk["boot"]
     # The group's stateful policy decides its deletion; Compute Engine's own deletion of a

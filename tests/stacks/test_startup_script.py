@@ -258,6 +258,21 @@ def test_a_finished_run_is_recorded_and_never_trains_again(deployment):
     assert f"Starting {UNIT}" not in vm.journal()[offset:]
     assert health(port) == b"ok finished\n"
 
+    # The experiment now has more steps: finished at 5 is not finished at 8, so the trainer
+    # starts, and, without extend_steps in the experiment, refuses (exit 2) and says why.
+    vm.exec(["systemctl", "stop", "spottrain-finished.service"])
+    assert vm.path(FINISHED_FILE).read_text().endswith(" steps=5\n")
+    (dep.root / "startup.sh").write_text(dep.scripts(steps=8, health_port=port).startup)
+    offset, events = len(vm.journal()), len(vm.events())
+    more = vm.exec(["bash", str(dep.root / "startup.sh")], timeout=GUARD_S)
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert "the run finished at 5 steps; the experiment now says 8: starting the trainer" in more.stdout
+    ev = vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT, GUARD_S, since=events)
+    assert (ev["code"], ev["status"], ev["restarting"]) == ("exited", 2, False), vm.tail()
+    assert health(port).startswith(b"ok bad-input: cannot resume: steps: checkpoint has 5")  # (64 bytes read)
+    assert "this run has 8; to continue this run to 8 steps, say so with --extend-steps" in \
+        dep.metadata.guest_attributes()["spottrain/reason"]
+
 
 def _fails_loudly(dep: Boot, scripts: BootScripts, message: str) -> str:
     j0, e0 = dep.boot(scripts)

@@ -315,3 +315,20 @@ def test_a_full_run_dir_loses_no_later_event_once_there_is_room_again(small_fs) 
     events = read_events(fs.path / LEDGER_DIR / LEDGER_FILE)
     assert events[0]["event"] == "session_start" and events[-1]["event"] == "finish"  # nothing glued
     assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+
+
+def test_status_names_an_unreadable_tier_and_what_the_ledger_could_not_do(tmp_path: Path, gcs_proxy) -> None:
+    from trainer.config import StatusConfig
+    from trainer.status import _human, collect
+
+    path = tmp_path / LEDGER_DIR / LEDGER_FILE
+    path.parent.mkdir(parents=True)
+    lines = GOOD + [ev("s1", 3, 12.0, "ledger_error", where="mirror", count=4, error="503"), MALFORMED[7]]
+    path.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    gcs_proxy.proxy.add("*", r".", "status", status=403, times=None)
+    s = collect(StatusConfig(run_dir=tmp_path, gcs_uri=gcs_proxy.uri))
+    assert list(s["unknown_tiers"]) == ["gcs"] and "Forbidden" in s["unknown_tiers"]["gcs"]
+    assert s["goodput"]["ledger_errors"] == {"mirror": 4} and s["goodput"]["skipped_events"] == 1
+    text = _human(s)
+    assert "WARNING: gcs cannot be read (Forbidden" in text and "it may hold a newer checkpoint" in text
+    assert "ledger: 4 failed write(s) to the mirror, 1 malformed event(s) skipped" in text

@@ -63,3 +63,21 @@ def test_a_bounded_start_up_wait_passes_the_check_and_says_for_what() -> None:
     assert answer == "ok waiting for gcs (unknown for 42s, giving up at 2026-01-01T00:15:00Z)"
     h.starting()
     assert not h.answer().startswith(HEALTH_RESPONSE)
+
+
+def test_a_port_in_use_is_bad_input_naming_the_port_and_its_holder() -> None:
+    import os
+
+    import pytest
+
+    from trainer.health import PortInUse
+
+    first = HealthServer(Health(stall_timeout_s=5), host="127.0.0.1", port=0).start()
+    try:
+        with pytest.raises(PortInUse) as e:
+            HealthServer(Health(stall_timeout_s=5), host="127.0.0.1", port=first.port)
+        msg = str(e.value)
+        assert msg.startswith(f"health_port: port {first.port} on 127.0.0.1 is already in use by pid {os.getpid()} (")
+        assert "--health-port" in msg
+    finally:
+        first.close()
