@@ -252,8 +252,8 @@ class _Session:
             code = self._emergency_save(done, model, task, scaler, data, fingerprint)
             return Outcome(code, done - start, loop_s)
         if lost:
-            code = self._stop_for_lost_lease(done, model, task, scaler, data, fingerprint)
-            return Outcome(code, done - start, loop_s)
+            why = self._stop_for_lost_lease(done, model, task, scaler, data, fingerprint)
+            return Outcome(EXIT_BAD_INPUT, done - start, loop_s, reason=why)
         if done < cfg.steps:
             code = self._pause(done, model, task, scaler, data, fingerprint)
             return Outcome(code, done - start, loop_s)
@@ -392,9 +392,9 @@ class _Session:
     def _lease_lost(self) -> bool:
         return self.lease is not None and self.lease.lost is not None
 
-    def _stop_for_lost_lease(self, step: int, *args: Any) -> int:
+    def _stop_for_lost_lease(self, step: int, *args: Any) -> str:
         """Another trainer took the job's lease: no more GCS writes (the guard refuses them);
-        this one saves to its own disks and stops, exit 2 (a human must choose)."""
+        this one saves to its own disks and stops, exit 2 (a human must choose); the reason."""
         taker = self.lease.lost if self.lease is not None else None
         if isinstance(self.lease, FollowerLease) and taker is None:
             self.lease.lose("another trainer (rank 0 saw it)")
@@ -402,8 +402,10 @@ class _Session:
             self.log.error("event=stopped reason=lease_lost step=%d taker=%s (another trainer writes this job "
                            "now; this one saves step %d to its own disks only and exits 2)", step, taker, step)
         self._save_and_wait(step, *args)
-        self.record_failure("lease_lost", f"the writer lease was taken by {taker}")
-        return EXIT_BAD_INPUT
+        why = (f"gcs_uri: another trainer took this job's writer lease ({taker}); two trainers on one job "
+               "would collide: stop one of them")
+        self.record_failure("lease_lost", why)
+        return why
 
     def _restore(self, model: Any, optimizer: Any) -> tuple[dict | None, tuple[str, str]]:
         """The newest valid checkpoint of the job, on every rank, and (tier, path) it came from.
