@@ -9,7 +9,9 @@
 train (when it trains, its torchrun agent hosts the store itself).
 
 Exit codes: 0 finished (also: already finished), 75 stopped by preemption after a successful save
-(run the same command again to resume), 2 bad input or a resume with other settings, 1 failed.
+(run the same command again to resume), 2 bad input or a resume with other settings (or another
+trainer holds the run dir or the job's GCS lease), 69 a checkpoint tier stayed unreadable for
+``wait_for_tiers_s`` (nothing trained; run again: docs/resume.md), 1 failed.
 
 With ``SPOTTRAIN_BAD_INPUT_FILE`` set (the VM's trainer.sh sets it), an exit 2 of ``run`` also
 writes its reason there, for the VM's state output (health answer, guest attributes, stop marker);

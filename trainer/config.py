@@ -152,11 +152,23 @@ class RunConfig(BaseModel):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast dtype on CUDA; fp16 adds a grad scaler. CPU always trains in fp32."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """``auto`` takes CUDA when available (one device per local rank)."""
+    """``auto`` takes CUDA when available (one device per local rank). The device it resolves to
+    (cpu or cuda) is part of the fingerprint: other kernels give other numbers."""
     threads: int = Field(default=1, gt=0)
-    """torch intra-op CPU threads; fixed so that CPU results are reproducible."""
+    """torch intra-op CPU threads; fixed so that CPU results are reproducible. Part of the
+    fingerprint (another count sums in another order, so the weights differ)."""
     deterministic: bool = True
-    """``torch.use_deterministic_algorithms`` (warn-only for ops without a deterministic kernel)."""
+    """``torch.use_deterministic_algorithms`` (warn-only for ops without a deterministic kernel).
+    Part of the fingerprint."""
+    wait_for_tiers_s: float = Field(default=900.0, gt=0)
+    """Seconds start-up waits for a configured tier it cannot list or read (GCS answering 403
+    while a new VM's IAM grant propagates, up to ~7 minutes; GCS down) before it exits 69
+    without training: it never chooses where to resume without every tier. Meanwhile the health
+    check answers ``ok waiting``, so the group does not recreate the VM."""
+    lease_ttl_s: float = Field(default=120.0, gt=0)
+    """Seconds the job's writer lease on ``gcs_uri`` lasts without renewal (renewed every quarter
+    of it). A trainer that died without releasing it delays a trainer on another VM by at most
+    this long; the same VM and run dir take it over at once."""
     log_every_steps: int = Field(default=10, gt=0)
     """One structured log line every this many steps."""
     progress_every_s: float = Field(default=60.0, gt=0)
@@ -254,14 +266,19 @@ class RunConfig(BaseModel):
                 f"that every world size of the pool divides (or a smaller batch_size)")
         return self.global_batch_size // per_step
 
-    def fingerprint(self, *, dataset_len: int) -> dict[str, Any]:
+    def fingerprint(self, *, dataset_len: int, device: str | None = None) -> dict[str, Any]:
         """Settings that must not change across a resume, or the result would not be the run's.
 
+        ``device``: the device type the run resolved to ("cpu", "cuda"); None records the setting.
         The world size is not one of them: the data position counts global samples, so an
         elastic job continues at another world size (with ``global_batch_size``, on the same
-        optimisation trajectory up to floating-point reduction order).
+        optimisation trajectory up to floating-point reduction order). Keys added after
+        checkpoints existed are listed in ``state.LATER_KEYS``.
         """
         fp = {
+            "threads": self.threads,
+            "deterministic": self.deterministic,
+            "device": device if device is not None else self.device,
             "seed": self.seed,
             "steps": self.steps,
             "task": self.task,

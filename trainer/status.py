@@ -3,11 +3,13 @@
 Read-only: it never downloads into, repairs or deletes anything on a tier.
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
-(the checkpointer's per-tier description) and ``goodput`` (see ``goodput.Report``; its ``cost``
-object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per node),
-``stopped`` (why the newest session stopped on an error: its ledger's ``failed`` event, e.g. bad
-input; None otherwise) and ``history`` (changes of the run: ``steps_changed`` and ``init_from``
-events).
+(the checkpointer's per-tier description), ``unknown_tiers`` (tier -> error for those that could
+not be read: the newest checkpoint may be there), ``goodput`` (see ``goodput.Report``; its
+``cost`` object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per
+node; ``ledger_errors`` and ``skipped_events`` say what the ledger could not write or read, and
+``skipped`` lists the first malformed events left out), ``stopped`` (why the newest session
+stopped on an error: its ledger's ``failed`` event, e.g. bad input; None otherwise) and
+``history`` (changes of the run: ``steps_changed`` and ``init_from`` events).
 """
 from __future__ import annotations
 
@@ -33,9 +35,7 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
         if _sharded(tiers):
             return _collect_sharded(cfg, ckpt, log)
         restored = ckpt.restore(download=False)
-        events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
-        if ckpt.gcs is not None:
-            events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
+        events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
     out: dict[str, Any] = {
@@ -44,13 +44,41 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
         "tier": restored.tier if restored else None,
         "path": restored.path if restored else None,
         "tiers": tiers,
-        "goodput": report(events).as_dict(),
+        "unknown_tiers": _unknown(tiers),
+        "goodput": _goodput(events, skipped),
         **_story(events),
     }
     if restored is not None and isinstance(restored.state, dict):
         out["data"] = restored.state.get("data")
         out["fingerprint"] = restored.state.get("fingerprint")
     return out
+
+
+def _events(cfg: StatusConfig, gcs: Any, log: logging.Logger) -> tuple[list[dict[str, Any]], list[str]]:
+    """The ledger's events from the run dir and the mirror, and a note per malformed one skipped."""
+    skipped: list[str] = []
+    events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE, skipped=skipped)
+    if gcs is not None:
+        try:
+            mirrored = read_store_events(gcs, skip={(e["session"], e["seq"]) for e in events}, skipped=skipped)
+        except Exception as e:  # noqa: BLE001 - the report from what can be read, saying what could not
+            log.warning("the goodput mirror on GCS cannot be read (%s: %s); the report covers the run dir only",
+                        type(e).__name__, e)
+            mirrored = []
+        events = merge(events, mirrored)
+    return events, skipped
+
+
+def _goodput(events: list[dict[str, Any]], skipped: list[str]) -> dict[str, Any]:
+    g = report(events).as_dict()
+    g["skipped_events"] += len(skipped)
+    g["skipped"] = skipped[:20]
+    return g
+
+
+def _unknown(tiers: dict[str, Any]) -> dict[str, str]:
+    """Tiers that could not be listed: the newest checkpoint may be there."""
+    return {name: t["error"] for name, t in tiers.items() if t.get("error")}
 
 
 def _sharded(tiers: dict[str, Any]) -> bool:
@@ -72,15 +100,14 @@ def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger) -> dict
     try:
         tiers = ckpt.describe().get("tiers", {})
         found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()})
-        events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
-        if ckpt.gcs is not None:
-            events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
+        events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
     step, tier, path, model, extras = found if found else (None, None, None, None, {})
     out: dict[str, Any] = {
         "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
-        "tier": tier, "path": path, "tiers": tiers, "goodput": report(events).as_dict(), "sharded": True,
+        "tier": tier, "path": path, "tiers": tiers, "unknown_tiers": _unknown(tiers),
+        "goodput": _goodput(events, skipped), "sharded": True,
         **_story(events),
     }
     if isinstance(extras, dict):
@@ -112,6 +139,8 @@ def _human(s: dict[str, Any]) -> str:
         err = f" error: {desc['error']}" if desc.get("error") else ""
         lines.append(f"  {tier} {desc.get('location')}: newest valid {desc.get('newest_valid')}; "
                      f"steps: {cps or 'none'}{err}")
+    for tier, error in sorted((s.get("unknown_tiers") or {}).items()):
+        lines.append(f"WARNING: {tier} cannot be read ({error}): it may hold a newer checkpoint than the one above")
     g = s["goodput"]
     lines.append(
         f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall over {g['sessions']} session(s); "
@@ -128,6 +157,11 @@ def _human(s: dict[str, Any]) -> str:
         lines.append(f"waiting for capacity: {g['capacity_wait_s']:.1f}s without a VM ("
                      + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(waits.items())) + ")")
     lines.append(_cost_line(g.get("cost") or {}))
+    errors = g.get("ledger_errors") or {}
+    if errors or g.get("skipped_events"):
+        lines.append("ledger: " + ", ".join([f"{n} failed write(s) to the {'run dir' if w == 'local' else w}"
+                                             for w, n in sorted(errors.items())]
+                                            + [f"{g.get('skipped_events', 0)} malformed event(s) skipped"]))
     for h in s.get("history") or []:
         if h["event"] == "steps_changed":
             lines.append(f"steps changed at step {h.get('step')}: {h.get('from')} -> {h.get('to')} (extend_steps)")

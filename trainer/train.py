@@ -2,7 +2,8 @@
 
 Read ``run()`` top to bottom; the machinery sits behind small interfaces: ``Checkpointer``
 (tiers, async saves, intervals), ``state`` (what exact resume needs), ``Preemption`` (the flag),
-``Health``, ``Ledger`` (goodput), ``Progress`` (logs) and ``World`` (DDP collectives).
+``Health``, ``Ledger`` (goodput), ``Progress`` (logs), ``World`` (DDP collectives), ``lease``
+(one trainer per run dir and per GCS prefix) and ``tier_wait`` (no decision while a tier is unknown).
 
 Under torchrun on several nodes, each node's local rank 0 (its "leader") runs that VM's health
 server, metadata watcher and goodput ledger; global rank 0 speaks for the job and saves DDP
@@ -22,14 +23,15 @@ from typing import Any, Callable
 
 import torch
 
-from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED
-from trainer import distributed, gpu, placement, state
+from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED, EXIT_UNAVAILABLE
+from trainer import distributed, gpu, placement, state, tier_wait
 from trainer import task as tasks
 from trainer.config import RunConfig
 from trainer.artifacts import Artifacts
 from trainer.goodput import Ledger, node_name, session_start_fields
 from trainer.health import Health, HealthServer, PortInUse
 from trainer.init_from import InitFromError
+from trainer.lease import FollowerLease, Lease, LeaseHeld, RunDirBusy, RunDirLock, holder_id
 from trainer.preemption import Preemption
 from trainer.progress import Progress, setup_logging
 from trainer.sampler import DataOrder
@@ -55,10 +57,18 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     session = _Session(cfg, world, log, preempt, make_checkpointer, process_start)
     try:
         return session.run()
-    except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, PortInUse, InitFromError) as e:
+    except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, PortInUse, InitFromError,
+            RunDirBusy, LeaseHeld) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT, reason=str(e))
+    except tier_wait.StillUnknown as e:
+        log.error("event=failed reason=tier_unknown %s", e)
+        session.record_failure("tier_unknown", str(e))
+        return Outcome(EXIT_UNAVAILABLE)
+    except tier_wait.Stopped as e:
+        log.warning("event=preempted step=none detail=%s; nothing was trained, nothing to save", e)
+        return Outcome(EXIT_PREEMPTED)
     except Exception as e:
         log.error("event=failed reason=exception\n%s", traceback.format_exc())
         session.record_failure("exception", f"{type(e).__name__}: {e}")
@@ -81,6 +91,10 @@ class _Session:
         self.process_start = process_start
         self.ckpt: Any = None
         self.ledger: Ledger | None = None
+        self.run_lock: RunDirLock | None = None
+        self.lease: Lease | FollowerLease | None = None  # the job's writer lease on GCS
+        self.lease_decided = False
+        self.waited_s = 0.0  # start-up's wait for unknown tiers so far (one bound for all of it)
         self.server: HealthServer | None = None
         self.artifacts: Artifacts | None = None  # node leaders: ctx.artifacts_dir and its GCS copy
         self.health = Health(cfg.stall_timeout_s)
@@ -102,6 +116,7 @@ class _Session:
         except ValueError as e:
             raise BadWorld(f"global_batch_size: {e}") from None
 
+        self._lock_run_dir()
         # Sharded state: every rank writes its shard, so every rank has a checkpointer (made by all
         # ranks together: it opens a process group of its own).
         if self.sharded:
@@ -116,7 +131,7 @@ class _Session:
                 self.preempt.watch_metadata()
             if self.ckpt is None:
                 self.ckpt = self.make_checkpointer(cfg)
-            self.ledger = Ledger(cfg.run_dir, store=self.ckpt.gcs, log=log.getChild("goodput"))
+            self.ledger = Ledger(cfg.run_dir, log=log.getChild("goodput"))  # mirrored once the lease is held
             self.ledger.append("session_start", **session_start_fields(
                 self.process_start, price_per_hour=cfg.price_per_hour,
                 on_demand_price_per_hour=cfg.on_demand_price_per_hour, main=world.is_main,
@@ -125,6 +140,10 @@ class _Session:
                 where = placement.read()
                 if where is not None:
                     self.ledger.append("placement", **where)
+        # The job's writer lease first: nothing writes the job's GCS prefix without it, and a GCS
+        # this trainer cannot read yet is waited for (trainer.tier_wait), not skipped.
+        self._until_known(self._take_lease)
+        if world.is_node_leader:
             # The task's artifacts come back first: a task may read them while it builds.
             self.artifacts = Artifacts(cfg.run_dir / "artifacts", self.ckpt.gcs, staging=cfg.run_dir,
                                        log=log.getChild("artifacts"))
@@ -149,15 +168,16 @@ class _Session:
         data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size,
                          rank=world.rank, world_size=world.size)
         scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.precision == "fp16" else None
-        fingerprint = cfg.fingerprint(dataset_len=len(task.dataset))
+        fingerprint = cfg.fingerprint(dataset_len=len(task.dataset), device=device.type)
         if world.is_node_leader:
             log.info("event=start steps=%d world_size=%d node=%s node_rank=%d restart=%d accum=%d device=%s "
                      "task=%s %s", cfg.steps, world.size, node_name(), world.node_rank, world.restart_count,
                      accum, device, cfg.task, " ".join(f"{k}={v}" for k, v in task.info.items()))
 
         # Restore: the newest valid checkpoint any node holds; every rank gets the same state.
+        # Not while a tier is unknown (it may hold the newest), nor without the job's GCS lease.
         t_restore = time.monotonic()
-        saved, where = self._restore(model, task.optimizer)
+        saved, where = self._until_known(lambda: self._restore(model, task.optimizer))
         start = 0
         if saved is not None:
             steps_changed = self._check_settings(saved, fingerprint)
@@ -191,6 +211,11 @@ class _Session:
             return Outcome(EXIT_FINISHED)
         if world.any_flags(self.preempt.requested)[0]:  # a notice during start-up: nothing new to save
             return self._stop_before_training(start)
+        if cfg.stop_at_step is not None and start >= cfg.stop_at_step:
+            if world.is_main:
+                log.warning("event=stop_at_step stop_at_step=%d step=%d (already there: pausing at once)",
+                            cfg.stop_at_step, start)
+            return Outcome(self._pause(start, model, task, scaler, data, fingerprint))
 
         # The loop.
         self.preempt.step_completed(start)
@@ -199,7 +224,7 @@ class _Session:
                             tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size)
         last_progress_event = time.monotonic()
         t_loop = time.monotonic()
-        done = start
+        done, lost = start, False
         for step in range(start, cfg.steps):
             t0 = time.monotonic()
             loss = step_fn()
@@ -210,9 +235,10 @@ class _Session:
             if world.is_main:
                 progress.update(done, loss, task.optimizer.param_groups[0]["lr"])
 
-            stop, due = world.any_flags(self.preempt.requested, world.is_main and self.ckpt.due(done))
+            stop, due, lost = world.any_flags(self.preempt.requested, world.is_main and self.ckpt.due(done),
+                                              self._lease_lost())
             self.stopping = stop
-            if stop or done == cfg.steps or done == cfg.stop_at_step:
+            if stop or lost or done == cfg.steps or done == cfg.stop_at_step:
                 break
             if due:
                 self._save(done, model, task, scaler, data, fingerprint)
@@ -225,6 +251,9 @@ class _Session:
         if done < cfg.steps and self.stopping:
             code = self._emergency_save(done, model, task, scaler, data, fingerprint)
             return Outcome(code, done - start, loop_s)
+        if lost:
+            why = self._stop_for_lost_lease(done, model, task, scaler, data, fingerprint)
+            return Outcome(EXIT_BAD_INPUT, done - start, loop_s, reason=why)
         if done < cfg.steps:
             code = self._pause(done, model, task, scaler, data, fingerprint)
             return Outcome(code, done - start, loop_s)
@@ -248,6 +277,9 @@ class _Session:
         step = int(saved["step"])
         change = state.check_fingerprint(saved["fingerprint"], fingerprint, step=step,
                                          extend_steps=self.cfg.extend_steps)
+        if self.world.is_main:
+            for note in state.unrecorded(saved["fingerprint"], fingerprint) + state.check_versions(saved):
+                self.log.warning(note)
         if "init_from" in saved["fingerprint"]:
             fingerprint["init_from"] = saved["fingerprint"]["init_from"]
         if self.cfg.init_from is not None and self.world.is_main:
@@ -277,6 +309,104 @@ class _Session:
 
             auto_export(self.cfg, step, self.log.getChild("export"))
 
+    # ------------------------------------------------------------------ who writes, and from where
+    def _lock_run_dir(self) -> None:
+        """Node leaders lock their run dir; a second trainer there stops every rank (exit 2)."""
+        busy: RunDirBusy | None = None
+        if self.world.is_node_leader:
+            try:
+                self.run_lock = RunDirLock(self.cfg.run_dir, self.log.getChild("lease")).acquire(self.process_start)
+            except RunDirBusy as e:
+                busy = e
+            except OSError as e:  # no run dir at all: nothing on it to protect; the tiers report it
+                self.log.warning("event=run_dir_lock ok=0 error=%r", e)
+        if self.world.any_flags(busy is not None)[0]:
+            raise busy or RunDirBusy("run_dir: another node's run dir is in use by another trainer (see its log)")
+
+    def _install_lease(self) -> None:
+        """Every GCS store of this process asks the lease before it writes (refused until held)."""
+        store = self.ckpt.gcs if self.ckpt is not None else None
+        if store is None or self.lease is not None:
+            return
+        if self.world.is_main:
+            self.lease = Lease(store, holder=holder_id(self.cfg.run_dir), started=self.process_start,
+                               ttl_s=self.cfg.lease_ttl_s, log=self.log.getChild("lease"),
+                               op_timeout_s=self._probe_s())
+        else:
+            self.lease = FollowerLease()
+        store.guard = self.lease.check
+
+    def _probe_s(self) -> float:
+        """How long one look at a tier may take while start-up waits (a share of the wait)."""
+        return min(60.0, max(1.0, self.cfg.wait_for_tiers_s / 4))
+
+    def _take_lease(self) -> None:
+        """Rank 0 takes the job's writer lease (once); every rank learns the outcome together."""
+        if self.lease_decided or self.cfg.gcs_uri is None:
+            return
+        self._install_lease()
+        outcome: tuple[str, Any] | None = None
+        if self.world.is_main:
+            lease = self.lease
+            assert isinstance(lease, Lease)
+            try:
+                lease.acquire(sleep=self.preempt.wait, on_wait=self.health.waiting)
+                outcome = ("held", None)
+            except tier_wait.TierUnknown as e:
+                outcome = ("unknown", e.tiers)
+            except LeaseHeld as e:
+                outcome = ("busy", str(e))
+            except InterruptedError as e:
+                outcome = ("stopped", str(e))
+        outcome = self.world.broadcast(outcome)
+        kind, detail = outcome if outcome is not None else ("held", None)
+        if kind == "unknown":
+            raise tier_wait.TierUnknown(detail)
+        if kind == "busy":
+            raise LeaseHeld(detail)
+        if kind == "stopped":
+            raise tier_wait.Stopped(detail)
+        self.lease_decided = True
+        if isinstance(self.lease, FollowerLease):
+            self.lease.granted = True
+        if isinstance(self.lease, Lease):
+            self.lease.start()
+        if self.ledger is not None and self.ckpt is not None and self.ckpt.gcs is not None:
+            self.ledger.mirror_to(self.ckpt.gcs)
+
+    def _until_known(self, attempt: Callable[[], Any]) -> Any:
+        """``attempt()`` (collective) once every configured tier it reads answers: the lease, then
+        the restore, within one ``wait_for_tiers_s`` between them. See ``trainer.tier_wait``."""
+        if self.ckpt is not None:
+            self.ckpt.LIST_TIMEOUT_S = min(self.ckpt.LIST_TIMEOUT_S, self._probe_s())
+        t0 = time.monotonic()
+        try:
+            return tier_wait.until_known(
+                attempt, wait_s=self.cfg.wait_for_tiers_s, waited_before=self.waited_s, log=self.log,
+                on_wait=self.health.waiting, sleep=self.preempt.wait, stop_requested=lambda: self.preempt.requested,
+                agree=lambda give_up, stop: tuple(self.world.any_flags(give_up, stop)))  # type: ignore[arg-type]
+        finally:
+            self.waited_s += time.monotonic() - t0
+            self.health.starting()
+
+    def _lease_lost(self) -> bool:
+        return self.lease is not None and self.lease.lost is not None
+
+    def _stop_for_lost_lease(self, step: int, *args: Any) -> str:
+        """Another trainer took the job's lease: no more GCS writes (the guard refuses them);
+        this one saves to its own disks and stops, exit 2 (a human must choose); the reason."""
+        taker = self.lease.lost if self.lease is not None else None
+        if isinstance(self.lease, FollowerLease) and taker is None:
+            self.lease.lose("another trainer (rank 0 saw it)")
+        if self.world.is_main:
+            self.log.error("event=stopped reason=lease_lost step=%d taker=%s (another trainer writes this job "
+                           "now; this one saves step %d to its own disks only and exits 2)", step, taker, step)
+        self._save_and_wait(step, *args)
+        why = (f"gcs_uri: another trainer took this job's writer lease ({taker}); two trainers on one job "
+               "would collide: stop one of them")
+        self.record_failure("lease_lost", why)
+        return why
+
     def _restore(self, model: Any, optimizer: Any) -> tuple[dict | None, tuple[str, str]]:
         """The newest valid checkpoint of the job, on every rank, and (tier, path) it came from.
 
@@ -292,13 +422,35 @@ class _Session:
         if not world.distributed:
             restored = self.ckpt.restore()
             return (restored.state, (restored.tier, restored.path)) if restored else (None, ("", ""))
-        offers = world.all_gather(self.ckpt.newest_valid_step() if self.ckpt is not None else None)
-        best = max((s for s in offers if s is not None), default=None)
-        src = 0 if best is None or offers[0] == best else offers.index(best)
-        restored = self.ckpt.restore() if world.rank == src else None
-        payload = world.broadcast(
-            (restored.state, (restored.tier, f"{node_name()}:{restored.path}")) if restored else None, src=src)
-        saved, where = payload if payload is not None else (None, ("", ""))
+        # Each leader offers its newest step, or the tiers it cannot read: then every rank waits.
+        offer: tuple[str, Any] | None = None
+        if self.ckpt is not None:
+            try:
+                offer = ("step", self.ckpt.newest_valid_step())
+            except tier_wait.TierUnknown as e:
+                offer = ("unknown", e.tiers)
+        offers = world.all_gather(offer)
+        unknown = {f"{t} (rank {r})": why for r, o in enumerate(offers) if o and o[0] == "unknown"
+                   for t, why in o[1].items()}
+        if unknown:
+            raise tier_wait.TierUnknown(unknown)
+        steps = [o[1] if o else None for o in offers]
+        best = max((s for s in steps if s is not None), default=None)
+        src = 0 if best is None or steps[0] == best else steps.index(best)
+        payload: tuple[str, Any] | None = None
+        if world.rank == src:
+            try:
+                restored = self.ckpt.restore()
+            except tier_wait.TierUnknown as e:
+                payload = ("unknown", e.tiers)
+            else:
+                payload = ("state", (restored.state, (restored.tier, f"{node_name()}:{restored.path}"))
+                           if restored else None)
+        payload = world.broadcast(payload, src=src)
+        assert payload is not None
+        if payload[0] == "unknown":
+            raise tier_wait.TierUnknown(payload[1])
+        saved, where = payload[1] if payload[1] is not None else (None, ("", ""))
         if saved is not None and world.is_main and src != 0:
             self.ckpt.mark_restored(int(saved["step"]))
         return saved, where
@@ -407,13 +559,18 @@ class _Session:
         if self.ckpt is not None:
             with contextlib.suppress(Exception):
                 self.ckpt.close()
+        # After a preemption notice the mirror and the lease get what is left of the budget;
+        # otherwise they may take their time (events only in the run dir are lost with the disk).
+        notice = self.preempt.notice_monotonic
+        budget = 30.0 if notice is None else notice + self.cfg.preemption_budget_s - time.monotonic()
         if self.ledger is not None:
-            # After a preemption notice the mirror gets what is left of the budget; otherwise
-            # it may take its time (events only in the run dir are lost with the disk).
-            notice = self.preempt.notice_monotonic
-            budget = 30.0 if notice is None else notice + self.cfg.preemption_budget_s - time.monotonic()
             if not self.ledger.close(timeout=max(1.0, budget)):
                 self.log.warning("event=ledger_mirror ok=0 detail=some goodput events reached only the run dir")
+        if self.lease is not None:  # the next trainer of the job takes over at once
+            with contextlib.suppress(Exception):
+                self.lease.release(timeout=max(1.0, min(10.0, budget)))
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 class _StepFn:
