@@ -61,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--global-batch-size", type=int,
                    help="samples per optimizer step over all ranks, constant across world sizes")
     r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75")
+    r.add_argument("--data-workers", type=int, help="worker processes loading batches ahead (default 0: inline)")
+    r.add_argument("--data-dir", type=Path, help="where the job's staged data lies (the task's ctx.data_dir)")
+    r.add_argument("--eval-every-steps", type=int, help="evaluate the task's eval set every K steps")
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
@@ -68,6 +71,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--gcs-uri")
     s.add_argument("--local-dir", type=Path)
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="also draw the job's timeline from the goodput ledger (needs matplotlib)")
 
     z = sub.add_parser("rendezvous", help="host a multi-node job's c10d rendezvous store until SIGTERM")
     z.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
@@ -83,14 +88,16 @@ def main(argv: list[str] | None = None) -> int:
             cli = {k: getattr(args, k) for k in (
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
                 "checkpoint_every_seconds", "local_dir", "health_port", "price_per_hour",
-                "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step")}
+                "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
+                "data_workers", "data_dir", "eval_every_steps")}
             cfg = load_run_config(cli, args.config)
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
         else:
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
-                                       "local_dir": args.local_dir, "json_output": args.json})
+                                       "local_dir": args.local_dir, "json_output": args.json,
+                                       "plot": args.plot})
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)

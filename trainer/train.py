@@ -2,7 +2,8 @@
 
 Read ``run()`` top to bottom; the machinery sits behind small interfaces: ``Checkpointer``
 (tiers, async saves, intervals), ``state`` (what exact resume needs), ``Preemption`` (the flag),
-``Health``, ``Ledger`` (goodput), ``Progress`` (logs) and ``World`` (DDP collectives).
+``Health``, ``Ledger`` (goodput), ``Progress`` (logs), ``World`` (DDP collectives), ``Batches``
+(the data, loaded inline or by workers), ``Evaluator`` and ``Metrics`` (TensorBoard).
 
 Under torchrun on several nodes, each node's local rank 0 (its "leader") runs that VM's health
 server, metadata watcher and goodput ledger; global rank 0 speaks for the job and saves DDP
@@ -26,8 +27,11 @@ from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED
 from trainer import distributed, gpu, placement, state
 from trainer import task as tasks
 from trainer.config import RunConfig
-from trainer.goodput import Ledger, node_name, session_start_fields
+from trainer.data import Batches
+from trainer.evaluation import Evaluator
+from trainer.goodput import Ledger, node_name, read_events, report, session_start_fields
 from trainer.health import Health, HealthServer
+from trainer.metrics import Metrics, NoMetrics
 from trainer.preemption import Preemption
 from trainer.progress import Progress, setup_logging
 from trainer.sampler import DataOrder
@@ -78,6 +82,8 @@ class _Session:
         self.process_start = process_start
         self.ckpt: Any = None
         self.ledger: Ledger | None = None
+        self.batches: Batches | None = None
+        self.metrics: Metrics | NoMetrics = NoMetrics()
         self.server: HealthServer | None = None
         self.health = Health(cfg.stall_timeout_s)
         self.productive_s = 0.0
@@ -125,7 +131,7 @@ class _Session:
         # Build the task: identical initial weights on every rank, then per-rank RNG streams.
         _seed(cfg.seed)
         ctx = tasks.TaskContext(seed=cfg.seed, steps=cfg.steps, device=device, rank=world.rank,
-                                world_size=world.size)
+                                world_size=world.size, data_dir=cfg.data_dir)
         task = tasks.build(cfg.task, ctx, cfg.task_args)
         _seed((cfg.seed + 1_000_003 * world.rank) % 2**63)
         model = task.model
@@ -138,6 +144,8 @@ class _Session:
                 model, device_ids=[device.index] if device.type == "cuda" else None)
         data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size,
                          rank=world.rank, world_size=world.size)
+        self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
+                               log=log.getChild("data"))
         scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.precision == "fp16" else None
         fingerprint = cfg.fingerprint(dataset_len=len(task.dataset))
         if world.is_node_leader:
@@ -179,7 +187,14 @@ class _Session:
 
         # The loop.
         self.preempt.step_completed(start)
-        step_fn = _StepFn(cfg, accum, model, task, data, scaler, device, world)
+        step_fn = _StepFn(cfg, accum, model, task, self.batches, scaler, device, world)
+        evaluator = Evaluator(task, every=cfg.eval_every_steps, batches=cfg.eval_batches, total_steps=cfg.steps,
+                              batch_size=cfg.batch_size, world=world, model=model, device=device,
+                              sharded=self.sharded, loss_fn=step_fn.loss_fn, autocast=step_fn.autocast,
+                              interrupted=lambda: self.preempt.requested)
+        if world.is_main and cfg.tensorboard:
+            self.metrics = Metrics(cfg.run_dir, start_step=start, store=self.ckpt.gcs, session=self.ledger.session,
+                                   upload_every_s=cfg.metrics_upload_every_s, log=log.getChild("metrics"))
         progress = Progress(log, total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
                             tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size)
         last_progress_event = time.monotonic()
@@ -193,19 +208,22 @@ class _Session:
             self.preempt.step_completed(done)
             self.health.beat()
             if world.is_main:
-                progress.update(done, loss, task.optimizer.param_groups[0]["lr"])
+                self.metrics.scalars(done, progress.update(done, loss, task.optimizer.param_groups[0]["lr"]))
 
             stop, due = world.any_flags(self.preempt.requested, world.is_main and self.ckpt.due(done))
             self.stopping = stop
+            if not stop and evaluator.due(done):
+                self._evaluate(done, evaluator)
             if stop or done == cfg.steps or done == cfg.stop_at_step:
                 break
             if due:
                 self._save(done, model, task, scaler, data, fingerprint)
             if world.is_node_leader and time.monotonic() - last_progress_event >= cfg.progress_every_s:
-                self.ledger.append("progress", step=done, productive_s=self.productive_s)
+                self._progress(done)
                 last_progress_event = time.monotonic()
         loop_s = time.monotonic() - t_loop
         progress.close()
+        self.batches.stop()  # the workers' prefetch is no longer needed: nothing competes with the save
 
         if done < cfg.steps and self.stopping:
             code = self._emergency_save(done, model, task, scaler, data, fingerprint)
@@ -216,6 +234,25 @@ class _Session:
         code = self._final_save(done, model, task, scaler, data, fingerprint)
         log.debug("session took %.1fs", time.monotonic() - t_start)
         return Outcome(code, done - start, loop_s)
+
+    def _evaluate(self, step: int, evaluator: Evaluator) -> None:
+        result = evaluator()
+        if result is None or not self.world.is_main:
+            return
+        values, batches, seconds = result
+        self.log.info("event=eval step=%d %s batches=%d seconds=%.3f", step,
+                      " ".join(f"{k}={v:.4f}" for k, v in values.items()), batches, seconds)
+        self.metrics.scalars(step, {f"eval/{k}": v for k, v in values.items()})
+
+    def _progress(self, step: int) -> None:
+        """A progress event in the ledger; rank 0 also charts the job's goodput and cost so far."""
+        self.ledger.append("progress", step=step, productive_s=self.productive_s)
+        if self.world.is_main and isinstance(self.metrics, Metrics):
+            r = report(read_events(self.ledger.path))
+            points = {"goodput/goodput": r.goodput}
+            if r.cost.cost_so_far is not None:
+                points["goodput/cost_usd"] = r.cost.cost_so_far
+            self.metrics.scalars(step, points)
 
     def _state(self, step: int, model: Any, task: tasks.Task, scaler: Any, data: DataOrder,
                fingerprint: dict) -> dict | None:
@@ -340,26 +377,30 @@ class _Session:
                 self.ledger.append("failed", reason=reason, detail=detail[:500])
 
     def close(self) -> None:
+        if self.batches is not None:
+            self.batches.close()
         if self.server is not None:
             self.server.close()
         if self.ckpt is not None:
             with contextlib.suppress(Exception):
                 self.ckpt.close()
+        # After a preemption notice the mirrors get what is left of the budget, the ledger first;
+        # otherwise they may take their time (what is only in the run dir is lost with the disk).
+        notice = self.preempt.notice_monotonic
+        end = time.monotonic() + 30.0 if notice is None else notice + self.cfg.preemption_budget_s
         if self.ledger is not None:
-            # After a preemption notice the mirror gets what is left of the budget; otherwise
-            # it may take its time (events only in the run dir are lost with the disk).
-            notice = self.preempt.notice_monotonic
-            budget = 30.0 if notice is None else notice + self.cfg.preemption_budget_s - time.monotonic()
-            if not self.ledger.close(timeout=max(1.0, budget)):
+            if not self.ledger.close(timeout=max(1.0, end - time.monotonic())):
                 self.log.warning("event=ledger_mirror ok=0 detail=some goodput events reached only the run dir")
+        if not self.metrics.close(timeout=max(1.0, end - time.monotonic())):
+            self.log.warning("event=metrics_upload ok=0 detail=the last TensorBoard points reached only the run dir")
 
 
 class _StepFn:
     """One optimizer step: ``grad_accum_steps`` micro-batches, clipping, mixed precision."""
 
-    def __init__(self, cfg: RunConfig, accum: int, model: torch.nn.Module, task: tasks.Task, data: DataOrder,
+    def __init__(self, cfg: RunConfig, accum: int, model: torch.nn.Module, task: tasks.Task, batches: Batches,
                  scaler: Any, device: torch.device, world: distributed.World):
-        self.cfg, self.accum, self.model, self.task, self.data = cfg, accum, model, task, data
+        self.cfg, self.accum, self.model, self.task, self.batches = cfg, accum, model, task, batches
         self.scaler, self.device, self.world = scaler, device, world
         self.loss_fn = task.loss_fn or (lambda m, batch: m(*batch))
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
@@ -377,18 +418,12 @@ class _StepFn:
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else model.no_sync()
 
-    def _batch(self) -> tuple:
-        samples = [self.task.dataset[i] for i in self.data.next_indices()]
-        batch = torch.utils.data.default_collate(samples)
-        batch = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
-        return tuple(b.to(self.device, non_blocking=True) if torch.is_tensor(b) else b for b in batch)
-
     def __call__(self) -> float:
         accum, model, opt = self.accum, self.model, self.task.optimizer
         model.train()
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
-            batch = self._batch()
+            batch = self.batches.next()
             last = micro == accum - 1
             # Under DDP/FSDP, reduce gradients only on the last micro-batch.
             with self._sync(last):
