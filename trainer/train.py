@@ -87,6 +87,7 @@ class _Session:
         self.server: HealthServer | None = None
         self.health = Health(cfg.stall_timeout_s)
         self.productive_s = 0.0
+        self.start = self.done = 0  # the step this session restored, and how far it got
         self.stopping = False  # some rank got a preemption notice: every rank stops
         self.sharded = cfg.parallelism == "fsdp"  # FSDP2: every rank saves its own shard
 
@@ -163,6 +164,7 @@ class _Session:
             start = state.apply(saved, model=model if whole else None, optimizer=task.optimizer if whole else None,
                                 scheduler=task.scheduler, scaler=scaler, data=data, world=world)
         restore_s = time.monotonic() - t_restore
+        self.start = self.done = start
         if world.is_node_leader:
             if saved is not None:
                 log.info("event=restore step=%d tier=%s path=%s seconds=%.3f world_size=%d", start, where[0],
@@ -204,7 +206,7 @@ class _Session:
             t0 = time.monotonic()
             loss = step_fn()
             self.productive_s += time.monotonic() - t0
-            done = step + 1
+            done = self.done = step + 1
             self.preempt.step_completed(done)
             self.health.beat()
             if world.is_main:
@@ -247,7 +249,10 @@ class _Session:
     def _progress(self, step: int) -> None:
         """A progress event in the ledger; rank 0 also charts the job's goodput and cost so far."""
         self.ledger.append("progress", step=step, productive_s=self.productive_s)
-        if self.world.is_main and isinstance(self.metrics, Metrics):
+        self._chart_goodput(step)
+
+    def _chart_goodput(self, step: int) -> None:
+        if self.world.is_main and self.ledger is not None and isinstance(self.metrics, Metrics):
             r = report(read_events(self.ledger.path))
             points = {"goodput/goodput": r.goodput}
             if r.cost.cost_so_far is not None:
@@ -386,6 +391,9 @@ class _Session:
                 self.ckpt.close()
         # After a preemption notice the mirrors get what is left of the budget, the ledger first;
         # otherwise they may take their time (what is only in the run dir is lost with the disk).
+        if self.done > self.start:
+            with contextlib.suppress(Exception):
+                self._chart_goodput(self.done)  # the session's last word: its goodput at its end
         notice = self.preempt.notice_monotonic
         end = time.monotonic() + 30.0 if notice is None else notice + self.cfg.preemption_budget_s
         if self.ledger is not None:
