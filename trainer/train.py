@@ -120,6 +120,9 @@ class _Session:
             if self.ckpt is None:
                 self.ckpt = self.make_checkpointer(cfg)
             self.ledger = Ledger(cfg.run_dir, store=self.ckpt.gcs, log=log.getChild("goodput"))
+            if world.is_main:  # checkpoints per tier, for the timeline (`status --plot`)
+                ledger = self.ledger
+                self.ckpt.on_durable = lambda tier, step: ledger.append("durable", tier=tier, step=step)
             self.ledger.append("session_start", **session_start_fields(
                 self.process_start, price_per_hour=cfg.price_per_hour,
                 on_demand_price_per_hour=cfg.on_demand_price_per_hour, main=world.is_main,
