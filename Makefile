@@ -9,7 +9,7 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo drill soak bench synth cost review preflight clean
+.PHONY: setup test demo drill soak bench synth cost review preflight docs clean
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
 setup: $(STAMP)
@@ -67,6 +67,10 @@ preflight: setup
 ## review: offline infrastructure review, e.g. make review BASE=origin/main [HEAD=rev].
 review: setup
 	$(PY) -m stacks.review $(BASE) $(HEAD)
+
+## docs: regenerate docs/reference/ (experiment fields, trainer flags and settings) from the code.
+docs: setup
+	$(PY) -m stacks.reference
 
 clean:
 	rm -rf cdktf.out .pytest_cache build/code

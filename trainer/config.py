@@ -49,7 +49,7 @@ class TierCadence(BaseModel):
     """One tier's own cadence and retention (``[tiers.gcs]`` in the config file); a setting left
     out falls back to the run-wide one."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     every_steps: int | None = Field(default=None, gt=0)
     """Save to this tier every K optimizer steps."""
@@ -63,7 +63,7 @@ class TierCadence(BaseModel):
 class RunConfig(BaseModel):
     """Settings of `python -m trainer run`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     run_dir: Path
     """Persistent checkpoint tier and home of the goodput ledger (the PD-SSD on a VM)."""
@@ -271,7 +271,7 @@ class RunConfig(BaseModel):
 class StatusConfig(BaseModel):
     """Settings of `python -m trainer status`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     run_dir: Path
     """Persistent tier to inspect."""
