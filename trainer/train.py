@@ -42,6 +42,7 @@ class Outcome:
     code: int
     steps_run: int = 0  # optimizer steps this session completed
     loop_s: float = 0.0  # wall seconds of the training loop (bench)
+    loop_cpu_s: float = 0.0  # CPU seconds of this process (all threads) during the loop (bench)
 
 
 def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
@@ -203,7 +204,7 @@ class _Session:
         progress = Progress(log, total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
                             tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size)
         last_progress_event = time.monotonic()
-        t_loop = time.monotonic()
+        t_loop, cpu_loop = time.monotonic(), time.process_time()
         done = start
         for step in range(start, cfg.steps):
             t0 = time.monotonic()
@@ -226,19 +227,19 @@ class _Session:
             if world.is_node_leader and time.monotonic() - last_progress_event >= cfg.progress_every_s:
                 self._progress(done)
                 last_progress_event = time.monotonic()
-        loop_s = time.monotonic() - t_loop
+        loop_s, loop_cpu_s = time.monotonic() - t_loop, time.process_time() - cpu_loop
         progress.close()
         self.batches.stop()  # the workers' prefetch is no longer needed: nothing competes with the save
 
         if done < cfg.steps and self.stopping:
             code = self._emergency_save(done, model, task, scaler, data, fingerprint)
-            return Outcome(code, done - start, loop_s)
+            return Outcome(code, done - start, loop_s, loop_cpu_s)
         if done < cfg.steps:
             code = self._pause(done, model, task, scaler, data, fingerprint)
-            return Outcome(code, done - start, loop_s)
+            return Outcome(code, done - start, loop_s, loop_cpu_s)
         code = self._final_save(done, model, task, scaler, data, fingerprint)
         log.debug("session took %.1fs", time.monotonic() - t_start)
-        return Outcome(code, done - start, loop_s)
+        return Outcome(code, done - start, loop_s, loop_cpu_s)
 
     def _evaluate(self, step: int, evaluator: Evaluator) -> None:
         result = evaluator()
