@@ -41,18 +41,18 @@ def isolated(model: torch.nn.Module) -> Iterator[None]:
 class Evaluator:
     """Decides when to evaluate and computes the eval loss (a collective under DDP/FSDP)."""
 
-    def __init__(self, task: Any, *, every: int | None, batches: int, total_steps: int, batch_size: int,
-                 world: Any, model: torch.nn.Module, device: torch.device, sharded: bool,
-                 loss_fn: Callable[[torch.nn.Module, tuple], torch.Tensor], autocast: Callable[[], Any],
+    def __init__(self, task: Any, cfg: Any, step_fn: Any, world: Any, *, sharded: bool,
                  interrupted: Callable[[], bool]):
+        """``cfg``: the RunConfig; ``step_fn``: the loop's step (its model, device, loss and autocast)."""
         self.dataset = getattr(task, "eval_dataset", None)
         self.evaluate = getattr(task, "evaluate", None)
-        self.every = every if (self.dataset is not None or self.evaluate is not None) else None
-        self.batches, self.total, self.batch_size = batches, total_steps, batch_size
-        self.world, self.device, self.sharded = world, device, sharded
+        has_eval = self.dataset is not None or self.evaluate is not None
+        self.every = cfg.eval_every_steps if has_eval else None
+        self.batches, self.total, self.batch_size = cfg.eval_batches, cfg.steps, cfg.batch_size
+        self.world, self.device, self.sharded = world, step_fn.device, sharded
         # DDP: the inner module (no collectives per forward); FSDP: the sharded model gathers.
-        self.model = model if sharded else state.unwrap(model)
-        self.loss_fn, self.autocast, self.interrupted = loss_fn, autocast, interrupted
+        self.model = step_fn.model if sharded else state.unwrap(step_fn.model)
+        self.loss_fn, self.autocast, self.interrupted = step_fn.loss_fn, step_fn.autocast, interrupted
 
     def due(self, step: int) -> bool:
         return self.every is not None and (step % self.every == 0 or step == self.total)

@@ -194,9 +194,7 @@ class _Session:
         # The loop.
         self.preempt.step_completed(start)
         step_fn = _StepFn(cfg, accum, model, task, self.batches, scaler, device, world)
-        evaluator = Evaluator(task, every=cfg.eval_every_steps, batches=cfg.eval_batches, total_steps=cfg.steps,
-                              batch_size=cfg.batch_size, world=world, model=model, device=device,
-                              sharded=self.sharded, loss_fn=step_fn.loss_fn, autocast=step_fn.autocast,
+        evaluator = Evaluator(task, cfg, step_fn, world, sharded=self.sharded,
                               interrupted=lambda: self.preempt.requested)
         if world.is_main and cfg.tensorboard:
             self.metrics = Metrics(cfg.run_dir, start_step=start, store=self.ckpt.gcs, session=self.ledger.session,
