@@ -11,7 +11,9 @@
    and 10^10 (tracemalloc: the order is pure Python), next to the per-epoch ``torch.randperm``
    it replaced (its tensor alone: 8 bytes per sample). Goal: the same at both n.
 
-Variants alternate within each round so that the load of a shared machine hits them alike.
+The two variants of a comparison run back to back in each round, in alternating order, and the
+ratio is taken per round (its median and range are reported): the load of a shared machine
+drifts over minutes, and a ratio of two medians taken minutes apart would carry that drift.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ class CostlySamples:
         return x, x.sin()
 
 
-def costly_task(ctx: TaskContext, rounds: int = 3000, dim: int = 256, width: int = 1024) -> Task:
+def costly_task(ctx: TaskContext, rounds: int = 6000, dim: int = 256, width: int = 2048) -> Task:
     model = torch.nn.Sequential(torch.nn.Linear(dim, width), torch.nn.GELU(), torch.nn.Linear(width, width),
                                 torch.nn.GELU(), torch.nn.Linear(width, dim))
 
@@ -135,29 +137,35 @@ def measure(rounds: int, workers_steps: int, plain_steps: int) -> dict[str, list
                     ("workers", lambda: _trainer(root, workers_steps, **costly, data_workers=2)),
                     ("plain", lambda: _plain(plain_steps, 16)),
                     ("trainer", lambda: _trainer(root, plain_steps, batch_size=16, task_args=GPT_ARGS))]
-            for name, job in jobs[r % 2::] + jobs[:r % 2]:  # alternate which runs first
-                res[name].append(job())
-                logging.getLogger().setLevel(logging.WARNING)
+            for pair in (jobs[:2], jobs[2:]):  # each comparison back to back, alternating which first
+                for name, job in pair[::-1] if r % 2 else pair:
+                    res[name].append(job())
+                    logging.getLogger().setLevel(logging.WARNING)
     return res
 
 
 def table(res: dict[str, list[tuple[float, float]]], rounds: int, workers_steps: int, plain_steps: int) -> str:
     med = {k: statistics.median(w for w, _ in v) for k, v in res.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in res.items()}
+
+    def ratio(a: str, b: str, i: int = 0) -> str:
+        rs = sorted(x[i] / y[i] for x, y in zip(res[a], res[b]))
+        return f"**{statistics.median(rs):.3f}** ({rs[0]:.2f}-{rs[-1]:.2f})"
+
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     small, big = order_peak_bytes(10**4), order_peak_bytes(10**10)
     lines = [
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, 1 torch thread per process, "
         f"torch {torch.__version__}, {rounds} rounds (median), load average {load:.1f} at the end",
         "",
-        "| comparison | steps/s (median) | ratio | goal |",
+        "| comparison | steps/s (median) | ratio per round: median (range) | goal |",
         "|---|---|---|---|",
         f"| costly samples, inline ({workers_steps} steps, batch 32) | {med['inline']:.2f} | 1 | |",
-        f"| costly samples, `data_workers = 2` | {med['workers']:.2f} | {med['workers'] / med['inline']:.2f} | >= 1.6 |",
+        f"| costly samples, `data_workers = 2` | {med['workers']:.2f} | {ratio('workers', 'inline')} | >= 1.6 |",
         f"| GPT {GPT_ARGS}, plain PyTorch loop ({plain_steps} steps, batch 16) | {med['plain']:.2f} | 1 | |",
-        f"| same, the trainer at its defaults | {med['trainer']:.2f} | {med['trainer'] / med['plain']:.3f} | >= 0.98 |",
+        f"| same, the trainer at its defaults | {med['trainer']:.2f} | {ratio('trainer', 'plain')} | >= 0.98 |",
         f"| same, per CPU second of the process (plain {cpu['plain']:.2f}, trainer {cpu['trainer']:.2f}) "
-        f"| | {cpu['trainer'] / cpu['plain']:.3f} | |",
+        f"| | {ratio('trainer', 'plain', 1)} | |",
         "",
         "| data order | n = 10^4 | n = 10^10 | ratio |",
         "|---|---|---|---|",
@@ -171,9 +179,9 @@ def table(res: dict[str, list[tuple[float, float]]], rounds: int, workers_steps:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--workers-steps", type=int, default=60)
-    p.add_argument("--plain-steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--workers-steps", type=int, default=40)
+    p.add_argument("--plain-steps", type=int, default=150)
     a = p.parse_args(argv or [])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
