@@ -1,11 +1,15 @@
 """TensorBoard scalars of the run: written under the run dir, mirrored to the durable tier.
 
-Each session (rank 0) writes one event file, ``RUN_DIR/tensorboard/events.out.tfevents.<time>.
-<host>.<session>``, in TensorBoard's own format (TFRecord framing with masked CRC32C around
+Each session (rank 0) writes its event file, ``RUN_DIR/tensorboard/events.out.tfevents.<time>.
+<host>.<session>.<part>``, in TensorBoard's own format (TFRecord framing with masked CRC32C around
 ``tensorflow.Event`` protobufs, encoded here by hand: the ``tensorboard`` package pulls in grpcio
-and more, which a training VM does not need). The file is uploaded whole to
-``GCS_URI/tensorboard/`` every ``metrics_upload_every_s`` and when the session ends, so
-``tensorboard --logdir GCS_URI/tensorboard`` (or a Vertex AI TensorBoard) shows the whole job.
+and more, which a training VM does not need). A part grows to ``PART_BYTES``, then the next one
+starts (TensorBoard reads a run's files in name order as one stream). The growing part is
+uploaded to ``GCS_URI/tensorboard/`` every ``metrics_upload_every_s`` and when the session ends,
+replacing its object, so ``tensorboard --logdir GCS_URI/tensorboard`` (or a Vertex AI
+TensorBoard) shows the whole job; a finished part is uploaded once more and never again. The
+bucket's soft delete keeps what an upload replaces, so parts bound that to ``PART_BYTES`` an
+upload instead of the whole session's file.
 
 A resumed run continues the curves without duplicated or orphaned points. A session restored at
 step S supersedes every point past S (they came from steps whose results were lost), so at start
@@ -35,6 +39,7 @@ from trainer.storage import DirStore
 
 TB_DIR = "tensorboard"
 _PREFIX = "events.out.tfevents."
+PART_BYTES = 1 << 20
 
 
 # ---------------------------------------------------------------------------------- encoding
@@ -148,11 +153,12 @@ class Metrics:
         self.dir.root.mkdir(parents=True, exist_ok=True)
         self.dir.clean_temporaries()  # a rewrite cut short: TensorBoard would read it as a run file
         self.store, self.upload_every_s = store, upload_every_s
-        self.name = f"{_PREFIX}{int(time.time()):010d}.{socket.gethostname()}.{session or os.getpid()}"
+        self.base = f"{_PREFIX}{int(time.time()):010d}.{socket.gethostname()}.{session or os.getpid()}"
         self._supersede(start_step)
-        self._fd = os.open(self.dir.path(self.name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
-        self._written = self._uploaded = 0
+        self._written: dict[str, int] = {}  # part -> bytes written (the last part is the open one)
+        self._uploaded: dict[str, int] = {}
+        self._open_part()
         self._write(event(time.time(), file_version="brain.Event:2"))
         self._write(event(time.time(), start_step + 1, session_start=True))
         self._wake = threading.Event()
@@ -190,10 +196,19 @@ class Metrics:
             self.log.warning("event=metrics_upload ok=0 file=%s error=%r", name, e)
             return False
 
+    def _open_part(self) -> None:
+        self.name = f"{self.base}.{len(self._written):04d}"
+        self._fd = os.open(self.dir.path(self.name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._written[self.name] = 0
+
     def _write(self, data: bytes) -> None:
         with self._lock:
-            os.write(self._fd, record(data))
-            self._written += 1
+            rec = record(data)
+            os.write(self._fd, rec)
+            self._written[self.name] += len(rec)
+            if self._written[self.name] >= PART_BYTES:
+                os.close(self._fd)
+                self._open_part()
 
     def scalars(self, step: int, values: dict[str, float] | None) -> None:
         """Points at ``step`` (None or empty: nothing)."""
@@ -211,13 +226,17 @@ class Metrics:
 
     def _upload(self) -> bool:
         with self._lock:
-            n = self._written
-        if n == self._uploaded:
-            return True
-        if self._put(self.name, self.dir.path(self.name).read_bytes()):
-            self._uploaded = n
-            return True
-        return False
+            written = dict(self._written)
+        ok = True
+        for name, n in written.items():
+            if self._uploaded.get(name) == n:
+                continue
+            data = self.dir.path(name).read_bytes()[:n]  # whole records only, even while one is appended
+            if self._put(name, data):
+                self._uploaded[name] = n
+            else:
+                ok = False
+        return ok
 
     def close(self, timeout: float = 30.0) -> bool:
         """fsync the file and make the last upload, waiting at most ``timeout`` s for it; True

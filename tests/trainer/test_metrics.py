@@ -71,3 +71,30 @@ def test_a_torn_tail_is_dropped_and_a_bucket_outage_only_warns(tmp_path: Path,
     assert not m.close(timeout=5)
     assert "event=metrics_upload ok=0" in caplog.text
     assert _read(tmp_path / TB_DIR)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (5, 15.0), (6, 16.0)]
+
+
+def test_a_long_session_goes_to_the_bucket_in_parts_each_uploaded_until_it_is_full(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bucket's soft delete keeps every object an upload replaces: parts bound that to one
+    part per upload instead of the whole session's file."""
+    import trainer.metrics as metrics
+
+    monkeypatch.setattr(metrics, "PART_BYTES", 2000)
+    puts: list[tuple[str, int]] = []
+
+    class Counting(DirStore):
+        def put_bytes(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+            puts.append((key, len(data)))
+            super().put_bytes(key, data, overwrite=overwrite)
+
+    bucket = Counting(tmp_path / "bucket", "gcs")
+    m = Metrics(tmp_path / "run", start_step=0, store=bucket, session="s", upload_every_s=3600)
+    for step in range(1, 101):
+        m.scalars(step, {"train/loss": float(step), "lr": 0.1})
+        if step % 10 == 0:
+            assert m._upload()
+    assert m.close()
+    parts = sorted(p.name for p in (tmp_path / "bucket" / TB_DIR).iterdir())
+    assert len(parts) == 3 and parts == sorted(p.name for p in (tmp_path / "run" / TB_DIR).iterdir())
+    assert max(n for _, n in puts) < 2000 + 200  # never a whole session's file
+    assert _read(tmp_path / "bucket" / TB_DIR)["train/loss"] == [(s, float(s)) for s in range(1, 101)]
