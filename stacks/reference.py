@@ -155,6 +155,13 @@ def trainer_page() -> str:
               "Top-level keys of the TOML file are these names; `[task_args]` and `[tiers.NAME]` are "
               "tables. In a TOML file, `\"none\"` turns an optional setting off.", ""]
     lines += _fields_table(RunConfig)
+    from stacks.trainer_config import STACK_SETTINGS, fingerprint_settings
+
+    lines += ["", "In an experiment's `[trainer.config]`, the settings the stack sets itself are refused: "
+              + ", ".join(f"`{k}` ({v})" for k, v in STACK_SETTINGS.items()) + ". A change to one of "
+              + ", ".join(f"`{k}`" for k in fingerprint_settings())
+              + " changes the resume fingerprint: the existing checkpoints refuse it (exit 2); "
+              "`make review` says so before a deploy."]
     for model in _nested_models(RunConfig):
         lines += ["", f"### {model.__name__}", f'<a id="{model.__name__.lower()}"></a>', "",
                   _cell(model.__doc__), ""]
