@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
-import tracemalloc
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -119,14 +121,14 @@ def test_large_n_is_statistically_sane_and_independent_of_n_in_memory() -> None:
 
 
 def _peak_bytes(n: int) -> int:
-    """Peak bytes allocated while making an order over n samples and taking 200 batches of it."""
-    tracemalloc.start()
-    order = DataOrder(n, seed=7, batch_size=100)
-    for _ in range(200):
-        order.next_indices()
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return peak
+    """Peak bytes allocated while making an order over n samples and taking 200 batches of it,
+    in a fresh interpreter (threads that earlier tests left running would allocate meanwhile)."""
+    code = ("import tracemalloc\nfrom trainer.sampler import DataOrder\ntracemalloc.start()\n"
+            f"o = DataOrder({n}, seed=7, batch_size=100)\nfor _ in range(200): o.next_indices()\n"
+            "print(tracemalloc.get_traced_memory()[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    return int(out.stdout)
 
 
 def test_an_old_orders_fingerprint_is_refused_naming_the_order() -> None:
