@@ -29,6 +29,7 @@ without it (``trainer.tier_wait`` waits); ``status`` (``download=False``) only n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -140,6 +141,9 @@ class Checkpointer:
         self._upload_abort = threading.Event()
         self._restore_lock = threading.Lock()  # retention never deletes while a restore runs
         self._started = time.monotonic()
+        #: Called with (tier, step) once a periodic save is durable on a tier (the goodput ledger's
+        #: record of checkpoints per tier); it must not block.
+        self.on_durable: Callable[[str, int], None] | None = None
         self.stats: dict[str, Any] = {
             "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
             "waited": 0, "blocked_s_total": 0.0, "last_blocked_s": None, "last_error": None,
@@ -263,6 +267,9 @@ class Checkpointer:
         if t.auto is not None:
             t.auto.observe(write_s=write_s)
         self.log.info("checkpoint step %d durable on %s in %.2fs", step, t.name, write_s)
+        if self.on_durable is not None:
+            with contextlib.suppress(Exception):
+                self.on_durable(t.name, step)
         try:
             self._retain(t, step)
         except Exception as e:  # noqa: BLE001

@@ -89,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--global-batch-size", type=int,
                    help="samples per optimizer step over all ranks, constant across world sizes")
     r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75")
+    r.add_argument("--data-workers", type=int, help="worker processes loading batches ahead (default 0: inline)")
+    r.add_argument("--eval-every-steps", type=int, help="evaluate the task's eval set every K steps")
     r.add_argument("--extend-steps", action="store_const", const=True,
                    help="resume a run whose checkpoint has another --steps total (raise it: extend the run)")
     r.add_argument("--init-from", metavar="SOURCE",
@@ -103,6 +105,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--gcs-uri", help="durable tier to inspect, gs://BUCKET/PREFIX (and the ledger mirror)")
     s.add_argument("--local-dir", type=Path, help="fast tier to inspect")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="also draw the job's timeline from the goodput ledger (needs matplotlib)")
 
     e = sub.add_parser("export", help="write a run's weights as a plain state dict in safetensors (+ JSON sidecar)")
     e.add_argument("--run-dir", type=Path, help="the run's run dir")
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
                 "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
                 "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
-                "extend_steps", "init_from", "init_from_step", "init_from_optimizer")}
+                "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "data_workers",
+                "eval_every_steps")}
             cfg = load_run_config(cli, args.config)
         elif args.command == "export":
             ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out")})
@@ -150,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
         else:
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
-                                       "local_dir": args.local_dir, "json_output": args.json})
+                                       "local_dir": args.local_dir, "json_output": args.json,
+                                       "plot": args.plot})
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)

@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator)
 
+from trainer.sampler import ORDER_VERSION
+
 DEFAULT_TASK = "trainer.tasks.gpt:build"
 DEFAULT_HEALTH_PORT = 8471
 
@@ -180,6 +182,28 @@ class RunConfig(BaseModel):
     on_demand_price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """USD per hour of the same VM on demand, for ``status``'s on-demand comparison. Not part of
     the fingerprint. None: unknown."""
+    data_workers: int = Field(default=0, ge=0)
+    """Worker processes that load and collate batches ahead of the loop (a torch DataLoader over
+    the trainer's own order, two batches prefetched per worker, pinned memory on CUDA). 0 loads
+    each batch in the training process when the step needs it. Not part of the fingerprint: the
+    weights are bit-identical with any number of workers, so it may change across a resume.
+    With workers, the dataset is indexed in other processes: ``ds[i]`` must not rely on the
+    training process's RNG or state (it must be a pure function of ``i`` anyway)."""
+    eval_every_steps: int | None = Field(default=None, gt=0)
+    """Evaluate the task's eval set (or eval callable) every K optimizer steps and at the end;
+    logged as ``event=eval`` and written to TensorBoard as ``eval/loss``. Its randomness is
+    isolated, so the weights are bit-identical with and without it. Not part of the
+    fingerprint. None: no evaluation."""
+    eval_batches: int = Field(default=10, gt=0)
+    """Micro-batches of ``batch_size`` per rank that one evaluation averages over (a fixed
+    prefix of the eval set, the same at every evaluation). Not part of the fingerprint."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars (``train/loss``, ``lr``, throughput, ``eval/loss``, goodput)
+    under ``RUN_DIR/tensorboard/`` and mirror them to ``GCS_URI/tensorboard/``. Not part of
+    the fingerprint."""
+    metrics_upload_every_s: float = Field(default=60.0, gt=0)
+    """Seconds between uploads of this session's TensorBoard event file to the durable tier
+    (each upload replaces the object; the last one is made when the session ends)."""
 
     @field_validator("task")
     @classmethod
@@ -288,6 +312,7 @@ class RunConfig(BaseModel):
             "precision": self.precision,
             "parallelism": self.parallelism,
             "dataset_len": dataset_len,
+            "data_order": ORDER_VERSION,
         }
         if self.global_batch_size is None:
             fp["grad_accum_steps"] = self.grad_accum_steps
@@ -309,6 +334,8 @@ class StatusConfig(BaseModel):
     """Fast tier to inspect."""
     json_output: bool = False
     """Print one JSON object instead of the human report."""
+    plot: Path | None = None
+    """Also draw the job's timeline from the goodput ledger into this PNG file."""
 
 
 class ExportConfig(BaseModel):

@@ -69,8 +69,9 @@ class Progress:
             if isinstance(h, _LiveAwareHandler):
                 h.live = self if self.live else None
 
-    def update(self, step: int, loss: float, lr: float, *, note: str = "") -> None:
-        """``step`` is the number of optimizer steps completed."""
+    def update(self, step: int, loss: float, lr: float, *, note: str = "") -> dict[str, float] | None:
+        """``step`` is the number of optimizer steps completed. Returns the figures of the line
+        it logged (TensorBoard tags), or None when this step logged none."""
         self._loss_sum += loss
         self._loss_n += 1
         now = time.monotonic()
@@ -86,10 +87,15 @@ class Progress:
                 step, self.total, self._loss_sum / self._loss_n, lr, self._rate, unit,
                 self._rate * per_step, eta, f" {note}" if note else "",
             )
+            logged = {"train/loss": self._loss_sum / self._loss_n, "lr": lr,
+                      "throughput/steps_per_s": self._rate, f"throughput/{unit}": self._rate * per_step}
             self._loss_sum, self._loss_n = 0.0, 0
             self._mark_step, self._mark_time = step, now
+        else:
+            logged = None
         if self.live:
             self._draw(step, loss)
+        return logged
 
     def _draw(self, step: int, loss: float) -> None:
         width = 30

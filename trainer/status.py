@@ -1,6 +1,7 @@
 """`python -m trainer status`: the checkpoints on each tier, the newest valid one, and goodput.
 
-Read-only: it never downloads into, repairs or deletes anything on a tier.
+Read-only: it never downloads into, repairs or deletes anything on a tier. ``--plot FILE.png``
+also draws the job's timeline (``trainer.timeline``).
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
 (the checkpointer's per-tier description), ``unknown_tiers`` (tier -> error for those that could
@@ -24,7 +25,8 @@ from trainer.goodput import merge, read_events, read_store_events, report
 from trainer.goodput import LEDGER_DIR, LEDGER_FILE
 
 
-def collect(cfg: StatusConfig) -> dict[str, Any]:
+def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The report; ``events_out`` (if given) receives the job's ledger events."""
     from trainer.checkpointer import Checkpointer
     from trainer.state import model_digest
 
@@ -33,11 +35,13 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
     try:
         tiers = ckpt.describe().get("tiers", {})
         if _sharded(tiers):
-            return _collect_sharded(cfg, ckpt, log)
+            return _collect_sharded(cfg, ckpt, log, events_out)
         restored = ckpt.restore(download=False)
         events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
+    if events_out is not None:
+        events_out.extend(events)
     out: dict[str, Any] = {
         "latest_step": restored.step if restored else None,
         "model_digest": model_digest(restored.state["model"]) if restored else None,
@@ -88,7 +92,8 @@ def _sharded(tiers: dict[str, Any]) -> bool:
                for t in tiers.values() for c in t.get("checkpoints", []))
 
 
-def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger) -> dict[str, Any]:
+def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger,
+                     events_out: list[dict[str, Any]] | None) -> dict[str, Any]:
     """The same report for a run with ``parallelism = "fsdp"`` (sharded checkpoints)."""
     from trainer import sharded
     from trainer.distributed import World
@@ -103,6 +108,8 @@ def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger) -> dict
         events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
+    if events_out is not None:
+        events_out.extend(events)
     step, tier, path, model, extras = found if found else (None, None, None, None, {})
     out: dict[str, Any] = {
         "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
@@ -201,6 +208,19 @@ def main(cfg: StatusConfig) -> int:
     if not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
         print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
-    s = collect(cfg)
+    events: list[dict[str, Any]] = []
+    s = collect(cfg, events)
     print(json.dumps(s, default=str, sort_keys=True) if cfg.json_output else _human(s))
+    if cfg.plot is not None:
+        from trainer.timeline import PlotUnavailable, draw
+
+        try:
+            draw(events, cfg.plot)
+        except PlotUnavailable as e:
+            print(f"command line: plot: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except OSError as e:
+            print(f"command line: plot: cannot write {cfg.plot}: {e.strerror}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"timeline written to {cfg.plot}", file=sys.stderr)
     return EXIT_FINISHED

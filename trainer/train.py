@@ -2,7 +2,8 @@
 
 Read ``run()`` top to bottom; the machinery sits behind small interfaces: ``Checkpointer``
 (tiers, async saves, intervals), ``state`` (what exact resume needs), ``Preemption`` (the flag),
-``Health``, ``Ledger`` (goodput), ``Progress`` (logs), ``World`` (DDP collectives), ``lease``
+``Health``, ``Ledger`` (goodput), ``Progress`` (logs), ``World`` (DDP collectives), ``Batches``
+(the data, loaded inline or by workers), ``Evaluator`` and ``Metrics`` (TensorBoard), ``lease``
 (one trainer per run dir and per GCS prefix) and ``tier_wait`` (no decision while a tier is unknown).
 
 Under torchrun on several nodes, each node's local rank 0 (its "leader") runs that VM's health
@@ -28,10 +29,13 @@ from trainer import distributed, gpu, placement, state, tier_wait
 from trainer import task as tasks
 from trainer.config import RunConfig
 from trainer.artifacts import Artifacts
-from trainer.goodput import Ledger, node_name, session_start_fields
+from trainer.data import Batches
+from trainer.evaluation import Evaluator
+from trainer.goodput import Ledger, node_name, read_events, report, session_start_fields
 from trainer.health import Health, HealthServer, PortInUse
 from trainer.init_from import InitFromError
 from trainer.lease import FollowerLease, Lease, LeaseHeld, RunDirBusy, RunDirLock, holder_id
+from trainer.metrics import Metrics, NoMetrics
 from trainer.preemption import Preemption
 from trainer.progress import Progress, setup_logging
 from trainer.sampler import DataOrder
@@ -42,6 +46,7 @@ class Outcome:
     code: int
     steps_run: int = 0  # optimizer steps this session completed
     loop_s: float = 0.0  # wall seconds of the training loop (bench)
+    loop_cpu_s: float = 0.0  # CPU seconds of this process (all threads) during the loop (bench)
     reason: str = ""  # why, for a bad-input exit
 
 
@@ -95,10 +100,13 @@ class _Session:
         self.lease: Lease | FollowerLease | None = None  # the job's writer lease on GCS
         self.lease_decided = False
         self.waited_s = 0.0  # start-up's wait for unknown tiers so far (one bound for all of it)
+        self.batches: Batches | None = None
+        self.metrics: Metrics | NoMetrics = NoMetrics()
         self.server: HealthServer | None = None
         self.artifacts: Artifacts | None = None  # node leaders: ctx.artifacts_dir and its GCS copy
         self.health = Health(cfg.stall_timeout_s)
         self.productive_s = 0.0
+        self.start = self.done = 0  # the step this session restored, and how far it got
         self.stopping = False  # some rank got a preemption notice: every rank stops
         self.sharded = cfg.parallelism == "fsdp"  # FSDP2: every rank saves its own shard
 
@@ -132,6 +140,9 @@ class _Session:
             if self.ckpt is None:
                 self.ckpt = self.make_checkpointer(cfg)
             self.ledger = Ledger(cfg.run_dir, log=log.getChild("goodput"))  # mirrored once the lease is held
+            if world.is_main:  # checkpoints per tier, for the timeline (`status --plot`)
+                ledger = self.ledger
+                self.ckpt.on_durable = lambda tier, step: ledger.append("durable", tier=tier, step=step)
             self.ledger.append("session_start", **session_start_fields(
                 self.process_start, price_per_hour=cfg.price_per_hour,
                 on_demand_price_per_hour=cfg.on_demand_price_per_hour, main=world.is_main,
@@ -167,6 +178,8 @@ class _Session:
                 model, device_ids=[device.index] if device.type == "cuda" else None)
         data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size,
                          rank=world.rank, world_size=world.size)
+        self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
+                               log=log.getChild("data"))
         scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.precision == "fp16" else None
         fingerprint = cfg.fingerprint(dataset_len=len(task.dataset), device=device.type)
         if world.is_node_leader:
@@ -188,6 +201,7 @@ class _Session:
         elif cfg.init_from is not None:  # a new run seeded from another run's checkpoint
             fingerprint["init_from"] = self._init_from(model, task.optimizer)
         restore_s = time.monotonic() - t_restore
+        self.start = self.done = start
         if world.is_node_leader:
             if saved is not None:
                 log.info("event=restore step=%d tier=%s path=%s seconds=%.3f world_size=%d", start, where[0],
@@ -219,47 +233,77 @@ class _Session:
 
         # The loop.
         self.preempt.step_completed(start)
-        step_fn = _StepFn(cfg, accum, model, task, data, scaler, device, world)
+        step_fn = _StepFn(cfg, accum, model, task, self.batches, scaler, device, world)
+        evaluator = Evaluator(task, cfg, step_fn, world, sharded=self.sharded,
+                              interrupted=lambda: self.preempt.requested)
+        if world.is_main and cfg.tensorboard:
+            self.metrics = Metrics(cfg.run_dir, start_step=start, store=self.ckpt.gcs, session=self.ledger.session,
+                                   upload_every_s=cfg.metrics_upload_every_s, log=log.getChild("metrics"))
         progress = Progress(log, total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
                             tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size)
         last_progress_event = time.monotonic()
-        t_loop = time.monotonic()
+        t_loop, cpu_loop = time.monotonic(), time.process_time()
         done, lost = start, False
         for step in range(start, cfg.steps):
             t0 = time.monotonic()
             loss = step_fn()
             self.productive_s += time.monotonic() - t0
-            done = step + 1
+            done = self.done = step + 1
             self.preempt.step_completed(done)
             self.health.beat()
             if world.is_main:
-                progress.update(done, loss, task.optimizer.param_groups[0]["lr"])
+                self.metrics.scalars(done, progress.update(done, loss, task.optimizer.param_groups[0]["lr"]))
 
             stop, due, lost = world.any_flags(self.preempt.requested, world.is_main and self.ckpt.due(done),
                                               self._lease_lost())
             self.stopping = stop
+            if not (stop or lost) and evaluator.due(done):
+                self._evaluate(done, evaluator)
             if stop or lost or done == cfg.steps or done == cfg.stop_at_step:
                 break
             if due:
                 self._save(done, model, task, scaler, data, fingerprint)
             if world.is_node_leader and time.monotonic() - last_progress_event >= cfg.progress_every_s:
-                self.ledger.append("progress", step=done, productive_s=self.productive_s)
+                self._progress(done)
                 last_progress_event = time.monotonic()
-        loop_s = time.monotonic() - t_loop
+        loop_s, loop_cpu_s = time.monotonic() - t_loop, time.process_time() - cpu_loop
         progress.close()
+        self.batches.stop()  # the workers' prefetch is no longer needed: nothing competes with the save
 
         if done < cfg.steps and self.stopping:
             code = self._emergency_save(done, model, task, scaler, data, fingerprint)
-            return Outcome(code, done - start, loop_s)
+            return Outcome(code, done - start, loop_s, loop_cpu_s)
         if lost:
             why = self._stop_for_lost_lease(done, model, task, scaler, data, fingerprint)
-            return Outcome(EXIT_BAD_INPUT, done - start, loop_s, reason=why)
+            return Outcome(EXIT_BAD_INPUT, done - start, loop_s, loop_cpu_s, reason=why)
         if done < cfg.steps:
             code = self._pause(done, model, task, scaler, data, fingerprint)
-            return Outcome(code, done - start, loop_s)
+            return Outcome(code, done - start, loop_s, loop_cpu_s)
         code = self._final_save(done, model, task, scaler, data, fingerprint)
         log.debug("session took %.1fs", time.monotonic() - t_start)
-        return Outcome(code, done - start, loop_s)
+        return Outcome(code, done - start, loop_s, loop_cpu_s)
+
+    def _evaluate(self, step: int, evaluator: Evaluator) -> None:
+        result = evaluator()
+        if result is None or not self.world.is_main:
+            return
+        values, batches, seconds = result
+        self.log.info("event=eval step=%d %s batches=%d seconds=%.3f", step,
+                      " ".join(f"{k}={v:.4f}" for k, v in values.items()), batches, seconds)
+        self.metrics.scalars(step, {f"eval/{k}": v for k, v in values.items()})
+
+    def _progress(self, step: int) -> None:
+        """A progress event in the ledger; rank 0 also charts the job's goodput and cost so far."""
+        self.ledger.append("progress", step=step, productive_s=self.productive_s)
+        self._chart_goodput(step)
+
+    def _chart_goodput(self, step: int) -> None:
+        if self.world.is_main and self.ledger is not None and isinstance(self.metrics, Metrics):
+            r = report(read_events(self.ledger.path))
+            points = {"goodput/goodput": r.goodput}
+            if r.cost.cost_so_far is not None:
+                points["goodput/cost_usd"] = r.cost.cost_so_far
+            self.metrics.scalars(step, points)
 
     def _state(self, step: int, model: Any, task: tasks.Task, scaler: Any, data: DataOrder,
                fingerprint: dict) -> dict | None:
@@ -552,6 +596,8 @@ class _Session:
                 self.ledger.append("failed", reason=reason, detail=detail[:500])
 
     def close(self) -> None:
+        if self.batches is not None:
+            self.batches.close()
         if self.server is not None:
             self.server.close()
         if self.artifacts is not None:
@@ -559,16 +605,22 @@ class _Session:
         if self.ckpt is not None:
             with contextlib.suppress(Exception):
                 self.ckpt.close()
-        # After a preemption notice the mirror and the lease get what is left of the budget;
-        # otherwise they may take their time (events only in the run dir are lost with the disk).
+        # After a preemption notice the mirrors and the lease get what is left of the budget, the
+        # ledger first; otherwise they may take their time (what is only in the run dir is lost
+        # with the disk).
+        if self.done > self.start:
+            with contextlib.suppress(Exception):
+                self._chart_goodput(self.done)  # the session's last word: its goodput at its end
         notice = self.preempt.notice_monotonic
-        budget = 30.0 if notice is None else notice + self.cfg.preemption_budget_s - time.monotonic()
+        end = time.monotonic() + 30.0 if notice is None else notice + self.cfg.preemption_budget_s
         if self.ledger is not None:
-            if not self.ledger.close(timeout=max(1.0, budget)):
+            if not self.ledger.close(timeout=max(1.0, end - time.monotonic())):
                 self.log.warning("event=ledger_mirror ok=0 detail=some goodput events reached only the run dir")
+        if not self.metrics.close(timeout=max(1.0, end - time.monotonic())):
+            self.log.warning("event=metrics_upload ok=0 detail=the last TensorBoard points reached only the run dir")
         if self.lease is not None:  # the next trainer of the job takes over at once
             with contextlib.suppress(Exception):
-                self.lease.release(timeout=max(1.0, min(10.0, budget)))
+                self.lease.release(timeout=max(1.0, min(10.0, end - time.monotonic())))
         if self.run_lock is not None:
             self.run_lock.release()
 
@@ -576,9 +628,9 @@ class _Session:
 class _StepFn:
     """One optimizer step: ``grad_accum_steps`` micro-batches, clipping, mixed precision."""
 
-    def __init__(self, cfg: RunConfig, accum: int, model: torch.nn.Module, task: tasks.Task, data: DataOrder,
+    def __init__(self, cfg: RunConfig, accum: int, model: torch.nn.Module, task: tasks.Task, batches: Batches,
                  scaler: Any, device: torch.device, world: distributed.World):
-        self.cfg, self.accum, self.model, self.task, self.data = cfg, accum, model, task, data
+        self.cfg, self.accum, self.model, self.task, self.batches = cfg, accum, model, task, batches
         self.scaler, self.device, self.world = scaler, device, world
         self.loss_fn = task.loss_fn or (lambda m, batch: m(*batch))
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
@@ -596,18 +648,12 @@ class _StepFn:
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else model.no_sync()
 
-    def _batch(self) -> tuple:
-        samples = [self.task.dataset[i] for i in self.data.next_indices()]
-        batch = torch.utils.data.default_collate(samples)
-        batch = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
-        return tuple(b.to(self.device, non_blocking=True) if torch.is_tensor(b) else b for b in batch)
-
     def __call__(self) -> float:
         accum, model, opt = self.accum, self.model, self.task.optimizer
         model.train()
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
-            batch = self._batch()
+            batch = self.batches.next()
             last = micro == accum - 1
             # Under DDP/FSDP, reduce gradients only on the last micro-batch.
             with self._sync(last):

@@ -69,3 +69,19 @@ def test_status_json_reports_the_cost_at_each_session_price(tmp_path: Path, caps
     assert c["on_demand_equivalent"] > 0 and c["savings"] is None  # the second session had no on-demand price
     assert status_main(StatusConfig(run_dir=tmp_path / "run")) == 0
     assert "cost: $" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_the_old_data_order_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """A checkpoint written before the order became a bijection has no ``data_order`` in its
+    fingerprint: resuming it would continue on another sample stream, so it is refused (exit 2)."""
+    real = RunConfig.fingerprint
+
+    def old_fingerprint(self: RunConfig, **kw: object) -> dict:
+        return {k: v for k, v in real(self, **kw).items() if k != "data_order"}
+
+    monkeypatch.setattr(RunConfig, "fingerprint", old_fingerprint)
+    assert run(_cfg(tmp_path / "run", stop_at_step=7)).code == 75
+    monkeypatch.setattr(RunConfig, "fingerprint", real)
+    assert run(_cfg(tmp_path / "run")).code == 2
+    assert "data_order: checkpoint has None, this run has 2" in capsys.readouterr().err
