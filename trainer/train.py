@@ -195,7 +195,8 @@ class _Session:
         self.preempt.step_completed(start)
         step_fn = _StepFn(cfg, accum, model, task, data, scaler, device, world)
         progress = Progress(log, total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
-                            tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size)
+                            tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size,
+                            samples_per_step=cfg.batch_size * accum * world.size)
         last_progress_event = time.monotonic()
         t_loop = time.monotonic()
         done = start
