@@ -9,7 +9,7 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo drill soak bench synth cost review preflight docs clean \
+.PHONY: setup test demo drill soak bench synth cost review preflight docs wheels clean \
 	deploy diff destroy output
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
@@ -57,6 +57,12 @@ bench: setup
 ## synth: synthesize every experiment into cdktf.out/ (what `npx cdktn synth` does).
 synth: setup
 	$(VENV)/bin/npx cdktn synth
+
+## wheels: resolve every experiment's dependencies (the trainer's and code_dir/requirements.txt)
+## as wheels for its image's Python into build/wheels/ (synth does it too, once per requirements
+## digest; run this before working offline). EXPERIMENT=path for one. See docs/dependencies.md.
+wheels: setup
+	$(PY) -m stacks.wheels $(EXPERIMENT)
 
 ## deploy, diff, destroy, output: `npx cdktn VERB` for one experiment, EXPERIMENT=name (a file
 ## experiments/NAME.toml) or a path, with the venv's Node (cdktn needs >= 22.19); they need

@@ -29,7 +29,9 @@ MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port",
                  # the prices of `[cost]` / the catalog (`stacks.pricing.trainer_price_args`)
                  "--price-per-hour", "--on-demand-price-per-hour",
                  # `trainer.parallelism`
-                 "--parallelism")
+                 "--parallelism",
+                 # `[data]`: where the startup script staged the dataset
+                 "--data-dir")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -112,6 +114,15 @@ class Machine(Section):
     """Project that publishes `image_family`."""
     boot_disk_gb: int = Field(default=200, ge=R.BOOT_DISK_MIN_GB, le=R.PD_SSD_MAX_GB)
     """Boot disk size in GB (pd-balanced); the Deep Learning VM images need about 50 GB."""
+    python_version: str | None = None
+    """The image's Python as "X.Y", for the wheels the stack resolves at deploy time (see
+    docs/dependencies.md). Default: from `image_family` (stacks/gcp_rules.py names the Python of
+    ubuntu-2204, ubuntu-2404 and debian-12 families); required for a family that names none."""
+
+    @field_validator("python_version")
+    @classmethod
+    def _python(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, re.compile(r"^3\.[0-9]{1,2}$"), 'a Python version such as "3.10"')
 
     @field_validator("image_family", "image_project")
     @classmethod
@@ -167,6 +178,11 @@ class Machine(Section):
                         f"{lim.max_vcpus} vCPU and {lim.max_memory_gb:g} GB",
                     )
         yield from self._gpu_against_image()
+        if R.image_python(self.image_family, self.python_version) is None:
+            yield ("image_family", f"{self.image_family!r} names no OS whose Python stacks/gcp_rules.py "
+                   "knows, so the wheels shipped with the code cannot be resolved for it; allowed: "
+                   "a family naming " + ", ".join(R.IMAGE_OS_PYTHON) + ', or set machine.python_version '
+                   '(e.g. "3.10")')
         if self.provisioning == "standard" and shape.spot_or_flex_only:
             yield (
                 "provisioning",
@@ -410,8 +426,8 @@ class Trainer(Section):
     (`[trainer.config.task_args]`, `[trainer.config.tiers.gcs]`), e.g. `batch_size = 32`,
     `precision = "bf16"`. Checked by the trainer's own model before anything is deployed, and
     written to /etc/spottrain/trainer.toml on the VM. The settings the stack sets from other
-    fields (run_dir, local_dir, gcs_uri, steps, task, health_port, health_host, health_request,
-    parallelism, the prices) are refused here, and so is a setting that `args` passes as a flag
+    fields (run_dir, local_dir, data_dir, gcs_uri, steps, task, health_port, health_host,
+    health_request, parallelism, the prices) are refused here, and so is a setting that `args` passes as a flag
     too. A change that alters the resume fingerprint (seed, task_args, batch_size...) is refused
     by the running job's checkpoints: `make review` says which."""
 
@@ -600,10 +616,65 @@ class Pool(Section):
         return machine.machine_type if self.coordinator_trains else R.DEFAULT_CPU_COORDINATOR
 
 
+# --- [data]: a dataset staged onto each VM before training (issue 11; docs/data.md) -----------
+#: gs://BUCKET[/PREFIX]: a readable bucket's name (dots allowed: it is not created here) and an
+#: object prefix of printable characters without empty, "." or ".." parts.
+DATA_SOURCE = re.compile(r"^gs://([a-z0-9][-_.a-z0-9]{1,220}[a-z0-9])(/[^\x00-\x1f\x7f]*)?$")
+
+
+class Data(Section):
+    """Your dataset: every object under a `gs://` prefix, staged onto each VM before the trainer
+    starts (local SSDs when the VM has them, else the checkpoint disk), verified and resumable,
+    and handed to the task as `ctx.data_dir`. The VMs' service account gets read access on that
+    bucket only (roles/storage.objectViewer). See docs/data.md."""
+
+    source: str
+    """REQUIRED. gs://BUCKET/PREFIX of the dataset, e.g. "gs://my-datasets/openwebtext". A bucket
+    of yours other than the checkpoint bucket; every object under the prefix is staged, keeping
+    its path below the prefix (gs://b/p/train/0.bin becomes DATA_DIR/train/0.bin)."""
+    parallel: int = Field(default=16, ge=1, le=64)
+    """Downloads at once while staging (large objects are fetched in 32 MiB slices)."""
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        m = DATA_SOURCE.match(v)
+        allowed = ('allowed: gs://BUCKET/PREFIX (bucket: 3-222 of a-z 0-9 - _ ., starting and '
+                   'ending with a letter or digit; prefix: /-separated parts, none empty, "." or "..")')
+        if not m:
+            raise ValueError(f"{v!r} is not valid; {allowed}")
+        bucket, prefix = m.group(1), (m.group(2) or "").strip("/")
+        if any(len(part) > 63 for part in bucket.split(".")) or ".." in bucket:
+            raise ValueError(f"{v!r} is not valid; {allowed}")
+        if bucket.startswith("goog") or "google" in bucket:
+            raise ValueError(f"{v!r} is not valid; allowed: a bucket without a goog prefix or 'google'")
+        if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
+            raise ValueError(f"{v!r} is not valid; {allowed}")
+        return v
+
+    @property
+    def bucket(self) -> str:
+        return self.source.removeprefix("gs://").split("/", 1)[0]
+
+
+def data_problems(exp: "Experiment", name: str) -> Iterator[Problem]:
+    """The data bucket against the buckets the stack owns."""
+    if exp.data is None:
+        return
+    if exp.data.bucket == exp.bucket_name(name):
+        yield ("data.source", f"{exp.data.bucket!r} is the checkpoint bucket this stack creates (and "
+               "may destroy with force_destroy; its soft delete and lifecycle apply to everything in "
+               "it); allowed: a separate bucket holding your data")
+    if exp.backend.bucket is not None and exp.data.bucket == exp.backend.bucket:
+        yield ("data.source", f"{exp.data.bucket!r} is the Terraform state bucket (the VMs would read "
+               "the state); allowed: a separate bucket holding your data")
+# --- end [data] ---------------------------------------------------------------------------------
+
+
 SECTIONS: dict[str, type[Section]] = {
     "gcp": Gcp, "machine": Machine, "disk": Disk, "bucket": Bucket, "network": Network,
     "group": Group, "trainer": Trainer, "pool": Pool, "backend": Backend, "cost": Cost,
-    "capacity": Capacity,
+    "capacity": Capacity, "data": Data,
 }  # fmt: skip
 
 
@@ -636,6 +707,8 @@ class Experiment(BaseModel):
     """Assumptions and price overrides for the cost estimate."""
     capacity: Capacity = Capacity()
     """Capacity options: ranked machine types, zone change, on-demand fallback, flex-start."""
+    data: Data | None = None
+    """A dataset in a bucket, staged onto each VM before training (absent: none)."""
 
     @field_validator("labels")
     @classmethod
@@ -739,6 +812,7 @@ def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
     if exp.pool is not None:
         yield from pool_problems(exp)
     yield from capacity_problems(exp)
+    yield from data_problems(exp, name)
     if exp.backend.bucket is not None and exp.backend.bucket == exp.bucket_name(name):
         yield (
             "backend.bucket",

@@ -1,7 +1,8 @@
 """The trainer's identity: a dedicated service account and its least-privilege IAM.
 
-Object admin on the checkpoint bucket only (a bucket-level binding, not a project role), log
-writer and metric writer on the project. The VMs never run as the default compute account.
+Object admin on the checkpoint bucket only (a bucket-level binding, not a project role), object
+viewer on the `[data]` bucket only (read, never write), log writer and metric writer on the
+project. The VMs never run as the default compute account.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from constructs import Construct
 
 PROJECT_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
 BUCKET_ROLE = "roles/storage.objectAdmin"
+#: On the `[data]` bucket: list and read objects, nothing else.
+DATA_BUCKET_ROLE = "roles/storage.objectViewer"
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,14 @@ class Identity(Construct):
         """Object admin on that one bucket: read, write and delete checkpoints."""
         grant = StorageBucketIamMember(
             self, "bucket-object-admin", bucket=bucket_name, role=BUCKET_ROLE, member=self.member
+        )
+        self.grants.append(grant)
+        return grant
+
+    def grant_data_bucket(self, bucket_name: str) -> StorageBucketIamMember:
+        """Object viewer on the `[data]` bucket: list and read the dataset, nothing else."""
+        grant = StorageBucketIamMember(
+            self, "data-object-viewer", bucket=bucket_name, role=DATA_BUCKET_ROLE, member=self.member
         )
         self.grants.append(grant)
         return grant

@@ -18,7 +18,7 @@ from stacks import apis as A
 from stacks import gcp_rules as R
 from stacks.boot import boot_props, group_name, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
-from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive
+from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
 from stacks.experiment import Experiment, code_path
 from stacks.fallback import FallbackProps, OnDemandFallback
 from stacks.flex_start import FlexStartGroup, FlexStartProps
@@ -40,6 +40,8 @@ from stacks.network import (
 )
 from stacks.pool import ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pool_dns import PoolDns, PoolDnsProps
+from stacks.wheels import resolve as resolve_wheels
+from stacks.wheels import wheel_set
 from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
 from trainer import scale as vm_scale
 from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
@@ -84,6 +86,8 @@ class TrainingStack(TerraformStack):
             labels=labels,
         ))
         identity.grant_bucket(bucket.name)
+        if exp.data is not None:  # read on the dataset's bucket, which the stack does not own
+            identity.grant_data_bucket(exp.data.bucket)
 
         net = exp.network
         network = TrainerNetwork(self, "network", NetworkProps(
@@ -122,8 +126,11 @@ class TrainingStack(TerraformStack):
         # The trainer (and the user's code) as content-named objects in the bucket: a code
         # change renames them, which changes the startup script and so the template.
         archives = [trainer_archive()]
-        if exp.trainer.code_dir is not None:
-            archives.append(user_archive(code_path(exp.trainer.code_dir)))
+        code = code_path(exp.trainer.code_dir) if exp.trainer.code_dir is not None else None
+        if code is not None:
+            archives.append(user_archive(code))
+        # The dependencies as wheels for the image's Python: the VM installs them offline.
+        archives.append(wheels_archive(resolve_wheels(wheel_set(exp, code))))
         delivery = CodeDelivery(self, "code", DeliveryProps(
             bucket=bucket.name, archives=tuple(archives)))
 
@@ -339,7 +346,8 @@ class TrainingStack(TerraformStack):
             "state_command": (
                 f"gcloud compute instances get-guest-attributes INSTANCE {p} {zone} "
                 "--query-path=spottrain/state",
-                "The VM's boot path state: starting, training, finished (scale to zero now), "
+                "The VM's boot path state: starting, staging (the [data] dataset), training, "
+                "finished (scale to zero now), "
                 "failed (see serial_log_command), stopped-<trainer exit status>",
             ),
             "list_errors_command": (

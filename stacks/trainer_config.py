@@ -29,6 +29,7 @@ Problem = tuple[str, str]
 STACK_SETTINGS: dict[str, str] = {
     "run_dir": "the stack: the checkpoint disk's run directory",
     "local_dir": "the stack from disk.local_ssd_count: the local SSD tier",
+    "data_dir": "the stack from [data]: where the dataset was staged",
     "gcs_uri": "the stack: the experiment's bucket",
     "steps": "trainer.steps",
     "task": "trainer.task",

@@ -16,6 +16,27 @@ _PRIVATE_TMP = tempfile.mkdtemp(prefix="spottrain-tests-")
 os.environ["TMPDIR"] = _PRIVATE_TMP  # read by child processes, the jsii runtime among them
 
 
+# Synthesis resolves the dependencies' wheels (stacks/wheels.py): against a local index of tiny
+# stand-in wheels for the trainer's requirements, into a private cache, never against PyPI.
+def _local_wheel_index() -> None:
+    from pathlib import Path as _Path
+
+    import re as _re
+
+    from stacks.wheels import CACHE_ENV, INDEX_ENV, TRAINER_REQUIREMENTS, build_wheel
+
+    index = _Path(_PRIVATE_TMP) / "wheel-index"
+    index.mkdir()
+    for requirement in TRAINER_REQUIREMENTS:  # each at its lowest allowed version
+        name, version = _re.match(r"([A-Za-z0-9._-]+)\s*>=\s*([0-9.]+)", requirement).groups()
+        build_wheel(index, name, version)
+    os.environ[INDEX_ENV] = str(index)
+    os.environ[CACHE_ENV] = str(_Path(_PRIVATE_TMP) / "wheel-cache")
+
+
+_local_wheel_index()
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     shutil.rmtree(_PRIVATE_TMP, ignore_errors=True)
 

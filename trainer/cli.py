@@ -1,6 +1,9 @@
-"""Command line: ``python -m trainer run|status|export|rendezvous ...`` (a stable contract).
+"""Command line: ``python -m trainer run|status|export|stage|rendezvous ...`` (a stable contract).
 
 ``export`` writes a run's trained weights as a plain state dict in safetensors (trainer.export).
+
+``stage`` copies a ``gs://`` prefix onto a local disk before training, verified and resumable
+(``trainer.staging``; its exit codes: 0 staged, 1 failed, run it again to resume, 2 bad input).
 
 ``rendezvous`` hosts the c10d rendezvous store of a multi-node job on a coordinator that does not
 train (when it trains, its torchrun agent hosts the store itself).
@@ -73,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every-steps", type=int, help="save every K steps")
     r.add_argument("--checkpoint-every-seconds", type=float, help="save every T seconds")
     r.add_argument("--local-dir", type=Path, help="optional fast tier (local SSD)")
+    r.add_argument("--data-dir", type=Path, help="the staged dataset, handed to the task as ctx.data_dir")
     r.add_argument("--health-port", type=int, help="TCP health port (default 8471; 0 = any free port)")
     r.add_argument("--price-per-hour", type=float,
                    help="USD per hour of this VM as provisioned, for the cost in `status` (may change on resume)")
@@ -104,6 +108,18 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--local-dir", type=Path, help="the run's local tier, if any")
     e.add_argument("--step", type=int, help="the checkpoint to export (default: the newest valid one)")
     e.add_argument("--out", type=Path, required=True, help="FILE.safetensors to write (sidecar: FILE.json)")
+    g = sub.add_parser("stage", help="copy gs://BUCKET/PREFIX into a directory, verified and resumable")
+    g.add_argument("--from", dest="source", required=True, help="gs://BUCKET/PREFIX to stage")
+    g.add_argument("--to", dest="dest", type=Path, required=True, help="local directory (created if missing)")
+    g.add_argument("--parallel", type=int, default=16, help="downloads at once (default 16)")
+    g.add_argument("--rehash", action="store_true",
+                   help="recompute the CRC32C of every file already staged instead of trusting size and mtime")
+    g.add_argument("--run-dir", type=Path, help="the run's persistent dir: its goodput ledger gets a staging event")
+    g.add_argument("--health-port", type=int, help="answer the health check on this TCP port while staging")
+    g.add_argument("--stall-timeout-s", type=float, default=600.0,
+                   help="health answers 'stalled' after this long without a byte (default 600)")
+    g.add_argument("--forbidden-retry-s", type=float, default=600.0,
+                   help="keep retrying HTTP 403 this long: a new bucket grant takes minutes (default 600)")
 
     z = sub.add_parser("rendezvous", help="host a multi-node job's c10d rendezvous store until SIGTERM")
     z.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
@@ -118,12 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             cli = {k: getattr(args, k) for k in (
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
-                "checkpoint_every_seconds", "local_dir", "health_port", "price_per_hour",
+                "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
                 "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
                 "extend_steps", "init_from", "init_from_step", "init_from_optimizer")}
             cfg = load_run_config(cli, args.config)
         elif args.command == "export":
             ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out")})
+        elif args.command == "stage":
+            if args.health_port is not None and not 0 <= args.health_port <= 65535:
+                raise ConfigError([f"command line: health_port: must be 0..65535, got {args.health_port}"])
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
@@ -148,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.export import main as export_main
 
         return export_main(ecfg)
+    if args.command == "stage":
+        from trainer.staging import main as stage_main
+
+        return stage_main(args)
     if args.command == "rendezvous":
         from trainer.rendezvous import serve
 

@@ -88,6 +88,10 @@ class RunConfig(BaseModel):
     """Durable tier, ``gs://BUCKET/PREFIX``; also receives a mirror of the goodput ledger."""
     local_dir: Path | None = None
     """Optional fast tier (local SSD); lost with the VM, so never the only copy."""
+    data_dir: Path | None = None
+    """Where the dataset was staged (``python -m trainer stage``; on a VM the stack stages the
+    experiment's ``[data]`` there), handed to the task as ``ctx.data_dir``. Not part of the
+    fingerprint: the same data may be staged to another disk after a restart."""
     task: str = DEFAULT_TASK
     """``module:callable`` returning a :class:`trainer.task.Task`. Part of the fingerprint."""
     task_args: dict[str, Any] = Field(default_factory=dict)

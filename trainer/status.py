@@ -123,6 +123,9 @@ def _human(s: dict[str, Any]) -> str:
         f"down {g['downtime_s']:.1f}s; preemptions {g['preemptions']}, crashes {g['crashes']}, "
         f"failures {g['failures']}, "
         f"finished {'yes' if g['finished'] else 'no'}")
+    if g.get("staging_s"):
+        lines.append(f"staging the dataset: {g['staging_s']:.1f}s before training, "
+                     f"{(g.get('staging_bytes') or 0) / 1e6:.1f} MB downloaded")
     waits = g.get("capacity_wait") or {}
     if waits:
         lines.append(f"waiting for capacity: {g['capacity_wait_s']:.1f}s without a VM ("

@@ -39,6 +39,7 @@ class TaskContext:
     #: checkpoints (samples, a best-validation copy, tokenizer files), copied to
     #: ``<gcs_uri>/artifacts/`` and back to a fresh disk; see ``trainer.artifacts``.
     artifacts_dir: Path | None = None
+    data_dir: Path | None = None  # the staged dataset (`[data]` in the experiment), None without one
 
 
 class Dataset(Protocol):

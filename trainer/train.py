@@ -134,7 +134,8 @@ class _Session:
         # Build the task: identical initial weights on every rank, then per-rank RNG streams.
         _seed(cfg.seed)
         ctx = tasks.TaskContext(seed=cfg.seed, steps=cfg.steps, device=device, rank=world.rank,
-                                world_size=world.size, artifacts_dir=cfg.run_dir / "artifacts")
+                                world_size=world.size, artifacts_dir=cfg.run_dir / "artifacts",
+                                data_dir=cfg.data_dir)
         task = tasks.build(cfg.task, ctx, cfg.task_args)
         _seed((cfg.seed + 1_000_003 * world.rank) % 2**63)
         model = task.model

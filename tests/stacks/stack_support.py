@@ -24,8 +24,9 @@ def scrub_code_hashes(text: str) -> str:
     """The synthesized JSON with the delivered code's digests replaced by placeholders: the
     snapshot pins the infrastructure, not the trainer's bytes (which change with every edit)."""
     text = re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", text)
+    text = re.sub(r"(dependencies )[0-9a-f]{16}\b", r"\1<sha16>", text)
     # Object names appear plain and URL-encoded (code%2Ftrainer-...), where \\b finds no boundary.
-    return re.sub(r"(?:\b|(?<=%2F))(trainer|user)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
+    return re.sub(r"(?:\b|(?<=%2F))(trainer|user|wheels)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
 
 
 def unless_stopped(value: Any) -> Any:
@@ -103,6 +104,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                     "capacity": {"zone_change_on_repair": True}},
     "od-fallback": {"capacity": {"on_demand_fallback_minutes": 30, "fallback_check_minutes": 5}},
     "no-stop": {"group": {"stop_when_done": False}},
+    # A dataset staged onto each VM before training (docs/data.md): read-only on its bucket.
+    "data": {"data": {"source": "gs://my-datasets/openwebtext", "parallel": 8}},
     "existing-net": {
         "network": {"mode": "existing", "network": "shared-vpc", "subnetwork": "trainers",
                     "subnetwork_project": "host-project-42", "subnet_cidr": None,

@@ -165,3 +165,10 @@ def test_init_from_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_run_config({"run_dir": tmp_path, "steps": 5, "init_from": "gs://Bad_Bucket/x"}, None)
     assert e.value.lines[0].startswith("command line: init_from: invalid bucket name")
+def test_data_dir_from_file_or_flag_is_not_part_of_the_fingerprint(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('data_dir = "/mnt/localssd/data"\n')
+    a = load_run_config({"run_dir": tmp_path, "steps": 5}, cfg_file)
+    b = load_run_config({"run_dir": tmp_path, "steps": 5, "data_dir": Path("/mnt/spottrain/data")}, cfg_file)
+    assert a.data_dir == Path("/mnt/localssd/data") and b.data_dir == Path("/mnt/spottrain/data")
+    assert a.fingerprint(dataset_len=10) == b.fingerprint(dataset_len=10)
