@@ -133,6 +133,26 @@ def _anchors(markdown: str) -> set[str]:
     return found
 
 
+def test_the_errors_the_page_quotes_are_the_ones_a_typo_gets(tmp_path):
+    """The page quotes what a typo in the experiment gives; the same typo must give it."""
+    from stacks.load import ExperimentError, load_file
+
+    text = DOC.read_text()
+    experiment = ROOT / "experiments" / "cnn.toml"
+    quoted = re.findall(r"`(experiments/cnn\.toml: [^`]+)`", text)
+    assert quoted
+    for line in quoted:
+        field = line.split(": ")[1]  # trainer.config.batch_sise
+        wrong = field.rsplit(".", 1)[1]
+        right = re.search(r"did you mean '(\w+)'", line).group(1)
+        typo = tmp_path / "cnn.toml"
+        typo.write_text(experiment.read_text().replace(f"\n{right} = ", f"\n{wrong} = ", 1))
+        with pytest.raises(ExperimentError) as info:
+            load_file(typo)
+        assert any(got.startswith(line.replace("experiments/cnn.toml", str(typo), 1))
+                   for got in info.value.lines), info.value.lines
+
+
 def test_the_example_experiment_states_its_models_true_size():
     """param_count sizes the emergency save and the storage estimate: it is the model that the
     experiment's task_args build. And evaluate.py leans on ResNet's and Shapes' defaults being
@@ -267,7 +287,17 @@ def check_cloud_block(repo: Path, block: Block, cloud: Cloud) -> list[str]:
         words = shlex.split(line, comments=True)
         if not words:
             continue
-        if words[0] == "make":
+        if words[:2] == ["make", "preflight"]:
+            # Without credentials it says what it would check: the name resolves, the file is valid.
+            proc = subprocess.run(
+                ["make", "--no-print-directory", "-o", ".venv/.setup-stamp", *words[1:]], cwd=repo,
+                env=base_env(GOOGLE_APPLICATION_CREDENTIALS=str(cloud.tmp / "none.json"),
+                             HOME=str(cloud.tmp), NO_GCE_CHECK="True",
+                             GCE_METADATA_HOST="127.0.0.1:9"),  # nothing listens on the discard port
+                capture_output=True, text=True, timeout=120)
+            assert "no usable application-default credentials" in proc.stderr, proc.stderr
+            assert f"  {cloud.experiment}: GPU quota " in proc.stderr, proc.stderr
+        elif words[0] == "make":
             verb, *rest = words[1:]
             assert verb in DEPLOY_VERBS and rest == [f"EXPERIMENT={cloud.experiment}"], \
                 f"{block.where()}: {line!r}: a make line the suite does not know how to check"
