@@ -26,6 +26,7 @@ included, load with `strict=True` into `shapes.model.ResNet`.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -86,6 +87,16 @@ def parse(text: str) -> list[Block]:
 
 
 BLOCKS = parse(DOC.read_text())
+
+
+def example(module: str) -> Any:
+    """A module of examples/cnn, imported as the trainer imports the user's code (its directory
+    on the path)."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLE))
 
 
 # --- the page's own rules --------------------------------------------------------------------------
@@ -160,13 +171,8 @@ def test_the_example_experiment_states_its_models_true_size():
     import inspect
     import tomllib
 
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        from shapes.data import Shapes
-        from shapes.model import ResNet
-        from shapes.task import build
-    finally:
-        sys.path.remove(str(EXAMPLE))
+    Shapes, ResNet = example("shapes.data").Shapes, example("shapes.model").ResNet
+    build = example("shapes.task").build
     trainer = tomllib.loads((ROOT / "experiments" / "cnn.toml").read_text())["trainer"]
     args = trainer["config"]["task_args"]
     model = ResNet(width=args["width"], blocks=args["blocks"])
@@ -362,11 +368,7 @@ def _batches_tracked(weights: Path) -> int:
     import torch
     from safetensors.torch import load_file
 
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        from shapes.model import ResNet
-    finally:
-        sys.path.remove(str(EXAMPLE))
+    ResNet = example("shapes.model").ResNet
     args = json.loads(weights.with_suffix(".json").read_text())["task_args"]
     model = ResNet(width=args["width"], blocks=args["blocks"])
     state = load_file(str(weights))
