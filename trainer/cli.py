@@ -101,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
-    s.add_argument("--run-dir", type=Path, help="persistent tier to inspect (read only)")
+    s.add_argument("--run-dir", type=Path, help="persistent tier to inspect (read only); optional with --gcs-uri")
     s.add_argument("--gcs-uri", help="durable tier to inspect, gs://BUCKET/PREFIX (and the ledger mirror)")
     s.add_argument("--local-dir", type=Path, help="fast tier to inspect")
     s.add_argument("--json", action="store_true", help="print one JSON object")

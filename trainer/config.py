@@ -326,8 +326,8 @@ class StatusConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    run_dir: Path
-    """Persistent tier to inspect."""
+    run_dir: Path | None = None
+    """Persistent tier to inspect; None: a run known only by its bucket (``gcs_uri``)."""
     gcs_uri: GcsUri | None = None
     """Durable tier to inspect (and the ledger mirror)."""
     local_dir: Path | None = None
@@ -413,6 +413,10 @@ def load_export_config(cli: dict[str, Any]) -> ExportConfig:
 
 def load_status_config(cli: dict[str, Any]) -> StatusConfig:
     try:
-        return StatusConfig.model_validate({k: v for k, v in cli.items() if v is not None})
+        cfg = StatusConfig.model_validate({k: v for k, v in cli.items() if v is not None})
     except ValidationError as e:
         raise ConfigError(_errors(e, {})) from None
+    if cfg.run_dir is None and cfg.gcs_uri is None:
+        raise ConfigError(["command line: run_dir: the run to inspect is required "
+                           "(flag --run-dir DIR or --gcs-uri gs://BUCKET/PREFIX)"])
+    return cfg

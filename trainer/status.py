@@ -10,13 +10,16 @@ not be read: the newest checkpoint may be there), ``goodput`` (see ``goodput.Rep
 node; ``ledger_errors`` and ``skipped_events`` say what the ledger could not write or read, and
 ``skipped`` lists the first malformed events left out), ``stopped`` (why the newest session
 stopped on an error: its ledger's ``failed`` event, e.g. bad input; None otherwise) and
-``history`` (changes of the run: ``steps_changed`` and ``init_from`` events).
+``history`` (changes of the run: ``steps_changed`` and ``init_from`` events). With ``--gcs-uri``
+alone (a deployed run, from any machine) it reports the bucket and the ledger's copy there.
 """
 from __future__ import annotations
 
 import json
 import logging
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
@@ -205,11 +208,18 @@ def _cost_line(c: dict[str, Any]) -> str:
 
 def main(cfg: StatusConfig) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
-    if not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
+    if cfg.run_dir is not None and not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
         print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
     events: list[dict[str, Any]] = []
-    s = collect(cfg, events)
+    if cfg.run_dir is None:
+        # A run known only by its bucket (a deployed run, seen from a laptop): an empty stand-in
+        # for its disk, never written, and left out of the report.
+        with tempfile.TemporaryDirectory(prefix="spottrain-status-") as tmp:
+            s = collect(cfg.model_copy(update={"run_dir": Path(tmp) / "no-run-dir"}), events)
+        s["tiers"].pop("persistent", None)
+    else:
+        s = collect(cfg, events)
     print(json.dumps(s, default=str, sort_keys=True) if cfg.json_output else _human(s))
     if cfg.plot is not None:
         from trainer.timeline import PlotUnavailable, draw

@@ -240,7 +240,8 @@ class _Session:
             self.metrics = Metrics(cfg.run_dir, start_step=start, store=self.ckpt.gcs, session=self.ledger.session,
                                    upload_every_s=cfg.metrics_upload_every_s, log=log.getChild("metrics"))
         progress = Progress(log, total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
-                            tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size)
+                            tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size,
+                            samples_per_step=cfg.batch_size * accum * world.size)
         last_progress_event = time.monotonic()
         t_loop, cpu_loop = time.monotonic(), time.process_time()
         done, lost = start, False
