@@ -31,6 +31,7 @@ def build(
     blocks: int = 1,
     image_size: int = 24,
     images: int = 50_000,
+    eval_images: int = 1_000,
     lr: float = 3e-3,
     weight_decay: float = 0.05,
     warmup_steps: int = 20,
@@ -53,6 +54,8 @@ def build(
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor),
         dataset=Shapes(images, image_size=image_size, split="train"),
+        # Held out: evaluated every `eval_every_steps` without touching the training's randomness.
+        eval_dataset=Shapes(eval_images, image_size=image_size, split="eval"),
         loss_fn=cross_entropy,
         info={"params": sum(p.numel() for p in model.parameters()), "classes": len(CLASSES)},
     )
