@@ -30,6 +30,7 @@ class _NeverDue:
 
     gcs = None
     stats: dict[str, Any] = {"saves": 0, "blocked_s_total": 0.0}
+    LIST_TIMEOUT_S = 60.0
 
     def restore(self, *, download: bool = True) -> None:
         return None

@@ -41,7 +41,9 @@ lists is there with the listed size. The final checkpoint and a pause's count on
 Restoring: the newest checkpoint that verifies (manifest self-check, sizes, sha256 of every file)
 across all tiers, preferring the fastest tier for equal steps. A GCS checkpoint newer than anything
 on disk is downloaded into the persistent tier (atomically) and loaded from there. Any invalid
-candidate is logged with the reason and the next older one is tried.
+candidate is logged with the reason and the next older one is tried. A tier that cannot be listed
+or read is unknown, not empty: a trainer's restore raises ``TierUnknown`` rather than choose
+without it (``trainer.tier_wait`` waits); ``status`` (``download=False``) only notes it.
 
 Emergency (``emergency_save``, on a preemption notice): it never waits on the network. It drops
 the queued upload and aborts the one in flight, leaving its thread behind; waits only for a disk
@@ -54,6 +56,7 @@ the VM (a preemption, a recreation), so it does not count as saved.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -69,7 +72,8 @@ from trainer.checkpoint import (OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid,
                                 list_checkpoints, load_dir, other_layout, parse_manifest, step_name, upload_dir,
                                 upload_snapshot, verify_dir, write_dir)
 from trainer.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
-from trainer.storage import DirStore, GcsStore, Store, UploadAborted
+from trainer.storage import DirStore, GcsStore, Store, UploadAborted, is_unreachable
+from trainer.tier_wait import TierUnknown
 
 TIERS = ("local", "persistent", "gcs")
 #: The tiers that outlive the VM: a checkpoint on one of them is saved.
@@ -228,6 +232,9 @@ class Checkpointer:
         self._tier_locks = {name: threading.Lock() for name in self._tiers}
         self._restore_lock = _Locks(list(self._tier_locks.values()))
         self._started = time.monotonic()
+        #: Called with (tier, step) once a periodic save is durable on a tier (the goodput ledger's
+        #: record of checkpoints per tier); it must not block.
+        self.on_durable: Callable[[str, int], None] | None = None
         self.stats: dict[str, Any] = {
             "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
             "waited": 0, "blocked_s_total": 0.0, "last_blocked_s": None, "last_error": None,
@@ -421,6 +428,9 @@ class Checkpointer:
             t.auto.observe(write_s=write_s)
         self.log.info("checkpoint step %d durable on %s in %.2fs", step, t.name, write_s)
         self._note(t.name, None)
+        if self.on_durable is not None:
+            with contextlib.suppress(Exception):
+                self.on_durable(t.name, step)
         try:
             self._retain(t, step)
         except Exception as e:  # noqa: BLE001
@@ -625,29 +635,29 @@ class Checkpointer:
         """The newest step that passes the quick check (manifest, sizes) on any tier, or None.
 
         Cheap (listings only): in a multi-node job every node leader answers it, so that the node
-        whose disk holds the newest checkpoint restores for everyone.
+        whose disk holds the newest checkpoint restores for everyone. Raises ``TierUnknown``
+        when a tier cannot be listed.
         """
-        steps = []
-        for t in self._tiers.values():
-            try:
-                steps += [i.step for i in self._list(t) if i.valid]
-            except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
-                self.log.warning("cannot list checkpoints on %s (%s: %s)", t.name, type(e).__name__, e)
-        return max(steps, default=None)
+        candidates, _ = self._survey()
+        return candidates[0][0] if candidates else None
 
-    def _survey(self) -> tuple[list[tuple[int, int, _Tier, CheckpointInfo]], list[str]]:
+    def _survey(self, *, tolerate_unknown: bool = False
+                ) -> tuple[list[tuple[int, int, _Tier, CheckpointInfo]], list[str]]:
         """Every tier listed for a restore: the valid checkpoints as (step, tier rank, tier,
         info), newest first and fastest tier first for equal steps, and a line per checkpoint of
-        the other layout. Invalid ones are logged with the reason; a tier that cannot be listed
-        is logged and skipped."""
+        the other layout. Invalid ones are logged with the reason. A tier that cannot be listed
+        raises ``TierUnknown`` (after every tier was tried), or with ``tolerate_unknown`` (a
+        read-only look) is logged and skipped."""
         candidates: list[tuple[int, int, _Tier, CheckpointInfo]] = []
         other: list[str] = []
+        unknown: dict[str, str] = {}
         for rank, t in enumerate(self._tiers.values()):
             try:
                 infos = self._list(t)
-            except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
-                self.log.warning("cannot list checkpoints on %s (%s: %s); ignoring that tier",
+            except Exception as e:  # noqa: BLE001 - a tier being down: unknown, never empty
+                self.log.warning("cannot list checkpoints on %s (%s: %s); what it holds is unknown",
                                  t.name, type(e).__name__, e)
+                unknown[t.name] = f"{type(e).__name__}: {e}"
                 continue
             for i in infos:
                 if i.valid:
@@ -657,6 +667,8 @@ class Checkpointer:
                 else:
                     self.log.warning("ignoring %s checkpoint step %d at %s: %s",
                                      t.name, i.step, i.location, i.reason)
+        if unknown and not tolerate_unknown:
+            raise TierUnknown(unknown)
         candidates.sort(key=lambda c: (-c[0], c[1]))
         return candidates, other
 
@@ -680,7 +692,7 @@ class Checkpointer:
                         if removed:
                             self.log.info("removed leftovers of interrupted writes on %s: %s",
                                           t.name, ", ".join(removed))
-            candidates, other = self._survey()
+            candidates, other = self._survey(tolerate_unknown=not download)
             if other and download:  # a trainer starting; status (download=False) only looks
                 from trainer.state import ResumeMismatch
 
@@ -690,6 +702,8 @@ class Checkpointer:
                     continue
                 try:
                     state, path, tier = self._load(t, step, info, download=download)
+                except TierUnknown:
+                    raise
                 except (CheckpointInvalid, Exception) as e:  # noqa: BLE001
                     self.log.warning("checkpoint step %d on %s at %s is unusable: %s; falling back "
                                      "to the next older one", step, t.name, info.location,
@@ -745,7 +759,7 @@ class Checkpointer:
                 # chosen first): replace it with the good one from GCS.
                 self.log.warning("replacing invalid persistent copy of step %d with the GCS one", step)
                 delete_checkpoint(persistent, step)
-            folder = download_dir(t.store, step, persistent.root)
+            folder = self._download(t, step, persistent.root)
             self.log.info("downloaded step %d from %s into %s", step, info.location, folder)
             _, state = load_dir(folder)
             self._verified.add(("persistent", step))
@@ -757,6 +771,16 @@ class Checkpointer:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return state, info.location, t.name
+
+    def _download(self, t: _Tier, step: int, root: Path) -> Path:
+        """``download_dir``; a tier that stops answering midway is unknown (the checkpoint is
+        not thereby invalid: never fall back to an older one for that)."""
+        try:
+            return download_dir(t.store, step, root)
+        except Exception as e:
+            if is_unreachable(e):
+                raise TierUnknown({t.name: f"{type(e).__name__}: {e}"}) from e
+            raise
 
     # ------------------------------------------------------------------------------ emergency
     def emergency_save(self, step: int, state: dict, *, deadline: float,

@@ -20,7 +20,10 @@ Exit codes of ``run``:
   durable tier within ``durable_timeout_s`` (GCS down or refusing, a full or read-only run dir):
   not finished. Run the same command again: it writes the missing copies, then exits 0 (or 75).
   A VM keeps its disk (it may hold the only copy) and its unit restarts the trainer.
-- 2: bad input or a resume with other settings (restarting cannot fix it).
+- 69: a checkpoint tier stayed unreadable for ``wait_for_tiers_s`` (nothing trained; run again:
+  docs/resume.md).
+- 2: bad input or a resume with other settings, or another trainer holds the run dir or the job's
+  GCS lease (restarting cannot fix it).
 - 1: failed (also: a notice whose emergency save reached no tier that outlives the VM).
 
 With ``SPOTTRAIN_BAD_INPUT_FILE`` set (the VM's trainer.sh sets it), an exit 2 of ``run`` also
@@ -102,6 +105,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--durable-timeout-s", type=float,
                    help="how long the final save keeps trying to be durable on every tier before exit 74 "
                         "(default 600)")
+    r.add_argument("--data-workers", type=int, help="worker processes loading batches ahead (default 0: inline)")
+    r.add_argument("--eval-every-steps", type=int, help="evaluate the task's eval set every K steps")
     r.add_argument("--extend-steps", action="store_const", const=True,
                    help="resume a run whose checkpoint has another --steps total (raise it: extend the run)")
     r.add_argument("--init-from", metavar="SOURCE",
@@ -112,10 +117,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
-    s.add_argument("--run-dir", type=Path, help="persistent tier to inspect (read only)")
+    s.add_argument("--run-dir", type=Path, help="persistent tier to inspect (read only); optional with --gcs-uri")
     s.add_argument("--gcs-uri", help="durable tier to inspect, gs://BUCKET/PREFIX (and the ledger mirror)")
     s.add_argument("--local-dir", type=Path, help="fast tier to inspect")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="also draw the job's timeline from the goodput ledger (needs matplotlib)")
 
     e = sub.add_parser("export", help="write a run's weights as a plain state dict in safetensors (+ JSON sidecar)")
     e.add_argument("--run-dir", type=Path, help="the run's run dir")
@@ -151,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
                 "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
                 "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
-                "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "durable_timeout_s")}
+                "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "data_workers",
+                "eval_every_steps", "durable_timeout_s")}
             cfg = load_run_config(cli, args.config)
         elif args.command == "export":
             ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out")})
@@ -163,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
         else:
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
-                                       "local_dir": args.local_dir, "json_output": args.json})
+                                       "local_dir": args.local_dir, "json_output": args.json,
+                                       "plot": args.plot})
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)

@@ -7,7 +7,10 @@ failing (it passes: a VM still training must not be recreated for it), ``stalled
 has completed for the stall timeout (a hung collective or data loader: failing the check makes
 the group recreate the VM, which resumes from the checkpoint), ``ok finishing: ...`` while the
 final checkpoint (or a pause's) is being made durable (bounded by ``durable_timeout_s``),
-``finished`` when the run is complete. Any other request gets ``unknown``.
+``finished`` when the run is complete. Any other request gets ``unknown``. While start-up waits
+for something a new VM cannot fix (a checkpoint tier it cannot read yet, another trainer's
+lease to expire; bounded by the trainer) the answer is ``ok waiting ...``: recreating the VM
+would only start the wait over.
 """
 from __future__ import annotations
 
@@ -81,6 +84,10 @@ class Health:
 
     def starting(self) -> None:
         self._phase = "starting"
+
+    def waiting(self, what: str) -> None:
+        """Start-up waits, within its own bound, for ``what``: healthy meanwhile (see the module)."""
+        self._phase = "ok waiting " + " ".join(what.split())[:200]
 
     def _degraded(self) -> str:
         try:

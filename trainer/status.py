@@ -1,20 +1,27 @@
 """`python -m trainer status`: the checkpoints on each tier, the newest valid one, and goodput.
 
-Read-only: it never downloads into, repairs or deletes anything on a tier.
+Read-only: it never downloads into, repairs or deletes anything on a tier. ``--plot FILE.png``
+also draws the job's timeline (``trainer.timeline``).
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
 (the checkpointer's per-tier description), ``failing`` (the checkpoint tiers whose writes the
 newest session saw failing, and not working again since: tier -> {since, failures, error}, from
-the ledger) and ``goodput`` (see ``goodput.Report``; its ``cost`` object is ``goodput.Cost``; for a
-multi-node job ``goodput.nodes`` has one report per node), ``stopped`` (why the newest session
+the ledger), ``unknown_tiers`` (tier -> error for those that could
+not be read: the newest checkpoint may be there), ``goodput`` (see ``goodput.Report``; its
+``cost`` object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per
+node; ``ledger_errors`` and ``skipped_events`` say what the ledger could not write or read, and
+``skipped`` lists the first malformed events left out), ``stopped`` (why the newest session
 stopped on an error: its ledger's ``failed`` event, e.g. bad input; None otherwise) and
-``history`` (changes of the run: ``steps_changed`` and ``init_from`` events).
+``history`` (changes of the run: ``steps_changed`` and ``init_from`` events). With ``--gcs-uri``
+alone (a deployed run, from any machine) it reports the bucket and the ledger's copy there.
 """
 from __future__ import annotations
 
 import json
 import logging
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
@@ -24,7 +31,8 @@ from trainer.goodput import merge, read_events, read_store_events, report
 from trainer.goodput import LEDGER_DIR, LEDGER_FILE
 
 
-def collect(cfg: StatusConfig) -> dict[str, Any]:
+def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The report; ``events_out`` (if given) receives the job's ledger events."""
     from trainer.checkpointer import Checkpointer
     from trainer.state import model_digest
 
@@ -33,13 +41,13 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
     try:
         tiers = ckpt.describe().get("tiers", {})
         if _sharded(tiers):
-            return _collect_sharded(cfg, ckpt, log)
+            return _collect_sharded(cfg, ckpt, log, events_out)
         restored = ckpt.restore(download=False)
-        events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
-        if ckpt.gcs is not None:
-            events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
+        events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
+    if events_out is not None:
+        events_out.extend(events)
     out: dict[str, Any] = {
         "latest_step": restored.step if restored else None,
         "model_digest": model_digest(restored.state["model"]) if restored else None,
@@ -47,7 +55,8 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
         "path": restored.path if restored else None,
         "tiers": tiers,
         "failing": failing_tiers(events),
-        "goodput": report(events).as_dict(),
+        "unknown_tiers": _unknown(tiers),
+        "goodput": _goodput(events, skipped),
         **_story(events),
     }
     if restored is not None and isinstance(restored.state, dict):
@@ -72,6 +81,33 @@ def failing_tiers(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _events(cfg: StatusConfig, gcs: Any, log: logging.Logger) -> tuple[list[dict[str, Any]], list[str]]:
+    """The ledger's events from the run dir and the mirror, and a note per malformed one skipped."""
+    skipped: list[str] = []
+    events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE, skipped=skipped)
+    if gcs is not None:
+        try:
+            mirrored = read_store_events(gcs, skip={(e["session"], e["seq"]) for e in events}, skipped=skipped)
+        except Exception as e:  # noqa: BLE001 - the report from what can be read, saying what could not
+            log.warning("the goodput mirror on GCS cannot be read (%s: %s); the report covers the run dir only",
+                        type(e).__name__, e)
+            mirrored = []
+        events = merge(events, mirrored)
+    return events, skipped
+
+
+def _goodput(events: list[dict[str, Any]], skipped: list[str]) -> dict[str, Any]:
+    g = report(events).as_dict()
+    g["skipped_events"] += len(skipped)
+    g["skipped"] = skipped[:20]
+    return g
+
+
+def _unknown(tiers: dict[str, Any]) -> dict[str, str]:
+    """Tiers that could not be listed: the newest checkpoint may be there."""
+    return {name: t["error"] for name, t in tiers.items() if t.get("error")}
+
+
 def _sharded(tiers: dict[str, Any]) -> bool:
     from trainer.checkpoint import OTHER_LAYOUT
 
@@ -79,7 +115,8 @@ def _sharded(tiers: dict[str, Any]) -> bool:
                for t in tiers.values() for c in t.get("checkpoints", []))
 
 
-def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger) -> dict[str, Any]:
+def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger,
+                     events_out: list[dict[str, Any]] | None) -> dict[str, Any]:
     """The same report for a run with ``parallelism = "fsdp"`` (sharded checkpoints)."""
     from trainer import sharded
     from trainer.distributed import World
@@ -91,16 +128,16 @@ def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger) -> dict
     try:
         tiers = ckpt.describe().get("tiers", {})
         found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()})
-        events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
-        if ckpt.gcs is not None:
-            events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
+        events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
+    if events_out is not None:
+        events_out.extend(events)
     step, tier, path, model, extras = found if found else (None, None, None, None, {})
     out: dict[str, Any] = {
         "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
         "tier": tier, "path": path, "tiers": tiers, "failing": failing_tiers(events),
-        "goodput": report(events).as_dict(), "sharded": True,
+        "unknown_tiers": _unknown(tiers), "goodput": _goodput(events, skipped), "sharded": True,
         **_story(events),
     }
     if isinstance(extras, dict):
@@ -134,6 +171,8 @@ def _human(s: dict[str, Any]) -> str:
         err = f" error: {desc['error']}" if desc.get("error") else ""
         lines.append(f"  {tier} {desc.get('location')}: newest valid {desc.get('newest_valid')}; "
                      f"steps: {cps or 'none'}{err}")
+    for tier, error in sorted((s.get("unknown_tiers") or {}).items()):
+        lines.append(f"WARNING: {tier} cannot be read ({error}): it may hold a newer checkpoint than the one above")
     g = s["goodput"]
     lines.append(
         f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall over {g['sessions']} session(s); "
@@ -150,6 +189,11 @@ def _human(s: dict[str, Any]) -> str:
         lines.append(f"waiting for capacity: {g['capacity_wait_s']:.1f}s without a VM ("
                      + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(waits.items())) + ")")
     lines.append(_cost_line(g.get("cost") or {}))
+    errors = g.get("ledger_errors") or {}
+    if errors or g.get("skipped_events"):
+        lines.append("ledger: " + ", ".join([f"{n} failed write(s) to the {'run dir' if w == 'local' else w}"
+                                             for w, n in sorted(errors.items())]
+                                            + [f"{g.get('skipped_events', 0)} malformed event(s) skipped"]))
     for h in s.get("history") or []:
         if h["event"] == "steps_changed":
             lines.append(f"steps changed at step {h.get('step')}: {h.get('from')} -> {h.get('to')} (extend_steps)")
@@ -186,9 +230,29 @@ def _cost_line(c: dict[str, Any]) -> str:
 
 def main(cfg: StatusConfig) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
-    if not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
+    if cfg.run_dir is not None and not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
         print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
-    s = collect(cfg)
+    events: list[dict[str, Any]] = []
+    if cfg.run_dir is None:
+        # A run known only by its bucket (a deployed run, seen from a laptop): an empty stand-in
+        # for its disk, never written, and left out of the report.
+        with tempfile.TemporaryDirectory(prefix="spottrain-status-") as tmp:
+            s = collect(cfg.model_copy(update={"run_dir": Path(tmp) / "no-run-dir"}), events)
+        s["tiers"].pop("persistent", None)
+    else:
+        s = collect(cfg, events)
     print(json.dumps(s, default=str, sort_keys=True) if cfg.json_output else _human(s))
+    if cfg.plot is not None:
+        from trainer.timeline import PlotUnavailable, draw
+
+        try:
+            draw(events, cfg.plot)
+        except PlotUnavailable as e:
+            print(f"command line: plot: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except OSError as e:
+            print(f"command line: plot: cannot write {cfg.plot}: {e.strerror}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"timeline written to {cfg.plot}", file=sys.stderr)
     return EXIT_FINISHED
