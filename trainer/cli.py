@@ -61,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--global-batch-size", type=int,
                    help="samples per optimizer step over all ranks, constant across world sizes")
     r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75")
+    r.add_argument("--checkpoint-key-file", type=Path,
+                   help="the run's checkpoint key (default: $SPOTTRAIN_CHECKPOINT_KEY_FILE, else "
+                        "~/.config/spottrain/checkpoint.key, created on first use)")
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
@@ -68,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--gcs-uri")
     s.add_argument("--local-dir", type=Path)
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--checkpoint-key-file", type=Path, help="the run's checkpoint key (as for run)")
 
     z = sub.add_parser("rendezvous", help="host a multi-node job's c10d rendezvous store until SIGTERM")
     z.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
@@ -83,14 +87,16 @@ def main(argv: list[str] | None = None) -> int:
             cli = {k: getattr(args, k) for k in (
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
                 "checkpoint_every_seconds", "local_dir", "health_port", "price_per_hour",
-                "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step")}
+                "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
+                "checkpoint_key_file")}
             cfg = load_run_config(cli, args.config)
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
         else:
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
-                                       "local_dir": args.local_dir, "json_output": args.json})
+                                       "local_dir": args.local_dir, "json_output": args.json,
+                                       "checkpoint_key_file": args.checkpoint_key_file})
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)

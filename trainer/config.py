@@ -149,6 +149,18 @@ class RunConfig(BaseModel):
     on_demand_price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """USD per hour of the same VM on demand, for ``status``'s on-demand comparison. Not part of
     the fingerprint. None: unknown."""
+    checkpoint_key_file: Path | None = None
+    """The run's checkpoint key (``trainer.checkpoint_key``): every manifest is signed with it, and
+    only checkpoints whose HMAC verifies under it are loaded. Must exist when set. None: the
+    environment's ``SPOTTRAIN_CHECKPOINT_KEY_FILE``, else the per-user
+    ``~/.config/spottrain/checkpoint.key``, created on first use. On a VM the stack passes the
+    experiment's key. Not part of the fingerprint."""
+
+    def checkpoint_key(self) -> Any:
+        """The :class:`~trainer.checkpoint_key.CheckpointKey` of this run (``KeyProblem``: exit 2)."""
+        from trainer.checkpoint_key import resolve
+
+        return resolve(self.checkpoint_key_file, create_default=True)
 
     @field_validator("task")
     @classmethod
@@ -252,6 +264,10 @@ class StatusConfig(BaseModel):
     """Fast tier to inspect."""
     json_output: bool = False
     """Print one JSON object instead of the human report."""
+    checkpoint_key_file: Path | None = None
+    """The run's checkpoint key, as for ``run`` (never created here). Without one, whole-model
+    checkpoints are shown unauthenticated (nothing is unpickled either way) and sharded ones not
+    at all."""
 
 
 def settings_digest(fingerprint: dict[str, Any]) -> str:

@@ -1,6 +1,10 @@
 """`python -m trainer status`: the checkpoints on each tier, the newest valid one, and goodput.
 
-Read-only: it never downloads into, repairs or deletes anything on a tier.
+Read-only: it never downloads into, repairs or deletes anything on a tier, and it never unpickles
+anything a tier holds: whole-model checkpoints are JSON and raw tensors, and a sharded one reaches
+DCP only after its manifest's HMAC verified under the run's checkpoint key
+(``--checkpoint-key-file``, as for ``run``; exit 2 without one for a sharded run). Checkpoints
+that do not authenticate are listed as invalid with the reason.
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
 (the checkpointer's per-tier description) and ``goodput`` (see ``goodput.Report``; its ``cost``
@@ -20,16 +24,26 @@ from trainer.goodput import LEDGER_DIR, LEDGER_FILE
 
 
 def collect(cfg: StatusConfig) -> dict[str, Any]:
+    """The report; ``KeyProblem`` when the key cannot be read (or a sharded run has none)."""
+    from trainer.checkpoint_key import resolve
     from trainer.checkpointer import Checkpointer
-    from trainer.state import model_digest
+    from trainer.state import ResumeMismatch, model_digest
 
     log = logging.getLogger("trainer.status")
-    ckpt = Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, log=log)
+    key = resolve(cfg.checkpoint_key_file, create_default=False)
+    if key is None:
+        log.warning("no checkpoint key (--checkpoint-key-file): whole-model checkpoints are shown without "
+                    "authentication, sharded ones not at all")
+    ckpt = Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, log=log, key=key)
+    error = None
     try:
         tiers = ckpt.describe().get("tiers", {})
         if _sharded(tiers):
-            return _collect_sharded(cfg, ckpt, log)
-        restored = ckpt.restore(download=False)
+            return _collect_sharded(cfg, ckpt, log, key)
+        try:
+            restored = ckpt.restore(download=False)
+        except ResumeMismatch as e:  # the newest verified checkpoint cannot be decoded
+            restored, error = None, str(e)
         events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
         if ckpt.gcs is not None:
             events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
@@ -43,6 +57,8 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
         "tiers": tiers,
         "goodput": report(events).as_dict(),
     }
+    if error is not None:
+        out["error"] = error
     if restored is not None and isinstance(restored.state, dict):
         out["data"] = restored.state.get("data")
         out["fingerprint"] = restored.state.get("fingerprint")
@@ -56,18 +72,18 @@ def _sharded(tiers: dict[str, Any]) -> bool:
                for t in tiers.values() for c in t.get("checkpoints", []))
 
 
-def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger) -> dict[str, Any]:
+def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger, key: Any) -> dict[str, Any]:
     """The same report for a run with ``parallelism = "fsdp"`` (sharded checkpoints)."""
     from trainer import sharded
     from trainer.distributed import World
     from trainer.state import model_digest
 
-    plain.close()
+    whole.close()
     ckpt = sharded.ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
-                                       world=World(), log=log)
+                                       world=World(), log=log, key=key)  # KeyProblem without a key
     try:
         tiers = ckpt.describe().get("tiers", {})
-        found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()})
+        found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()}, key=key)
         events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
         if ckpt.gcs is not None:
             events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
@@ -85,6 +101,8 @@ def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger) -> dict
 
 def _human(s: dict[str, Any]) -> str:
     lines = []
+    if s.get("error"):
+        lines.append(s["error"])
     if s["latest_step"] is None:
         lines.append("newest valid checkpoint: none")
     else:
@@ -141,6 +159,12 @@ def main(cfg: StatusConfig) -> int:
     if not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
         print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
-    s = collect(cfg)
+    from trainer.checkpoint_key import KeyProblem
+
+    try:
+        s = collect(cfg)
+    except KeyProblem as e:
+        print(f"command line: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(json.dumps(s, default=str, sort_keys=True) if cfg.json_output else _human(s))
     return EXIT_FINISHED

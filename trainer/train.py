@@ -23,8 +23,9 @@ from typing import Any, Callable
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED
-from trainer import distributed, gpu, placement, state
+from trainer import distributed, gpu, placement, plain, state
 from trainer import task as tasks
+from trainer.checkpoint_key import KeyProblem
 from trainer.config import RunConfig
 from trainer.goodput import Ledger, node_name, session_start_fields
 from trainer.health import Health, HealthServer
@@ -52,7 +53,8 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     session = _Session(cfg, world, log, preempt, make_checkpointer, process_start)
     try:
         return session.run()
-    except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu) as e:
+    except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, KeyProblem,
+            plain.NotPlainData) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT)
@@ -153,7 +155,8 @@ class _Session:
             state.check_fingerprint(saved["fingerprint"], fingerprint)
             whole = not self.sharded  # sharded weights are already in place
             start = state.apply(saved, model=model if whole else None, optimizer=task.optimizer if whole else None,
-                                scheduler=task.scheduler, scaler=scaler, data=data, world=world)
+                                scheduler=task.scheduler, scaler=scaler, data=data, world=world,
+                                source=f"step {saved.get('step')} on {where[0]} ({where[1]})")
         restore_s = time.monotonic() - t_restore
         if world.is_node_leader:
             if saved is not None:
@@ -245,9 +248,15 @@ class _Session:
         offers = world.all_gather(self.ckpt.newest_valid_step() if self.ckpt is not None else None)
         best = max((s for s in offers if s is not None), default=None)
         src = 0 if best is None or offers[0] == best else offers.index(best)
-        restored = self.ckpt.restore() if world.rank == src else None
-        payload = world.broadcast(
-            (restored.state, (restored.tier, f"{node_name()}:{restored.path}")) if restored else None, src=src)
+        mismatch = None
+        try:
+            restored = self.ckpt.restore() if world.rank == src else None
+        except state.ResumeMismatch as e:  # every rank must hear it, or the others wait below
+            restored, mismatch = None, str(e)
+        payload = world.broadcast(mismatch or (
+            (restored.state, (restored.tier, f"{node_name()}:{restored.path}")) if restored else None), src=src)
+        if isinstance(payload, str):
+            raise state.ResumeMismatch(payload)
         saved, where = payload if payload is not None else (None, ("", ""))
         if saved is not None and world.is_main and src != 0:
             self.ckpt.mark_restored(int(saved["step"]))
@@ -442,7 +451,7 @@ def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:
     return ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
                                policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s, world=world,
                                log=logging.getLogger("trainer.checkpoint"),
-                               collective_timeout_s=cfg.collective_timeout_s)
+                               collective_timeout_s=cfg.collective_timeout_s, key=cfg.checkpoint_key())
 
 
 def _default_checkpointer(cfg: RunConfig) -> Any:
@@ -450,4 +459,4 @@ def _default_checkpointer(cfg: RunConfig) -> Any:
 
     return Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
                         policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s,
-                        log=logging.getLogger("trainer.checkpoint"))
+                        log=logging.getLogger("trainer.checkpoint"), key=cfg.checkpoint_key())
