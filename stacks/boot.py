@@ -20,6 +20,7 @@ from urllib.parse import quote
 import jinja2
 
 from stacks import gcp_rules as R
+from stacks.checkpoint_key import secret_name
 from stacks.experiment import Experiment
 from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args
@@ -35,6 +36,8 @@ WORKDIR = "/opt/spottrain"
 RELEASES_DIR = f"{WORKDIR}/releases"
 #: On the checkpoint disk: written when the trainer exits 0; no later boot trains again.
 FINISHED_FILE = f"{MOUNT_DIR}/spottrain-finished"
+#: The experiment's checkpoint key on the VM: a tmpfs (never a disk), mode 0600, root only.
+CHECKPOINT_KEY_FILE = "/run/spottrain/checkpoint.key"
 #: Seconds of the shutdown window kept back from the trainer for the kernel's own power-off.
 STOP_SLACK_S = 5
 #: Interpreters tried in order for the image's Python with torch (Deep Learning VM images).
@@ -149,6 +152,10 @@ class BootProps:
     scale: ScaleTarget | None = None
     """The VM's own group, for stopping paying when the job is done and for flex-start successors
     (`stacks.scale_to_zero`); None: the VM never touches its group."""
+    checkpoint_key_secret: str | None = None
+    """`projects/P/secrets/S`: the experiment's checkpoint key (`stacks.checkpoint_key`), which the
+    boot fetches into `CHECKPOINT_KEY_FILE` and the trainer signs and authenticates checkpoints
+    with; None: the trainer's own default key (tests of other boot paths)."""
 
     @property
     def gcs_uri(self) -> str:
@@ -188,6 +195,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         parallelism=exp.trainer.parallelism
         if exp.pool is not None or "parallelism" in exp.trainer.model_fields_set else None,
         scale=scale_target(name, exp),
+        checkpoint_key_secret=secret_name(exp.gcp.project, name),
     )
     fields.update(overrides)
     return BootProps(**fields)
@@ -297,6 +305,8 @@ def render(props: BootProps) -> BootScripts:
         "scale_settings": scale_settings(props),
         "stop_when_done": props.scale is not None and props.scale.stop_when_done,
         "flex": props.scale is not None and props.scale.run_duration_s is not None,
+        "checkpoint_key_secret": props.checkpoint_key_secret,
+        "checkpoint_key_file": CHECKPOINT_KEY_FILE,
     }
     trainer_sh = env.get_template("trainer.sh.j2").render(ctx).rstrip("\n")
     unit = env.get_template("spottrain.service.j2").render(ctx).rstrip("\n")

@@ -28,7 +28,9 @@ MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port",
                  # the prices of `[cost]` / the catalog (`stacks.pricing.trainer_price_args`)
                  "--price-per-hour", "--on-demand-price-per-hour",
                  # `trainer.parallelism`
-                 "--parallelism")
+                 "--parallelism",
+                 # the experiment's checkpoint key (`stacks.checkpoint_key`)
+                 "--checkpoint-key-file")
 REPO = Path(__file__).resolve().parent.parent
 
 

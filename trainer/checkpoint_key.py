@@ -38,6 +38,7 @@ import os
 import stat
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -108,7 +109,7 @@ def create(path: Path) -> CheckpointKey:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if path.exists():
         return load(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, os.urandom(MIN_BYTES))
@@ -157,9 +158,11 @@ def _api() -> str:
 
 def fetch(secret: str, out: Path, *, client: Any = None, forbidden_retry_s: float = 600.0,
           first_wait_s: float = 5.0, sleep: Callable[[float], None] = time.sleep,
-          say: Callable[[str], None] = print) -> CheckpointKey:
+          say: Callable[[str], None] = print, create: bool = True, api: str | None = None) -> CheckpointKey:
     """Read version 1 of ``secret`` (``projects/P/secrets/S``) into ``out`` (0600, written
-    atomically); create it first when the secret has no version yet.
+    atomically); create it first when the secret has no version yet (unless not ``create``: an
+    operator's copy, which KeyProblem refuses then). ``api``: the endpoint (default
+    ``$SPOTTRAIN_SECRETMANAGER_API``, else Google's).
 
     A 403 is retried with backoff for ``forbidden_retry_s`` (the VM's grant may still be
     propagating, up to ~7 minutes); 429/5xx are retried by the client. A version 1 that exists
@@ -169,7 +172,7 @@ def fetch(secret: str, out: Path, *, client: Any = None, forbidden_retry_s: floa
     from trainer.gce import ApiError, Client
 
     client = client or Client()
-    url = f"{_api()}/{secret}"
+    url = f"{(api or _api()).rstrip('/')}/{secret}"
     deadline = time.monotonic() + forbidden_retry_s
     wait = first_wait_s
 
@@ -195,6 +198,8 @@ def fetch(secret: str, out: Path, *, client: Any = None, forbidden_retry_s: floa
             raise KeyProblem(f"{secret}: version 1 answered without a base64 payload") from None
 
     data = version1()
+    if data is None and not create:
+        raise KeyProblem(f"{secret} has no version 1 yet: no VM of this experiment has booted")
     if data is None:
         say(f"{secret} has no version yet: adding a new random key as version 1")
         added = call("POST", ":addVersion",
@@ -209,8 +214,8 @@ def fetch(secret: str, out: Path, *, client: Any = None, forbidden_retry_s: floa
                          f"({MIN_BYTES} to {MAX_BYTES} bytes)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, data)
