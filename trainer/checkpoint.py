@@ -166,7 +166,7 @@ def _encode_structure(state: Any) -> tuple[Any, list[torch.Tensor]]:
     found: list[torch.Tensor] = []
     ids: dict[int, int] = {}
 
-    def ref(t: torch.Tensor, path: list[str]) -> dict:
+    def ref(t: torch.Tensor, path: tuple) -> dict:
         i = ids.get(id(t))
         if i is None:
             plain.check_tensor(t, path)

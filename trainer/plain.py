@@ -39,16 +39,22 @@ class DecodeError(ValueError):
     """Structure that this version cannot decode (an unknown tag, a malformed value)."""
 
 
-def _where(path: list[str]) -> str:
-    return "state" + "".join(path)
+def _where(path: tuple) -> str:
+    """``state['a'][0]`` for a path of (kind, value) steps (formatted only for an error)."""
+    out = "state"
+    for kind, v in path:
+        out += (f"[{v}]" if kind == "index" else f"[{v!r}]" if kind == "key" else
+                f"<key {v!r}>" if kind == "dict key" else "{…}" if kind == "item" else f".{v}")
+    return out
 
 
-def encode(obj: Any, tensor: Callable[[torch.Tensor, list[str]], Any], path: list[str] | None = None) -> Any:
-    """JSON-ready data for ``obj``; ``tensor(t, path)`` gives what stands in for a tensor."""
-    return _encode(obj, tensor, path or [])
+def encode(obj: Any, tensor: Callable[[torch.Tensor, tuple], Any], path: tuple = ()) -> Any:
+    """JSON-ready data for ``obj``; ``tensor(t, path)`` gives what stands in for a tensor (``path``
+    says where it is, for ``where``)."""
+    return _encode(obj, tensor, path)
 
 
-def _encode(obj: Any, tensor: Callable[[torch.Tensor, list[str]], Any], path: list[str]) -> Any:
+def _encode(obj: Any, tensor: Callable[[torch.Tensor, tuple], Any], path: tuple) -> Any:
     t = type(obj)
     if obj is None or t is bool or t is str:
         return obj
@@ -59,19 +65,19 @@ def _encode(obj: Any, tensor: Callable[[torch.Tensor, list[str]], Any], path: li
     if t is float:
         return obj if math.isfinite(obj) else {TAG: "float", "v": repr(obj)}
     if t is list:
-        return [_encode(v, tensor, path + [f"[{i}]"]) for i, v in enumerate(obj)]
+        return [_encode(v, tensor, path + (("index", i),)) for i, v in enumerate(obj)]
     if t is dict:
         if all(type(k) is str for k in obj) and TAG not in obj:
-            return {k: _encode(v, tensor, path + [f"[{k!r}]"]) for k, v in obj.items()}
+            return {k: _encode(v, tensor, path + (("key", k),)) for k, v in obj.items()}
         return {TAG: "dict", "items": _items(obj, tensor, path)}
     if t is OrderedDict:
         out = {TAG: "odict", "items": _items(obj, tensor, path)}
         meta = getattr(obj, "_metadata", None)
         if meta is not None:
-            out["meta"] = _encode(meta, tensor, path + ["._metadata"])
+            out["meta"] = _encode(meta, tensor, path + (("attr", "_metadata"),))
         return out
     if t is tuple:
-        return {TAG: "tuple", "items": [_encode(v, tensor, path + [f"[{i}]"]) for i, v in enumerate(obj)]}
+        return {TAG: "tuple", "items": [_encode(v, tensor, path + (("index", i),)) for i, v in enumerate(obj)]}
     if t is torch.Size:
         return {TAG: "size", "items": list(obj)}
     if t in (set, frozenset):
@@ -80,7 +86,7 @@ def _encode(obj: Any, tensor: Callable[[torch.Tensor, list[str]], Any], path: li
             items.sort()  # a stable order where there is one: equal states encode alike
         except TypeError:
             pass
-        return {TAG: t.__name__, "items": [_encode(v, tensor, path + ["{…}"]) for v in items]}
+        return {TAG: t.__name__, "items": [_encode(v, tensor, path + (("item", None),)) for v in items]}
     if t in (bytes, bytearray):
         return {TAG: t.__name__, "b64": base64.b64encode(obj).decode()}
     if t is complex:
@@ -98,8 +104,8 @@ def _encode(obj: Any, tensor: Callable[[torch.Tensor, list[str]], Any], path: li
     raise NotPlainData(f"{_where(path)} is a {t.__module__}.{t.__qualname__}, not plain data{hint}")
 
 
-def _items(obj: dict, tensor: Callable, path: list[str]) -> list[list[Any]]:
-    return [[_encode(k, tensor, path + [f"<key {k!r}>"]), _encode(v, tensor, path + [f"[{k!r}]"])]
+def _items(obj: dict, tensor: Callable, path: tuple) -> list[list[Any]]:
+    return [[_encode(k, tensor, path + (("dict key", k),)), _encode(v, tensor, path + (("key", k),))]
             for k, v in obj.items()]
 
 
@@ -178,7 +184,7 @@ VERSION = 1
 def dumps(obj: Any) -> bytes:
     """``obj`` as one JSON document, tensors inline (base64): for small states only."""
 
-    def inline(t: torch.Tensor, path: list[str]) -> dict:
+    def inline(t: torch.Tensor, path: tuple) -> dict:
         check_tensor(t, path)
         c = t.detach().to("cpu").contiguous()
         raw = ctypes.string_at(c.data_ptr(), c.numel() * c.element_size()) if c.numel() else b""
@@ -211,7 +217,7 @@ def loads(raw: bytes) -> Any:
     return decode(doc.get("tree"), inline)
 
 
-def check_tensor(t: torch.Tensor, path: list[str]) -> None:
+def check_tensor(t: torch.Tensor, path: tuple) -> None:
     """Tensors a checkpoint holds as raw bytes: strided, not quantized or nested, on a real
     device, a plain tensor or a Parameter (subclasses would need pickle)."""
     if not (t.layout == torch.strided and not t.is_quantized and t.device.type != "meta"
