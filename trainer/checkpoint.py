@@ -52,7 +52,6 @@ import shutil
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 

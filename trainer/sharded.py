@@ -67,7 +67,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import os
 import re
 import shutil
 import socket
