@@ -9,7 +9,8 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo drill soak bench synth cost review preflight clean
+.PHONY: setup test demo drill soak bench synth cost review preflight docs wheels clean \
+	deploy diff destroy output
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
 setup: $(STAMP)
@@ -39,8 +40,10 @@ demo: setup
 ## drill: the real boot scripts and trainer in a local VM stand-in, preempted K times; fails unless
 ## the final model equals an uninterrupted run's. Needs root. DRILL_ARGS=--soak for the long one;
 ## DRILL_ARGS="--nodes 2 --preemptions 1 --steps 600" drills a multi-node pool.
+## EXPERIMENT=drill/experiments/two-gpus.toml drills any experiment (default: the example), e.g. a
+## two-GPU VM: torchrun with one trainer process per GPU (gloo on CPU here).
 drill: setup
-	$(PY) -m drill $(DRILL_ARGS)
+	$(PY) -m drill $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(DRILL_ARGS)
 
 ## soak: the long crash-consistency runs, then the long drill (~8 min).
 soak: setup
@@ -55,6 +58,19 @@ bench: setup
 synth: setup
 	$(VENV)/bin/npx cdktn synth
 
+## wheels: resolve every experiment's dependencies (the trainer's and code_dir/requirements.txt)
+## as wheels for its image's Python into build/wheels/ (synth does it too, once per requirements
+## digest; run this before working offline). EXPERIMENT=path for one. See docs/dependencies.md.
+wheels: setup
+	$(PY) -m stacks.wheels $(EXPERIMENT)
+
+## deploy, diff, destroy, output: `npx cdktn VERB` for one experiment, EXPERIMENT=name (a file
+## experiments/NAME.toml) or a path, with the venv's Node (cdktn needs >= 22.19); they need
+## Terraform >= 1.5 (or OpenTofu) and `gcloud auth application-default login`, and say so.
+## CDKTN_ARGS="--auto-approve" passes more arguments to cdktn.
+deploy diff destroy output: setup
+	$(PY) -m stacks.deploy $@ $(EXPERIMENT) $(CDKTN_ARGS)
+
 ## cost: expected cost, Spot against on-demand, of every experiment (or EXPERIMENT=path).
 cost: setup
 	$(PY) -m stacks.cost $(EXPERIMENT)
@@ -67,6 +83,10 @@ preflight: setup
 ## review: offline infrastructure review, e.g. make review BASE=origin/main [HEAD=rev].
 review: setup
 	$(PY) -m stacks.review $(BASE) $(HEAD)
+
+## docs: regenerate docs/reference/ (experiment fields, trainer flags and settings) from the code.
+docs: setup
+	$(PY) -m stacks.reference
 
 clean:
 	rm -rf cdktf.out .pytest_cache build/code

@@ -24,7 +24,10 @@ SOAK = {"steps": 3000, "preemptions": 8, "wipe_disk_after": (3, 6)}
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m drill", description=__doc__)
-    p.add_argument("--experiment", type=Path, default=DrillConfig.experiment, help="experiment TOML (default: the example)")
+    p.add_argument("--experiment", default=str(DrillConfig.experiment),
+                   help="the experiment to drill: a TOML file, or NAME for experiments/NAME.toml (default: the "
+                        "example; `make drill EXPERIMENT=...`). Its machine's gpu_count sets the processes per VM "
+                        "(drill/experiments/two-gpus.toml: torchrun with 2 ranks, gloo on CPU)")
     p.add_argument("--preemptions", type=int, help="K preemptions (default 2; soak 8)")
     p.add_argument("--wipe-disk-round", type=int, action="append", dest="wipe",
                    help="after preemption N the next VM gets a blank disk (repeatable)")
@@ -43,9 +46,14 @@ def main(argv: list[str] | None = None) -> int:
             base[key] = value
     if a.wipe is not None:
         base["wipe_disk_after"] = tuple(a.wipe)
-    cfg = DrillConfig(experiment=a.experiment, seed=a.seed, window_s=a.window, workdir=a.keep, nodes=a.nodes, **base)
-    from stacks.load import ExperimentError
+    from stacks.load import ExperimentError, resolve
 
+    try:
+        experiment = resolve(a.experiment)
+    except ExperimentError as e:
+        print("\n".join(e.lines), file=sys.stderr)
+        return 2
+    cfg = DrillConfig(experiment=experiment, seed=a.seed, window_s=a.window, workdir=a.keep, nodes=a.nodes, **base)
     try:
         check(cfg) if cfg.nodes == 1 else check_pool(cfg)
         render(cfg, health_port=8471)  # the experiment file: validated before anything starts

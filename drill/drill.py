@@ -237,6 +237,14 @@ class Deployment:
         self.say = say
         self.hostname = hostname
         self.image_files = dict(image_files or {})
+        if "/etc/hosts" not in self.image_files:
+            # The VM's own name resolves, as GCE's internal DNS makes it: torchrun --standalone
+            # (a VM with several GPUs) serves its rendezvous store under the host name.
+            root.mkdir(parents=True, exist_ok=True)
+            hosts = root / "hosts"
+            base = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
+            hosts.write_text(base.rstrip("\n") + f"\n127.0.1.1 {hostname}\n")
+            self.image_files["/etc/hosts"] = hosts
         self.unit_environment = {"OMP_NUM_THREADS": "1", **(unit_environment or {})}
         root.mkdir(parents=True, exist_ok=True)
         self.gcs = gcs if gcs is not None else StorageEmulator(rendered.bucket, log=root / "gcs-emulator.log")
@@ -547,6 +555,17 @@ def _f(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def goodput_note(g: dict[str, Any]) -> str:
+    """One line on why a drill's goodput is low: its fixed costs against its short training."""
+    sessions = max(1, int(g.get("sessions") or 1))
+    fixed = float(g.get("startup_s") or 0.0) + float(g.get("restore_s") or 0.0)
+    down = float(g.get("downtime_s") or 0.0)
+    return (f"(why so low: this run trains for only {float(g.get('productive_s') or 0.0):.1f} s, while each of its "
+            f"{sessions} VM boots pays about {fixed / sessions:.1f} s of trainer start-up and restore, plus "
+            f"{down:.1f} s without a trainer in all (VM boot and preemption), whatever the run's length; a run of "
+            "hours pays the same per preemption, a few percent of its time)")
+
+
 def report(r: DrillResult) -> str:
     g = r.status.get("goodput", {})
     lines = ["", "## Preemption drill", "",
@@ -562,7 +581,7 @@ def report(r: DrillResult) -> str:
         wall = g.get("wall_s") or 0.0
         lines += ["", f"goodput {100 * g.get('goodput', 0):.1f}% of {wall:.1f} s wall over {g.get('sessions')} "
                   f"session(s); preemptions {g.get('preemptions')}, crashes {g.get('crashes')}, "
-                  f"finished {'yes' if g.get('finished') else 'no'}", "",
+                  f"finished {'yes' if g.get('finished') else 'no'}", goodput_note(g), "",
                   "| part | seconds | share of wall |", "|---|---|---|"]
         for key, label in (("productive_s", "productive"), ("startup_s", "badput: start-up"),
                            ("restore_s", "badput: restore"), ("checkpoint_blocked_s", "badput: checkpoint blocked"),

@@ -37,6 +37,8 @@ BASE: dict[str, str] = {
 def required(exp: Experiment) -> dict[str, str]:
     """The APIs this experiment's stack uses, each with its reason."""
     apis = dict(BASE)
+    if exp.data is not None:
+        apis["storage.googleapis.com"] += "; the [data] bucket's read grant and the staging reads"
     if exp.pool is not None or exp.dns_query_logging:
         apis["dns.googleapis.com"] = "the pool's private zone and the DNS query-logging policy"
     return apis

@@ -31,5 +31,13 @@ def main(target: Path | None = None) -> int:
         for warning in (estimate(e.spec).warning(), e.spec.machine.image_note()):
             if warning:
                 print(f"{e.path}: {warning}", file=sys.stderr)
-    build(experiments).synth()
+    from stacks.wheels import WheelsError
+
+    try:
+        app = build(experiments)
+    except WheelsError as err:  # a requirement that cannot be resolved for the image's Python
+        for line in err.lines:
+            print(line, file=sys.stderr)
+        return 2
+    app.synth()
     return 0

@@ -24,6 +24,7 @@ from stacks.checkpoint_key import secret_name
 from stacks.experiment import Experiment
 from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args
+from stacks.trainer_config import to_toml
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 DEVICE_NAME = "spottrain-checkpoints"
@@ -34,6 +35,13 @@ LOCAL_DIR = f"{LOCAL_MOUNT_DIR}/run"
 WORKDIR = "/opt/spottrain"
 #: Where delivered archives are unpacked, one directory per sha256 (on the boot disk).
 RELEASES_DIR = f"{WORKDIR}/releases"
+#: Where `[data]` is staged: the local SSDs when they are mounted, else the checkpoint disk.
+DATA_DIR_LOCAL = f"{LOCAL_MOUNT_DIR}/data"
+DATA_DIR_DISK = f"{MOUNT_DIR}/data"
+#: `[trainer.config]` on the VM, the trainer's `--config` file (`stacks.trainer_config`).
+CONFIG_FILE = "/etc/spottrain/trainer.toml"
+#: Where each rank of a torchrun launch records its exit status (`trainer.exit_status`).
+EXIT_DIR = "/run/spottrain/exit"
 #: On the checkpoint disk: written when the trainer exits 0; no later boot trains again.
 FINISHED_FILE = f"{MOUNT_DIR}/spottrain-finished"
 #: The experiment's checkpoint key on the VM: a tmpfs (never a disk), mode 0600, root only.
@@ -42,9 +50,9 @@ CHECKPOINT_KEY_FILE = "/run/spottrain/checkpoint.key"
 STOP_SLACK_S = 5
 #: Interpreters tried in order for the image's Python with torch (Deep Learning VM images).
 PYTHONS = ("/opt/conda/bin/python3", "/usr/bin/python3", "python3")
-#: The trainer's own dependencies besides torch (pyproject.toml), installed when missing.
-TRAINER_DEPS = ("pydantic>=2.7", "google-cloud-storage>=2.14", "google-crc32c>=1.5",
-                "tomli>=2; python_version < '3.11'")
+#: On the checkpoint disk: the shipped wheels installed, one directory per archive sha256, so that
+#: a VM recreated with its disk installs nothing (stacks/wheels.py).
+DEPS_ROOT = f"{MOUNT_DIR}/deps"
 #: Seconds the startup script waits for the NVIDIA driver (first boot installs it).
 DRIVER_TIMEOUT_S = 600
 #: Seconds the startup script keeps retrying a 403 on the code download, and its first wait
@@ -59,7 +67,7 @@ FORBIDDEN_FIRST_WAIT_S = 5
 class Release:
     """One code archive as the VM sees it (`stacks.delivery` builds and uploads it)."""
 
-    kind: str  # "trainer" | "user"
+    kind: str  # "trainer" | "user" | "wheels"
     object_name: str  # code/<kind>-<sha256[:16]>.tar.gz in the checkpoint bucket
     sha256: str  # of the whole archive, checked before unpacking
 
@@ -133,8 +141,12 @@ class BootProps:
     args: tuple[str, ...] = field(default_factory=tuple)
     workdir: str = WORKDIR  # where a preinstalled trainer package lives (no `releases`)
     releases: tuple[Release, ...] = ()
-    """The delivered archives (`stacks.delivery`): one "trainer", optionally one "user". Empty:
-    the image carries the trainer package in `workdir` (the drill's preinstalled image)."""
+    """The delivered archives (`stacks.delivery`): one "trainer", optionally one "user", and the
+    "wheels" of the dependencies (`stacks.wheels`). Empty: the image carries the trainer package
+    in `workdir` and its dependencies (the drill's preinstalled image)."""
+    python_version: str | None = None
+    """The image's Python ("X.Y") the wheels were resolved for; the startup script refuses to
+    install them into another."""
     driver_timeout_s: int = DRIVER_TIMEOUT_S
     forbidden_retry_s: int = FORBIDDEN_RETRY_S
     """How long a 403 on the code download is retried (IAM propagation) before failing."""
@@ -144,7 +156,14 @@ class BootProps:
     the prices the trainer's ledger records at every boot, so `trainer status` reports the cost."""
     pool: PoolLayout | None = None
     """A multi-node pool (`stacks.pool`): the trainer runs under torchrun with a c10d rendezvous
-    on the coordinator; None: one VM runs `python3 -m trainer run` as before."""
+    on the coordinator; None: one VM."""
+    nproc_per_node: int = 1
+    """Trainer processes per VM, one per GPU (`machine.gpu_count`). A single VM with more than
+    one runs `torchrun --standalone --nproc-per-node=N`; with one, `python3 -m trainer run`."""
+    config: str = ""
+    """`[trainer.config]` as the TOML file the trainer reads (`--config`); "" for none."""
+    exit_dir: str = EXIT_DIR
+    """Under torchrun: where each rank records its exit status (`trainer.exit_status`)."""
     parallelism: str | None = None
     """`--parallelism ddp|fsdp` for the trainer; None passes no flag (the single-VM default)."""
     coordinator_price_args: tuple[str, ...] = ()
@@ -152,6 +171,10 @@ class BootProps:
     scale: ScaleTarget | None = None
     """The VM's own group, for stopping paying when the job is done and for flex-start successors
     (`stacks.scale_to_zero`); None: the VM never touches its group."""
+    data_source: str | None = None
+    """`[data] source`: staged before training (`python -m trainer stage`) and passed to the
+    trainer as `--data-dir`; None: no dataset."""
+    data_parallel: int = 16
     checkpoint_key_secret: str | None = None
     """`projects/P/secrets/S`: the experiment's checkpoint key (`stacks.checkpoint_key`), which the
     boot fetches into `CHECKPOINT_KEY_FILE` and the trainer signs and authenticates checkpoints
@@ -160,6 +183,11 @@ class BootProps:
     @property
     def gcs_uri(self) -> str:
         return f"gs://{self.bucket}/runs/{self.name}"
+
+    @property
+    def torchrun(self) -> bool:
+        """Whether the trainer runs under torchrun (a pool, or several GPUs on one VM)."""
+        return self.pool is not None or self.nproc_per_node > 1
 
     @property
     def window_s(self) -> int:
@@ -189,16 +217,26 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         releases=tuple(releases),
         price_args=tuple(trainer_price_args(exp)),
         pool=layout(name, exp),
+        nproc_per_node=exp.machine.gpu_count,
+        config=to_toml(exp.trainer.config),
         coordinator_price_args=tuple(coordinator_price_args(exp)) if exp.pool else (),
         # Passed with a pool, or when the experiment sets it: an unchanged single-VM experiment
         # renders byte-identical scripts.
         parallelism=exp.trainer.parallelism
         if exp.pool is not None or "parallelism" in exp.trainer.model_fields_set else None,
         scale=scale_target(name, exp),
+        data_source=exp.data.source if exp.data is not None else None,
+        data_parallel=exp.data.parallel if exp.data is not None else 16,
+        python_version=_image_python(exp),
         checkpoint_key_secret=secret_name(exp.gcp.project, name),
     )
     fields.update(overrides)
     return BootProps(**fields)
+
+
+def _image_python(exp: Experiment) -> str | None:
+    found = R.image_python(exp.machine.image_family, exp.machine.python_version)
+    return found.version if found is not None else None
 
 
 @functools.lru_cache(maxsize=1)  # one per process: each stack reuses the compiled templates
@@ -260,10 +298,16 @@ def _release(props: BootProps, kind: str) -> dict[str, str] | None:
 def render(props: BootProps) -> BootScripts:
     env = _env()
     trainer, user = _release(props, "trainer"), _release(props, "user")
-    if user is not None and trainer is None:
-        raise ValueError("a user code release needs a trainer release")
+    wheels = _release(props, "wheels")
+    if (user is not None or wheels is not None) and trainer is None:
+        raise ValueError("a user code or wheels release needs a trainer release")
+    if wheels is not None:
+        if props.python_version is None:
+            raise ValueError("a wheels release needs the python_version it was resolved for")
+        wheels.update(deps_dir=f"{DEPS_ROOT}/{wheels['sha256']}", python=props.python_version)
     releases = [r for r in (trainer, user) if r is not None]
-    pythonpath = ":".join(r["dir"] for r in releases)
+    # The code first, then the wheels: the shipped dependencies shadow the image's copies.
+    pythonpath = ":".join([r["dir"] for r in releases] + ([wheels["deps_dir"]] if wheels else []))
     ctx = {
         "name": props.name,
         "device_name": DEVICE_NAME,
@@ -293,11 +337,17 @@ def render(props: BootProps) -> BootScripts:
         "trainer_dir": trainer["dir"] if trainer else props.workdir,
         "finished_file": FINISHED_FILE,
         "pythons": list(PYTHONS),
-        "trainer_deps": list(TRAINER_DEPS),
+        "wheels": wheels,
+        "deps_root": DEPS_ROOT,
         "driver_timeout_s": props.driver_timeout_s,
         "forbidden_retry_s": props.forbidden_retry_s,
         "forbidden_first_wait_s": props.forbidden_first_wait_s,
         "pool": props.pool,
+        "torchrun": props.torchrun,
+        "nproc_per_node": props.pool.nproc_per_node if props.pool else props.nproc_per_node,
+        "exit_dir": props.exit_dir,
+        "trainer_config": props.config.rstrip("\n"),
+        "config_file": CONFIG_FILE,
         "parallelism": props.parallelism,
         "role_key": ROLE_KEY,
         "coordinator_role": COORDINATOR,
@@ -305,6 +355,9 @@ def render(props: BootProps) -> BootScripts:
         "scale_settings": scale_settings(props),
         "stop_when_done": props.scale is not None and props.scale.stop_when_done,
         "flex": props.scale is not None and props.scale.run_duration_s is not None,
+        "data": None if props.data_source is None else {
+            "source": props.data_source, "parallel": props.data_parallel,
+            "local_dir": DATA_DIR_LOCAL, "disk_dir": DATA_DIR_DISK},
         "checkpoint_key_secret": props.checkpoint_key_secret,
         "checkpoint_key_file": CHECKPOINT_KEY_FILE,
     }

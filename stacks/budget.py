@@ -24,6 +24,11 @@ from stacks.experiment import Experiment
 BYTES_PER_PARAM = 16
 
 
+def size_text(nbytes: float) -> str:
+    """A checkpoint size for people: "1.98 GB", or "1.8 MB" below a gigabyte."""
+    return f"{nbytes / 1e9:,.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.1f} MB"
+
+
 @dataclass(frozen=True)
 class Budget:
     state_bytes: int | None
@@ -44,10 +49,9 @@ class Budget:
                 f"trainer.state_bytes); the disk writes ~{self.write_mb_s:.0f} MB/s, "
                 f"{self.available_s} s available"
             )
-        gb = self.state_bytes / 1e9 if self.state_bytes else 0.0
         verdict = "fits" if self.fits else "DOES NOT FIT"
         return (
-            f"emergency save: {gb:.2f} GB ({self.source}) at ~{self.write_mb_s:.0f} MB/s = "
+            f"emergency save: {size_text(self.state_bytes or 0)} ({self.source}) at ~{self.write_mb_s:.0f} MB/s = "
             f"{self.seconds:.1f} s of {self.available_s} s available "
             f"({self.window_s} s window - {R.SHUTDOWN_MARGIN_S} s margin): {verdict}"
         )

@@ -25,7 +25,7 @@ from datetime import date
 from pathlib import Path
 
 from stacks import pricing
-from stacks.budget import BYTES_PER_PARAM
+from stacks.budget import BYTES_PER_PARAM, size_text
 from stacks.experiment import Experiment
 from stacks.load import ExperimentError, ExperimentFile, display, load_all
 from stacks.policy_cost import policy_lines
@@ -240,6 +240,16 @@ def _flag(args: list[str], flag: str) -> str | None:
 def _interval(exp: Experiment) -> tuple[float, str]:
     if exp.cost.checkpoint_interval_s is not None:
         return exp.cost.checkpoint_interval_s, "set in [cost]"
+    # [trainer.config]: the bucket's own cadence first, then the run-wide one (as the trainer does).
+    config = exp.trainer.config
+    gcs = config.get("tiers", {}).get("gcs", {}) if isinstance(config.get("tiers"), dict) else {}
+    for where, table in (("trainer.config.tiers.gcs.", gcs), ("trainer.config.checkpoint_", config)):
+        prefix = "" if table is gcs else "checkpoint_"
+        seconds, steps = table.get(f"{prefix}every_seconds"), table.get(f"{prefix}every_steps")
+        if isinstance(seconds, (int, float)) and seconds > 0:
+            return float(seconds), f"{where}every_seconds"
+        if isinstance(steps, int) and steps > 0:
+            return steps / exp.cost.steps_per_second, f"{where}every_steps {steps} at the assumed steps/s"
     for flag, per_step in (("--checkpoint-every-seconds", False),
                            ("--checkpoint-every-steps", True)):
         value = _flag(exp.trainer.args, flag)
@@ -280,6 +290,8 @@ def storage_estimate(exp: Experiment, run_hours: float) -> StorageEstimate:
 
 
 def _size(gb: float) -> str:
+    if gb < 1:
+        return f"{gb * 1000:,.1f} MB"
     return f"{gb / 1000:,.1f} TB" if gb >= 1000 else f"{gb:,.1f} GB"
 
 
@@ -290,7 +302,6 @@ def storage_lines(exp: Experiment, run_hours: float) -> list[str]:
         return ["  bucket storage    unknown checkpoint size (declare trainer.param_count or "
                 "trainer.state_bytes); soft delete and versioning retain every rotated "
                 "checkpoint for their retention"]
-    gb = st.checkpoint_bytes / 1e9
     every = _hours(st.interval_s / 3600)
     if st.retention_days:
         retained = (f"{st.retention_source}: each rotated checkpoint stays billed "
@@ -300,7 +311,7 @@ def storage_lines(exp: Experiment, run_hours: float) -> list[str]:
     else:
         retained = "soft delete off, no versioning: a rotated checkpoint is gone at once"
     lines = [
-        f"  bucket storage    {st.keep} kept x {gb:,.2f} GB ({st.size_source}) = "
+        f"  bucket storage    {st.keep} kept x {size_text(st.checkpoint_bytes)} ({st.size_source}) = "
         f"{_size(st.kept_gb)}; one save every {every} ({st.interval_source}) rotates "
         f"{st.saves_per_day:,.0f} a day out",
         f"  retained          {retained}",

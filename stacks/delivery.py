@@ -1,4 +1,5 @@
-"""Code delivery: the trainer (and the user's own code directory) as content-addressed archives.
+"""Code delivery: the trainer, the user's own code directory and the dependencies' wheels
+(`stacks.wheels`) as content-addressed archives.
 
 `build_archive` packs a source tree into a byte-for-byte deterministic `.tar.gz` (sorted
 entries, fixed mtime/owner/mode, gzip header without time or name; no `__pycache__`, `*.pyc`,
@@ -117,6 +118,11 @@ def trainer_archive(source: Path | None = None, out_dir: Path | None = None) -> 
     `<release>/trainer/`."""
     return build_archive(source or TRAINER_SOURCE, "trainer", prefix="trainer",
                          out_dir=out_dir or BUILD_DIR)
+
+
+def wheels_archive(wheels_dir: Path, out_dir: Path | None = None) -> Archive:
+    """The resolved wheels (`stacks.wheels.resolve`); they unpack to `<release>/*.whl`."""
+    return build_archive(wheels_dir, "wheels", prefix="", out_dir=out_dir or BUILD_DIR)
 
 
 def user_archive(code_dir: Path, out_dir: Path | None = None) -> Archive:

@@ -12,11 +12,12 @@ import ipaddress
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stacks import gcp_rules as R
+from stacks import task_check, trainer_config
 from trainer.gpu import runs_on, sm
 
 Problem = tuple[str, str]  # (dotted field path, "what is wrong and what is allowed")
@@ -29,6 +30,8 @@ MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port",
                  "--price-per-hour", "--on-demand-price-per-hour",
                  # `trainer.parallelism`
                  "--parallelism",
+                 # `[data]`: where the startup script staged the dataset
+                 "--data-dir",
                  # the experiment's checkpoint key (`stacks.checkpoint_key`)
                  "--checkpoint-key-file")
 REPO = Path(__file__).resolve().parent.parent
@@ -113,6 +116,15 @@ class Machine(Section):
     """Project that publishes `image_family`."""
     boot_disk_gb: int = Field(default=200, ge=R.BOOT_DISK_MIN_GB, le=R.PD_SSD_MAX_GB)
     """Boot disk size in GB (pd-balanced); the Deep Learning VM images need about 50 GB."""
+    python_version: str | None = None
+    """The image's Python as "X.Y", for the wheels the stack resolves at deploy time (see
+    docs/dependencies.md). Default: from `image_family` (stacks/gcp_rules.py names the Python of
+    ubuntu-2204, ubuntu-2404 and debian-12 families); required for a family that names none."""
+
+    @field_validator("python_version")
+    @classmethod
+    def _python(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, re.compile(r"^3\.[0-9]{1,2}$"), 'a Python version such as "3.10"')
 
     @field_validator("image_family", "image_project")
     @classmethod
@@ -168,6 +180,11 @@ class Machine(Section):
                         f"{lim.max_vcpus} vCPU and {lim.max_memory_gb:g} GB",
                     )
         yield from self._gpu_against_image()
+        if R.image_python(self.image_family, self.python_version) is None:
+            yield ("image_family", f"{self.image_family!r} names no OS whose Python stacks/gcp_rules.py "
+                   "knows, so the wheels shipped with the code cannot be resolved for it; allowed: "
+                   "a family naming " + ", ".join(R.IMAGE_OS_PYTHON) + ', or set machine.python_version '
+                   '(e.g. "3.10")')
         if self.provisioning == "standard" and shape.spot_or_flex_only:
             yield (
                 "provisioning",
@@ -405,6 +422,16 @@ class Trainer(Section):
     VM next to the trainer and put on its PYTHONPATH, so that `task` can name a module in it,
     e.g. "mycode" holding mymodel/task.py with task = "mymodel.task:build". Packed like the
     trainer (no __pycache__, tests or hidden entries); a change in it rolls the group."""
+    config: dict[str, Any] = {}
+    """The trainer's own settings, as in its config file (`python -m trainer run --config`): any
+    setting of docs/reference/trainer.md with the same name and type, tables included
+    (`[trainer.config.task_args]`, `[trainer.config.tiers.gcs]`), e.g. `batch_size = 32`,
+    `precision = "bf16"`. Checked by the trainer's own model before anything is deployed, and
+    written to /etc/spottrain/trainer.toml on the VM. The settings the stack sets from other
+    fields (run_dir, local_dir, data_dir, gcs_uri, steps, task, health_port, health_host,
+    health_request, parallelism, the prices) are refused here, and so is a setting that `args` passes as a flag
+    too. A change that alters the resume fingerprint (seed, task_args, batch_size...) is refused
+    by the running job's checkpoints: `make review` says which."""
 
     @field_validator("task")
     @classmethod
@@ -422,6 +449,11 @@ class Trainer(Section):
     def problems(self) -> Iterator[Problem]:
         if self.param_count is not None and self.state_bytes is not None:
             yield "state_bytes", "is set together with param_count; allowed: one of the two"
+        # With the local tier assumed present: `cross_section_problems` checks it against the disk.
+        yield from trainer_config.problems(self.config, steps=self.steps, task=self.task,
+                                           local_ssd=True, args=self.args)
+        user_code = code_path(self.code_dir) if self.code_dir is not None else None
+        yield from task_check.problems(self.task, user_code, self.config.get("task_args", {}))
         for i, arg in enumerate(self.args):
             if any(ord(c) < 32 or ord(c) == 127 for c in arg):
                 yield f"args[{i}]", "contains a control character; allowed: printable text"
@@ -586,10 +618,65 @@ class Pool(Section):
         return machine.machine_type if self.coordinator_trains else R.DEFAULT_CPU_COORDINATOR
 
 
+# --- [data]: a dataset staged onto each VM before training (issue 11; docs/data.md) -----------
+#: gs://BUCKET[/PREFIX]: a readable bucket's name (dots allowed: it is not created here) and an
+#: object prefix of printable characters without empty, "." or ".." parts.
+DATA_SOURCE = re.compile(r"^gs://([a-z0-9][-_.a-z0-9]{1,220}[a-z0-9])(/[^\x00-\x1f\x7f]*)?$")
+
+
+class Data(Section):
+    """Your dataset: every object under a `gs://` prefix, staged onto each VM before the trainer
+    starts (local SSDs when the VM has them, else the checkpoint disk), verified and resumable,
+    and handed to the task as `ctx.data_dir`. The VMs' service account gets read access on that
+    bucket only (roles/storage.objectViewer). See docs/data.md."""
+
+    source: str
+    """REQUIRED. gs://BUCKET/PREFIX of the dataset, e.g. "gs://my-datasets/openwebtext". A bucket
+    of yours other than the checkpoint bucket; every object under the prefix is staged, keeping
+    its path below the prefix (gs://b/p/train/0.bin becomes DATA_DIR/train/0.bin)."""
+    parallel: int = Field(default=16, ge=1, le=64)
+    """Downloads at once while staging (large objects are fetched in 32 MiB slices)."""
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        m = DATA_SOURCE.match(v)
+        allowed = ('allowed: gs://BUCKET/PREFIX (bucket: 3-222 of a-z 0-9 - _ ., starting and '
+                   'ending with a letter or digit; prefix: /-separated parts, none empty, "." or "..")')
+        if not m:
+            raise ValueError(f"{v!r} is not valid; {allowed}")
+        bucket, prefix = m.group(1), (m.group(2) or "").strip("/")
+        if any(len(part) > 63 for part in bucket.split(".")) or ".." in bucket:
+            raise ValueError(f"{v!r} is not valid; {allowed}")
+        if bucket.startswith("goog") or "google" in bucket:
+            raise ValueError(f"{v!r} is not valid; allowed: a bucket without a goog prefix or 'google'")
+        if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
+            raise ValueError(f"{v!r} is not valid; {allowed}")
+        return v
+
+    @property
+    def bucket(self) -> str:
+        return self.source.removeprefix("gs://").split("/", 1)[0]
+
+
+def data_problems(exp: "Experiment", name: str) -> Iterator[Problem]:
+    """The data bucket against the buckets the stack owns."""
+    if exp.data is None:
+        return
+    if exp.data.bucket == exp.bucket_name(name):
+        yield ("data.source", f"{exp.data.bucket!r} is the checkpoint bucket this stack creates (and "
+               "may destroy with force_destroy; its soft delete and lifecycle apply to everything in "
+               "it); allowed: a separate bucket holding your data")
+    if exp.backend.bucket is not None and exp.data.bucket == exp.backend.bucket:
+        yield ("data.source", f"{exp.data.bucket!r} is the Terraform state bucket (the VMs would read "
+               "the state); allowed: a separate bucket holding your data")
+# --- end [data] ---------------------------------------------------------------------------------
+
+
 SECTIONS: dict[str, type[Section]] = {
     "gcp": Gcp, "machine": Machine, "disk": Disk, "bucket": Bucket, "network": Network,
     "group": Group, "trainer": Trainer, "pool": Pool, "backend": Backend, "cost": Cost,
-    "capacity": Capacity,
+    "capacity": Capacity, "data": Data,
 }  # fmt: skip
 
 
@@ -622,6 +709,8 @@ class Experiment(BaseModel):
     """Assumptions and price overrides for the cost estimate."""
     capacity: Capacity = Capacity()
     """Capacity options: ranked machine types, zone change, on-demand fallback, flex-start."""
+    data: Data | None = None
+    """A dataset in a bucket, staged onto each VM before training (absent: none)."""
 
     @field_validator("labels")
     @classmethod
@@ -685,6 +774,11 @@ def shared_vpc_problems(exp: Experiment) -> Iterator[Problem]:
 
 def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
     yield from shared_vpc_problems(exp)
+    tiers = exp.trainer.config.get("tiers")
+    if isinstance(tiers, dict) and "local" in tiers and exp.disk.local_ssd_count == 0:
+        yield ("trainer.config.tiers.local",
+               "sets the local SSD tier, but disk.local_ssd_count = 0 (there is none); allowed: "
+               "remove it, or add local SSDs")
     zones = len(exp.gcp.zones)
     if exp.group.placement == "zonal" and zones != 1:
         yield (
@@ -720,6 +814,7 @@ def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
     if exp.pool is not None:
         yield from pool_problems(exp)
     yield from capacity_problems(exp)
+    yield from data_problems(exp, name)
     if exp.backend.bucket is not None and exp.backend.bucket == exp.bucket_name(name):
         yield (
             "backend.bucket",
@@ -789,34 +884,40 @@ def pool_problems(exp: Experiment) -> Iterator[Problem]:
 
 
 def global_batch_problems(exp: Experiment) -> Iterator[Problem]:
-    """`--global-batch-size G` in `trainer.args`: every world size the pool can take
-    (gpu_count x min_nodes .. max_nodes) must divide G, or the trainer would refuse to start
-    after a node is lost (it also needs G / world size to be a multiple of its batch_size, which
-    only the trainer knows)."""
+    """`global_batch_size` in `[trainer.config]` or `--global-batch-size G` in `trainer.args`:
+    every world size the pool can take (gpu_count x min_nodes .. max_nodes) must divide G, or the
+    trainer would refuse to start after a node is lost (it also needs G / world size to be a
+    multiple of its batch_size, which only the trainer knows)."""
     pool, args = exp.pool, exp.trainer.args
     assert pool is not None
+    found: tuple[str, object] | None = None
+    configured = exp.trainer.config.get("global_batch_size")
+    if isinstance(configured, int) and not isinstance(configured, bool):
+        found = "trainer.config.global_batch_size", configured  # args cannot set it too (refused)
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
-        if flag != "--global-batch-size":
+        if found is not None or flag != "--global-batch-size":
             continue
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
-        try:
-            g = int(value)
-        except ValueError:
-            yield f"trainer.args[{i}]", f"--global-batch-size needs a whole number, got {value!r}"
-            return
-        sizes = [exp.machine.gpu_count * n for n in range(pool.min_nodes, pool.max_nodes + 1)]
-        bad = [w for w in sizes if w <= 0 or g % w]
-        if bad:
-            ok = [w for w in sizes if w > 0 and not g % w]
-            yield (
-                f"trainer.args[{i}]",
-                f"--global-batch-size {g} is not divisible by the world size(s) {bad} this pool can "
-                f"run at (gpu_count x {pool.min_nodes}..{pool.max_nodes} nodes; divisible: "
-                f"{ok or 'none'}); allowed: a multiple of {_lcm(sizes)}",
-            )
+        found = f"trainer.args[{i}]", value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if found is None:
         return
+    path, value = found
+    try:
+        g = int(value)  # type: ignore[call-overload]
+    except ValueError:
+        yield path, f"--global-batch-size needs a whole number, got {value!r}"
+        return
+    sizes = [exp.machine.gpu_count * n for n in range(pool.min_nodes, pool.max_nodes + 1)]
+    bad = [w for w in sizes if w <= 0 or g % w]
+    if bad:
+        ok = [w for w in sizes if w > 0 and not g % w]
+        yield (
+            path,
+            f"{'global_batch_size' if path.startswith('trainer.config') else '--global-batch-size'}"
+            f" {g} is not divisible by the world size(s) {bad} this pool can "
+            f"run at (gpu_count x {pool.min_nodes}..{pool.max_nodes} nodes; divisible: "
+            f"{ok or 'none'}); allowed: a multiple of {_lcm(sizes)}",
+        )
 
 
 def _lcm(values: list[int]) -> int:

@@ -145,6 +145,44 @@ def image_arch_list(image_family: str) -> tuple[str, ...] | None:
     return None
 
 
+@dataclass(frozen=True)
+class ImagePython:
+    """The Python of an image family, for resolving wheels at deploy time (stacks/wheels.py)."""
+
+    version: str  # "3.10": the interpreter with torch that the startup script finds
+    glibc: tuple[int, int]  # the OS's glibc: manylinux wheels up to this version run
+    torch: str | None  # the image's torch version (kept out of the shipped wheels), if known
+
+
+# The Python and glibc of a Deep Learning VM image family, by the OS named in the family
+# ("...-ubuntu-2204-..."), and its torch from the "pytorch-<major>-<minor>-" prefix. Sources:
+# Ubuntu 22.04 (jammy) ships python3 3.10 and libc6 2.35, Ubuntu 24.04 (noble) python3 3.12 and
+# libc6 2.39, Debian 12 (bookworm) python3 3.11 and libc6 2.36 (packages.ubuntu.com,
+# packages.debian.org); the Deep Learning VM PyTorch images train with that interpreter. This is
+# checked where it matters: the startup script compares the image's Python with the one the
+# wheels were resolved for and stops with a clear message on a mismatch. A family whose OS is not
+# named here needs `machine.python_version`.
+IMAGE_OS_PYTHON: dict[str, tuple[str, tuple[int, int]]] = {
+    "ubuntu-2204": ("3.10", (2, 35)),
+    "ubuntu-2404": ("3.12", (2, 39)),
+    "debian-12": ("3.11", (2, 36)),
+}
+_TORCH_FAMILY = re.compile(r"^pytorch-(\d+)-(\d+)-")
+#: The oldest glibc every manylinux wheel supports (manylinux2014): what an image of unknown OS gets.
+MANYLINUX2014_GLIBC = (2, 17)
+
+
+def image_python(image_family: str, python_version: str | None = None) -> ImagePython | None:
+    """The family's Python (``python_version`` overrides the table), or None when unknown."""
+    os_found = next((v for k, v in IMAGE_OS_PYTHON.items() if f"-{k}" in image_family), None)
+    version = python_version or (os_found[0] if os_found else None)
+    if version is None:
+        return None
+    m = _TORCH_FAMILY.match(image_family)
+    torch = f"{m.group(1)}.{m.group(2)}.0" if m else None
+    return ImagePython(version, os_found[1] if os_found else MANYLINUX2014_GLIBC, torch)
+
+
 #: Local SSD counts a VM may take through the template (375 GB NVMe each).
 LOCAL_SSD_COUNTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 24)
 LOCAL_SSD_GB = 375

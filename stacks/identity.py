@@ -1,8 +1,9 @@
 """The trainer's identity: a dedicated service account and its least-privilege IAM.
 
-Object admin on the checkpoint bucket only (a bucket-level binding, not a project role), accessor
-and version adder on the experiment's checkpoint-key secret only (a secret-level binding), log
-writer and metric writer on the project. The VMs never run as the default compute account.
+Object admin on the checkpoint bucket only (a bucket-level binding, not a project role), object
+viewer on the `[data]` bucket only (read, never write), accessor and version adder on the
+experiment's checkpoint-key secret only (a secret-level binding), log writer and metric writer on
+the project. The VMs never run as the default compute account.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from constructs import Construct
 
 PROJECT_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
 BUCKET_ROLE = "roles/storage.objectAdmin"
+#: On the `[data]` bucket: list and read objects, nothing else.
+DATA_BUCKET_ROLE = "roles/storage.objectViewer"
 #: On the checkpoint-key secret: read version 1, and add it on the first boot.
 KEY_ROLES = ("roles/secretmanager.secretAccessor", "roles/secretmanager.secretVersionAdder")
 
@@ -64,6 +67,14 @@ class Identity(Construct):
         """Object admin on that one bucket: read, write and delete checkpoints."""
         grant = StorageBucketIamMember(
             self, "bucket-object-admin", bucket=bucket_name, role=BUCKET_ROLE, member=self.member
+        )
+        self.grants.append(grant)
+        return grant
+
+    def grant_data_bucket(self, bucket_name: str) -> StorageBucketIamMember:
+        """Object viewer on the `[data]` bucket: list and read the dataset, nothing else."""
+        grant = StorageBucketIamMember(
+            self, "data-object-viewer", bucket=bucket_name, role=DATA_BUCKET_ROLE, member=self.member
         )
         self.grants.append(grant)
         return grant

@@ -130,6 +130,17 @@ def load_file(path: Path) -> ExperimentFile:
     return ExperimentFile(path.stem, path, parse(data, path.stem, source))
 
 
+def resolve(experiment: str | Path) -> Path:
+    """One experiment named on a command line (`make deploy EXPERIMENT=...`): a file path, or a
+    name that stands for experiments/NAME.toml."""
+    text = str(experiment)
+    path = Path(text) if text.endswith(".toml") or os.sep in text else DEFAULT_DIR / f"{text}.toml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in DEFAULT_DIR.glob("*.toml"))) or "none"
+        raise ExperimentError([f"{display(path)}: no such experiment file (experiments/: {names})"])
+    return path
+
+
 def discover(target: Path | None = None) -> list[Path]:
     """The experiment files: `target` (file or folder), else $SPOTTRAIN_EXPERIMENTS, else
     experiments/."""

@@ -8,6 +8,14 @@ state are flagged: the instance group, the checkpoint disk (the template's check
 the group's stateful disk policy, a group scaled to zero) and the bucket. No cloud credentials,
 no Terraform: this is the plan summary the pull-request workflow posts when it cannot run
 `cdktn diff`. Output is markdown. Exit 0; 2 with a message on a bad revision or experiment file.
+
+For each experiment it also says what the change does to the running job, and for every edit of
+its experiment file: it RESUMES (the VM and its trainer are untouched), RESTARTS (the group
+recreates the VM; the trainer saves on the way down and the new VM resumes from that checkpoint),
+or is REFUSED (the trainer's resume fingerprint changes: the new VM's trainer exits 2 on the run's
+checkpoints). The fingerprint is the trainer's own (`RunConfig.fingerprint`), computed from the
+settings each revision's VM would run with, read back from its synthesized startup script
+(trainer.sh's command line and the `[trainer.config]` file) through the trainer's own loader.
 """
 
 from __future__ import annotations
@@ -82,6 +90,9 @@ class StackDiff:
     changes: list[ResourceChange] = field(default_factory=list)
     flags: list[str] = field(default_factory=list)  # replacements of stateful resources
     notes: list[str] = field(default_factory=list)  # consequences worth knowing, not alarming
+    job: str = ""  # what the running job does: "resumes" | "restarts" | "refused" ("" no job change)
+    job_lines: list[str] = field(default_factory=list)
+    edits: list[str] = field(default_factory=list)  # the experiment file's edits, each with its verdict
 
 
 # --- synthesis ---------------------------------------------------------------------------------
@@ -138,18 +149,32 @@ def synthesize(tree: Path, outdir: Path, label: str) -> dict[str, dict[str, Any]
     return found
 
 
-def synthesize_revision(repo: Path, rev: str | None, work: Path) -> tuple[str, dict]:
-    """(label, stacks) of a revision; rev None is the working tree as it is."""
+def synthesize_revision(repo: Path, rev: str | None, work: Path) -> tuple[str, dict, dict]:
+    """(label, stacks, experiment files) of a revision; rev None is the working tree as it is."""
     out = work / ("head-out" if rev is None else f"out-{rev.replace('/', '_')}")
     out.mkdir(parents=True)
     if rev is None:
-        return "working tree", synthesize(repo, out, "the working tree")
+        return "working tree", synthesize(repo, out, "the working tree"), experiment_files(repo)
     commit = resolve(repo, rev)
     tree = work / f"tree-{commit[:12]}-{len(list(work.iterdir()))}"
     tree.mkdir()
     export(repo, commit, tree)
     label = f"{rev} ({commit[:12]})" if not commit.startswith(rev) else commit[:12]
-    return label, synthesize(tree, out, label)
+    return label, synthesize(tree, out, label), experiment_files(tree)
+
+
+def experiment_files(tree: Path) -> dict[str, dict[str, Any]]:
+    """{stack name: parsed experiment TOML} of a tree (unparsable files are left out: the
+    synthesis already said what is wrong with them)."""
+    import tomllib
+
+    out = {}
+    for path in sorted((tree / "experiments").glob("*.toml")):
+        try:
+            out[path.stem] = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            continue
+    return out
 
 
 # --- diff --------------------------------------------------------------------------------------
@@ -292,7 +317,8 @@ def _flag_template(d: StackDiff, c: ResourceChange, old: dict | None, new: dict 
     if c.action != "changed" or old is None or new is None:
         return
     d.notes.append(f"`{c.address}` is replaced (templates are never edited): the group recreates "
-                   "its VM from the new template; the trainer saves on shutdown and resumes")
+                   "its VM from the new template; the trainer saves on shutdown (whether the new "
+                   "VM resumes: see \"running job\")")
     before, after = _checkpoint_disk(old), _checkpoint_disk(new)
     if before != after:
         if before is None or after is None:
@@ -326,8 +352,169 @@ def _disk_size_note(old: Any, new: Any) -> str | None:
             f"created anew (a new VM, a scale from zero) is {new} GB")
 
 
-def diff(old: dict[str, dict], new: dict[str, dict]) -> list[StackDiff]:
-    return [diff_stack(n, old.get(n), new.get(n)) for n in sorted(old.keys() | new.keys())]
+def diff(old: dict[str, dict], new: dict[str, dict], old_files: dict[str, dict] | None = None,
+         new_files: dict[str, dict] | None = None) -> list[StackDiff]:
+    out = []
+    for n in sorted(old.keys() | new.keys()):
+        d = diff_stack(n, old.get(n), new.get(n))
+        judge_job(d, old.get(n), new.get(n), (old_files or {}).get(n), (new_files or {}).get(n))
+        out.append(d)
+    return out
+
+
+# --- what the running job does ----------------------------------------------------------------
+
+VERDICTS = {
+    "refused": "**REFUSED**",
+    "restarts": "**RESTARTS** (new VM, same checkpoint)",
+    "resumes": "**RESUMES** (the VM and its trainer are untouched)",
+}
+TRAINER_SH, CONFIG_TOML = "/etc/spottrain/trainer.sh", "/etc/spottrain/trainer.toml"
+_RUN = re.compile(r"-m trainer run \\\n(.*?) &\n", re.S)
+
+
+def _written_file(script: str, path: str) -> str | None:
+    """The content the startup script writes to `path` (`write_if_changed PATH MODE 'TEXT'`)."""
+    import shlex
+
+    at = script.find(f"write_if_changed {path} ")
+    if at < 0:
+        return None
+    lexer = shlex.shlex(script[at:], posix=True)
+    lexer.whitespace_split = True
+    words = [lexer.get_token() for _ in range(4)]
+    return words[3]
+
+
+def trainer_settings(stack: dict[str, Any] | None) -> Any:
+    """The `trainer.config.RunConfig` the stack's VMs run with, from its synthesized startup script
+    (trainer.sh's command line and the `[trainer.config]` file), loaded the way the VM loads it;
+    None when the stack has none or it cannot be read back (an older script layout)."""
+    import shlex
+
+    from trainer.cli import parser
+    from trainer.config import ConfigError, RunConfig, load_run_config
+
+    scripts = [r.get("metadata", {}).get("startup-script") for r in
+               (stack or {}).get("resource", {}).get(TEMPLATE, {}).values()]
+    script = next((x for x in scripts if isinstance(x, str)), None)
+    trainer_sh = _written_file(script, TRAINER_SH) if script else None
+    m = _RUN.search(trainer_sh or "")
+    if m is None:
+        return None
+    words = [w for w in shlex.split(m[1].replace("\\\n", " ")) if not w.startswith("${")]
+    args, _ = parser().parse_known_args(["run", *words])
+    cli = {k: v for k, v in vars(args).items() if k in RunConfig.model_fields}
+    config = _written_file(script, CONFIG_TOML) if "--config" in words else None
+    with tempfile.TemporaryDirectory(prefix="spottrain-review-cfg-") as tmp:
+        path = None
+        if config is not None:
+            path = Path(tmp) / "trainer.toml"
+            path.write_text(config)
+        try:
+            return load_run_config(cli, path)
+        except ConfigError:
+            return None
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    """An experiment file's values by dotted key; lists are values."""
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: data}
+
+
+def _edit_setting(key: str) -> str | None:
+    """The trainer setting an experiment key sets, by the shared names: `trainer.config.X...` and
+    `trainer.X` are the trainer's X (`[trainer.config]` takes the trainer's own names)."""
+    parts = key.split(".")
+    if parts[:2] == ["trainer", "config"] and len(parts) > 2:
+        return parts[2]
+    if parts[0] == "trainer" and len(parts) == 2:
+        return parts[1]
+    return None
+
+
+def judge_job(d: StackDiff, old: dict | None, new: dict | None, old_file: dict | None,
+              new_file: dict | None) -> None:
+    """Fill `d.job`, `d.job_lines` and `d.edits`: what the running job does with this change."""
+    if old is None or new is None:
+        return
+    before, after = trainer_settings(old), trainer_settings(new)
+    refused: dict[str, tuple[Any, Any]] = {}
+    extended = None
+    if before is not None and after is not None:
+        a, b = before.fingerprint(dataset_len=0), after.fingerprint(dataset_len=0)
+        refused = {k: (a.get(k, MISSING), b.get(k, MISSING)) for k in sorted(a.keys() | b.keys())
+                   if a.get(k, MISSING) != b.get(k, MISSING)}
+        if "steps" in refused and getattr(after, "extend_steps", False):
+            extended = refused.pop("steps")
+    replaced = [c for c in d.changes if c.type in (TEMPLATE, *GROUPS) or
+                (c.type == INSTANCE and any(_top(x.path) in FORCE_NEW[INSTANCE] for x in c.attrs))]
+    if refused:
+        d.job = "refused"
+        what = ", ".join(f"{k} {_value(o)} -> {_value(n)}" for k, (o, n) in refused.items())
+        hint = ""
+        if "steps" in refused:
+            hint = (" To continue this run to the new total, set `extend_steps = true` in "
+                    "`[trainer.config]`." if "extend_steps" in type(after).model_fields else "")
+        d.job_lines.append(
+            f"running job: {VERDICTS['refused']}: the trainer's resume fingerprint changes ({what}): "
+            "the new VM's trainer refuses this run's checkpoints and exits 2 (it is not restarted). "
+            f"Keep the old values, or train a new run under another experiment name.{hint}")
+    elif replaced:
+        d.job = "restarts"
+        unread = before is None or after is None
+        d.job_lines.append(f"running job: {VERDICTS['restarts']}: the group recreates the VM; the "
+                           "trainer saves on the way down and the new VM resumes from the newest "
+                           + ("checkpoint (the trainer's settings could not be read back from one "
+                              "revision's startup script: whether its checkpoints accept the new "
+                              "ones is unchecked)" if unread else
+                              "checkpoint with the same fingerprint"))
+    elif d.changes:
+        d.job = "resumes"
+        d.job_lines.append(f"running job: {VERDICTS['resumes']}: nothing the VM runs changes")
+    if extended is not None and d.job != "refused":
+        d.job_lines.append(f"steps {_value(extended[0])} -> {_value(extended[1])} with extend_steps: "
+                           "the run continues to the new total (refused if it has already passed it)")
+    if before is not None and after is not None and d.job:
+        others = [k for k in _trainer_fields() if k not in refused and
+                  getattr(before, k) != getattr(after, k) and k not in ("steps",)]
+        if others:
+            d.job_lines.append("trainer settings outside the fingerprint change: " + ", ".join(
+                f"{k} {_value(getattr(before, k))} -> {_value(getattr(after, k))}" for k in others))
+    if old_file is None or new_file is None or not d.job:
+        return
+    a, b = _flat(old_file), _flat(new_file)
+    explained = set()
+    for key in sorted(a.keys() | b.keys()):
+        if a.get(key, MISSING) == b.get(key, MISSING):
+            continue
+        setting = _edit_setting(key)
+        if setting in refused:
+            explained.add(setting)
+            verdict = f"{VERDICTS['refused']} (in the resume fingerprint)"
+        elif key.startswith("trainer.args") and refused.keys() - explained:
+            verdict = f"{VERDICTS['refused']} (the flags change the resume fingerprint)"
+        elif setting == "steps" and extended is not None:
+            verdict = "extends the run (extend_steps)"
+        else:
+            verdict = {"refused": "applies; the running job is refused for the edits above",
+                       "restarts": "restarts with the change as a whole (new VM, same checkpoint)",
+                       "resumes": "resumes (the running VM is untouched)"}[d.job]
+        d.edits.append(f"`{key}`: {_value(a.get(key, MISSING))} -> {_value(b.get(key, MISSING))}: "
+                       f"{verdict}")
+
+
+def _trainer_fields() -> list[str]:
+    """The trainer settings worth naming when they change (not the stack's paths and prices)."""
+    from trainer.config import RunConfig
+
+    skip = {"run_dir", "gcs_uri", "local_dir", "price_per_hour", "on_demand_price_per_hour"}
+    return [k for k in RunConfig.model_fields if k not in skip]
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -380,6 +567,11 @@ def render(diffs: list[StackDiff], base: str, head: str) -> str:
         if d.status == "unchanged":
             lines.append("")
             continue
+        for line in d.job_lines:
+            lines.append(f"- {':warning: ' if 'REFUSED' in line else ''}{line}")
+        if d.edits:
+            lines.append(f"- edits of `experiments/{d.name}.toml`:")
+            lines += [f"  - {e}" for e in d.edits]
         for flag in d.flags:
             lines.append(f"- :warning: **{flag}**")
         for note in d.notes:
@@ -399,9 +591,9 @@ def review(repo: Path, base: str, head: str | None) -> str:
     with tempfile.TemporaryDirectory(prefix="spottrain-review-") as tmp:
         work = Path(tmp)
         # HEAD first: a broken experiment file in the change fails before the slow base synth.
-        head_label, new = synthesize_revision(repo, head, work)
-        base_label, old = synthesize_revision(repo, base, work)
-    return render(diff(old, new), base_label, head_label)
+        head_label, new, new_files = synthesize_revision(repo, head, work)
+        base_label, old, old_files = synthesize_revision(repo, base, work)
+    return render(diff(old, new, old_files, new_files), base_label, head_label)
 
 
 # --- for the pull-request workflow --------------------------------------------------------------

@@ -19,7 +19,7 @@ from stacks import gcp_rules as R
 from stacks.boot import boot_props, group_name, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
 from stacks.checkpoint_key import CheckpointKeyProps, CheckpointKeySecret
-from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive
+from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
 from stacks.experiment import Experiment, code_path
 from stacks.fallback import FallbackProps, OnDemandFallback
 from stacks.flex_start import FlexStartGroup, FlexStartProps
@@ -41,6 +41,8 @@ from stacks.network import (
 )
 from stacks.pool import ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pool_dns import PoolDns, PoolDnsProps
+from stacks.wheels import resolve as resolve_wheels
+from stacks.wheels import wheel_set
 from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
 from trainer import scale as vm_scale
 from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
@@ -85,6 +87,8 @@ class TrainingStack(TerraformStack):
             labels=labels,
         ))
         identity.grant_bucket(bucket.name)
+        if exp.data is not None:  # read on the dataset's bucket, which the stack does not own
+            identity.grant_data_bucket(exp.data.bucket)
         # The key that authenticates its checkpoints (the boot fetches it; docs/security.md).
         key = CheckpointKeySecret(self, "checkpoint-key", CheckpointKeyProps(
             project=gcp.project, experiment=name, region=gcp.region,
@@ -128,8 +132,11 @@ class TrainingStack(TerraformStack):
         # The trainer (and the user's code) as content-named objects in the bucket: a code
         # change renames them, which changes the startup script and so the template.
         archives = [trainer_archive()]
-        if exp.trainer.code_dir is not None:
-            archives.append(user_archive(code_path(exp.trainer.code_dir)))
+        code = code_path(exp.trainer.code_dir) if exp.trainer.code_dir is not None else None
+        if code is not None:
+            archives.append(user_archive(code))
+        # The dependencies as wheels for the image's Python: the VM installs them offline.
+        archives.append(wheels_archive(resolve_wheels(wheel_set(exp, code))))
         delivery = CodeDelivery(self, "code", DeliveryProps(
             bucket=bucket.name, archives=tuple(archives)))
 
@@ -345,7 +352,8 @@ class TrainingStack(TerraformStack):
             "state_command": (
                 f"gcloud compute instances get-guest-attributes INSTANCE {p} {zone} "
                 "--query-path=spottrain/state",
-                "The VM's boot path state: starting, training, finished (scale to zero now), "
+                "The VM's boot path state: starting, staging (the [data] dataset), training, "
+                "finished (scale to zero now), "
                 "failed (see serial_log_command), stopped-<trainer exit status>",
             ),
             "list_errors_command": (

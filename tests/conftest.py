@@ -26,6 +26,27 @@ with open(os.open(_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb"
 os.environ["SPOTTRAIN_CHECKPOINT_KEY_FILE"] = _key_file
 
 
+# Synthesis resolves the dependencies' wheels (stacks/wheels.py): against a local index of tiny
+# stand-in wheels for the trainer's requirements, into a private cache, never against PyPI.
+def _local_wheel_index() -> None:
+    from pathlib import Path as _Path
+
+    import re as _re
+
+    from stacks.wheels import CACHE_ENV, INDEX_ENV, TRAINER_REQUIREMENTS, build_wheel
+
+    index = _Path(_PRIVATE_TMP) / "wheel-index"
+    index.mkdir()
+    for requirement in TRAINER_REQUIREMENTS:  # each at its lowest allowed version
+        name, version = _re.match(r"([A-Za-z0-9._-]+)\s*>=\s*([0-9.]+)", requirement).groups()
+        build_wheel(index, name, version)
+    os.environ[INDEX_ENV] = str(index)
+    os.environ[CACHE_ENV] = str(_Path(_PRIVATE_TMP) / "wheel-cache")
+
+
+_local_wheel_index()
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     shutil.rmtree(_PRIVATE_TMP, ignore_errors=True)
 

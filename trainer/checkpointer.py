@@ -423,8 +423,10 @@ class Checkpointer:
         for t in self._tiers.values():
             t.last_step, t.last_time = step, now
 
-    def restore(self, *, download: bool = True) -> Restored | None:
-        """Load the newest valid checkpoint across all tiers (see the module docstring)."""
+    def restore(self, *, download: bool = True, step: int | None = None) -> Restored | None:
+        """Load the newest valid checkpoint across all tiers (see the module docstring), or the
+        valid checkpoint of ``step`` (a read-only look at another run: ``download=False``)."""
+        wanted = step
         t_start = time.monotonic()
         self.wait()  # outside the lock: the background thread takes it for retention
         with self._restore_lock:
@@ -443,6 +445,8 @@ class Checkpointer:
             if self._survey_kept["format"] and download:
                 raise ResumeMismatch(kept_mismatch(self._survey_kept["format"], None))
             for step, _, t, info in candidates:
+                if wanted is not None and step != wanted:
+                    continue
                 try:
                     state, path, tier = self._load(t, step, info, download=download)
                 except CheckpointUnloadable as e:

@@ -1,27 +1,52 @@
-"""Command line: ``python -m trainer run|status|rendezvous ...`` (a stable contract).
+"""Command line: ``python -m trainer run|status|export|stage|rendezvous ...`` (a stable contract).
+
+``export`` writes a run's trained weights as a plain state dict in safetensors (trainer.export).
+
+``stage`` copies a ``gs://`` prefix onto a local disk before training, verified and resumable
+(``trainer.staging``; its exit codes: 0 staged, 1 failed, run it again to resume, 2 bad input).
 
 ``rendezvous`` hosts the c10d rendezvous store of a multi-node job on a coordinator that does not
 train (when it trains, its torchrun agent hosts the store itself).
 
 Exit codes: 0 finished (also: already finished), 75 stopped by preemption after a successful save
 (run the same command again to resume), 2 bad input or a resume with other settings, 1 failed.
+
+With ``SPOTTRAIN_BAD_INPUT_FILE`` set (the VM's trainer.sh sets it), an exit 2 of ``run`` also
+writes its reason there, for the VM's state output (health answer, guest attributes, stop marker);
+under torchrun, whose own exit status hides the workers', the file is what tells bad input apart.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 from trainer import EXIT_BAD_INPUT
-from trainer.config import ConfigError, load_run_config, load_status_config
+from trainer.config import ConfigError, load_export_config, load_run_config, load_status_config
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors: same format and exit code as ours
         self.print_usage(sys.stderr)
         print(f"command line: {message}", file=sys.stderr)
+        record_bad_input([f"command line: {message}"])
         sys.exit(EXIT_BAD_INPUT)
+
+
+def record_bad_input(lines: list[str]) -> None:
+    """Write why the run refused its input to ``$SPOTTRAIN_BAD_INPUT_FILE`` (best effort)."""
+    path = os.environ.get("SPOTTRAIN_BAD_INPUT_FILE")
+    if not path:
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines)[:4000] + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _process_start() -> float:
@@ -51,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every-steps", type=int, help="save every K steps")
     r.add_argument("--checkpoint-every-seconds", type=float, help="save every T seconds")
     r.add_argument("--local-dir", type=Path, help="optional fast tier (local SSD)")
+    r.add_argument("--data-dir", type=Path, help="the staged dataset, handed to the task as ctx.data_dir")
     r.add_argument("--health-port", type=int, help="TCP health port (default 8471; 0 = any free port)")
     r.add_argument("--price-per-hour", type=float,
                    help="USD per hour of this VM as provisioned, for the cost in `status` (may change on resume)")
@@ -61,17 +87,44 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--global-batch-size", type=int,
                    help="samples per optimizer step over all ranks, constant across world sizes")
     r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75")
+    r.add_argument("--extend-steps", action="store_const", const=True,
+                   help="resume a run whose checkpoint has another --steps total (raise it: extend the run)")
+    r.add_argument("--init-from", metavar="SOURCE",
+                   help="start this new run from another run's checkpoint (its run dir or gs:// prefix)")
+    r.add_argument("--init-from-step", type=int, help="the step of --init-from to start from (default: newest)")
+    r.add_argument("--init-from-optimizer", action="store_const", const=True,
+                   help="with --init-from: also take its optimizer state (default: weights only)")
     r.add_argument("--checkpoint-key-file", type=Path,
                    help="the run's checkpoint key (default: $SPOTTRAIN_CHECKPOINT_KEY_FILE, else "
                         "~/.config/spottrain/checkpoint.key, created on first use)")
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
-    s.add_argument("--run-dir", type=Path)
-    s.add_argument("--gcs-uri")
-    s.add_argument("--local-dir", type=Path)
+    s.add_argument("--run-dir", type=Path, help="persistent tier to inspect (read only)")
+    s.add_argument("--gcs-uri", help="durable tier to inspect, gs://BUCKET/PREFIX (and the ledger mirror)")
+    s.add_argument("--local-dir", type=Path, help="fast tier to inspect")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--checkpoint-key-file", type=Path, help="the run's checkpoint key (as for run)")
+
+    e = sub.add_parser("export", help="write a run's weights as a plain state dict in safetensors (+ JSON sidecar)")
+    e.add_argument("--run-dir", type=Path, help="the run's run dir")
+    e.add_argument("--gcs-uri", help="the run's gs://BUCKET/PREFIX")
+    e.add_argument("--local-dir", type=Path, help="the run's local tier, if any")
+    e.add_argument("--step", type=int, help="the checkpoint to export (default: the newest valid one)")
+    e.add_argument("--checkpoint-key-file", type=Path, help="the run's checkpoint key (as for run)")
+    e.add_argument("--out", type=Path, required=True, help="FILE.safetensors to write (sidecar: FILE.json)")
+    g = sub.add_parser("stage", help="copy gs://BUCKET/PREFIX into a directory, verified and resumable")
+    g.add_argument("--from", dest="source", required=True, help="gs://BUCKET/PREFIX to stage")
+    g.add_argument("--to", dest="dest", type=Path, required=True, help="local directory (created if missing)")
+    g.add_argument("--parallel", type=int, default=16, help="downloads at once (default 16)")
+    g.add_argument("--rehash", action="store_true",
+                   help="recompute the CRC32C of every file already staged instead of trusting size and mtime")
+    g.add_argument("--run-dir", type=Path, help="the run's persistent dir: its goodput ledger gets a staging event")
+    g.add_argument("--health-port", type=int, help="answer the health check on this TCP port while staging")
+    g.add_argument("--stall-timeout-s", type=float, default=600.0,
+                   help="health answers 'stalled' after this long without a byte (default 600)")
+    g.add_argument("--forbidden-retry-s", type=float, default=600.0,
+                   help="keep retrying HTTP 403 this long: a new bucket grant takes minutes (default 600)")
 
     z = sub.add_parser("rendezvous", help="host a multi-node job's c10d rendezvous store until SIGTERM")
     z.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
@@ -86,10 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             cli = {k: getattr(args, k) for k in (
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
-                "checkpoint_every_seconds", "local_dir", "health_port", "price_per_hour",
+                "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
                 "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
-                "checkpoint_key_file")}
+                "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "checkpoint_key_file")}
             cfg = load_run_config(cli, args.config)
+        elif args.command == "export":
+            ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out",
+                                                                     "checkpoint_key_file")})
+        elif args.command == "stage":
+            if args.health_port is not None and not 0 <= args.health_port <= 65535:
+                raise ConfigError([f"command line: health_port: must be 0..65535, got {args.health_port}"])
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
@@ -100,12 +159,25 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)
+        if args.command == "run":
+            record_bad_input(e.lines)
         return EXIT_BAD_INPUT
 
     if args.command == "run":
         from trainer.train import run  # torch loads only once the input is known to be good
 
-        return run(cfg, process_start=started).code
+        outcome = run(cfg, process_start=started)
+        if outcome.code == EXIT_BAD_INPUT:
+            record_bad_input([outcome.reason])
+        return outcome.code
+    if args.command == "export":
+        from trainer.export import main as export_main
+
+        return export_main(ecfg)
+    if args.command == "stage":
+        from trainer.staging import main as stage_main
+
+        return stage_main(args)
     if args.command == "rendezvous":
         from trainer.rendezvous import serve
 

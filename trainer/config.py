@@ -47,7 +47,7 @@ class TierCadence(BaseModel):
     """One tier's own cadence and retention (``[tiers.gcs]`` in the config file); a setting left
     out falls back to the run-wide one."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     every_steps: int | None = Field(default=None, gt=0)
     """Save to this tier every K optimizer steps."""
@@ -61,18 +61,37 @@ class TierCadence(BaseModel):
 class RunConfig(BaseModel):
     """Settings of `python -m trainer run`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     run_dir: Path
     """Persistent checkpoint tier and home of the goodput ledger (the PD-SSD on a VM)."""
     steps: int = Field(gt=0)
-    """Total optimizer steps of the whole job (across all restarts)."""
+    """Total optimizer steps of the whole job (across all restarts). Part of the fingerprint: a
+    resume with another total is refused unless ``extend_steps`` is set."""
+    extend_steps: bool = False
+    """Let ``steps`` differ from the total the checkpoint was written with: the run resumes from
+    its step and trains on to the new ``steps`` (no lower than the step it reached), recorded as
+    ``steps_changed`` in the ledger; the task is built with the new total (``ctx.steps``). See
+    docs/runs.md for what an LR schedule does then. Without it, another ``steps`` is exit 2."""
+    init_from: str | None = None
+    """Start this NEW run from another run's checkpoint: its run dir (a path) or its ``gs://``
+    prefix. Used only while this run has no checkpoint of its own (afterwards it resumes its
+    own). Weights only unless ``init_from_optimizer``; the model must have the same parameter
+    names and shapes. Recorded in the ledger and in this run's checkpoints (provenance)."""
+    init_from_step: int | None = Field(default=None, ge=0)
+    """The step of ``init_from`` to start from (default: its newest valid checkpoint)."""
+    init_from_optimizer: bool = False
+    """Also take the optimizer state from ``init_from`` (same parallelism as the source)."""
     seed: int = Field(default=0, ge=0, lt=2**63)
     """Seeds the model init, dropout and the data order. Part of the resume fingerprint."""
     gcs_uri: GcsUri | None = None
     """Durable tier, ``gs://BUCKET/PREFIX``; also receives a mirror of the goodput ledger."""
     local_dir: Path | None = None
     """Optional fast tier (local SSD); lost with the VM, so never the only copy."""
+    data_dir: Path | None = None
+    """Where the dataset was staged (``python -m trainer stage``; on a VM the stack stages the
+    experiment's ``[data]`` there), handed to the task as ``ctx.data_dir``. Not part of the
+    fingerprint: the same data may be staged to another disk after a restart."""
     task: str = DEFAULT_TASK
     """``module:callable`` returning a :class:`trainer.task.Task`. Part of the fingerprint."""
     task_args: dict[str, Any] = Field(default_factory=dict)
@@ -170,6 +189,27 @@ class RunConfig(BaseModel):
             raise ValueError("must be module:callable, e.g. trainer.tasks.gpt:build")
         return v
 
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, v: str | None) -> str | None:
+        if v is not None and v.startswith("gs://"):
+            from trainer.storage import parse_gcs_uri
+
+            try:
+                parse_gcs_uri(v)
+            except ValueError as e:
+                raise ValueError(str(e)) from None
+        elif v is not None and not v.strip():
+            raise ValueError("must be a run dir or a gs://BUCKET/PREFIX")
+        return v
+
+    @field_validator("init_from_step", "init_from_optimizer")
+    @classmethod
+    def _needs_init_from(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in (None, False) and info.data.get("init_from") is None:
+            raise ValueError("is set but there is no init_from (the run to start from)")
+        return v
+
     @field_validator("task_args")
     @classmethod
     def _task_args(cls, v: dict[str, Any]) -> dict[str, Any]:
@@ -254,7 +294,7 @@ class RunConfig(BaseModel):
 class StatusConfig(BaseModel):
     """Settings of `python -m trainer status`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     run_dir: Path
     """Persistent tier to inspect."""
@@ -268,6 +308,26 @@ class StatusConfig(BaseModel):
     """The run's checkpoint key, as for ``run`` (never created here). Without one, whole-model
     checkpoints are shown unauthenticated (nothing is unpickled either way) and sharded ones not
     at all."""
+
+
+class ExportConfig(BaseModel):
+    """Settings of `python -m trainer export`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_dir: Path | None = None
+    """The run's persistent tier (its run dir)."""
+    gcs_uri: GcsUri | None = None
+    """The run's durable tier, ``gs://BUCKET/PREFIX`` (with or without ``run_dir``)."""
+    local_dir: Path | None = None
+    """The run's fast tier, if it has one here."""
+    step: int | None = Field(default=None, ge=0)
+    """The checkpoint to export (default: the newest valid one)."""
+    out: Path
+    """The ``.safetensors`` file to write; the JSON sidecar goes next to it (``FILE.json``)."""
+    checkpoint_key_file: Path | None = None
+    """The run's checkpoint key, as for ``run`` (never created here): only checkpoints it
+    authenticates are exported, and a sharded one only with it."""
 
 
 def settings_digest(fingerprint: dict[str, Any]) -> str:
@@ -313,6 +373,17 @@ def load_run_config(cli: dict[str, Any], config_file: Path | None) -> RunConfig:
         return RunConfig.model_validate(values)
     except ValidationError as e:
         raise ConfigError(_errors(e, source_of)) from None
+
+
+def load_export_config(cli: dict[str, Any]) -> ExportConfig:
+    try:
+        cfg = ExportConfig.model_validate({k: v for k, v in cli.items() if v is not None})
+    except ValidationError as e:
+        raise ConfigError(_errors(e, {})) from None
+    if cfg.run_dir is None and cfg.gcs_uri is None:
+        raise ConfigError(["command line: run_dir: the run to export is required "
+                           "(flag --run-dir DIR or --gcs-uri gs://BUCKET/PREFIX)"])
+    return cfg
 
 
 def load_status_config(cli: dict[str, Any]) -> StatusConfig:

@@ -16,6 +16,10 @@ Report (all sessions together), after ml-goodput-measurement:
   last event to the boot of the VM that ran the next session (its ``placement`` event: zone,
   provisioning model, boot time from the metadata server and the kernel). ``capacity_wait`` splits
   it by ``zone/PROVISIONING_MODEL`` of the VM that ended the wait; the rest of the gap is boot;
+- ``staging_s``: time spent staging the dataset onto the VM before the trainer started
+  (``python -m trainer stage``, one ``staging`` event per run of it, in a session of its own
+  that has no ``session_start``): badput of its own, counted once when nodes stage side by side;
+  ``staging_bytes``: the bytes those runs downloaded (0 when everything was on the disk already);
 - ``goodput`` = productive_s / wall_s; ``preemptions``: preemption notices; ``crashes``: sessions
   that ended without a trace (SIGKILL, hard power-off, OOM kill); ``failures``: sessions that
   stopped on an error (bad input, an exception); ``sessions``; ``finished``;
@@ -270,6 +274,10 @@ class Report:
     capacity_wait: dict[str, float] = field(default_factory=dict)
     #: The latest step the job has reached (the newest session's last recorded step).
     steps: int = 0
+    #: Seconds spent staging the dataset before training (``python -m trainer stage``), and the
+    #: bytes it downloaded.
+    staging_s: float = 0.0
+    staging_bytes: int = 0
     #: Per node (multi-node jobs only): the same report over that node's sessions.
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -304,7 +312,7 @@ def report(events: list[dict[str, Any]]) -> Report:
     node_of: dict[str, str] = {}
     main_sessions: set[str] = set()
     for sid, evs in by_session.items():
-        start = next((e for e in evs if e["event"] == "session_start"), None) or {}
+        start = next((e for e in evs if e["event"] in ("session_start", "staging")), None) or {}
         node_of[sid] = str(start.get("node") or start.get("host") or "?")
         if start.get("main", True) is not False:
             main_sessions.add(sid)
@@ -344,9 +352,12 @@ def _sum_costs(costs: list[Cost], *, steps: int | None) -> Cost:
 def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | None = None) -> Report:
     """The report over ``events``; ``restores`` ((time, step) of the job's restores) judge which
     work was lost, by default these sessions' own restores."""
+    staging = [(float(e.get("started", e["t"])), float(e["t"]), int(e.get("downloaded_bytes") or 0))
+               for e in events if e["event"] == "staging"]
     by_session: dict[str, list[dict[str, Any]]] = {}
     for ev in sorted(events, key=_key):
-        by_session.setdefault(str(ev["session"]), []).append(ev)
+        if ev["event"] != "staging":
+            by_session.setdefault(str(ev["session"]), []).append(ev)
     sessions = []
     for sid, evs in by_session.items():
         start = next((e for e in evs if e["event"] == "session_start"), None)
@@ -376,8 +387,11 @@ def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | No
             "failed": any(e["event"] == "failed" for e in evs),
         })
     sessions.sort(key=lambda s: s["t0"])
+    staged_s, staged_bytes = _union([(a, b) for a, b, _ in staging]), sum(n for _, _, n in staging)
     if not sessions:
-        return Report(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0, False)
+        wall = max((b for _, b, _ in staging), default=0.0) - min((a for a, _, _ in staging), default=0.0)
+        return Report(0.0, wall, 0.0, 0.0, 0.0, 0.0, 0.0, max(0.0, wall - staged_s), 0, 0, 0, 0, False,
+                      staging_s=staged_s, staging_bytes=staged_bytes)
     productive = lost = 0.0
     for i, s in enumerate(sessions):
         if restores is None:
@@ -388,8 +402,10 @@ def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | No
         s["kept"] = _productive_at(s["points"], min(later)) if later else done
         lost += done - s["kept"]
         productive += s["kept"]
-    wall = max(s["t1"] for s in sessions) - sessions[0]["t0"]
-    spans = sum(s["t1"] - s["t0"] for s in sessions)
+    # Staging runs before a session starts: the job's wall time begins with the first of either.
+    wall = max([s["t1"] for s in sessions] + [b for _, b, _ in staging]) - \
+        min([sessions[0]["t0"]] + [a for a, _, _ in staging])
+    spans = sum(s["t1"] - s["t0"] for s in sessions) + staged_s
     waited = _capacity_wait(sessions)
     return Report(
         goodput=productive / wall if wall > 0 else 0.0,
@@ -409,7 +425,20 @@ def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | No
         steps=_reached(sessions),
         capacity_wait_s=sum(waited.values()),
         capacity_wait=waited,
+        staging_s=staged_s,
+        staging_bytes=staged_bytes,
     )
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end] spans (nodes staging side by side count once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
 
 
 def _capacity_wait(sessions: list[dict[str, Any]]) -> dict[str, float]:

@@ -8,12 +8,48 @@ loader: failing the check makes the group recreate the VM, which resumes from th
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import socket
 import socketserver
 import threading
 import time
 from typing import Callable
+
+
+class PortInUse(Exception):
+    """The health port is taken by another process (bad input: exit 2, naming the port)."""
+
+
+def holder(port: int) -> str:
+    """`` by pid N (command line)`` of the process listening on TCP ``port``, from /proc (best
+    effort: "" when it cannot be told, e.g. another user's process without root)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    # local address "IP:PORT" in hex, state 0A = LISTEN, inode in column 10
+                    if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(parts[9])
+        except (OSError, ValueError, StopIteration):
+            continue
+    if not inodes:
+        return ""
+    wanted = {f"socket:[{i}]" for i in inodes}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in wanted for fd in fds):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f" by pid {pid} ({cmd[:200]})"
+        except OSError:
+            continue
+    return ""
 
 
 class Health:
@@ -69,7 +105,15 @@ class HealthServer:
             allow_reuse_address = True
             daemon_threads = True
 
-        self._server = Server((host, port), Handler)
+        try:
+            self._server = Server((host, port), Handler)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise PortInUse(
+                f"health_port: port {port} on {host} is already in use{holder(port)}; another trainer may be "
+                "running on this machine: give this run another port (--health-port, or 0 for any free "
+                "port) or stop the other one") from None
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="health", daemon=True)
         (log or logging.getLogger("trainer.health")).info("event=health_listening host=%s port=%d", host, self.port)

@@ -1,16 +1,29 @@
 """Logs: structured ``key=value`` lines, plus a live progress line when stderr is a terminal.
 
 Every line the trainer logs is ``TIME LEVEL LOGGER event=NAME key=value ...`` so that journald,
-Cloud Logging and tests can pick fields out of it. One ``event=step`` line per logging interval
+Cloud Logging and tests can pick fields out of it. Terminal escape sequences that a library puts
+into its messages (torch's unpickling errors bold their advice) are removed from every line: in a
+journal or a log file they are noise. One ``event=step`` line per logging interval
 carries the step, loss, learning rate, tokens/s and ETA; checkpoint, preemption, restore and
 health events have their own lines.
 """
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import TextIO
+
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+
+class _PlainFormatter(logging.Formatter):
+    """The log format, without terminal escape sequences (in messages and tracebacks)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return _ANSI.sub("", super().format(record))
 
 
 class _LiveAwareHandler(logging.StreamHandler):
@@ -28,7 +41,7 @@ def setup_logging(rank: int = 0, stream: TextIO | None = None) -> logging.Logger
     stream = stream or sys.stderr
     handler = _LiveAwareHandler(stream)
     prefix = f"rank={rank} " if rank else ""
-    handler.setFormatter(logging.Formatter(
+    handler.setFormatter(_PlainFormatter(
         f"%(asctime)s.%(msecs)03d %(levelname)s %(name)s {prefix}%(message)s", "%Y-%m-%dT%H:%M:%S"))
     root = logging.getLogger()
     for h in list(root.handlers):

@@ -732,16 +732,28 @@ class ShardedCheckpointer(Checkpointer):
         return False, "; ".join(reasons) or "no copy on this node", ""
 
     def _load(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        self.load_into(folder, model, optimizer)
+        return _load_extras(folder / EXTRAS)
 
-        msd, osd = get_state_dict(model, optimizer)
-        sd = {"model": msd, "optim": osd}
+    def load_into(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Load a verified checkpoint folder's shards into ``model`` (and ``optimizer``; None:
+        the weights only), resharded to this world size. A collective (``--init-from``)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                             set_model_state_dict, set_state_dict)
+
+        if optimizer is None:
+            sd = {"model": get_model_state_dict(model)}
+        else:
+            msd, osd = get_state_dict(model, optimizer)
+            sd = {"model": msd, "optim": osd}
         with _single_process_quiet():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(folder)), process_group=self._pg,
                      no_dist=self._pg is None)
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        return _load_extras(folder / EXTRAS)
+        if optimizer is None:
+            set_model_state_dict(model, sd["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     # ------------------------------------------------------------------------------ emergency
     def emergency_save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,  # type: ignore[override]
@@ -842,12 +854,14 @@ __all__ = ["ShardedCheckpointer", "shard", "parse_sharded_manifest", "list_shard
            "verify_sharded_dir", "download_sharded", "EmergencyReport", "Restored", "TierPolicy"]
 
 
-def inspect(tiers: dict[str, Store], *, key: CheckpointKey | None = None) -> tuple[int, str, str, dict, dict] | None:
-    """Read-only look for ``status``: the newest sharded checkpoint that fully verifies (HMAC under
-    ``key``, every sha256) on any tier (fastest first for equal steps) as (step, tier, location,
-    full model state dict, extras), without a process group. A GCS-only checkpoint is downloaded
-    into a temporary folder, which is removed afterwards; nothing on a tier is changed. Nothing
-    reaches DCP (which unpickles) unauthenticated: without a ``key``, KeyProblem."""
+def inspect(tiers: dict[str, Store], step: int | None = None, *,
+            key: CheckpointKey | None = None) -> tuple[int, str, str, dict, dict] | None:
+    """Read-only look for ``status`` and ``export``: the newest sharded checkpoint (or the one of
+    ``step``) that fully verifies (HMAC under ``key``, every sha256) on any tier (fastest first
+    for equal steps) as (step, tier, location, full model state dict, extras), without a process
+    group. A GCS-only checkpoint is downloaded into a temporary folder, which is removed
+    afterwards; nothing on a tier is changed. Nothing reaches DCP (which unpickles)
+    unauthenticated: without a ``key``, KeyProblem."""
     import tempfile
 
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
@@ -863,20 +877,20 @@ def inspect(tiers: dict[str, Store], *, key: CheckpointKey | None = None) -> tup
             infos = list_sharded(store, key=key)
         except Exception:  # noqa: BLE001 - a tier being down: look at the others
             continue
-        candidates += [(i.step, rank, name, store, i) for i in infos if i.valid]
-    for step, _, name, store, info in sorted(candidates, key=lambda c: (-c[0], c[1])):
+        candidates += [(i.step, rank, name, store, i) for i in infos if i.valid and step in (None, i.step)]
+    for found, _, name, store, info in sorted(candidates, key=lambda c: (-c[0], c[1])):
         with tempfile.TemporaryDirectory(prefix="spottrain-status-") as tmp:
             try:
                 if isinstance(store, DirStore):
-                    folder = store.root / step_name(step)
+                    folder = store.root / step_name(found)
                     verify_sharded_dir(folder, key=key)
                 else:
-                    folder = download_sharded(store, step, Path(tmp), key=key)
+                    folder = download_sharded(store, found, Path(tmp), key=key)
                 full: dict = {}
                 with _single_process_quiet():  # every file verified above: only now may DCP read them
                     _load_state_dict(full, storage_reader=dcp.FileSystemReader(str(folder)),
                                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-                return step, name, info.location, full["model"], _load_extras(folder / EXTRAS)
+                return found, name, info.location, full["model"], _load_extras(folder / EXTRAS)
             except Exception:  # noqa: BLE001 - try the next older one, as a restore would
                 continue
     return None

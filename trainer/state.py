@@ -11,7 +11,6 @@ world-size path reaches the same result whether or not it was interrupted on the
 """
 from __future__ import annotations
 
-import hashlib
 import random
 from typing import Any
 
@@ -106,12 +105,37 @@ def build(
     return out
 
 
-def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
+#: Fingerprint keys that record where a run came from rather than a setting: never compared.
+PROVENANCE = ("world_size", "init_from")
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], *, step: int | None = None,
+                      extend_steps: bool = False) -> tuple[int, int] | None:
+    """Refuse a resume whose settings differ from the checkpoint's (``ResumeMismatch``).
+
+    ``steps`` may differ only with ``extend_steps`` and never below ``step`` (the step the
+    checkpoint reached); returns (old total, new total) when it does, else None.
+    """
     if not isinstance(saved, dict):
         raise ResumeMismatch(f"cannot resume: the checkpoint's settings fingerprint is {saved!r}, not a "
                              "table of settings (a checkpoint of another program?)")
     # Checkpoints written before elastic training recorded the world size; it may now change.
-    saved = {k: v for k, v in saved.items() if k != "world_size"}
+    saved = {k: v for k, v in saved.items() if k not in PROVENANCE}
+    current = {k: v for k, v in current.items() if k not in PROVENANCE}
+    change = None
+    old, new = saved.get("steps"), current.get("steps")
+    if old != new and isinstance(old, int) and isinstance(new, int):
+        if not extend_steps:
+            raise ResumeMismatch(
+                f"cannot resume: steps: checkpoint has {old}, this run has {new}; to continue this run to "
+                f"{new} steps, say so with --extend-steps (extend_steps = true), or use a new "
+                "--run-dir/--gcs-uri for a new run")
+        if step is not None and new < step:
+            raise ResumeMismatch(
+                f"cannot resume: steps: {new} is below step {step}, which the checkpoint has already "
+                f"reached (extend_steps changes the total to no less than the step reached)")
+        change = (old, new)
+        saved, current = dict(saved, steps=new), current
     diffs = [
         f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
         for k in sorted(set(saved) | set(current))
@@ -122,6 +146,7 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
             "cannot resume: these settings differ from the run that wrote the checkpoint "
             "(use the original settings, or a new --run-dir/--gcs-uri for a new run): " + "; ".join(diffs)
         )
+    return change
 
 
 def apply(
@@ -133,18 +158,20 @@ def apply(
     scaler: Any | None,
     data: DataOrder,
     world: World,
+    steps_changed: bool = False,
     source: str = "the checkpoint",
 ) -> int:
     """Load ``state`` into the live objects; returns the step to continue from.
 
-    The caller has already broadcast the state to every rank and checked the fingerprint. A
-    state that verified but does not load into these objects (a changed shape, a missing key: the
-    code changed since it was written) is a ``ResumeMismatch`` naming ``source`` (e.g. "step 1200
-    on gcs (gs://...)") and the reason: never a reason to start afresh over it.
+    The caller has already broadcast the state to every rank and checked the fingerprint.
+    ``steps_changed``: the run's total was changed (``extend_steps``); see ``load_scheduler``.
+    A state that verified but does not load into these objects (a changed shape, a missing key:
+    the code changed since it was written) is a ``ResumeMismatch`` naming ``source`` (e.g. "step
+    1200 on gcs (gs://...)") and the reason: never a reason to start afresh over it.
     """
     try:
         return _apply(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data,
-                      world=world)
+                      world=world, steps_changed=steps_changed)
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as e:
         reason = " ".join(str(e).split())[:1500]
         raise ResumeMismatch(
@@ -154,13 +181,13 @@ def apply(
 
 
 def _apply(state: dict[str, Any], *, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-           scheduler: Any | None, scaler: Any | None, data: DataOrder, world: World) -> int:
+           scheduler: Any | None, scaler: Any | None, data: DataOrder, world: World, steps_changed: bool) -> int:
     if model is not None:  # None: sharded state, already loaded by the sharded checkpointer
         unwrap(model).load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
+        load_scheduler(scheduler, state["scheduler"], steps_changed=steps_changed)
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     data.load_state_dict(state["data"])
@@ -170,6 +197,27 @@ def _apply(state: dict[str, Any], *, model: torch.nn.Module | None, optimizer: t
     else:
         reseed(int(state["fingerprint"]["seed"]), step, world.rank)
     return step
+
+
+#: A torch LR scheduler's position; the rest of its state (T_max, total_steps, phases) is how
+#: it was built.
+_SCHEDULE_POSITION = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial")
+
+
+def load_scheduler(scheduler: Any, saved: Any, *, steps_changed: bool = False) -> None:
+    """Restore ``scheduler``. After a change of the run's total, a plain torch LR scheduler keeps
+    how the task built it now (with the new ``ctx.steps``: ``T_max``, ``total_steps``, phases)
+    and takes only its position from the checkpoint, so it runs on over the new total instead
+    of the old one (OneCycleLR would otherwise refuse to step past its old end). Schedulers that
+    hold other schedulers or metrics (SequentialLR, ChainedScheduler, ReduceLROnPlateau) and
+    the task's own objects are restored whole."""
+    from torch.optim import lr_scheduler as lrs
+
+    plain = isinstance(scheduler, lrs.LRScheduler) and not isinstance(
+        scheduler, (lrs.SequentialLR, lrs.ChainedScheduler, lrs.ReduceLROnPlateau))
+    if steps_changed and plain and isinstance(saved, dict):
+        saved = {**scheduler.state_dict(), **{k: saved[k] for k in _SCHEDULE_POSITION if k in saved}}
+    scheduler.load_state_dict(saved)
 
 
 def saved_world_size(state: dict[str, Any]) -> int:
@@ -185,12 +233,7 @@ def reseed(seed: int, step: int, rank: int) -> None:
 
 
 def model_digest(model_state: dict[str, torch.Tensor]) -> str:
-    """sha256 over the model's tensors in a canonical order (name, dtype, shape, raw bytes)."""
-    h = hashlib.sha256()
-    for name in sorted(model_state):
-        t = model_state[name].detach().to("cpu").contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    """The model's content digest (``trainer.checkpoint.tensor_digest``)."""
+    from trainer.checkpoint import tensor_digest
+
+    return tensor_digest(model_state)

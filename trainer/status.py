@@ -8,7 +8,10 @@ that do not authenticate are listed as invalid with the reason.
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
 (the checkpointer's per-tier description) and ``goodput`` (see ``goodput.Report``; its ``cost``
-object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per node).
+object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per node),
+``stopped`` (why the newest session stopped on an error: its ledger's ``failed`` event, e.g. bad
+input; None otherwise) and ``history`` (changes of the run: ``steps_changed`` and ``init_from``
+events).
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
         "path": restored.path if restored else None,
         "tiers": tiers,
         "goodput": report(events).as_dict(),
+        **_story(events),
     }
     if error is not None:
         out["error"] = error
@@ -93,10 +97,21 @@ def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger, key: An
     out: dict[str, Any] = {
         "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
         "tier": tier, "path": path, "tiers": tiers, "goodput": report(events).as_dict(), "sharded": True,
+        **_story(events),
     }
     if isinstance(extras, dict):
         out["data"], out["fingerprint"] = extras.get("data"), extras.get("fingerprint")
     return out
+
+
+def _story(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Why the newest session stopped on an error, and the run's changes (see the docstring)."""
+    newest = max((str(e["session"]) for e in events), default=None)
+    failed = [e for e in events if str(e["session"]) == newest and e["event"] == "failed"]
+    stopped = {k: failed[-1].get(k) for k in ("reason", "detail", "t")} if failed else None
+    history = [{k: v for k, v in e.items() if k not in ("session", "seq")} for e in events
+               if e["event"] in ("steps_changed", "init_from")]
+    return {"stopped": stopped, "history": history}
 
 
 def _human(s: dict[str, Any]) -> str:
@@ -123,11 +138,22 @@ def _human(s: dict[str, Any]) -> str:
         f"down {g['downtime_s']:.1f}s; preemptions {g['preemptions']}, crashes {g['crashes']}, "
         f"failures {g['failures']}, "
         f"finished {'yes' if g['finished'] else 'no'}")
+    if g.get("staging_s"):
+        lines.append(f"staging the dataset: {g['staging_s']:.1f}s before training, "
+                     f"{(g.get('staging_bytes') or 0) / 1e6:.1f} MB downloaded")
     waits = g.get("capacity_wait") or {}
     if waits:
         lines.append(f"waiting for capacity: {g['capacity_wait_s']:.1f}s without a VM ("
                      + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(waits.items())) + ")")
     lines.append(_cost_line(g.get("cost") or {}))
+    for h in s.get("history") or []:
+        if h["event"] == "steps_changed":
+            lines.append(f"steps changed at step {h.get('step')}: {h.get('from')} -> {h.get('to')} (extend_steps)")
+        else:
+            lines.append(f"started from {h.get('location')} (step {h.get('step')}, "
+                         f"{'weights and optimizer' if h.get('optimizer') else 'weights'}; init_from)")
+    if s.get("stopped"):
+        lines.append(f"STOPPED: the newest session failed ({s['stopped']['reason']}): {s['stopped']['detail']}")
     for node, n in sorted((g.get("nodes") or {}).items()):
         lines.append(
             f"  node {node}: goodput {100 * n['goodput']:.1f}% of {n['wall_s']:.1f}s over {n['sessions']} "

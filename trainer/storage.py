@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Protocol, TypeVar, runtime_checkable
+from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,14 @@ class Store(Protocol):
     def get_file(self, key: str, dst: Path) -> None: ...
     def list(self, prefix: str) -> list[str]: ...
     def delete_prefix(self, prefix: str) -> None: ...
+
+
+class ObjectInfo(NamedTuple):
+    """One object as a listing shows it."""
+
+    size: int
+    crc32c: str  # base64, as GCS reports it
+    generation: int
 
 
 class UploadAborted(Exception):
@@ -492,7 +500,11 @@ class GcsStore:
         b.chunk_size = self.CHUNK_SIZE
         return b
 
-    def put_file(self, src: Path, key: str) -> None:
+    def put_file(self, src: Path, key: str, *, generation: int = 0) -> None:
+        """Upload ``src`` to ``key``: create-only, or with ``generation`` only while the object is
+        still at that generation (replacing exactly what was seen). The precondition makes the
+        retries safe. A 412 whose object already holds exactly this content (our own write whose
+        answer was lost) counts as done; otherwise ``FileExistsError``."""
         src = Path(src)
         size = src.stat().st_size
 
@@ -500,7 +512,7 @@ class GcsStore:
             blob = self._blob(key)
             with open(src, "rb") as f:
                 blob.upload_from_file(_AbortableReader(f, self._deadline(), self._aborted), size=size,
-                                      if_generation_match=0, retry=None, timeout=self._timeout())
+                                      if_generation_match=generation, retry=None, timeout=self._timeout())
 
         self._create_only(key, upload, lambda: (size, _crc32c_file(src)))
 
@@ -580,6 +592,11 @@ class GcsStore:
 
     def sizes(self, prefix: str) -> dict[str, int]:
         return {self._key_of(b.name): int(b.size or 0) for b in self._list_blobs(prefix)}
+
+    def objects(self, prefix: str) -> dict[str, ObjectInfo]:
+        """Key -> size, CRC32C and generation of every object under ``prefix`` (one listing)."""
+        return {self._key_of(b.name): ObjectInfo(int(b.size or 0), b.crc32c or "", int(b.generation or 0))
+                for b in self._list_blobs(prefix)}
 
     def delete_prefix(self, prefix: str) -> None:
         from google.api_core import exceptions as gexc

@@ -6,12 +6,21 @@ the loop, the data order, mixed precision, gradient accumulation, clipping, DDP,
 
 The trainer seeds Python and torch from ``ctx.seed`` before calling the task, so a model built
 with ordinary ``torch.nn`` init is the same on every rank and in every restart.
+
+``ctx.steps`` is the job's total; after ``extend_steps`` it is the new total, and a schedule built
+on it runs on over the new total (docs/runs.md). ``ctx.artifacts_dir`` is the run's directory for
+files that are not checkpoints (samples, a best-validation copy, tokenizer files): rank 0's is
+copied to ``<gcs_uri>/artifacts/`` after every checkpoint save, at the end and, time allowing,
+after an emergency save, and comes back to a fresh disk before the task is built. Write files
+there with ``trainer.artifacts.atomic(path)`` (or to ``.tmp-NAME`` and rename) so they appear
+complete or not at all; see ``trainer.artifacts`` and docs/runs.md.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -22,10 +31,15 @@ class TaskContext:
     """What the trainer tells the task about the run."""
 
     seed: int
-    steps: int  # total optimizer steps of the job, for LR schedules
+    steps: int  # total optimizer steps of the job, for LR schedules (the new total after extend_steps)
     device: torch.device
     rank: int
     world_size: int
+    #: The run's artifacts directory (``RUN_DIR/artifacts``): files a task keeps besides the
+    #: checkpoints (samples, a best-validation copy, tokenizer files), copied to
+    #: ``<gcs_uri>/artifacts/`` and back to a fresh disk; see ``trainer.artifacts``.
+    artifacts_dir: Path | None = None
+    data_dir: Path | None = None  # the staged dataset (`[data]` in the experiment), None without one
 
 
 class Dataset(Protocol):

@@ -27,8 +27,10 @@ from trainer import distributed, gpu, placement, plain, state
 from trainer import task as tasks
 from trainer.checkpoint_key import KeyProblem
 from trainer.config import RunConfig
+from trainer.artifacts import Artifacts
 from trainer.goodput import Ledger, node_name, session_start_fields
-from trainer.health import Health, HealthServer
+from trainer.health import Health, HealthServer, PortInUse
+from trainer.init_from import InitFromError
 from trainer.preemption import Preemption
 from trainer.progress import Progress, setup_logging
 from trainer.sampler import DataOrder
@@ -39,6 +41,7 @@ class Outcome:
     code: int
     steps_run: int = 0  # optimizer steps this session completed
     loop_s: float = 0.0  # wall seconds of the training loop (bench)
+    reason: str = ""  # why, for a bad-input exit
 
 
 def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
@@ -53,11 +56,11 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     session = _Session(cfg, world, log, preempt, make_checkpointer, process_start)
     try:
         return session.run()
-    except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, KeyProblem,
-            plain.NotPlainData) as e:
+    except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, PortInUse, InitFromError,
+            KeyProblem, plain.NotPlainData) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
-        return Outcome(EXIT_BAD_INPUT)
+        return Outcome(EXIT_BAD_INPUT, reason=str(e))
     except Exception as e:
         log.error("event=failed reason=exception\n%s", traceback.format_exc())
         session.record_failure("exception", f"{type(e).__name__}: {e}")
@@ -81,6 +84,7 @@ class _Session:
         self.ckpt: Any = None
         self.ledger: Ledger | None = None
         self.server: HealthServer | None = None
+        self.artifacts: Artifacts | None = None  # node leaders: ctx.artifacts_dir and its GCS copy
         self.health = Health(cfg.stall_timeout_s)
         self.productive_s = 0.0
         self.stopping = False  # some rank got a preemption notice: every rank stops
@@ -123,11 +127,17 @@ class _Session:
                 where = placement.read()
                 if where is not None:
                     self.ledger.append("placement", **where)
+            # The task's artifacts come back first: a task may read them while it builds.
+            self.artifacts = Artifacts(cfg.run_dir / "artifacts", self.ckpt.gcs, staging=cfg.run_dir,
+                                       log=log.getChild("artifacts"))
+            self.artifacts.restore()
+        world.barrier()
 
         # Build the task: identical initial weights on every rank, then per-rank RNG streams.
         _seed(cfg.seed)
         ctx = tasks.TaskContext(seed=cfg.seed, steps=cfg.steps, device=device, rank=world.rank,
-                                world_size=world.size)
+                                world_size=world.size, artifacts_dir=cfg.run_dir / "artifacts",
+                                data_dir=cfg.data_dir)
         task = tasks.build(cfg.task, ctx, cfg.task_args)
         _seed((cfg.seed + 1_000_003 * world.rank) % 2**63)
         model = task.model
@@ -152,11 +162,14 @@ class _Session:
         saved, where = self._restore(model, task.optimizer)
         start = 0
         if saved is not None:
-            state.check_fingerprint(saved["fingerprint"], fingerprint)
+            steps_changed = self._check_settings(saved, fingerprint)
             whole = not self.sharded  # sharded weights are already in place
             start = state.apply(saved, model=model if whole else None, optimizer=task.optimizer if whole else None,
                                 scheduler=task.scheduler, scaler=scaler, data=data, world=world,
+                                steps_changed=steps_changed,
                                 source=f"step {saved.get('step')} on {where[0]} ({where[1]})")
+        elif cfg.init_from is not None:  # a new run seeded from another run's checkpoint
+            fingerprint["init_from"] = self._init_from(model, task.optimizer)
         restore_s = time.monotonic() - t_restore
         if world.is_node_leader:
             if saved is not None:
@@ -168,7 +181,8 @@ class _Session:
                                 "reseeded; the data position is in global samples)", start, before,
                                 world.size, data.consumed)
             else:
-                log.info("event=restore step=0 (no checkpoint: starting fresh)")
+                log.info("event=restore step=0 (no checkpoint: starting %s)",
+                         "from init_from's weights" if cfg.init_from is not None else "fresh")
             self.ledger.append("restore", step=start, seconds=restore_s, world_size=world.size,
                                startup_s=max(0.0, time.time() - self.process_start - restore_s))
         if start >= cfg.steps:
@@ -176,6 +190,7 @@ class _Session:
             if world.is_node_leader:
                 self.ledger.append("finish", step=start, blocked_s=0.0, productive_s=0.0)
             self.health.finished()
+            self._export(start)  # once: a no-op when the finished run's export is already there
             return Outcome(EXIT_FINISHED)
         if world.any_flags(self.preempt.requested)[0]:  # a notice during start-up: nothing new to save
             return self._stop_before_training(start)
@@ -230,6 +245,41 @@ class _Session:
     def _meta(self, fingerprint: dict) -> dict:
         return {"world_size": self.world.size, "fingerprint": fingerprint}
 
+    def _check_settings(self, saved: dict, fingerprint: dict) -> bool:
+        """The checkpoint's settings against this run's (exit 2 on a difference); True when the
+        run's total steps changed (``extend_steps``). Keeps the run's provenance (``init_from``)."""
+        step = int(saved["step"])
+        change = state.check_fingerprint(saved["fingerprint"], fingerprint, step=step,
+                                         extend_steps=self.cfg.extend_steps)
+        if "init_from" in saved["fingerprint"]:
+            fingerprint["init_from"] = saved["fingerprint"]["init_from"]
+        if self.cfg.init_from is not None and self.world.is_main:
+            self.log.info("event=init_from skipped=1 detail=the run has its own checkpoint (step %d) and resumes "
+                          "from it; init_from applies only to a run without one", step)
+        if change is not None and self.world.is_node_leader:
+            self.log.warning("event=steps_changed step=%d from=%d to=%d (extend_steps)", step, *change)
+            self.ledger.append("steps_changed", step=step, **{"from": change[0], "to": change[1]})
+        return change is not None
+
+    def _init_from(self, model: Any, optimizer: Any) -> dict:
+        from trainer import init_from
+
+        prov = init_from.apply(self.cfg, self.world, model, optimizer,
+                               sharded_run=self.ckpt if self.sharded else None, log=self.log.getChild("init_from"))
+        if self.world.is_node_leader:
+            self.log.info("event=init_from source=%s step=%d location=%s layout=%s optimizer=%d digest=%s",
+                          prov["source"], prov["step"], prov["location"], prov["layout"], prov["optimizer"],
+                          prov["digest"])
+            self.ledger.append("init_from", **prov)
+        return prov
+
+    def _export(self, step: int) -> None:
+        """A finished run's own export (once; see trainer.export); rank 0 alone."""
+        if self.world.is_main:
+            from trainer.export import auto_export
+
+            auto_export(self.cfg, step, self.log.getChild("export"))
+
     def _restore(self, model: Any, optimizer: Any) -> tuple[dict | None, tuple[str, str]]:
         """The newest valid checkpoint of the job, on every rank, and (tier, path) it came from.
 
@@ -277,20 +327,26 @@ class _Session:
             return
         self.log.info("event=checkpoint_save step=%d blocked_s=%.4f", step, blocked)
         self.ledger.append("checkpoint", step=step, blocked_s=blocked, productive_s=self.productive_s)
+        self.artifacts.sync_soon(after=self.ckpt.wait)  # in the background, once the checkpoint is written
 
     def _final_save(self, step: int, *args: Any) -> int:
         if self.stopping:  # the notice came during the last step: the deadline still holds
             return EXIT_FINISHED if self._emergency_save(step, *args) == EXIT_PREEMPTED else EXIT_FAILED
         blocked = self._save_and_wait(step, *args)
+        if self.world.is_main:
+            self.artifacts.sync()
         if self.world.is_node_leader:
             self.ledger.append("finish", step=step, blocked_s=blocked, productive_s=self.productive_s)
             self.log.info("event=finished step=%d", step)
         self.health.finished()
+        self._export(step)
         return EXIT_FINISHED
 
     def _pause(self, step: int, *args: Any) -> int:
         """``stop_at_step`` reached: a checkpoint on every tier, then exit as if preempted."""
         blocked = self._save_and_wait(step, *args)
+        if self.world.is_main:
+            self.artifacts.sync()
         if self.world.is_node_leader:
             self.ledger.append("paused", step=step, blocked_s=blocked, productive_s=self.productive_s)
             self.log.warning("event=paused step=%d (stop_at_step; run again without it to continue)", step)
@@ -314,6 +370,8 @@ class _Session:
         t0 = time.monotonic()
         elapsed = self.world.max_float(self.preempt.seconds_since_notice())
         deadline = time.monotonic() + self.cfg.preemption_budget_s - elapsed
+        if self.world.is_main:
+            self.artifacts.abort()  # a copy in flight must not slow the checkpoint's upload
         snapshot = self._state(step, *args)
         ok = True
         if self.world.is_node_leader:
@@ -333,6 +391,8 @@ class _Session:
             self.ledger.append("preempted", step=step, productive_s=self.productive_s,
                                blocked_s=time.monotonic() - t0, **extra)
             self.ledger.flush(deadline - time.monotonic())
+        if self.world.is_main and deadline - time.monotonic() > 1.0:
+            self.artifacts.sync(deadline)  # only with the time the checkpoint left over
         return EXIT_PREEMPTED if ok else EXIT_FAILED
 
     def _stop_before_training(self, step: int) -> Outcome:
@@ -351,6 +411,8 @@ class _Session:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.artifacts is not None:
+            self.artifacts.close()
         if self.ckpt is not None:
             with contextlib.suppress(Exception):
                 self.ckpt.close()

@@ -139,3 +139,38 @@ def test_a_local_ssd_is_formatted_and_mounted_for_the_local_tier(tmp_path: Path)
         assert dep.vm.exec(["mountpoint", "-q", "/mnt/localssd"]).returncode == 0
         assert dep.vm.path("/mnt/localssd/run").is_dir()
         assert "--local-dir /mnt/localssd/run" in dep.vm.path("/etc/spottrain/trainer.sh").read_text()
+
+
+def test_bad_input_stays_stopped_says_why_and_stops_paying(tmp_path: Path) -> None:
+    """A trainer that exits 2 on a VM (here: a task the delivered code does not define) is not
+    restarted; the VM answers the health check "ok bad-input: WHY" (no autoheal recreation loop),
+    its guest attributes say why, and it scales its group to zero with a stop marker naming the
+    failure; a VM brought back by hand honours that marker and trains nothing."""
+    from drill.drill import health_answer
+
+    task = "trainer.tasks.gpt:no_such_task"
+    with _deployment(tmp_path, extra={"task": task}) as dep:
+        assert dep.vm is not None and dep.group is not None
+        _, e0 = dep.boot()
+        ev = dep.vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT, STARTUP_GUARD_S,
+                               since=e0)
+        assert (ev["code"], ev["status"], ev["restarting"]) == ("exited", 2, False), dep.vm.tail()
+        why = f"task: module 'trainer.tasks.gpt' has no attribute 'no_such_task'"
+        assert health_answer(dep.r.health_port, 60) == f"ok bad-input: {why}"
+        assert dep.wait_group_size(0), dep.vm.tail()
+        attributes = dep.metadata.guest_attributes()
+        assert attributes["spottrain/state"] == "bad-input" and attributes["spottrain/reason"] == why
+        name = dep.r.gcs_uri.split("/", 3)[3]
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        bucket = storage.Client(project="p", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": dep.gcs.host}).bucket(dep.r.bucket)
+        markers = list(bucket.list_blobs(prefix=f"{name}/stop/bad-input-"))
+        assert len(markers) == 1 and why in markers[0].download_as_bytes().decode()
+        assert "the trainer refused its input (exit 2)" in dep.vm.journal()
+        dep.vm.power_off(10)
+
+        after = dep.boot_after_finish()  # someone resizes the group to 1 by hand
+        assert after["unit_started"] is False and after["guest_state"] == "stopped"
+        assert after["group_size"] == 0

@@ -67,3 +67,37 @@ def test_cli_names_the_file_and_field_of_a_bad_experiment(tmp_path: Path, capsys
     assert "bad.toml" in err and "trainer.steps" in err
     assert drill_main(["--experiment", str(tmp_path / "missing.toml")]) == 2
     assert "missing.toml" in capsys.readouterr().err
+
+
+TWO_GPUS = Path(__file__).resolve().parents[2] / "drill" / "experiments" / "two-gpus.toml"
+
+
+@needs_root
+def test_drill_a_two_gpu_vm_runs_two_ranks_and_resumes_exactly(tmp_path: Path) -> None:
+    """gpu_count = 2: the VM runs torchrun with two trainer processes (gloo on CPU here). A
+    preemption reaches both ranks, the unit exits 75 (not torchrun's 1), and the final model
+    equals an uninterrupted run of the same world size."""
+    lines: list[str] = []
+    cfg = DrillConfig(experiment=TWO_GPUS, steps=60, preemptions=1, seed=1, window_s=15.0,
+                      checkpoint_every_steps=20, disk_mb=64, workdir=tmp_path / "drill")
+    result = run_drill(cfg, say=lines.append)
+    assert result.reference_digest is not None and result.ok, "\n".join(lines)
+    (p,) = result.preemptions
+    assert p.trainer_exit == EXIT_PREEMPTED, "\n".join(lines)
+    assert p.saved_step is not None and p.next_resumed_from == p.saved_step
+    for run in ("reference", "drill"):
+        journal = (tmp_path / "drill" / run / "vm" / "journal.log").read_text()
+        starts = [line for line in journal.splitlines() if "event=start " in line]
+        assert starts and all("world_size=2" in line for line in starts), starts
+    assert result.status["latest_step"] == cfg.steps
+
+
+def test_the_report_explains_a_short_runs_low_goodput() -> None:
+    from drill.drill import DrillResult, report
+
+    g = {"goodput": 0.22, "wall_s": 100.0, "sessions": 3, "preemptions": 2, "crashes": 0, "finished": True,
+         "productive_s": 22.0, "startup_s": 30.0, "restore_s": 6.0, "downtime_s": 40.0}
+    text = report(DrillResult(DrillConfig(), "d", "d", {"goodput": g}))
+    assert "goodput 22.0% of 100.0 s wall over 3 session(s)" in text
+    assert ("(why so low: this run trains for only 22.0 s, while each of its 3 VM boots pays about 12.0 s of "
+            "trainer start-up and restore, plus 40.0 s without a trainer in all") in text

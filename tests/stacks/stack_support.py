@@ -23,8 +23,9 @@ def scrub_code_hashes(text: str) -> str:
     """The synthesized JSON with the delivered code's digests replaced by placeholders: the
     snapshot pins the infrastructure, not the trainer's bytes (which change with every edit)."""
     text = re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", text)
+    text = re.sub(r"(dependencies )[0-9a-f]{16}\b", r"\1<sha16>", text)
     # Object names appear plain and URL-encoded (code%2Ftrainer-...), where \\b finds no boundary.
-    return re.sub(r"(?:\b|(?<=%2F))(trainer|user)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
+    return re.sub(r"(?:\b|(?<=%2F))(trainer|user|wheels)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
 
 
 def unless_stopped(value: Any) -> Any:
@@ -67,8 +68,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "a3-h100": {"machine": {"machine_type": "a3-highgpu-8g", "gpu_type": "nvidia-h100-80gb",
                             "gpu_count": 8}},
+    # Two GPUs (torchrun, two ranks) and the trainer's own settings ([trainer.config]).
     "a2-a100-40": {"machine": {"machine_type": "a2-highgpu-2g", "gpu_type": "nvidia-tesla-a100",
-                               "gpu_count": 2}, "disk": {"local_ssd_count": 2}},
+                               "gpu_count": 2}, "disk": {"local_ssd_count": 2},
+                   "trainer": {"config": {"batch_size": 32, "precision": "bf16",
+                                          "task_args": {"n_layer": 4, "dropout": 0.0},
+                                          "tiers": {"local": {"every_steps": 50},
+                                                    "gcs": {"every_seconds": 900.0}}}}},
     "a2-a100-80": {"machine": {"machine_type": "a2-ultragpu-1g", "gpu_type": "nvidia-a100-80gb",
                                "gpu_count": 1}},
     "g2-l4x4": {"machine": {"machine_type": "g2-standard-48", "gpu_type": "nvidia-l4",
@@ -97,6 +103,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                     "capacity": {"zone_change_on_repair": True}},
     "od-fallback": {"capacity": {"on_demand_fallback_minutes": 30, "fallback_check_minutes": 5}},
     "no-stop": {"group": {"stop_when_done": False}},
+    # A dataset staged onto each VM before training (docs/data.md): read-only on its bucket.
+    "data": {"data": {"source": "gs://my-datasets/openwebtext", "parallel": 8}},
     "existing-net": {
         "network": {"mode": "existing", "network": "shared-vpc", "subnetwork": "trainers",
                     "subnetwork_project": "host-project-42", "subnet_cidr": None,

@@ -123,7 +123,7 @@ def test_hostile_args_reach_the_trainer_verbatim_and_execute_nothing(tmp_path):
     canary = tmp_path / "pwned"
     args = tuple(a.format(canary=canary) for a in HOSTILE_ARGS)
     # They pass validation: the quoting, not the validator, is what keeps them inert.
-    exp = variant({"trainer": {"args": list(args), "task": "pkg.mod:build", "steps": 7,
+    exp = variant({"trainer": {"args": list(args), "task": "trainer.tasks.gpt:build", "steps": 7,
                                "health_port": 9000}}, "x")
     work = tmp_path / "work dir $(touch x)"
     work.mkdir()
@@ -142,7 +142,7 @@ def test_hostile_args_reach_the_trainer_verbatim_and_execute_nothing(tmp_path):
     argv = argv_file.read_bytes().split(b"\0")[:-1]
     assert [a.decode() for a in argv] == [
         "-m", "trainer", "run", "--run-dir", "/mnt/spottrain/run", "--steps", "7",
-        "--gcs-uri", "gs://b/runs/x", "--task", "pkg.mod:build", "--health-port", "9000",
+        "--gcs-uri", "gs://b/runs/x", "--task", "trainer.tasks.gpt:build", "--health-port", "9000",
         "--local-dir", "/mnt/localssd/run", *args,
     ]
     assert not canary.exists()
@@ -243,3 +243,76 @@ def test_the_trainer_gets_the_experiments_prices_verbatim(tmp_path):
     assert argv[-6:] == [*trainer_price_args(exp), "--seed", "4"]
     args = parser().parse_args(argv[2:])
     assert (args.price_per_hour, args.on_demand_price_per_hour, args.seed) == (0.75, 2.5, 4)
+
+
+# --- one process per GPU ------------------------------------------------------------------------
+
+def _launch(trainer_sh: str) -> str:
+    """The trainer's command line in trainer.sh, up to `-m trainer run`."""
+    start = trainer_sh.index('"${SPOTTRAIN_PYTHON:-python3}" ')
+    return trainer_sh[start:trainer_sh.index("-m trainer run", start)]
+
+
+@pytest.mark.parametrize("name, gpus", [("a2-a100-40", 2), ("a3-h100", 8), ("g2-l4x4", 4),
+                                        ("n1-v100", 2), ("n1-p4", 4)])
+def test_a_multi_gpu_vm_runs_one_process_per_gpu(name, gpus):
+    """Built-in GPUs (a2, a3, g2) and attached ones (n1): torchrun on one node, one rank each."""
+    launch = _launch(render(props_for(name)).trainer_sh)
+    assert "-m torch.distributed.run" in launch
+    assert "--standalone" in launch and "--nnodes=1 " in launch
+    assert f"--nproc-per-node={gpus} " in launch
+    # systemd restarts a crash; torchrun must not restart a rank that paused (75) or hit bad
+    # input (2).
+    assert "--max-restarts=0 " in launch
+
+
+def test_a_one_gpu_vm_runs_the_trainer_directly():
+    scripts = render(props_for("example"))
+    assert "torch.distributed.run" not in scripts.trainer_sh
+    assert "SPOTTRAIN_EXIT_DIR" not in scripts.trainer_sh
+
+
+def test_a_pool_runs_one_process_per_gpu_of_its_machine():
+    exp = variant({"machine": {"machine_type": "a2-highgpu-4g", "gpu_type": "nvidia-tesla-a100",
+                               "gpu_count": 4}, "pool": {"min_nodes": 2, "max_nodes": 3}}, "p")
+    launch = _launch(render(boot_props("p", exp)).trainer_sh)
+    assert "--nproc-per-node=4 " in launch and "--nnodes=2:3 " in launch
+    assert "--standalone" not in launch and "--max-restarts=100 " in launch
+
+
+def _fake_torchrun(tmp_path: Path, ranks: dict[int, int], status: int = 1) -> Path:
+    """A python3 that plays torchrun: each listed rank records its status as the real trainer
+    does (`trainer.exit_status`), then the launcher exits `status` as torchrun does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    records = "".join(
+        f"SPOTTRAIN_EXIT_DIR=\"$SPOTTRAIN_EXIT_DIR\" LOCAL_RANK={r} {shquote(sys.executable)} -c "
+        f"'from trainer import exit_status; exit_status.starting(); exit_status.record({code})'\n"
+        for r, code in ranks.items())
+    fake = bin_dir / "python3"
+    fake.write_text(f"#!/bin/bash\ncd {shquote(Path(__file__).resolve().parents[2])}\n{records}"
+                    f"exit {status}\n")
+    fake.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("ranks, status, expected", [
+    ({0: 75, 1: 75}, 1, 75),  # preempted: every rank saved and exited 75
+    ({0: 2, 1: 2}, 1, 2),  # bad input on every rank: not restarted (RestartPreventExitStatus)
+    ({0: 75}, 1, 1),  # a rank recorded nothing (killed): torchrun's status stands
+    ({0: 75, 1: 1}, 1, 1),  # the ranks disagree: a failure
+])
+def test_the_unit_exits_with_the_ranks_own_status(tmp_path, ranks, status, expected):
+    exit_dir = tmp_path / "exit"
+    exit_dir.mkdir()
+    (exit_dir / "rank-1").write_text("75\n")  # an earlier round's: removed before the launch
+    props = boot_props("x", variant(VARIANTS["a2-a100-40"], "x"), workdir=str(tmp_path),
+                       exit_dir=str(exit_dir))
+    script = tmp_path / "trainer.sh"
+    script.write_text(render(props).trainer_sh)
+    env = {**os.environ, "PATH": f"{_fake_torchrun(tmp_path, ranks, status)}:{os.environ['PATH']}",
+           "GCE_METADATA_HOST": "127.0.0.1:9"}
+    env.pop("SPOTTRAIN_PYTHON", None)
+    proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, timeout=60,
+                          capture_output=True, text=True)
+    assert proc.returncode == expected, proc.stderr

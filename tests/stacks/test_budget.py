@@ -8,8 +8,18 @@ from stack_support import variant
 from stacks.budget import BYTES_PER_PARAM, estimate
 
 
-def test_example_fits():
+GPT2_SMALL = {"trainer": {"param_count": 124_000_000}}
+
+
+def test_the_example_declares_its_tasks_true_size():
     b = estimate(variant({}))
+    assert b.state_bytes == 111_616 * BYTES_PER_PARAM  # the bundled GPT task's parameters
+    assert b.fits is True
+    assert b.describe().startswith("emergency save: 1.8 MB (111,616 params x 16 B)")
+
+
+def test_a_gpt2_small_fits():
+    b = estimate(variant(GPT2_SMALL))
     assert b.state_bytes == 124_000_000 * BYTES_PER_PARAM
     assert b.write_mb_s == pytest.approx(300 * 0.48)
     assert (b.window_s, b.available_s) == (30, 20)
@@ -20,7 +30,7 @@ def test_example_fits():
 
 
 def test_small_disk_warns_with_a_remedy():
-    b = estimate(variant({"disk": {"checkpoint_disk_gb": 100}}))
+    b = estimate(variant({**GPT2_SMALL, "disk": {"checkpoint_disk_gb": 100}}))
     assert b.write_mb_s == pytest.approx(48)
     assert b.fits is False
     warning = b.warning()

@@ -139,6 +139,11 @@ def test_storage_interval_comes_from_the_trainer_args_else_an_assumption():
                      "cost": {"steps_per_second": 4.0}}) == 50
     assert interval({"trainer": {"args": []}}) == cost.DEFAULT_CHECKPOINT_INTERVAL_S
     assert interval({"cost": {"checkpoint_interval_s": 42}}) == 42
+    # [trainer.config]: the bucket's own cadence before the run-wide one, as the trainer does.
+    assert interval({"trainer": {"args": [], "config": {
+        "checkpoint_every_seconds": 60, "tiers": {"gcs": {"every_seconds": 900}}}}}) == 900
+    assert interval({"trainer": {"args": [], "config": {"checkpoint_every_steps": 600}},
+                     "cost": {"steps_per_second": 2.0}}) == 300
 
 
 def test_storage_lines_in_the_cost_output():

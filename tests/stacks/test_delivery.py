@@ -119,7 +119,8 @@ def test_a_one_byte_trainer_change_rolls_the_template(tmp_path, monkeypatch):
     after = synth("example")
 
     (t1, o1), (t2, o2) = template_and_objects(before), template_and_objects(after)
-    (obj1,), (obj2,) = o1.values(), o2.values()
+    (obj1,), (obj2,) = ([o for o in objs.values() if o["name"].startswith("code/trainer-")]
+                        for objs in (o1, o2))
     assert obj1["name"] != obj2["name"] and obj1["source"] != obj2["source"]
     assert obj1["name"].startswith("code/trainer-") and obj2["name"].startswith("code/trainer-")
     old_sha = obj1["source"].split("/")[2]
@@ -145,7 +146,7 @@ def test_user_code_dir_is_shipped_next_to_the_trainer(tmp_path, monkeypatch):
     template, objects = template_and_objects(synth("example", {"trainer": {
         "code_dir": str(code), "task": "mymodel.task:build"}}))
     names = sorted(o["name"] for o in objects.values())
-    assert [n.split("-")[0] for n in names] == ["code/trainer", "code/user"]
+    assert [n.split("-")[0] for n in names] == ["code/trainer", "code/user", "code/wheels"]
     user_sha = next(o["source"].split("/")[2] for o in objects.values()
                     if o["name"].startswith("code/user-"))
     assert f"/opt/spottrain/releases/{user_sha}" in template["metadata"]["startup-script"]

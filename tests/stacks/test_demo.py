@@ -19,7 +19,7 @@ def test_demo_summarizes_the_example(capsys, monkeypatch):
     assert "g2-standard-8, GPUs built in, SPOT -> DELETE" in out
     assert "tcp:8471 from 35.191.0.0/16, 130.211.0.0/22" in out
     assert "roles/storage.objectAdmin on the checkpoint bucket" in out
-    assert "emergency save: 1.98 GB" in out and ": fits" in out
+    assert "emergency save: 1.8 MB" in out and ": fits" in out
     assert "scale_to_zero_command" in out
     assert "hourly price      Spot $" in out and "savings" in out and "with Spot" in out
 

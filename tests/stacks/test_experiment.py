@@ -185,11 +185,37 @@ RULES = [
      "existing bucket"),
     ("unknown-key", {"machine": {"gpus": 1}},
      "machine.gpus: unknown key; allowed: machine_type, gpu_type, gpu_count, provisioning, "
-     "termination_action, image_family, image_project, boot_disk_gb"),
+     "termination_action, image_family, image_project, boot_disk_gb, python_version"),
     ("unknown-section", {"cluster": {"size": 2}},
      "cluster: unknown key; allowed: labels, gcp, machine, disk, bucket, network, group, "
-     "trainer, pool, backend, cost, capacity"),
+     "trainer, pool, backend, cost, capacity, data"),
     ("missing-required", {"trainer": {"steps": None}}, "trainer.steps: is required"),
+    ("image-python-unknown", {"machine": {"image_family": "my-own-image"}},
+     "machine.image_family: 'my-own-image' names no OS whose Python stacks/gcp_rules.py knows, so "
+     "the wheels shipped with the code cannot be resolved for it; allowed: a family naming "
+     'ubuntu-2204, ubuntu-2404, debian-12, or set machine.python_version (e.g. "3.10")'),
+    ("image-python-version", {"machine": {"python_version": "3"}},
+     "machine.python_version: '3' is not valid; allowed: a Python version such as \"3.10\""),
+    # [data]
+    ("data-source-not-gs", {"data": {"source": "s3://bucket/x"}},
+     "data.source: 's3://bucket/x' is not valid; allowed: gs://BUCKET/PREFIX (bucket: 3-222 of "
+     "a-z 0-9 - _ ., starting and ending with a letter or digit; prefix: /-separated parts, none "
+     'empty, "." or "..")'),
+    ("data-source-dotdot", {"data": {"source": "gs://my-data/a/../b"}},
+     "data.source: 'gs://my-data/a/../b' is not valid; allowed: gs://BUCKET/PREFIX (bucket: 3-222 "
+     "of a-z 0-9 - _ ., starting and ending with a letter or digit; prefix: /-separated parts, none "
+     'empty, "." or "..")'),
+    ("data-not-the-checkpoint-bucket", {"data": {"source": "gs://my-project-123456-x-ckpt/data"}},
+     "data.source: 'my-project-123456-x-ckpt' is the checkpoint bucket this stack creates (and may "
+     "destroy with force_destroy; its soft delete and lifecycle apply to everything in it); "
+     "allowed: a separate bucket holding your data"),
+    ("data-not-the-state-bucket", {"backend": {"type": "gcs", "bucket": "team-state"},
+                                   "data": {"source": "gs://team-state/x"}},
+     "data.source: 'team-state' is the Terraform state bucket (the VMs would read the state); "
+     "allowed: a separate bucket holding your data"),
+    ("data-parallel", {"data": {"source": "gs://my-data/x", "parallel": 0}},
+     "data.parallel: Input should be greater than or equal to 1, got 0"),
+    ("data-source-required", {"data": {"parallel": 4}}, "data.source: is required"),
 ]
 
 
@@ -285,6 +311,7 @@ def test_every_gpu_type_has_a_compute_capability_and_the_default_image_is_in_the
 def test_an_image_family_outside_the_table_is_unchecked_and_says_so():
     exp = parse(merged({"machine": {"machine_type": "n1-standard-8",
                                     "gpu_type": "nvidia-tesla-p100", "gpu_count": 1,
-                                    "image_family": "my-own-pytorch-image"}}), "x")
+                                    "image_family": "my-own-pytorch-image",
+                                    "python_version": "3.10"}}), "x")
     note = exp.machine.image_note()
     assert note is not None and "unchecked" in note and "nvidia-tesla-p100" in note

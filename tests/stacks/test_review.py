@@ -101,9 +101,10 @@ def test_review_reports_exactly_the_edits(reviewed):
             "guest_accelerator[0].count: 1 -> 2",
             'machine_type: "n1-standard-8" -> "n1-standard-16"',
             # A bigger machine costs more: the trainer's --price-per-hour and
-            # --on-demand-price-per-hour words in the startup script change with it.
+            # --on-demand-price-per-hour words in the startup script change with it; and two
+            # GPUs make trainer.sh run torchrun with two ranks (and read back their statuses).
             "metadata.startup-script: (N lines of text) -> (N lines of text), "
-            "2 line(s) added, 2 removed",
+            "32 line(s) added, 3 removed",
         ],
         "changed:google_storage_bucket": ['location: "US-CENTRAL1" -> "US-EAST1"'],
     }
@@ -119,6 +120,17 @@ def test_review_flags_only_the_bucket_replacement(reviewed):
     assert "1 flagged change(s)" in reviewed
     assert f"note: `{TEMPLATE}." in reviewed and "the group recreates its VM" in reviewed
     assert reviewed.startswith("## spottrain plan review: main~1 (")
+
+
+@pytest.mark.xdist_group("review")
+def test_review_says_what_the_running_job_does_with_each_edit(reviewed):
+    # A second GPU: a new VM with two ranks; the world size is not in the fingerprint.
+    assert "- running job: **RESTARTS** (new VM, same checkpoint): the group recreates the VM" \
+        in reviewed
+    restart = "restarts with the change as a whole (new VM, same checkpoint)"
+    for edit in ('`bucket.bucket_location`: "US-CENTRAL1" -> "US-EAST1"',
+                 "`machine.gpu_count`: 1 -> 2", '`machine.machine_type`: "n1-standard-8" -> "n1-standard-16"'):
+        assert f"  - {edit}: {restart}" in reviewed
 
 
 @pytest.mark.xdist_group("review")
@@ -326,3 +338,102 @@ def test_backend_change_is_noted():
     assert d.status == "changed" and d.changes == [] and d.flags == []
     assert d.notes[0].startswith("the state backend changes (")
     assert "--migrate-state" in review.render([d], "a", "b")
+
+
+# --- what the running job does (startup scripts rendered for real; no synthesis) ------------------
+
+from stack_support import example_data, merged  # noqa: E402
+
+from stacks.boot import boot_props, render  # noqa: E402
+from stacks.load import parse  # noqa: E402
+
+
+def _job_stack(data: dict, name: str = "x") -> dict:
+    exp = parse(data, name, f"{name}.toml")
+    return _stack(**{f"{TEMPLATE}__t": {"machine_type": exp.machine.machine_type, "metadata": {
+        "startup-script": render(boot_props(name, exp)).startup}},
+        "google_storage_bucket__b": {"name": "b", "soft_delete_policy": [
+            {"retention_duration_seconds": exp.bucket.soft_delete_days * 86400}]}})
+
+
+def judge(overrides: dict, base: dict | None = None) -> review.StackDiff:
+    old = merged(base or {})
+    new = merged(overrides, old)
+    (d,) = review.diff({"x": _job_stack(old)}, {"x": _job_stack(new)}, {"x": old}, {"x": new})
+    return d
+
+
+def test_a_steps_edit_is_refused_not_saved_and_resumed():
+    d = judge({"trainer": {"steps": 30000}})
+    assert d.job == "refused"
+    assert "the trainer's resume fingerprint changes (steps 20000 -> 30000)" in d.job_lines[0]
+    assert "exits 2" in d.job_lines[0]
+    assert d.edits == ["`trainer.steps`: 20000 -> 30000: **REFUSED** (in the resume fingerprint)"]
+    text = review.render([d], "a", "b")
+    assert "saves on shutdown and resumes" not in text and "running job: **REFUSED**" in text
+
+
+@pytest.mark.parametrize("config, changed", [
+    ({"batch_size": 32}, "batch_size 16 -> 32"),
+    ({"task_args": {"n_layer": 3}}, 'task_args {} -> {"n_layer": 3}'),
+    ({"precision": "bf16"}, 'precision "fp32" -> "bf16"'),
+    ({"seed": 7}, "seed 0 -> 7"),
+])
+def test_fingerprint_settings_in_trainer_config_are_refused(config, changed):
+    d = judge({"trainer": {"config": config}})
+    assert d.job == "refused" and f"({changed})" in d.job_lines[0]
+    key = next(iter(config))
+    assert d.edits[0].startswith(f"`trainer.config.{key}")
+    assert d.edits[0].endswith("**REFUSED** (in the resume fingerprint)")
+
+
+def test_a_flag_in_args_that_changes_the_fingerprint_is_refused():
+    d = judge({"trainer": {"args": ["--checkpoint-every-steps", "500", "--seed", "5"]}})
+    assert d.job == "refused" and "(seed 0 -> 5)" in d.job_lines[0]
+    assert d.edits[0].endswith("**REFUSED** (the flags change the resume fingerprint)")
+
+
+def test_settings_outside_the_fingerprint_restart_the_vm():
+    d = judge({"trainer": {"config": {"threads": 4, "keep": 5}}})
+    assert d.job == "restarts"
+    assert d.job_lines[0].startswith("running job: **RESTARTS** (new VM, same checkpoint)")
+    assert d.job_lines[1] == "trainer settings outside the fingerprint change: keep 3 -> 5, threads 1 -> 4"
+    assert d.edits == [
+        "`trainer.config.keep`: (none) -> 5: restarts with the change as a whole (new VM, same checkpoint)",
+        "`trainer.config.threads`: (none) -> 4: restarts with the change as a whole (new VM, same "
+        "checkpoint)"]
+
+
+def test_a_machine_edit_restarts_and_a_bucket_edit_resumes():
+    d = judge({"machine": {"machine_type": "g2-standard-12"}})
+    assert d.job == "restarts" and d.edits[0].startswith('`machine.machine_type`: "g2-standard-8" ->')
+    d = judge({"bucket": {"soft_delete_days": 14}})
+    assert d.job == "resumes"
+    assert d.edits == ["`bucket.soft_delete_days`: 7 -> 14: resumes (the running VM is untouched)"]
+
+
+def test_a_two_gpu_machine_restarts_without_refusal():
+    """The world size is not in the fingerprint: one VM going from 1 to 2 ranks resumes."""
+    base = {"machine": {"machine_type": "n1-standard-8", "gpu_type": "nvidia-tesla-t4", "gpu_count": 1}}
+    d = judge({"machine": {"gpu_count": 2}}, base)
+    assert d.job == "restarts"
+
+
+def test_trainer_settings_are_read_back_as_the_vm_reads_them():
+    data = merged({"trainer": {"config": {"batch_size": 4, "tiers": {"gcs": {"keep": 2}}},
+                               "args": ["--seed=3"]}})
+    cfg = review.trainer_settings(_job_stack(data))
+    assert (cfg.steps, cfg.batch_size, cfg.seed, cfg.tiers["gcs"].keep) == (20000, 4, 3, 2)
+    assert cfg.gcs_uri == "gs://my-project-123456-x-ckpt/runs/x"
+    assert review.trainer_settings(_stack()) is None
+
+
+@pytest.mark.skipif("extend_steps" not in __import__("trainer.config").config.RunConfig.model_fields,
+                    reason="the trainer has no explicit steps extension yet (own-job-trainer)")
+def test_a_steps_edit_with_extend_steps_continues_the_run():
+    d = judge({"trainer": {"steps": 30000, "config": {"extend_steps": True}}})
+    assert d.job == "restarts", d.job_lines
+    assert any(line.startswith("steps 20000 -> 30000 with extend_steps") for line in d.job_lines)
+    assert "`trainer.steps`: 20000 -> 30000: extends the run (extend_steps)" in d.edits
+    d = judge({"trainer": {"steps": 30000}})
+    assert "set `extend_steps = true` in `[trainer.config]`" in d.job_lines[0]

@@ -59,6 +59,28 @@ def build(ctx):
     return Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=Line())
 '''
 
+# A task that reads the staged dataset (ctx.data_dir) and imports a package that only the shipped
+# wheels bring (installed offline by the startup script).
+DATA_TASK = '''\
+import hashlib
+import logging
+
+import spottrain_probe
+from usertask import build as build_line
+
+
+def build(ctx):
+    files = sorted(p for p in ctx.data_dir.rglob("*") if p.is_file() and ".spottrain-staging" not in p.parts)
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.relative_to(ctx.data_dir).as_posix().encode() + b"\\0" + p.read_bytes())
+    logging.getLogger("datatask").warning("event=data_seen dir=%s files=%d sha256=%s probe=%s",
+                                          ctx.data_dir, len(files), h.hexdigest(), spottrain_probe.ANSWER)
+    return build_line(ctx)
+'''
+#: The Python of the drill VM's "image": the one running the tests.
+PY = "%d.%d" % __import__("sys").version_info[:2]
+
 
 class Boot:
     """One deployment's fakes, disk and VM, and the archives the scripts name."""
@@ -91,12 +113,14 @@ class Boot:
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert resp.status == 200
 
-    def scripts(self, *, steps: int, task: str = "usertask:build", **kw: object) -> BootScripts:
+    def scripts(self, *, steps: int, task: str = "usertask:build", wheels: Archive | None = None,
+                **kw: object) -> BootScripts:
         kw.setdefault("health_port", 0)
+        kw.setdefault("python_version", PY)
         kw.setdefault("checkpoint_key_secret", self.key_secret)
         return render(BootProps(
-            name="boot-test", bucket=BUCKET, task=task, steps=steps,
-            provisioning="spot", releases=tuple(a.release for a in self.archives),
+            name="boot-test", bucket=BUCKET, task=task, steps=steps, provisioning="spot",
+            releases=tuple(a.release for a in (*self.archives, *([wheels] if wheels else []))),
             args=("--checkpoint-every-steps", "50"), **kw))  # type: ignore[arg-type]
 
     def boot(self, scripts: BootScripts, *, keep_boot_disk: bool = False) -> tuple[int, int]:
@@ -132,7 +156,23 @@ def archives(tmp_path_factory) -> tuple[Archive, ...]:
     code = out / "usercode"
     code.mkdir()
     (code / "usertask.py").write_text(USER_TASK)
+    (code / "datatask.py").write_text(DATA_TASK)
     return trainer_archive(out_dir=out), user_archive(code, out_dir=out)
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> Archive:
+    """The shipped wheels: a tiny package the VM's Python lacks, resolved for that Python from a
+    local index (the trainer's own dependencies are on this "image" already)."""
+    from stacks import gcp_rules as R
+    from stacks.delivery import wheels_archive
+    from stacks.wheels import WheelSet, build_wheel, resolve
+
+    out = tmp_path_factory.mktemp("wheels")
+    (out / "index").mkdir()
+    build_wheel(out / "index", "spottrain-probe", "1.0", files={"spottrain_probe/__init__.py": "ANSWER = 42\n"})
+    ws = WheelSet(("spottrain-probe",), R.ImagePython(PY, (2, 35), None))
+    return wheels_archive(resolve(ws, out / "cache", str(out / "index")), out_dir=out)
 
 
 @pytest.fixture
@@ -268,6 +308,21 @@ def test_a_finished_run_is_recorded_and_never_trains_again(deployment):
     assert not [e for e in vm.events()[events:] if e["event"] == "unit-starting"]
     assert f"Starting {UNIT}" not in vm.journal()[offset:]
     assert health(port) == b"ok finished\n"
+
+    # The experiment now has more steps: finished at 5 is not finished at 8, so the trainer
+    # starts, and, without extend_steps in the experiment, refuses (exit 2) and says why.
+    vm.exec(["systemctl", "stop", "spottrain-finished.service"])
+    assert vm.path(FINISHED_FILE).read_text().endswith(" steps=5\n")
+    (dep.root / "startup.sh").write_text(dep.scripts(steps=8, health_port=port).startup)
+    offset, events = len(vm.journal()), len(vm.events())
+    more = vm.exec(["bash", str(dep.root / "startup.sh")], timeout=GUARD_S)
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert "the run finished at 5 steps; the experiment now says 8: starting the trainer" in more.stdout
+    ev = vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT, GUARD_S, since=events)
+    assert (ev["code"], ev["status"], ev["restarting"]) == ("exited", 2, False), vm.tail()
+    assert health(port).startswith(b"ok bad-input: cannot resume: steps: checkpoint has 5")  # (64 bytes read)
+    assert "this run has 8; to continue this run to 8 steps, say so with --extend-steps" in \
+        dep.metadata.guest_attributes()["spottrain/reason"]
 
 
 def _fails_loudly(dep: Boot, scripts: BootScripts, message: str) -> str:
@@ -516,3 +571,78 @@ def test_bad_input_is_not_restarted_in_a_loop(deployment):
     assert show == "ActiveState=failed\nNRestarts=0\n"
     assert "no_such_task" in vm.journal()[j0:]
     assert not vm.path(FINISHED_FILE).exists()
+
+
+# --- [data] and the shipped wheels (issue 11) ---------------------------------------------------
+DATA_BUCKET = "boot-test-data"
+
+
+def _dataset(dep: Boot, n: int = 3) -> str:
+    """Objects under gs://boot-test-data/ds (a bucket of its own); the sha256 the task reports."""
+    import hashlib
+
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    client = storage.Client(project="boot-test", credentials=AnonymousCredentials(),
+                            client_options={"api_endpoint": dep.gcs.host})
+    bucket = client.create_bucket(DATA_BUCKET)
+    h = hashlib.sha256()
+    for i in range(n):
+        key, data = f"shard-{i}.bin", bytes([i]) * (1000 * (i + 1))
+        bucket.blob(f"ds/{key}").upload_from_string(data)
+        h.update(key.encode() + b"\0" + data)
+    return h.hexdigest()
+
+
+def _data_seen(vm, since: int) -> re.Match:
+    return vm.wait_journal(lambda line: re.search(r"event=data_seen dir=(\S+) files=(\d+) sha256=(\w+) "
+                                                  r"probe=(\d+)", line), GUARD_S, since=since)
+
+
+def test_data_is_staged_and_wheels_installed_once_a_recreated_vm_reuses_both(deployment, wheels):
+    dep, vm = deployment, deployment.vm
+    for archive in (*dep.archives, wheels):
+        dep.upload(archive)
+    digest = _dataset(dep)
+    scripts = dep.scripts(steps=10_000_000, task="datatask:build", wheels=wheels,
+                          data_source=f"gs://{DATA_BUCKET}/ds", data_parallel=2)
+    deps_dir = f"/mnt/spottrain/deps/{wheels.release.sha256}"
+    for boot in (1, 2):  # the second: the group recreated the VM (new boot disk, same data disk)
+        dep.metadata.reset()
+        j0, e0 = dep.boot(scripts)
+        assert dep.startup_rc(e0) == 0, vm.tail()
+        lines = "\n".join(dep.startup_lines(j0))
+        if boot == 1:
+            assert f"installed in {deps_dir} (1 wheels, offline)" in lines, lines
+        else:  # nothing fetched, nothing installed: the disk has them
+            assert f"already installed in {deps_dir}" in lines and "wheels code" not in lines, lines
+        assert "dataset staged in /mnt/spottrain/data" in lines, lines
+        staged = re.search(r"event=staging_done .* downloaded_files=(\d+) ", vm.journal()[j0:])
+        assert staged and int(staged.group(1)) == (3 if boot == 1 else 0), vm.tail()
+        seen = _data_seen(vm, j0)  # the task read the dataset at ctx.data_dir, with the wheel's package
+        assert seen.groups() == ("/mnt/spottrain/data", "3", digest, "42")
+        vm.wait_journal(lambda line: "event=step" in line, GUARD_S, since=j0)
+        ledger = vm.path("/mnt/spottrain/run/goodput/ledger.jsonl").read_text()
+        assert ledger.count('"event": "staging"') == boot  # its own badput, every boot
+        dep.metadata.preempt()
+        assert not vm.power_off(30)["killed"], vm.tail()
+
+
+def test_a_data_prefix_with_nothing_in_it_fails_the_boot_clearly(deployment):
+    for archive in deployment.archives:
+        deployment.upload(archive)
+    _dataset(deployment)
+    line = _fails_loudly(deployment, deployment.scripts(steps=5, data_source=f"gs://{DATA_BUCKET}/empty"),
+                         "cannot stage gs://boot-test-data/empty (bad input")
+    assert "fix [data]" in line
+    assert "no objects under gs://boot-test-data/empty/" in deployment.vm.journal()
+
+
+def test_wheels_for_another_python_are_refused_before_installing(deployment, wheels):
+    for archive in (*deployment.archives, wheels):
+        deployment.upload(archive)
+    line = _fails_loudly(deployment, deployment.scripts(steps=5, wheels=wheels, python_version="3.9"),
+                         f"is {PY}, but the wheels were resolved for Python 3.9")
+    assert "machine.python_version" in line
+    assert not deployment.vm.path(f"/mnt/spottrain/deps/{wheels.release.sha256}").exists()

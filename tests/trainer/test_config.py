@@ -144,3 +144,31 @@ def test_global_batch_size_sets_accumulation_per_world_size(tmp_path: Path) -> N
     assert RunConfig(run_dir=tmp_path, steps=5, grad_accum_steps=3).accum_steps(5) == 3
     fp = cfg.fingerprint(dataset_len=7)
     assert fp["global_batch_size"] == 12 and "grad_accum_steps" not in fp and "world_size" not in fp
+
+
+def test_a_bad_input_exit_writes_its_reason_for_the_vm(tmp_path: Path, monkeypatch, capsys) -> None:
+    reason = tmp_path / "bad-input"
+    monkeypatch.setenv("SPOTTRAIN_BAD_INPUT_FILE", str(reason))
+    assert main(["run", "--run-dir", str(tmp_path), "--steps", "0"]) == 2
+    assert reason.read_text() == "command line: steps: Input should be greater than 0\n"
+    with pytest.raises(SystemExit):
+        main(["run", "--bogus"])
+    assert reason.read_text().startswith("command line: unrecognized arguments: --bogus")
+
+
+def test_init_from_settings_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"run_dir": tmp_path, "steps": 5, "init_from_step": 3, "init_from_optimizer": True}, None)
+    assert e.value.lines == [
+        "command line: init_from_step: is set but there is no init_from (the run to start from)",
+        "command line: init_from_optimizer: is set but there is no init_from (the run to start from)"]
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"run_dir": tmp_path, "steps": 5, "init_from": "gs://Bad_Bucket/x"}, None)
+    assert e.value.lines[0].startswith("command line: init_from: invalid bucket name")
+def test_data_dir_from_file_or_flag_is_not_part_of_the_fingerprint(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('data_dir = "/mnt/localssd/data"\n')
+    a = load_run_config({"run_dir": tmp_path, "steps": 5}, cfg_file)
+    b = load_run_config({"run_dir": tmp_path, "steps": 5, "data_dir": Path("/mnt/spottrain/data")}, cfg_file)
+    assert a.data_dir == Path("/mnt/localssd/data") and b.data_dir == Path("/mnt/spottrain/data")
+    assert a.fingerprint(dataset_len=10) == b.fingerprint(dataset_len=10)

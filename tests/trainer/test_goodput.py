@@ -215,3 +215,36 @@ def test_sessions_without_a_placement_count_no_capacity_wait() -> None:
     r = report(events)
     assert (r.capacity_wait_s, r.capacity_wait) == (0.0, {})
     assert r.downtime_s == pytest.approx(800.0)
+
+
+def test_staging_is_badput_of_its_own_before_the_first_session() -> None:
+    events = [
+        # `trainer stage` ran from 0 to 30 s (a session of its own, no session_start), then the
+        # trainer trained 0..100 s productive and finished; a second boot staged nothing new.
+        ev("st1", 0, 30.0, "staging", started=0.0, seconds=30.0, downloaded_bytes=1000, node="vm"),
+        ev("s1", 0, 31.0, "session_start", started=31.0, node="vm"),
+        ev("s1", 1, 32.0, "restore", step=0, seconds=0.0, startup_s=1.0),
+        ev("s1", 2, 131.0, "preemption_notice", step=100),
+        ev("s1", 3, 132.0, "preempted", step=100, productive_s=100.0),
+        ev("st2", 0, 202.0, "staging", started=200.0, seconds=2.0, downloaded_bytes=0, node="vm"),
+        ev("s2", 0, 203.0, "session_start", started=203.0, node="vm"),
+        ev("s2", 1, 204.0, "restore", step=100, seconds=0.0, startup_s=1.0),
+        ev("s2", 2, 304.0, "finish", step=200, productive_s=100.0),
+    ]
+    r = report(events)
+    assert r.staging_s == pytest.approx(32.0) and r.staging_bytes == 1000
+    assert r.wall_s == pytest.approx(304.0)  # from the first staging, not the first session
+    assert r.sessions == 2 and r.crashes == 0  # staging runs are not trainer sessions
+    assert r.downtime_s == pytest.approx(304.0 - 101.0 - 101.0 - 32.0)
+    assert r.goodput == pytest.approx(200.0 / 304.0)
+    assert r.nodes == {}  # one node, whatever the number of staging runs
+
+
+def test_nodes_staging_side_by_side_count_once_for_the_job() -> None:
+    events = [
+        ev("a", 0, 10.0, "staging", started=0.0, downloaded_bytes=5, node="n1"),
+        ev("b", 0, 12.0, "staging", started=1.0, downloaded_bytes=5, node="n2"),
+    ]
+    r = report(events)
+    assert r.staging_s == pytest.approx(12.0) and r.staging_bytes == 10 and r.sessions == 0
+    assert r.nodes["n1"]["staging_s"] == pytest.approx(10.0)

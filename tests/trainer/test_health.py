@@ -51,3 +51,21 @@ def test_server_answers_the_configured_request_only() -> None:
             assert s.makefile().readline() == "stalled\n"
     finally:
         srv.close()
+
+
+def test_a_port_in_use_is_bad_input_naming_the_port_and_its_holder() -> None:
+    import os
+
+    import pytest
+
+    from trainer.health import PortInUse
+
+    first = HealthServer(Health(stall_timeout_s=5), host="127.0.0.1", port=0).start()
+    try:
+        with pytest.raises(PortInUse) as e:
+            HealthServer(Health(stall_timeout_s=5), host="127.0.0.1", port=first.port)
+        msg = str(e.value)
+        assert msg.startswith(f"health_port: port {first.port} on 127.0.0.1 is already in use by pid {os.getpid()} (")
+        assert "--health-port" in msg
+    finally:
+        first.close()

@@ -41,3 +41,17 @@ def test_live_line_on_a_terminal(restore_logging) -> None:
     text = tty.getvalue()
     assert "\r\x1b[K" in text and "samples_per_s" in text
     p.close()
+
+
+def test_no_terminal_escapes_in_log_lines(restore_logging) -> None:
+    """torch's unpickling errors bold their advice (ESC[1m ... ESC[0m); a restore logged them."""
+    out = io.StringIO()
+    log = setup_logging(stream=out)
+    log.getChild("checkpoint").info("state.pt: \x1b[1mdo those steps only if you trust\x1b[0m the source")
+    try:
+        raise ValueError("\x1b[31mred\x1b[0m")
+    except ValueError:
+        log.exception("event=failed")
+    text = out.getvalue()
+    assert "\x1b" not in text
+    assert "state.pt: do those steps only if you trust the source" in text and "ValueError: red" in text

@@ -47,3 +47,53 @@ def test_reseed_after_a_world_size_change_is_reproducible_and_per_rank() -> None
 
     assert draw(10, 0) == draw(10, 0)
     assert len({draw(10, 0), draw(10, 1), draw(11, 0)}) == 3
+
+
+def test_another_total_of_steps_needs_extend_steps_and_never_goes_below_the_step_reached() -> None:
+    saved, now = {"seed": 1, "steps": 20}, {"seed": 1, "steps": 30}
+    with pytest.raises(ResumeMismatch) as e:
+        check_fingerprint(saved, now, step=20)
+    assert "steps: checkpoint has 20, this run has 30" in str(e.value) and "--extend-steps" in str(e.value)
+    assert check_fingerprint(saved, now, step=20, extend_steps=True) == (20, 30)
+    assert check_fingerprint(saved, dict(now, steps=20), step=20, extend_steps=True) is None
+    assert check_fingerprint(saved, dict(now, steps=15), step=12, extend_steps=True) == (20, 15)
+    with pytest.raises(ResumeMismatch, match="steps: 15 is below step 18, which the checkpoint has already reached"):
+        check_fingerprint(saved, dict(now, steps=15), step=18, extend_steps=True)
+    with pytest.raises(ResumeMismatch, match="seed: checkpoint has 1, this run has 2"):
+        check_fingerprint(saved, {"seed": 2, "steps": 30}, step=20, extend_steps=True)
+    # Where a run came from is provenance, not a setting: never compared.
+    check_fingerprint(dict(saved, init_from={"source": "gs://b/old"}), saved, step=20)
+
+
+def _schedulers(total: int):
+    from torch.optim import lr_scheduler as lrs
+
+    def opt():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+    return {"onecycle": lrs.OneCycleLR(opt(), max_lr=1.0, total_steps=total),
+            "lambda": lrs.LambdaLR(opt(), lambda s: 1 - s / total),
+            "plateau": lrs.ReduceLROnPlateau(opt(), patience=0)}
+
+
+def test_after_a_change_of_total_a_schedule_runs_on_over_the_new_total() -> None:
+    from trainer.state import load_scheduler
+
+    old = _schedulers(20)
+    for s in old.values():
+        for _ in range(20):
+            s.optimizer.step()
+            s.step(*([1.0] if "Plateau" in type(s).__name__ else []))
+    new = _schedulers(30)
+    for name, s in new.items():
+        load_scheduler(s, old[name].state_dict(), steps_changed=True)
+    onecycle = new["onecycle"]
+    assert onecycle.last_epoch == 20 and onecycle.total_steps == 30
+    onecycle.optimizer.step()
+    onecycle.step()  # the old total would refuse: "Tried to step 22 times ... total steps is 20"
+    assert new["plateau"].num_bad_epochs == old["plateau"].num_bad_epochs  # restored whole
+    assert new["lambda"].last_epoch == 20
+    # Without a change of total, the state is restored as saved (the total included).
+    again = _schedulers(30)["onecycle"]
+    load_scheduler(again, old["onecycle"].state_dict())
+    assert again.total_steps == 20

@@ -1,0 +1,130 @@
+"""`trainer.task` resolved at synthesis, without running anyone's code.
+
+The VM imports `module:callable` from the code it is given: the trainer package and the
+experiment's `code_dir` (PYTHONPATH in that order). So the module must be a file shipped in one of
+them (`a/b.py` or `a/b/__init__.py`, in a directory the archive keeps: `stacks.delivery` leaves
+out tests/, __pycache__ and hidden entries), and the name must be bound at its top level. The file
+is parsed with `ast`, never imported: a binding is a `def`, a `class`, an assignment or an import
+at module level (also inside a top-level `if`/`try`/`with`). With `task_args` and a plain
+`def`, the keyword arguments are checked against its parameters, as the trainer does at start.
+
+Limits, decided: a module that defines `__getattr__` or does `from x import *` may provide any
+name, so those pass unchecked; a name made at run time some other way (`globals()[...]`,
+`exec`) is not seen and fails: bind it with one of the forms above.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+Problem = tuple[str, str]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _shipped(rel: Path) -> bool:
+    from stacks.delivery import EXCLUDED_DIRS
+
+    return not any(part in EXCLUDED_DIRS or part.startswith(".") for part in rel.parts)
+
+
+def find_module(module: str, roots: list[tuple[str, Path]]) -> tuple[str, Path] | None:
+    """(root label, file) of `module` in the first root that ships it, as Python would find it."""
+    parts = module.split(".")
+    for label, root in roots:
+        if root == REPO and parts[0] != "trainer":
+            continue  # of the repository, only the trainer package is shipped
+        for rel in (Path(*parts[:-1], parts[-1] + ".py"), Path(*parts, "__init__.py")):
+            if (root / rel).is_file() and _shipped(rel):
+                return label, root / rel
+    return None
+
+
+def _bindings(tree: ast.Module) -> tuple[dict[str, ast.AST], bool]:
+    """Top-level names -> their binding statement, and whether anything may bind any name."""
+    names: dict[str, ast.AST] = {}
+    dynamic = False
+
+    def visit(body: list[ast.stmt]) -> None:
+        nonlocal dynamic
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names[node.name] = node
+                dynamic |= node.name == "__getattr__"
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            names[n.id] = node
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    if alias.name == "*":
+                        dynamic = True
+                    else:
+                        names[alias.asname or alias.name.split(".")[0]] = node
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                for block in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, block, []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    return names, dynamic
+
+
+def _args_problem(fn: ast.FunctionDef | ast.AsyncFunctionDef, task_args: dict[str, Any]) -> str | None:
+    a = fn.args
+    if a.kwarg is not None:
+        return None
+    positional = [p.arg for p in (*a.posonlyargs, *a.args)]
+    takes = set(positional[1:]) - {p.arg for p in a.posonlyargs} | {p.arg for p in a.kwonlyargs}
+    unknown = sorted(set(task_args) - takes)
+    if not unknown:
+        return None
+    return (f"{fn.name}() takes no argument(s) {', '.join(map(repr, unknown))}; allowed: "
+            f"{', '.join(sorted(takes)) or 'none besides the context'}")
+
+
+def problems(task: str, code_dir: Path | None, task_args: Any = None) -> Iterator[Problem]:
+    """Problems of `trainer.task` (path "task") and of `[trainer.config.task_args]`."""
+    module, _, attr = task.partition(":")
+    roots = [("the trainer package", REPO)]
+    if code_dir is not None:
+        roots.append((f"code_dir {code_dir}", code_dir))
+    found = find_module(module, roots)
+    if found is None:
+        where = f"trainer.code_dir ({code_dir})" if code_dir is not None else \
+            "trainer.code_dir (not set)"
+        rel = module.replace(".", "/")
+        yield ("task", f"module {module!r} is not in the code the VM gets: no {rel}.py or "
+               f"{rel}/__init__.py in {where} or in the trainer package; allowed: a module of "
+               "trainer.tasks, or of your code_dir (not under tests/ or a hidden directory)")
+        return
+    label, path = found
+    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as e:
+        yield "task", f"{shown} ({label}) is not valid Python: line {e.lineno}: {e.msg}"
+        return
+    except (OSError, ValueError) as e:
+        yield "task", f"cannot read {shown} ({label}): {e}"
+        return
+    names, dynamic = _bindings(tree)
+    node = names.get(attr)
+    if node is None:
+        if dynamic:
+            return  # `__getattr__` or a star import may provide it: the VM will tell
+        close = difflib.get_close_matches(attr, [n for n in names if not n.startswith("_")], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        yield ("task", f"{attr!r} is not defined at the top level of {shown} ({label}){hint}; "
+               "allowed: a def, class, assignment or import of that name at module level")
+        return
+    if isinstance(task_args, dict) and task_args and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        msg = _args_problem(node, task_args)
+        if msg is not None:
+            yield "config.task_args", f"{msg} ({shown})"

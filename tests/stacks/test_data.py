@@ -1,0 +1,38 @@
+"""`[data]` in the stack: read on that bucket only, staged by the boot script, --data-dir."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("stacks")
+
+
+def test_the_vms_may_read_the_data_bucket_and_nothing_more(synthesized):
+    data, plain = synthesized["data"], synthesized["example"]
+    (account,) = data.json["resource"]["google_service_account"]
+    grants = data.resources("google_storage_bucket_iam_member")
+    on_data = [g for g in grants if g["bucket"] == "my-datasets"]
+    assert [(g["role"], g["member"]) for g in on_data] == [
+        ("roles/storage.objectViewer", f"serviceAccount:${{google_service_account.{account}.email}}")]
+    # The other grants are the example's own (the checkpoint bucket's): [data] adds exactly one.
+    assert len(grants) == len(plain.resources("google_storage_bucket_iam_member")) + 1
+    assert not any(r.get("role") == "roles/storage.objectViewer"
+                   for kind in ("google_project_iam_member",) for r in data.resources(kind))
+
+
+def test_the_group_waits_for_the_data_grant(synthesized):
+    data = synthesized["data"]
+    key = next(k for k, g in data.json["resource"]["google_storage_bucket_iam_member"].items()
+               if g["bucket"] == "my-datasets")
+    assert f"google_storage_bucket_iam_member.{key}" in data.one("google_compute_instance_group_manager")["depends_on"]
+
+
+def test_the_startup_script_stages_before_training_and_the_trainer_gets_the_dir(synthesized):
+    script = synthesized["data"].one("google_compute_instance_template")["metadata"]["startup-script"]
+    assert "readonly DATA_SOURCE=gs://my-datasets/openwebtext" in script
+    assert 'trainer stage --from "$DATA_SOURCE" --to "$data_dir"' in script and "--parallel 8" in script
+    assert script.index("trainer stage") < script.index("until nvidia-smi") < script.index('systemctl start "$UNIT"')
+    assert '--data-dir "${SPOTTRAIN_DATA_DIR:?' in script
+    assert "EnvironmentFile=-/etc/spottrain/data.env" in script
+    plain = synthesized["example"].one("google_compute_instance_template")["metadata"]["startup-script"]
+    assert "trainer stage" not in plain and "--data-dir" not in plain

@@ -1,0 +1,71 @@
+"""The Makefile's targets for one experiment, run as a newcomer's fresh shell would run them.
+
+`make -o .venv/.setup-stamp` treats the environment as set up (the suite's .venv is): nothing here
+installs anything. A fresh shell's PATH is /usr/bin:/bin, where this machine's system Node (if
+any) is too old for cdktn: the targets must use the venv's Node anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FRESH_PATH = "/usr/bin:/bin"
+
+
+def make(*args: str, path: str = FRESH_PATH) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PATH", "VIRTUAL_ENV", "MAKEFLAGS")}
+    return subprocess.run(["/usr/bin/make", "--no-print-directory", "-o", ".venv/.setup-stamp", *args],
+                          cwd=ROOT, env={**env, "PATH": path}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def fake_terraform(tmp_path: Path, name: str = "terraform") -> str:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text("#!/bin/sh\necho 'Terraform v1.9.0'\n")
+    (bin_dir / name).chmod(0o755)
+    return f"{bin_dir}:{FRESH_PATH}"
+
+
+@pytest.mark.parametrize("verb", ["deploy", "diff", "destroy", "output"])
+def test_each_verb_runs_cdktn_for_the_named_experiment_with_the_venvs_node(tmp_path, verb):
+    proc = make(verb, "EXPERIMENT=example", "CDKTN_ARGS=--dry-run", path=fake_terraform(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        f"SPOTTRAIN_EXPERIMENTS={ROOT}/experiments/example.toml CHECKPOINT_DISABLE=1 "
+        f"DISABLE_VERSION_CHECK=1 {ROOT}/.venv/bin/npx cdktn {verb} example")
+    assert f"({ROOT}/.venv/bin/node)" in proc.stderr
+
+
+def test_a_path_and_opentofu_work_too(tmp_path):
+    path = fake_terraform(tmp_path, "tofu")
+    proc = make("diff", "EXPERIMENT=experiments/example.toml", "CDKTN_ARGS=--dry-run", path=path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith(
+        "SPOTTRAIN_EXPERIMENTS=experiments/example.toml CHECKPOINT_DISABLE=1 "
+        "DISABLE_VERSION_CHECK=1 TERRAFORM_BINARY_NAME=tofu ")
+
+
+def test_without_terraform_it_says_what_is_missing():
+    proc = make("deploy", "EXPERIMENT=example")
+    assert proc.returncode != 0
+    assert "neither `terraform` (>= 1.5) nor `tofu` (OpenTofu >= 1.6) is on PATH" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_missing_or_unknown_experiment_is_named(tmp_path):
+    proc = make("deploy", path=fake_terraform(tmp_path))
+    assert proc.returncode != 0 and "which experiment? make deploy EXPERIMENT=name" in proc.stderr
+    proc = make("destroy", "EXPERIMENT=nope", path=fake_terraform(tmp_path))
+    assert "experiments/nope.toml: no such experiment file (experiments/: example" in proc.stderr
+
+
+def test_make_drill_takes_an_experiment():
+    proc = make("-n", "drill", "EXPERIMENT=drill/experiments/two-gpus.toml")
+    assert proc.returncode == 0, proc.stderr
+    assert ".venv/bin/python -m drill --experiment drill/experiments/two-gpus.toml" in proc.stdout
