@@ -71,12 +71,12 @@ wheels: setup
 deploy diff destroy output: setup
 	$(PY) -m stacks.deploy $@ $(EXPERIMENT) $(CDKTN_ARGS)
 
-## cost: expected cost, Spot against on-demand, of every experiment (or EXPERIMENT=path).
+## cost: expected cost, Spot against on-demand, of every experiment (or EXPERIMENT=name or path).
 cost: setup
 	$(PY) -m stacks.cost $(EXPERIMENT)
 
 ## preflight: before a deploy, with your application-default credentials: APIs enabled, GPU quota,
-## machine type per zone, image family, Spot obtainability (make preflight EXPERIMENT=path).
+## machine type per zone, image family, Spot obtainability (make preflight EXPERIMENT=name or path).
 preflight: setup
 	$(PY) -m stacks.preflight $(EXPERIMENT)
 

@@ -1,11 +1,27 @@
-"""The emergency-save budget: does a checkpoint fit in the Spot shutdown window?
+"""The emergency-save budget: does a checkpoint fit in the Spot shutdown window, in the worst
+moment the notice can find the trainer in?
 
 State size: the declared `state_bytes`, or `param_count` x 16 bytes (fp32 weights 4 + Adam's
 two fp32 moments 8 = 12, plus 4 for a bf16/fp16 copy, scaler, RNG and pickle overhead: an
-honest upper estimate for the usual mixed-precision Adam run). Write speed: PD-SSD gives about
-0.48 MB/s per provisioned GB, capped per VM by its vCPU count. The save must finish inside the
+honest upper estimate for the usual mixed-precision Adam run). The save must finish inside the
 window (30 s Spot, 120 s standard) minus a margin for the shutdown script, fsync and teardown.
-The estimate is a warning, never an error: it is a model of the disk, not a measurement.
+
+What the trainer does from the notice until the checkpoint is durable on the persistent disk,
+in order, each part at its worst (`trainer.train._emergency_save`, `Checkpointer._emergency`):
+
+1. **the step in flight**: the loop finishes it first (one step: 1 / `cost.steps_per_second`,
+   the stated throughput);
+2. **a periodic save still writing**: the emergency save reuses its host buffer, so it waits for
+   that save's disk writes (the local SSD tier if any, then the persistent disk: the whole state,
+   when the notice came just as it began) and for its upload chunk in flight to stop;
+3. **the copy to host**: the state from device memory into the host buffer, over one GPU's PCIe
+   link (DDP: rank 0 copies it all; FSDP: each GPU its shard, in parallel);
+4. **the disk write**: the state onto the persistent disk. PD-SSD writes about 0.48 MB/s per
+   provisioned GB, capped per VM by its vCPU count, and its writes count against the VM's network
+   egress cap, which the upload chunk still in flight shares.
+
+The estimate is a warning, never an error: it is a model of the machine, not a measurement. The
+warning names the part that dominates and what shrinks it.
 
 A pool writes per node, and the disk's speed is per VM, so the bytes that count are what one node
 writes: with parallelism "ddp" global rank 0 writes the whole state (its node carries it all);
@@ -16,12 +32,18 @@ The window is the workers' (Spot: 30 s); any node may hold rank 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stacks import gcp_rules as R
 from stacks.experiment import Experiment
 
 BYTES_PER_PARAM = 16
+#: The trainer's resumable-upload chunk (`trainer.storage.GcsStore.CHUNK_SIZE`): an upload stops
+#: between chunks, so at most one is still in flight when the emergency save begins.
+UPLOAD_CHUNK_BYTES = 32 << 20
+
+STEP, PERIODIC, COPY, WRITE = "the step in flight", "a periodic save still writing", "the copy to host", \
+    "the disk write"
 
 
 def size_text(nbytes: float) -> str:
@@ -33,14 +55,24 @@ def size_text(nbytes: float) -> str:
 class Budget:
     state_bytes: int | None
     source: str  # where state_bytes came from
-    write_mb_s: float
+    write_mb_s: float  # the persistent disk's write rate
     window_s: int
     available_s: int
-    seconds: float | None
+    seconds: float | None  # the worst case: the sum of ``parts``
+    #: (part, seconds) in the order they happen (see the module docstring).
+    parts: tuple[tuple[str, float], ...] = field(default=())
+    #: Notes on how each part was reckoned, by part.
+    how: dict[str, str] = field(default_factory=dict)
+    disk_cap_mb_s: float = 0.0  # the VM's PD write cap (a bigger disk goes no faster)
 
     @property
     def fits(self) -> bool | None:
         return None if self.seconds is None else self.seconds <= self.available_s
+
+    @property
+    def dominant(self) -> tuple[str, float] | None:
+        """The part that takes longest."""
+        return max(self.parts, key=lambda p: p[1]) if self.parts else None
 
     def describe(self) -> str:
         if self.seconds is None:
@@ -50,29 +82,46 @@ class Budget:
                 f"{self.available_s} s available"
             )
         verdict = "fits" if self.fits else "DOES NOT FIT"
+        parts = " + ".join(f"{name} {s:.1f} s" + (f" ({self.how[name]})" if name in self.how else "")
+                           for name, s in self.parts)
         return (
-            f"emergency save: {size_text(self.state_bytes or 0)} ({self.source}) at ~{self.write_mb_s:.0f} MB/s = "
-            f"{self.seconds:.1f} s of {self.available_s} s available "
+            f"emergency save: {size_text(self.state_bytes or 0)} ({self.source}) at ~{self.write_mb_s:.0f} MB/s, "
+            f"worst case {parts} = {self.seconds:.1f} s of {self.available_s} s available "
             f"({self.window_s} s window - {R.SHUTDOWN_MARGIN_S} s margin): {verdict}"
         )
 
     def warning(self) -> str | None:
         if self.fits is not False:
             return None
-        need_gb = (self.state_bytes or 0) / 1e6 / self.available_s / R.PD_SSD_WRITE_MB_S_PER_GB
+        name, secs = self.dominant  # type: ignore[misc]
         return (
-            f"WARNING: {self.describe()}. The trainer would be killed mid-save and resume from "
-            f"its previous checkpoint. Raise disk.checkpoint_disk_gb to at least "
-            f"{int(need_gb) + 1} (if the VM's cap allows), shrink the state, or use local SSDs."
+            f"WARNING: {self.describe()}. Most of it is {name} ({secs:.1f} s): {self._remedy(name)}. "
+            f"The trainer would be killed mid-save and resume from its previous checkpoint."
         )
+
+    def _remedy(self, part: str) -> str:
+        if part == STEP:
+            return ("one optimizer step takes that long (cost.steps_per_second); shorten it (fewer "
+                    "micro-batches per step, or more GPUs) or correct the stated throughput")
+        if part == COPY:
+            return "shard the state (parallelism = \"fsdp\" over several GPUs) or shrink it"
+        # Disk-bound: both the periodic save's write and the emergency write scale with disk speed.
+        disk_s = sum(s for n, s in self.parts if n in (PERIODIC, WRITE))
+        rest = (self.seconds or 0.0) - disk_s
+        if rest >= self.available_s:
+            return "no disk is fast enough alone: shrink the state or shorten the step"
+        need = self.write_mb_s * disk_s / (self.available_s - rest)
+        if need > self.disk_cap_mb_s:
+            return (f"it needs ~{need:.0f} MB/s but this VM caps PD-SSD writes at {self.disk_cap_mb_s:.0f} MB/s: "
+                    "use a machine type with more vCPUs, shrink the state, or use local SSDs")
+        return (f"raise disk.checkpoint_disk_gb to at least {int(need / R.PD_SSD_WRITE_MB_S_PER_GB) + 1}, "
+                "or shrink the state")
 
 
 def estimate(exp: Experiment) -> Budget:
     shape = exp.machine.shape
-    write = min(
-        exp.disk.checkpoint_disk_gb * R.PD_SSD_WRITE_MB_S_PER_GB,
-        R.pd_ssd_vm_write_cap_mb_s(shape.vcpus),
-    )
+    cap = R.pd_ssd_vm_write_cap_mb_s(shape.vcpus)
+    write = min(exp.disk.checkpoint_disk_gb * R.PD_SSD_WRITE_MB_S_PER_GB, cap)
     window = R.SHUTDOWN_WINDOW_S[exp.machine.provisioning]
     available = window - R.SHUTDOWN_MARGIN_S
     if exp.trainer.state_bytes is not None:
@@ -81,14 +130,27 @@ def estimate(exp: Experiment) -> Budget:
         size = exp.trainer.param_count * BYTES_PER_PARAM
         source = f"{exp.trainer.param_count:,} params x {BYTES_PER_PARAM} B"
     else:
-        return Budget(None, "undeclared", write, window, available, None)
-    if exp.pool is not None and exp.trainer.parallelism == "fsdp":
-        gpus = exp.machine.gpu_count
-        world = exp.pool.min_nodes * gpus
-        shard = -(-size // world)  # ceil: the largest shard
-        size = shard * gpus
+        return Budget(None, "undeclared", write, window, available, None, disk_cap_mb_s=cap)
+    gpus = exp.machine.gpu_count
+    per_gpu = size  # what one GPU copies to the host
+    if exp.trainer.parallelism == "fsdp" and (exp.pool is not None or gpus > 1):
+        nodes = exp.pool.min_nodes if exp.pool is not None else 1
+        shard = -(-size // (nodes * gpus))  # ceil: the largest shard
+        size, per_gpu = shard * gpus, shard
         source += (f", fsdp: {shard / 1e9:.2f} GB per rank at the smallest world "
-                   f"({exp.pool.min_nodes} nodes x {gpus} GPUs) x {gpus} on a node's disk")
+                   f"({nodes} nodes x {gpus} GPUs) x {gpus} on a node's disk")
     elif exp.pool is not None:
         source += ", ddp: rank 0's node writes it all"
-    return Budget(size, source, write, window, available, size / 1e6 / write)
+
+    mb = size / 1e6
+    egress = R.vm_egress_mb_s(shape.vcpus)
+    chunk = UPLOAD_CHUNK_BYTES / 1e6
+    local = exp.disk.local_ssd_count * R.LOCAL_SSD_WRITE_MB_S_PER_DEVICE
+    step_s = 1.0 / exp.cost.steps_per_second
+    periodic_s = (mb / local if local else 0.0) + mb / write + chunk / egress
+    copy_s = per_gpu / 1e9 / R.GPU_HOST_COPY_GB_S.get(exp.machine.gpu_type, 12.0)
+    write_s = max(mb / write, (mb + chunk) / egress)  # the PD and the last chunk share the egress
+    parts = ((STEP, step_s), (PERIODIC, periodic_s), (COPY, copy_s), (WRITE, write_s))
+    how = {STEP: f"1 / cost.steps_per_second {exp.cost.steps_per_second:g}",
+           PERIODIC: ("local SSD, then " if local else "") + "its whole disk write"}
+    return Budget(size, source, write, window, available, sum(s for _, s in parts), parts, how, cap)

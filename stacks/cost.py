@@ -22,12 +22,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from datetime import date
-from pathlib import Path
 
 from stacks import pricing
 from stacks.budget import BYTES_PER_PARAM, size_text
 from stacks.experiment import Experiment
-from stacks.load import ExperimentError, ExperimentFile, display, load_all
+from stacks.load import ExperimentError, ExperimentFile, argument, display, load_all
 from stacks.policy_cost import policy_lines
 
 
@@ -328,10 +327,10 @@ def storage_lines(exp: Experiment, run_hours: float) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) > 1 or (args and args[0].startswith("-")):
-        print("usage: python -m stacks.cost [EXPERIMENT.toml | DIR]", file=sys.stderr)
+        print("usage: python -m stacks.cost [EXPERIMENT.toml | DIR | NAME]", file=sys.stderr)
         return 2
     try:
-        experiments = load_all(Path(args[0]) if args else None)
+        experiments = load_all(argument(args[0]) if args else None)
     except ExperimentError as err:
         print("\n".join(err.lines), file=sys.stderr)
         return 2

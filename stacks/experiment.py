@@ -266,7 +266,8 @@ class Bucket(Section):
     only values Cloud Storage accepts. Every checkpoint the trainer rotates out is kept (and
     billed) this long: `make cost` shows how much that is."""
     versioning: bool = False
-    """Object versioning. Off: the trainer writes every object once, under a new name, and
+    """Object versioning. Off: the trainer writes every object once, under a new name (but for
+    the growing part of a TensorBoard event file, at most 1 MiB, replaced at each upload), and
     deletes only rotated checkpoints, so versions would keep only deleted checkpoints, which
     soft delete keeps already; with both on, each rotated checkpoint is kept `noncurrent_days`
     and then `soft_delete_days` more. Cloud Storage recommends soft delete instead."""

@@ -225,6 +225,24 @@ def pd_ssd_vm_write_cap_mb_s(vcpus: int) -> float:
     return 1200.0
 
 
+def vm_egress_mb_s(vcpus: int) -> float:
+    """A VM's network egress cap, MB/s: 2 Gbps per vCPU up to 32 Gbps (the general rule;
+    accelerator-optimized types are allowed more, so this errs slow). Persistent Disk writes
+    count against it, as do uploads to Cloud Storage (compute/docs/disks/performance)."""
+    return min(2.0 * vcpus, 32.0) * 1000 / 8
+
+
+#: Local NVMe SSD write throughput per 375 GB device, MB/s (compute/docs/disks/local-ssd-performance).
+LOCAL_SSD_WRITE_MB_S_PER_DEVICE = 350.0
+
+#: What one GPU copies to pinned host memory in practice, GB/s, by its PCIe link: 3.0 x16 (P4,
+#: P100, T4, V100) ~12, 4.0 x16 (A100, L4) ~24, 5.0 x16 (H100) ~48. Approximate, like the rest.
+GPU_HOST_COPY_GB_S: dict[str, float] = {
+    P4: 12.0, P100: 12.0, T4: 12.0, V100: 12.0, A100_40: 24.0, A100_80: 24.0, L4: 24.0, H100: 48.0,
+    H100_MEGA: 48.0,
+}
+
+
 #: Seconds between the ACPI soft-off and the hard power-off. A flex-start VM deleted at the end
 #: of its run duration is given no documented window: plan as for Spot (its trainer saves before
 #: the end anyway, `capacity.flex_stop_before_minutes`).

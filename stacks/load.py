@@ -141,6 +141,13 @@ def resolve(experiment: str | Path) -> Path:
     return path
 
 
+def argument(arg: str) -> Path:
+    """An experiment argument of a command (`make cost EXPERIMENT=...`): a file or folder as
+    given, or NAME for experiments/NAME.toml (as `make deploy` takes it)."""
+    path = Path(arg)
+    return path if path.exists() or arg.endswith(".toml") or os.sep in arg else resolve(arg)
+
+
 def discover(target: Path | None = None) -> list[Path]:
     """The experiment files: `target` (file or folder), else $SPOTTRAIN_EXPERIMENTS, else
     experiments/."""

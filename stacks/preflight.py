@@ -25,12 +25,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 from stacks import gcp_rules as R
 from stacks.experiment import Experiment
-from stacks.load import ExperimentError, ExperimentFile, display, load_all
+from stacks.load import ExperimentError, ExperimentFile, argument, display, load_all
 from trainer.gce import ApiError, Client
 
 SERVICEUSAGE = "https://serviceusage.googleapis.com/v1"
@@ -204,10 +203,10 @@ def preflight(e: ExperimentFile, client: Client) -> tuple[list[str], bool]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) > 1 or (args and args[0].startswith("-")):
-        print("usage: python -m stacks.preflight [EXPERIMENT.toml | DIR]", file=sys.stderr)
+        print("usage: python -m stacks.preflight [EXPERIMENT.toml | DIR | NAME]", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        experiments = load_all(Path(args[0]) if args else None)
+        experiments = load_all(argument(args[0]) if args else None)
     except ExperimentError as err:
         print("\n".join(err.lines), file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -62,7 +62,8 @@ def test_a_missing_or_unknown_experiment_is_named(tmp_path):
     proc = make("deploy", path=fake_terraform(tmp_path))
     assert proc.returncode != 0 and "which experiment? make deploy EXPERIMENT=name" in proc.stderr
     proc = make("destroy", "EXPERIMENT=nope", path=fake_terraform(tmp_path))
-    assert "experiments/nope.toml: no such experiment file (experiments/: example" in proc.stderr
+    listed = ", ".join(sorted(p.stem for p in (ROOT / "experiments").glob("*.toml")))
+    assert f"experiments/nope.toml: no such experiment file (experiments/: {listed})" in proc.stderr
 
 
 def test_make_drill_takes_an_experiment():

@@ -10,4 +10,5 @@ from __future__ import annotations
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: a checkpoint tier stayed unreadable; nothing trained; run again to retry
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by preemption after a successful save; run again to resume

@@ -23,9 +23,12 @@ Restoring: the newest checkpoint that verifies (manifest self-check and HMAC und
 sizes, sha256 of every file) across all tiers, preferring the fastest tier for equal steps. A GCS
 checkpoint newer than anything on disk is downloaded into the persistent tier (atomically) and
 loaded from there. Any invalid candidate is logged with the reason and the next older one is
-tried. What is never a reason to fall back or start afresh (a ``ResumeMismatch``, exit 2, nothing
-deleted): a checkpoint that verified but cannot be decoded, checkpoints of the other layout or
-another format version, and unauthenticated checkpoints when nothing authentic is left.
+tried. A tier that cannot be listed or read is unknown, not empty: a trainer's restore raises
+``TierUnknown`` rather than choose without it (``trainer.tier_wait`` waits); ``status``
+(``download=False``) only notes it. What is never a reason to fall back or start afresh (a
+``ResumeMismatch``, exit 2, nothing deleted): a checkpoint that verified but cannot be decoded,
+checkpoints of the other layout or another format version, and unauthenticated checkpoints when
+nothing authentic is left.
 
 Same step twice: a save that finds a folder of its step already on a tier keeps it when the same
 session wrote it (the manifest's ``writer``: same session and step, same state), replaces it
@@ -36,6 +39,7 @@ layout): that tier then skips this step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -54,7 +58,8 @@ from trainer.checkpoint import (OTHER_FORMAT, OTHER_LAYOUT, CheckpointInfo, Chec
                                 upload_dir, verify_dir, write_dir)
 from trainer.checkpoint_key import CheckpointKey
 from trainer.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
-from trainer.storage import DirStore, GcsStore, Store, UploadAborted
+from trainer.storage import DirStore, GcsStore, Store, UploadAborted, is_unreachable
+from trainer.tier_wait import TierUnknown
 
 TIERS = ("local", "persistent", "gcs")
 
@@ -158,6 +163,9 @@ class Checkpointer:
         self._upload_abort = threading.Event()
         self._restore_lock = threading.Lock()  # retention never deletes while a restore runs
         self._started = time.monotonic()
+        #: Called with (tier, step) once a periodic save is durable on a tier (the goodput ledger's
+        #: record of checkpoints per tier); it must not block.
+        self.on_durable: Callable[[str, int], None] | None = None
         self.stats: dict[str, Any] = {
             "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
             "waited": 0, "blocked_s_total": 0.0, "last_blocked_s": None, "last_error": None,
@@ -281,6 +289,9 @@ class Checkpointer:
         if t.auto is not None:
             t.auto.observe(write_s=write_s)
         self.log.info("checkpoint step %d durable on %s in %.2fs", step, t.name, write_s)
+        if self.on_durable is not None:
+            with contextlib.suppress(Exception):
+                self.on_durable(t.name, step)
         try:
             self._retain(t, step)
         except Exception as e:  # noqa: BLE001
@@ -377,30 +388,30 @@ class Checkpointer:
         """The newest step that passes the quick check (manifest, sizes) on any tier, or None.
 
         Cheap (listings only): in a multi-node job every node leader answers it, so that the node
-        whose disk holds the newest checkpoint restores for everyone.
+        whose disk holds the newest checkpoint restores for everyone. Raises ``TierUnknown``
+        when a tier cannot be listed.
         """
-        steps = []
-        for t in self._tiers.values():
-            try:
-                steps += [i.step for i in self._list(t) if i.valid]
-            except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
-                self.log.warning("cannot list checkpoints on %s (%s: %s)", t.name, type(e).__name__, e)
-        return max(steps, default=None)
+        candidates, _ = self._survey()
+        return candidates[0][0] if candidates else None
 
-    def _survey(self) -> tuple[list[tuple[int, int, _Tier, CheckpointInfo]], list[str]]:
+    def _survey(self, *, tolerate_unknown: bool = False
+                ) -> tuple[list[tuple[int, int, _Tier, CheckpointInfo]], list[str]]:
         """Every tier listed for a restore: the valid checkpoints as (step, tier rank, tier,
         info), newest first and fastest tier first for equal steps, and a line per checkpoint of
-        the other layout. Invalid ones are logged with the reason; a tier that cannot be listed
-        is logged and skipped."""
+        the other layout. Invalid ones are logged with the reason. A tier that cannot be listed
+        raises ``TierUnknown`` (after every tier was tried), or with ``tolerate_unknown`` (a
+        read-only look) is logged and skipped."""
         candidates: list[tuple[int, int, _Tier, CheckpointInfo]] = []
         other: list[str] = []
+        unknown: dict[str, str] = {}
         self._survey_kept = {"format": [], "unauthenticated": []}
         for rank, t in enumerate(self._tiers.values()):
             try:
                 infos = self._list(t)
-            except Exception as e:  # noqa: BLE001 - a tier being down must not stop a restore
-                self.log.warning("cannot list checkpoints on %s (%s: %s); ignoring that tier",
+            except Exception as e:  # noqa: BLE001 - a tier being down: unknown, never empty
+                self.log.warning("cannot list checkpoints on %s (%s: %s); what it holds is unknown",
                                  t.name, type(e).__name__, e)
+                unknown[t.name] = f"{type(e).__name__}: {e}"
                 continue
             for i in infos:
                 if i.valid:
@@ -414,6 +425,8 @@ class Checkpointer:
                 else:
                     self.log.warning("ignoring %s checkpoint step %d at %s: %s",
                                      t.name, i.step, i.location, i.reason)
+        if unknown and not tolerate_unknown:
+            raise TierUnknown(unknown)
         candidates.sort(key=lambda c: (-c[0], c[1]))
         return candidates, other
 
@@ -439,7 +452,7 @@ class Checkpointer:
                                           t.name, ", ".join(removed))
             from trainer.state import ResumeMismatch
 
-            candidates, other = self._survey()
+            candidates, other = self._survey(tolerate_unknown=not download)
             if other and download:  # a trainer starting; status (download=False) only looks
                 raise ResumeMismatch(layout_mismatch("ddp", other))
             if self._survey_kept["format"] and download:
@@ -449,6 +462,8 @@ class Checkpointer:
                     continue
                 try:
                     state, path, tier = self._load(t, step, info, download=download)
+                except TierUnknown:
+                    raise
                 except CheckpointUnloadable as e:
                     raise ResumeMismatch(f"cannot resume from step {step} on {t.name} ({info.location}): {e}; "
                                          "use the spottrain version that wrote it, or a new --run-dir/--gcs-uri "
@@ -515,7 +530,7 @@ class Checkpointer:
                 self.log.warning("replacing invalid persistent copy of step %d with the GCS one", step)
                 delete_checkpoint(persistent, step)
         if download:
-            folder = download_dir(t.store, step, persistent.root, key=self.key)
+            folder = self._download(t, step, persistent.root)
             self.log.info("downloaded step %d from %s into %s", step, info.location, folder)
             _, state = load_dir(folder, key=self.key)
             return state, info.location, t.name
@@ -526,6 +541,16 @@ class Checkpointer:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return state, info.location, t.name
+
+    def _download(self, t: _Tier, step: int, root: Path) -> Path:
+        """``download_dir``; a tier that stops answering midway is unknown (the checkpoint is
+        not thereby invalid: never fall back to an older one for that)."""
+        try:
+            return download_dir(t.store, step, root, key=self.key)
+        except Exception as e:
+            if is_unreachable(e):
+                raise TierUnknown({t.name: f"{type(e).__name__}: {e}"}) from e
+            raise
 
     # ------------------------------------------------------------------------------ emergency
     def emergency_save(self, step: int, state: dict, *, deadline: float,

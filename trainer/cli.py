@@ -9,7 +9,9 @@
 train (when it trains, its torchrun agent hosts the store itself).
 
 Exit codes: 0 finished (also: already finished), 75 stopped by preemption after a successful save
-(run the same command again to resume), 2 bad input or a resume with other settings, 1 failed.
+(run the same command again to resume), 2 bad input or a resume with other settings (or another
+trainer holds the run dir or the job's GCS lease), 69 a checkpoint tier stayed unreadable for
+``wait_for_tiers_s`` (nothing trained; run again: docs/resume.md), 1 failed.
 
 With ``SPOTTRAIN_BAD_INPUT_FILE`` set (the VM's trainer.sh sets it), an exit 2 of ``run`` also
 writes its reason there, for the VM's state output (health answer, guest attributes, stop marker);
@@ -87,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--global-batch-size", type=int,
                    help="samples per optimizer step over all ranks, constant across world sizes")
     r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75")
+    r.add_argument("--data-workers", type=int, help="worker processes loading batches ahead (default 0: inline)")
+    r.add_argument("--eval-every-steps", type=int, help="evaluate the task's eval set every K steps")
     r.add_argument("--extend-steps", action="store_const", const=True,
                    help="resume a run whose checkpoint has another --steps total (raise it: extend the run)")
     r.add_argument("--init-from", metavar="SOURCE",
@@ -100,10 +104,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
-    s.add_argument("--run-dir", type=Path, help="persistent tier to inspect (read only)")
+    s.add_argument("--run-dir", type=Path, help="persistent tier to inspect (read only); optional with --gcs-uri")
     s.add_argument("--gcs-uri", help="durable tier to inspect, gs://BUCKET/PREFIX (and the ledger mirror)")
     s.add_argument("--local-dir", type=Path, help="fast tier to inspect")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="also draw the job's timeline from the goodput ledger (needs matplotlib)")
     s.add_argument("--checkpoint-key-file", type=Path, help="the run's checkpoint key (as for run)")
 
     e = sub.add_parser("export", help="write a run's weights as a plain state dict in safetensors (+ JSON sidecar)")
@@ -141,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
                 "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
                 "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
-                "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "checkpoint_key_file")}
+                "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "data_workers",
+                "eval_every_steps", "checkpoint_key_file")}
             cfg = load_run_config(cli, args.config)
         elif args.command == "export":
             ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out",
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
                                        "local_dir": args.local_dir, "json_output": args.json,
-                                       "checkpoint_key_file": args.checkpoint_key_file})
+                                       "plot": args.plot, "checkpoint_key_file": args.checkpoint_key_file})
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)

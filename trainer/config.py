@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator)
 
+from trainer.sampler import ORDER_VERSION
+
 DEFAULT_TASK = "trainer.tasks.gpt:build"
 DEFAULT_HEALTH_PORT = 8471
 
@@ -152,11 +154,23 @@ class RunConfig(BaseModel):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast dtype on CUDA; fp16 adds a grad scaler. CPU always trains in fp32."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """``auto`` takes CUDA when available (one device per local rank)."""
+    """``auto`` takes CUDA when available (one device per local rank). The device it resolves to
+    (cpu or cuda) is part of the fingerprint: other kernels give other numbers."""
     threads: int = Field(default=1, gt=0)
-    """torch intra-op CPU threads; fixed so that CPU results are reproducible."""
+    """torch intra-op CPU threads; fixed so that CPU results are reproducible. Part of the
+    fingerprint (another count sums in another order, so the weights differ)."""
     deterministic: bool = True
-    """``torch.use_deterministic_algorithms`` (warn-only for ops without a deterministic kernel)."""
+    """``torch.use_deterministic_algorithms`` (warn-only for ops without a deterministic kernel).
+    Part of the fingerprint."""
+    wait_for_tiers_s: float = Field(default=900.0, gt=0)
+    """Seconds start-up waits for a configured tier it cannot list or read (GCS answering 403
+    while a new VM's IAM grant propagates, up to ~7 minutes; GCS down) before it exits 69
+    without training: it never chooses where to resume without every tier. Meanwhile the health
+    check answers ``ok waiting``, so the group does not recreate the VM."""
+    lease_ttl_s: float = Field(default=120.0, gt=0)
+    """Seconds the job's writer lease on ``gcs_uri`` lasts without renewal (renewed every quarter
+    of it). A trainer that died without releasing it delays a trainer on another VM by at most
+    this long; the same VM and run dir take it over at once."""
     log_every_steps: int = Field(default=10, gt=0)
     """One structured log line every this many steps."""
     progress_every_s: float = Field(default=60.0, gt=0)
@@ -168,6 +182,28 @@ class RunConfig(BaseModel):
     on_demand_price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """USD per hour of the same VM on demand, for ``status``'s on-demand comparison. Not part of
     the fingerprint. None: unknown."""
+    data_workers: int = Field(default=0, ge=0)
+    """Worker processes that load and collate batches ahead of the loop (a torch DataLoader over
+    the trainer's own order, two batches prefetched per worker, pinned memory on CUDA). 0 loads
+    each batch in the training process when the step needs it. Not part of the fingerprint: the
+    weights are bit-identical with any number of workers, so it may change across a resume.
+    With workers, the dataset is indexed in other processes: ``ds[i]`` must not rely on the
+    training process's RNG or state (it must be a pure function of ``i`` anyway)."""
+    eval_every_steps: int | None = Field(default=None, gt=0)
+    """Evaluate the task's eval set (or eval callable) every K optimizer steps and at the end;
+    logged as ``event=eval`` and written to TensorBoard as ``eval/loss``. Its randomness is
+    isolated, so the weights are bit-identical with and without it. Not part of the
+    fingerprint. None: no evaluation."""
+    eval_batches: int = Field(default=10, gt=0)
+    """Micro-batches of ``batch_size`` per rank that one evaluation averages over (a fixed
+    prefix of the eval set, the same at every evaluation). Not part of the fingerprint."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars (``train/loss``, ``lr``, throughput, ``eval/loss``, goodput)
+    under ``RUN_DIR/tensorboard/`` and mirror them to ``GCS_URI/tensorboard/``. Not part of
+    the fingerprint."""
+    metrics_upload_every_s: float = Field(default=60.0, gt=0)
+    """Seconds between uploads of this session's TensorBoard event file to the durable tier
+    (each upload replaces the object; the last one is made when the session ends)."""
     checkpoint_key_file: Path | None = None
     """The run's checkpoint key (``trainer.checkpoint_key``): every manifest is signed with it, and
     only checkpoints whose HMAC verifies under it are loaded. Must exist when set. None: the
@@ -266,14 +302,19 @@ class RunConfig(BaseModel):
                 f"that every world size of the pool divides (or a smaller batch_size)")
         return self.global_batch_size // per_step
 
-    def fingerprint(self, *, dataset_len: int) -> dict[str, Any]:
+    def fingerprint(self, *, dataset_len: int, device: str | None = None) -> dict[str, Any]:
         """Settings that must not change across a resume, or the result would not be the run's.
 
+        ``device``: the device type the run resolved to ("cpu", "cuda"); None records the setting.
         The world size is not one of them: the data position counts global samples, so an
         elastic job continues at another world size (with ``global_batch_size``, on the same
-        optimisation trajectory up to floating-point reduction order).
+        optimisation trajectory up to floating-point reduction order). Keys added after
+        checkpoints existed are listed in ``state.LATER_KEYS``.
         """
         fp = {
+            "threads": self.threads,
+            "deterministic": self.deterministic,
+            "device": device if device is not None else self.device,
             "seed": self.seed,
             "steps": self.steps,
             "task": self.task,
@@ -283,6 +324,7 @@ class RunConfig(BaseModel):
             "precision": self.precision,
             "parallelism": self.parallelism,
             "dataset_len": dataset_len,
+            "data_order": ORDER_VERSION,
         }
         if self.global_batch_size is None:
             fp["grad_accum_steps"] = self.grad_accum_steps
@@ -296,14 +338,16 @@ class StatusConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    run_dir: Path
-    """Persistent tier to inspect."""
+    run_dir: Path | None = None
+    """Persistent tier to inspect; None: a run known only by its bucket (``gcs_uri``)."""
     gcs_uri: GcsUri | None = None
     """Durable tier to inspect (and the ledger mirror)."""
     local_dir: Path | None = None
     """Fast tier to inspect."""
     json_output: bool = False
     """Print one JSON object instead of the human report."""
+    plot: Path | None = None
+    """Also draw the job's timeline from the goodput ledger into this PNG file."""
     checkpoint_key_file: Path | None = None
     """The run's checkpoint key, as for ``run`` (never created here). Without one, whole-model
     checkpoints are shown unauthenticated (nothing is unpickled either way) and sharded ones not
@@ -388,6 +432,10 @@ def load_export_config(cli: dict[str, Any]) -> ExportConfig:
 
 def load_status_config(cli: dict[str, Any]) -> StatusConfig:
     try:
-        return StatusConfig.model_validate({k: v for k, v in cli.items() if v is not None})
+        cfg = StatusConfig.model_validate({k: v for k, v in cli.items() if v is not None})
     except ValidationError as e:
         raise ConfigError(_errors(e, {})) from None
+    if cfg.run_dir is None and cfg.gcs_uri is None:
+        raise ConfigError(["command line: run_dir: the run to inspect is required "
+                           "(flag --run-dir DIR or --gcs-uri gs://BUCKET/PREFIX)"])
+    return cfg

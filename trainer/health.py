@@ -4,7 +4,10 @@ Protocol (fixed with the stack): the check sends ``spottrain-health`` and passes
 answer begins with ``ok``. Answers: ``starting`` during start-up and restore, ``ok`` while steps
 complete, ``stalled`` once no step has completed for the stall timeout (a hung collective or data
 loader: failing the check makes the group recreate the VM, which resumes from the checkpoint),
-``finished`` when the run is complete. Any other request gets ``unknown``.
+``finished`` when the run is complete. Any other request gets ``unknown``. While start-up waits
+for something a new VM cannot fix (a checkpoint tier it cannot read yet, another trainer's
+lease to expire; bounded by the trainer) the answer is ``ok waiting ...``: recreating the VM
+would only start the wait over.
 """
 from __future__ import annotations
 
@@ -70,6 +73,10 @@ class Health:
 
     def starting(self) -> None:
         self._phase = "starting"
+
+    def waiting(self, what: str) -> None:
+        """Start-up waits, within its own bound, for ``what``: healthy meanwhile (see the module)."""
+        self._phase = "ok waiting " + " ".join(what.split())[:200]
 
     def answer(self) -> str:
         if self._phase == "running":

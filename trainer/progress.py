@@ -55,10 +55,11 @@ class Progress:
     """Rate, ETA and the per-interval log line. ``update`` is called after every step."""
 
     def __init__(self, log: logging.Logger, *, total_steps: int, start_step: int, every: int,
-                 tokens_per_step: int, stream: TextIO | None = None):
+                 tokens_per_step: int, samples_per_step: int = 1, stream: TextIO | None = None):
         self.log = log
         self.total, self.every = total_steps, every
         self.tokens_per_step = tokens_per_step
+        self.samples_per_step = samples_per_step  # the global batch: samples/s without tokens
         self.stream = stream or sys.stderr
         self.live = bool(getattr(self.stream, "isatty", lambda: False)())
         self._mark_step, self._mark_time = start_step, time.monotonic()
@@ -69,8 +70,9 @@ class Progress:
             if isinstance(h, _LiveAwareHandler):
                 h.live = self if self.live else None
 
-    def update(self, step: int, loss: float, lr: float, *, note: str = "") -> None:
-        """``step`` is the number of optimizer steps completed."""
+    def update(self, step: int, loss: float, lr: float, *, note: str = "") -> dict[str, float] | None:
+        """``step`` is the number of optimizer steps completed. Returns the figures of the line
+        it logged (TensorBoard tags), or None when this step logged none."""
         self._loss_sum += loss
         self._loss_n += 1
         now = time.monotonic()
@@ -80,16 +82,21 @@ class Progress:
                 self._rate = (step - self._mark_step) / dt
             eta = (self.total - step) / self._rate if self._rate > 0 else float("nan")
             unit = "tokens_per_s" if self.tokens_per_step else "samples_per_s"
-            per_step = self.tokens_per_step or 1
+            per_step = self.tokens_per_step or self.samples_per_step
             self.log.info(
                 "event=step step=%d/%d loss=%.4f lr=%.3e steps_per_s=%.2f %s=%.0f eta_s=%.0f%s",
                 step, self.total, self._loss_sum / self._loss_n, lr, self._rate, unit,
                 self._rate * per_step, eta, f" {note}" if note else "",
             )
+            logged = {"train/loss": self._loss_sum / self._loss_n, "lr": lr,
+                      "throughput/steps_per_s": self._rate, f"throughput/{unit}": self._rate * per_step}
             self._loss_sum, self._loss_n = 0.0, 0
             self._mark_step, self._mark_time = step, now
+        else:
+            logged = None
         if self.live:
             self._draw(step, loss)
+        return logged
 
     def _draw(self, step: int, loss: float) -> None:
         width = 30

@@ -92,7 +92,9 @@ from trainer.checkpointer import TIERS, Checkpointer, EmergencyReport, Restored,
 from trainer.distributed import World
 from trainer.interval import DEFAULT_MTBF_S
 from trainer.state import ResumeMismatch
-from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, UploadAborted, copy_file_durable, fsync_dir
+from trainer.storage import (TMP_PREFIX, DirStore, GcsStore, Store, UploadAborted, copy_file_durable, fsync_dir,
+                             is_unreachable)
+from trainer.tier_wait import TierUnknown
 
 EXTRAS = "extras.json"
 DCP_METADATA = ".metadata"
@@ -275,6 +277,10 @@ class _Outcome:
     disk: dict[str, bool]   # tier -> complete copy committed on every node
     gcs: bool | None        # None: not attempted
     detail: list[str]
+
+
+#: ``_obtain``'s tier field when a tier did not answer (unknown, not invalid), then the tier's name.
+_UNREACHABLE = "unreachable:"
 
 
 class ShardedCheckpointer(Checkpointer):
@@ -643,10 +649,17 @@ class ShardedCheckpointer(Checkpointer):
                                           t.name, ", ".join(removed))
             steps: list[int] | None = None
             other: list[str] = []
+            unknown: dict[str, str] = {}
             if self._rank == 0:
-                candidates, other = self._survey()
-                steps = sorted({c[0] for c in candidates}, reverse=True)
-            steps, other, self._survey_kept = self._bcast((steps, other, self._survey_kept))
+                try:
+                    candidates, other = self._survey()
+                except TierUnknown as e:  # every rank raises it together, below
+                    unknown = e.tiers
+                else:
+                    steps = sorted({c[0] for c in candidates}, reverse=True)
+            steps, other, unknown, self._survey_kept = self._bcast((steps, other, unknown, self._survey_kept))
+            if unknown:
+                raise TierUnknown(unknown)
             if other:
                 raise ResumeMismatch(layout_mismatch("fsdp", other))
             if self._survey_kept["format"]:
@@ -654,6 +667,10 @@ class ShardedCheckpointer(Checkpointer):
             for step in steps:
                 got = self._obtain(step) if self.is_leader else None
                 copies = self._all(got)
+                unreachable = {f"{c[2][len(_UNREACHABLE):]} (node of rank {r})": c[1] for r, c in enumerate(copies)
+                               if c is not None and not c[0] and c[2].startswith(_UNREACHABLE)}
+                if unreachable:
+                    raise TierUnknown(unreachable)
                 bad = [f"node of rank {r}: {c[1]}" for r, c in enumerate(copies)
                        if self._leader_of[r] == r and not c[0]]
                 if bad:
@@ -728,6 +745,8 @@ class ShardedCheckpointer(Checkpointer):
                     return True, str(folder), "gcs"
                 reasons.append(f"gcs: {info.reason if info else 'not there'}")
             except Exception as e:  # noqa: BLE001
+                if is_unreachable(e):  # unknown, not invalid: never fall back to an older step
+                    return False, f"{type(e).__name__}: {e}", _UNREACHABLE + "gcs"
                 reasons.append(f"gcs: {type(e).__name__}: {e}")
         return False, "; ".join(reasons) or "no copy on this node", ""
 

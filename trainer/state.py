@@ -98,6 +98,7 @@ def build(
         "rng": rngs,  # one per rank, indexed by rank
         "data": data.state_dict(),
         "fingerprint": fingerprint,
+        "torch": torch.__version__,  # compared at resume: a change is reported (check_versions)
     }
     if model is not None and optimizer is not None:
         out["model"] = unwrap(model).state_dict()
@@ -107,6 +108,11 @@ def build(
 
 #: Fingerprint keys that record where a run came from rather than a setting: never compared.
 PROVENANCE = ("world_size", "init_from")
+#: Fingerprint keys added after checkpoints existed. A checkpoint without one predates the key, so
+#: what its run used is unknown: the resume is accepted with a warning naming the key (refusing
+#: would strand every running job at its next restart; see ``unrecorded``), and its next
+#: checkpoint records the key.
+LATER_KEYS = ("threads", "deterministic", "device")
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], *, step: int | None = None,
@@ -121,7 +127,8 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], *, step: i
                              "table of settings (a checkpoint of another program?)")
     # Checkpoints written before elastic training recorded the world size; it may now change.
     saved = {k: v for k, v in saved.items() if k not in PROVENANCE}
-    current = {k: v for k, v in current.items() if k not in PROVENANCE}
+    # A key the checkpoint predates is unknown, not different (LATER_KEYS).
+    current = {k: v for k, v in current.items() if k not in PROVENANCE and (k in saved or k not in LATER_KEYS)}
     change = None
     old, new = saved.get("steps"), current.get("steps")
     if old != new and isinstance(old, int) and isinstance(new, int):
@@ -147,6 +154,25 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], *, step: i
             "(use the original settings, or a new --run-dir/--gcs-uri for a new run): " + "; ".join(diffs)
         )
     return change
+
+
+def unrecorded(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Warnings naming the fingerprint keys the checkpoint predates (``LATER_KEYS``)."""
+    return [f"event=fingerprint_unrecorded key={k} value={current[k]!r} (the checkpoint predates this "
+            "setting in the fingerprint: resuming with this run's value; if the run used another one, "
+            "the results differ from an uninterrupted run)" for k in LATER_KEYS if k in current and k not in saved]
+
+
+def check_versions(saved: dict[str, Any]) -> list[str]:
+    """Warnings when the checkpoint was written by another PyTorch. Not refused: the VM image
+    brings its own PyTorch and a recreated VM boots the image family's newest, so refusing
+    would strand a job at an ordinary image update; another version only stops the run from
+    being bit-identical to an uninterrupted one (other kernels, other rounding)."""
+    then = saved.get("torch")
+    if not isinstance(then, str) or then == torch.__version__:
+        return []
+    return [f"event=torch_version_change from={then} to={torch.__version__} (resuming; results are no "
+            "longer bit-identical to an uninterrupted run)"]
 
 
 def apply(

@@ -4,20 +4,26 @@ Read-only: it never downloads into, repairs or deletes anything on a tier, and i
 anything a tier holds: whole-model checkpoints are JSON and raw tensors, and a sharded one reaches
 DCP only after its manifest's HMAC verified under the run's checkpoint key
 (``--checkpoint-key-file``, as for ``run``; exit 2 without one for a sharded run). Checkpoints
-that do not authenticate are listed as invalid with the reason.
+that do not authenticate are listed as invalid with the reason. ``--plot FILE.png`` also draws
+the job's timeline (``trainer.timeline``).
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
-(the checkpointer's per-tier description) and ``goodput`` (see ``goodput.Report``; its ``cost``
-object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per node),
-``stopped`` (why the newest session stopped on an error: its ledger's ``failed`` event, e.g. bad
-input; None otherwise) and ``history`` (changes of the run: ``steps_changed`` and ``init_from``
-events).
+(the checkpointer's per-tier description), ``unknown_tiers`` (tier -> error for those that could
+not be read: the newest checkpoint may be there), ``goodput`` (see ``goodput.Report``; its
+``cost`` object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per
+node; ``ledger_errors`` and ``skipped_events`` say what the ledger could not write or read, and
+``skipped`` lists the first malformed events left out), ``stopped`` (why the newest session
+stopped on an error: its ledger's ``failed`` event, e.g. bad input; None otherwise) and
+``history`` (changes of the run: ``steps_changed`` and ``init_from`` events). With ``--gcs-uri``
+alone (a deployed run, from any machine) it reports the bucket and the ledger's copy there.
 """
 from __future__ import annotations
 
 import json
 import logging
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
@@ -26,8 +32,9 @@ from trainer.goodput import merge, read_events, read_store_events, report
 from trainer.goodput import LEDGER_DIR, LEDGER_FILE
 
 
-def collect(cfg: StatusConfig) -> dict[str, Any]:
-    """The report; ``KeyProblem`` when the key cannot be read (or a sharded run has none)."""
+def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The report; ``events_out`` (if given) receives the job's ledger events. ``KeyProblem`` when
+    the key cannot be read (or a sharded run has none)."""
     from trainer.checkpoint_key import resolve
     from trainer.checkpointer import Checkpointer
     from trainer.state import ResumeMismatch, model_digest
@@ -42,23 +49,24 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
     try:
         tiers = ckpt.describe().get("tiers", {})
         if _sharded(tiers):
-            return _collect_sharded(cfg, ckpt, log, key)
+            return _collect_sharded(cfg, ckpt, log, events_out, key)
         try:
             restored = ckpt.restore(download=False)
         except ResumeMismatch as e:  # the newest verified checkpoint cannot be decoded
             restored, error = None, str(e)
-        events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
-        if ckpt.gcs is not None:
-            events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
+        events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
+    if events_out is not None:
+        events_out.extend(events)
     out: dict[str, Any] = {
         "latest_step": restored.step if restored else None,
         "model_digest": model_digest(restored.state["model"]) if restored else None,
         "tier": restored.tier if restored else None,
         "path": restored.path if restored else None,
         "tiers": tiers,
-        "goodput": report(events).as_dict(),
+        "unknown_tiers": _unknown(tiers),
+        "goodput": _goodput(events, skipped),
         **_story(events),
     }
     if error is not None:
@@ -69,6 +77,33 @@ def collect(cfg: StatusConfig) -> dict[str, Any]:
     return out
 
 
+def _events(cfg: StatusConfig, gcs: Any, log: logging.Logger) -> tuple[list[dict[str, Any]], list[str]]:
+    """The ledger's events from the run dir and the mirror, and a note per malformed one skipped."""
+    skipped: list[str] = []
+    events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE, skipped=skipped)
+    if gcs is not None:
+        try:
+            mirrored = read_store_events(gcs, skip={(e["session"], e["seq"]) for e in events}, skipped=skipped)
+        except Exception as e:  # noqa: BLE001 - the report from what can be read, saying what could not
+            log.warning("the goodput mirror on GCS cannot be read (%s: %s); the report covers the run dir only",
+                        type(e).__name__, e)
+            mirrored = []
+        events = merge(events, mirrored)
+    return events, skipped
+
+
+def _goodput(events: list[dict[str, Any]], skipped: list[str]) -> dict[str, Any]:
+    g = report(events).as_dict()
+    g["skipped_events"] += len(skipped)
+    g["skipped"] = skipped[:20]
+    return g
+
+
+def _unknown(tiers: dict[str, Any]) -> dict[str, str]:
+    """Tiers that could not be listed: the newest checkpoint may be there."""
+    return {name: t["error"] for name, t in tiers.items() if t.get("error")}
+
+
 def _sharded(tiers: dict[str, Any]) -> bool:
     from trainer.checkpoint import OTHER_LAYOUT
 
@@ -76,7 +111,8 @@ def _sharded(tiers: dict[str, Any]) -> bool:
                for t in tiers.values() for c in t.get("checkpoints", []))
 
 
-def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger, key: Any) -> dict[str, Any]:
+def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger,
+                     events_out: list[dict[str, Any]] | None, key: Any) -> dict[str, Any]:
     """The same report for a run with ``parallelism = "fsdp"`` (sharded checkpoints)."""
     from trainer import sharded
     from trainer.distributed import World
@@ -88,15 +124,16 @@ def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger, key: An
     try:
         tiers = ckpt.describe().get("tiers", {})
         found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()}, key=key)
-        events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE)
-        if ckpt.gcs is not None:
-            events = merge(events, read_store_events(ckpt.gcs, skip={(e["session"], e["seq"]) for e in events}))
+        events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
+    if events_out is not None:
+        events_out.extend(events)
     step, tier, path, model, extras = found if found else (None, None, None, None, {})
     out: dict[str, Any] = {
         "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
-        "tier": tier, "path": path, "tiers": tiers, "goodput": report(events).as_dict(), "sharded": True,
+        "tier": tier, "path": path, "tiers": tiers, "unknown_tiers": _unknown(tiers),
+        "goodput": _goodput(events, skipped), "sharded": True,
         **_story(events),
     }
     if isinstance(extras, dict):
@@ -130,6 +167,8 @@ def _human(s: dict[str, Any]) -> str:
         err = f" error: {desc['error']}" if desc.get("error") else ""
         lines.append(f"  {tier} {desc.get('location')}: newest valid {desc.get('newest_valid')}; "
                      f"steps: {cps or 'none'}{err}")
+    for tier, error in sorted((s.get("unknown_tiers") or {}).items()):
+        lines.append(f"WARNING: {tier} cannot be read ({error}): it may hold a newer checkpoint than the one above")
     g = s["goodput"]
     lines.append(
         f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall over {g['sessions']} session(s); "
@@ -146,6 +185,11 @@ def _human(s: dict[str, Any]) -> str:
         lines.append(f"waiting for capacity: {g['capacity_wait_s']:.1f}s without a VM ("
                      + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(waits.items())) + ")")
     lines.append(_cost_line(g.get("cost") or {}))
+    errors = g.get("ledger_errors") or {}
+    if errors or g.get("skipped_events"):
+        lines.append("ledger: " + ", ".join([f"{n} failed write(s) to the {'run dir' if w == 'local' else w}"
+                                             for w, n in sorted(errors.items())]
+                                            + [f"{g.get('skipped_events', 0)} malformed event(s) skipped"]))
     for h in s.get("history") or []:
         if h["event"] == "steps_changed":
             lines.append(f"steps changed at step {h.get('step')}: {h.get('from')} -> {h.get('to')} (extend_steps)")
@@ -182,15 +226,35 @@ def _cost_line(c: dict[str, Any]) -> str:
 
 def main(cfg: StatusConfig) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
-    if not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
+    if cfg.run_dir is not None and not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
         print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
     from trainer.checkpoint_key import KeyProblem
 
+    events: list[dict[str, Any]] = []
     try:
-        s = collect(cfg)
+        if cfg.run_dir is None:
+            # A run known only by its bucket (a deployed run, seen from a laptop): an empty stand-in
+            # for its disk, never written, and left out of the report.
+            with tempfile.TemporaryDirectory(prefix="spottrain-status-") as tmp:
+                s = collect(cfg.model_copy(update={"run_dir": Path(tmp) / "no-run-dir"}), events)
+            s["tiers"].pop("persistent", None)
+        else:
+            s = collect(cfg, events)
     except KeyProblem as e:
         print(f"command line: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(json.dumps(s, default=str, sort_keys=True) if cfg.json_output else _human(s))
+    if cfg.plot is not None:
+        from trainer.timeline import PlotUnavailable, draw
+
+        try:
+            draw(events, cfg.plot)
+        except PlotUnavailable as e:
+            print(f"command line: plot: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except OSError as e:
+            print(f"command line: plot: cannot write {cfg.plot}: {e.strerror}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"timeline written to {cfg.plot}", file=sys.stderr)
     return EXIT_FINISHED

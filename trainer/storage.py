@@ -10,7 +10,10 @@ This module owns the durability primitives every tier relies on:
   uploads are create-only (``if_generation_match=0``). Calls are retried with exponential backoff
   and jitter on 429, 5xx and connection errors. A 412 on a create-only upload means the object
   already exists (typically our own earlier attempt whose response was lost): it counts as done
-  when the existing object is identical (size and CRC32C), otherwise it is an error.
+  when the existing object is identical (size and CRC32C), otherwise it is an error. Every write
+  and delete first asks the store's ``guard`` (the job's writer lease, ``trainer.lease``), which
+  raises when this process may not write the prefix; the lease's own object is written through
+  the generation-conditional calls, which the guard does not cover.
 
 Both implement the small ``Store`` protocol the checkpointer and the goodput ledger use.
 """
@@ -93,6 +96,21 @@ class ObjectInfo(NamedTuple):
 
 class UploadAborted(Exception):
     """An upload was stopped on purpose (deadline passed or the checkpointer is shutting down)."""
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """The store did not answer what it holds (a refused, failed or unauthorised request), as
+    opposed to an answer about the data: a tier in this state is unknown, not empty."""
+    if isinstance(exc, (KeyError, UploadAborted)):
+        return False
+    try:
+        from google.api_core import exceptions as gexc
+
+        if isinstance(exc, gexc.GoogleAPIError) and not isinstance(exc, gexc.NotFound):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return is_retryable(exc)
 
 
 def _check_key(key: str) -> str:
@@ -409,6 +427,9 @@ class GcsStore:
         #: Set to make every call of this store stop (shutdown). To stop only some calls (one
         #: upload, not the ledger mirror sharing the store) use ``aborting(event)`` instead.
         self.abort = threading.Event()
+        #: Called before every write and delete; raises when this process may not write the
+        #: prefix (``trainer.lease.Lease.check``). None: no lease (tests, ``status``).
+        self.guard: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"GcsStore({self.uri!r})"
@@ -494,6 +515,10 @@ class GcsStore:
                     raise UploadAborted(f"{what}: aborted") from exc
                 delay *= 2
 
+    def _may_write(self) -> None:
+        if self.guard is not None:
+            self.guard()
+
     # -- Store protocol ----------------------------------------------------------------------
     def _blob(self, key: str) -> Any:
         b = self._bucket.blob(self._object(key))
@@ -505,6 +530,7 @@ class GcsStore:
         still at that generation (replacing exactly what was seen). The precondition makes the
         retries safe. A 412 whose object already holds exactly this content (our own write whose
         answer was lost) counts as done; otherwise ``FileExistsError``."""
+        self._may_write()
         src = Path(src)
         size = src.stat().st_size
 
@@ -517,6 +543,8 @@ class GcsStore:
         self._create_only(key, upload, lambda: (size, _crc32c_file(src)))
 
     def put_bytes(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
+        self._may_write()
+
         def upload() -> None:
             self._blob(key).upload_from_string(
                 data, if_generation_match=None if overwrite else 0, retry=None,
@@ -601,7 +629,10 @@ class GcsStore:
     def delete_prefix(self, prefix: str) -> None:
         from google.api_core import exceptions as gexc
 
+        self._may_write()
         for key in self.list(prefix):
+            self._may_write()
+
             def delete(key: str = key) -> None:
                 with contextlib.suppress(gexc.NotFound):
                     self._blob(key).delete(retry=None, timeout=self._timeout())
@@ -611,11 +642,59 @@ class GcsStore:
     def delete(self, key: str) -> None:
         from google.api_core import exceptions as gexc
 
+        self._may_write()
+
         def delete() -> None:
             with contextlib.suppress(gexc.NotFound):
                 self._blob(key).delete(retry=None, timeout=self._timeout())
 
         self._retry(f"delete {key}", delete)
+
+    # -- generation-conditional calls (the writer lease; not guarded) ------------------------
+    def read_versioned(self, key: str) -> tuple[bytes, int, float | None] | None:
+        """``(content, generation, updated)`` of one object (``updated``: Cloud Storage's own
+        clock, Unix seconds), or None when it does not exist."""
+        def read() -> tuple[bytes, int, float | None] | None:
+            blob = self._bucket.get_blob(self._object(key), retry=None, timeout=self._timeout())
+            if blob is None:
+                return None
+            # Read before the download: it resets them from the answer's headers (which may lack them).
+            generation, updated = int(blob.generation), blob.updated
+            data = blob.download_as_bytes(retry=None, timeout=self._timeout())  # pinned to that generation
+            return data, generation, updated.timestamp() if updated is not None else None
+
+        from google.api_core import exceptions as gexc
+
+        try:
+            return self._retry(f"read {key}", read)
+        except gexc.NotFound:  # deleted between the metadata and the content
+            return None
+
+    def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
+        """Write ``key`` only if it is at ``generation`` (0: only if it does not exist); the new
+        generation. Raises ``google.api_core.exceptions.PreconditionFailed`` otherwise (also
+        when a retry follows our own write whose answer was lost: the caller re-reads)."""
+        def write() -> int:
+            blob = self._bucket.blob(self._object(key))
+            blob.upload_from_string(data, content_type="application/json", if_generation_match=generation,
+                                    retry=None, timeout=self._timeout())
+            return int(blob.generation)
+
+        return self._retry(f"write {key}", write)
+
+    def delete_if_generation(self, key: str, generation: int) -> bool:
+        """Delete ``key`` only if it is at ``generation``; False when it was not (or was gone)."""
+        from google.api_core import exceptions as gexc
+
+        def delete() -> bool:
+            try:
+                self._bucket.blob(self._object(key)).delete(if_generation_match=generation, retry=None,
+                                                            timeout=self._timeout())
+            except (gexc.PreconditionFailed, gexc.NotFound):
+                return False
+            return True
+
+        return self._retry(f"delete {key}", delete)
 
 
 def _crc32c_bytes(data: bytes) -> str:

@@ -67,6 +67,12 @@ class Task:
     loss_fn: Callable[[torch.nn.Module, tuple], torch.Tensor] | None = None
     tokens_per_sample: int = 0  # for the tokens/s figure in the logs; 0 reports samples/s
     info: dict[str, Any] = field(default_factory=dict)  # free-form, logged once at start-up
+    #: Optional held-out set, map-style like ``dataset``; evaluated with the same loss every
+    #: ``eval_every_steps`` (see ``trainer.evaluation``).
+    eval_dataset: Sequence[Any] | Dataset | None = None
+    #: Or a callable ``evaluate(model) -> loss`` (a float, or a dict of named floats) run on every
+    #: rank in its place; the trainer restores every RNG and module mode it could touch.
+    evaluate: Callable[[torch.nn.Module], Any] | None = None
 
 
 class TaskError(Exception):
@@ -102,4 +108,6 @@ def build(spec: str, ctx: TaskContext, args: dict[str, Any]) -> Task:
         raise TaskError(f"task: {spec} returned {type(task).__name__}, expected trainer.task.Task")
     if len(task.dataset) == 0:
         raise TaskError(f"task: {spec} returned an empty dataset")
+    if task.eval_dataset is not None and len(task.eval_dataset) == 0:
+        raise TaskError(f"task: {spec} returned an empty eval_dataset")
     return task

@@ -2,7 +2,9 @@
 
 Read ``run()`` top to bottom; the machinery sits behind small interfaces: ``Checkpointer``
 (tiers, async saves, intervals), ``state`` (what exact resume needs), ``Preemption`` (the flag),
-``Health``, ``Ledger`` (goodput), ``Progress`` (logs) and ``World`` (DDP collectives).
+``Health``, ``Ledger`` (goodput), ``Progress`` (logs), ``World`` (DDP collectives), ``Batches``
+(the data, loaded inline or by workers), ``Evaluator`` and ``Metrics`` (TensorBoard), ``lease``
+(one trainer per run dir and per GCS prefix) and ``tier_wait`` (no decision while a tier is unknown).
 
 Under torchrun on several nodes, each node's local rank 0 (its "leader") runs that VM's health
 server, metadata watcher and goodput ledger; global rank 0 speaks for the job and saves DDP
@@ -22,15 +24,19 @@ from typing import Any, Callable
 
 import torch
 
-from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED
-from trainer import distributed, gpu, placement, plain, state
+from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED, EXIT_UNAVAILABLE
+from trainer import distributed, gpu, placement, plain, state, tier_wait
 from trainer import task as tasks
 from trainer.checkpoint_key import KeyProblem
 from trainer.config import RunConfig
 from trainer.artifacts import Artifacts
-from trainer.goodput import Ledger, node_name, session_start_fields
+from trainer.data import Batches
+from trainer.evaluation import Evaluator
+from trainer.goodput import Ledger, node_name, read_events, report, session_start_fields
 from trainer.health import Health, HealthServer, PortInUse
 from trainer.init_from import InitFromError
+from trainer.lease import FollowerLease, Lease, LeaseHeld, RunDirBusy, RunDirLock, holder_id
+from trainer.metrics import Metrics, NoMetrics
 from trainer.preemption import Preemption
 from trainer.progress import Progress, setup_logging
 from trainer.sampler import DataOrder
@@ -41,6 +47,7 @@ class Outcome:
     code: int
     steps_run: int = 0  # optimizer steps this session completed
     loop_s: float = 0.0  # wall seconds of the training loop (bench)
+    loop_cpu_s: float = 0.0  # CPU seconds of this process (all threads) during the loop (bench)
     reason: str = ""  # why, for a bad-input exit
 
 
@@ -57,10 +64,17 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     try:
         return session.run()
     except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, PortInUse, InitFromError,
-            KeyProblem, plain.NotPlainData) as e:
+            RunDirBusy, LeaseHeld, KeyProblem, plain.NotPlainData) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT, reason=str(e))
+    except tier_wait.StillUnknown as e:
+        log.error("event=failed reason=tier_unknown %s", e)
+        session.record_failure("tier_unknown", str(e))
+        return Outcome(EXIT_UNAVAILABLE)
+    except tier_wait.Stopped as e:
+        log.warning("event=preempted step=none detail=%s; nothing was trained, nothing to save", e)
+        return Outcome(EXIT_PREEMPTED)
     except Exception as e:
         log.error("event=failed reason=exception\n%s", traceback.format_exc())
         session.record_failure("exception", f"{type(e).__name__}: {e}")
@@ -83,10 +97,17 @@ class _Session:
         self.process_start = process_start
         self.ckpt: Any = None
         self.ledger: Ledger | None = None
+        self.run_lock: RunDirLock | None = None
+        self.lease: Lease | FollowerLease | None = None  # the job's writer lease on GCS
+        self.lease_decided = False
+        self.waited_s = 0.0  # start-up's wait for unknown tiers so far (one bound for all of it)
+        self.batches: Batches | None = None
+        self.metrics: Metrics | NoMetrics = NoMetrics()
         self.server: HealthServer | None = None
         self.artifacts: Artifacts | None = None  # node leaders: ctx.artifacts_dir and its GCS copy
         self.health = Health(cfg.stall_timeout_s)
         self.productive_s = 0.0
+        self.start = self.done = 0  # the step this session restored, and how far it got
         self.stopping = False  # some rank got a preemption notice: every rank stops
         self.sharded = cfg.parallelism == "fsdp"  # FSDP2: every rank saves its own shard
 
@@ -104,6 +125,7 @@ class _Session:
         except ValueError as e:
             raise BadWorld(f"global_batch_size: {e}") from None
 
+        self._lock_run_dir()
         # Sharded state: every rank writes its shard, so every rank has a checkpointer (made by all
         # ranks together: it opens a process group of its own).
         if self.sharded:
@@ -118,7 +140,10 @@ class _Session:
                 self.preempt.watch_metadata()
             if self.ckpt is None:
                 self.ckpt = self.make_checkpointer(cfg)
-            self.ledger = Ledger(cfg.run_dir, store=self.ckpt.gcs, log=log.getChild("goodput"))
+            self.ledger = Ledger(cfg.run_dir, log=log.getChild("goodput"))  # mirrored once the lease is held
+            if world.is_main:  # checkpoints per tier, for the timeline (`status --plot`)
+                ledger = self.ledger
+                self.ckpt.on_durable = lambda tier, step: ledger.append("durable", tier=tier, step=step)
             self.ledger.append("session_start", **session_start_fields(
                 self.process_start, price_per_hour=cfg.price_per_hour,
                 on_demand_price_per_hour=cfg.on_demand_price_per_hour, main=world.is_main,
@@ -127,6 +152,10 @@ class _Session:
                 where = placement.read()
                 if where is not None:
                     self.ledger.append("placement", **where)
+        # The job's writer lease first: nothing writes the job's GCS prefix without it, and a GCS
+        # this trainer cannot read yet is waited for (trainer.tier_wait), not skipped.
+        self._until_known(self._take_lease)
+        if world.is_node_leader:
             # The task's artifacts come back first: a task may read them while it builds.
             self.artifacts = Artifacts(cfg.run_dir / "artifacts", self.ckpt.gcs, staging=cfg.run_dir,
                                        log=log.getChild("artifacts"))
@@ -150,16 +179,19 @@ class _Session:
                 model, device_ids=[device.index] if device.type == "cuda" else None)
         data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size,
                          rank=world.rank, world_size=world.size)
+        self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
+                               log=log.getChild("data"))
         scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.precision == "fp16" else None
-        fingerprint = cfg.fingerprint(dataset_len=len(task.dataset))
+        fingerprint = cfg.fingerprint(dataset_len=len(task.dataset), device=device.type)
         if world.is_node_leader:
             log.info("event=start steps=%d world_size=%d node=%s node_rank=%d restart=%d accum=%d device=%s "
                      "task=%s %s", cfg.steps, world.size, node_name(), world.node_rank, world.restart_count,
                      accum, device, cfg.task, " ".join(f"{k}={v}" for k, v in task.info.items()))
 
         # Restore: the newest valid checkpoint any node holds; every rank gets the same state.
+        # Not while a tier is unknown (it may hold the newest), nor without the job's GCS lease.
         t_restore = time.monotonic()
-        saved, where = self._restore(model, task.optimizer)
+        saved, where = self._until_known(lambda: self._restore(model, task.optimizer))
         start = 0
         if saved is not None:
             steps_changed = self._check_settings(saved, fingerprint)
@@ -171,6 +203,7 @@ class _Session:
         elif cfg.init_from is not None:  # a new run seeded from another run's checkpoint
             fingerprint["init_from"] = self._init_from(model, task.optimizer)
         restore_s = time.monotonic() - t_restore
+        self.start = self.done = start
         if world.is_node_leader:
             if saved is not None:
                 log.info("event=restore step=%d tier=%s path=%s seconds=%.3f world_size=%d", start, where[0],
@@ -194,46 +227,86 @@ class _Session:
             return Outcome(EXIT_FINISHED)
         if world.any_flags(self.preempt.requested)[0]:  # a notice during start-up: nothing new to save
             return self._stop_before_training(start)
+        if cfg.stop_at_step is not None and start >= cfg.stop_at_step:
+            if world.is_main:
+                log.warning("event=stop_at_step stop_at_step=%d step=%d (already there: pausing at once)",
+                            cfg.stop_at_step, start)
+            return Outcome(self._pause(start, model, task, scaler, data, fingerprint))
 
         # The loop.
         self.preempt.step_completed(start)
-        step_fn = _StepFn(cfg, accum, model, task, data, scaler, device, world)
+        step_fn = _StepFn(cfg, accum, model, task, self.batches, scaler, device, world)
+        evaluator = Evaluator(task, cfg, step_fn, world, sharded=self.sharded,
+                              interrupted=lambda: self.preempt.requested)
+        if world.is_main and cfg.tensorboard:
+            self.metrics = Metrics(cfg.run_dir, start_step=start, store=self.ckpt.gcs, session=self.ledger.session,
+                                   upload_every_s=cfg.metrics_upload_every_s, log=log.getChild("metrics"))
         progress = Progress(log, total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
-                            tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size)
+                            tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size,
+                            samples_per_step=cfg.batch_size * accum * world.size)
         last_progress_event = time.monotonic()
-        t_loop = time.monotonic()
-        done = start
+        t_loop, cpu_loop = time.monotonic(), time.process_time()
+        done, lost = start, False
         for step in range(start, cfg.steps):
             t0 = time.monotonic()
             loss = step_fn()
             self.productive_s += time.monotonic() - t0
-            done = step + 1
+            done = self.done = step + 1
             self.preempt.step_completed(done)
             self.health.beat()
             if world.is_main:
-                progress.update(done, loss, task.optimizer.param_groups[0]["lr"])
+                self.metrics.scalars(done, progress.update(done, loss, task.optimizer.param_groups[0]["lr"]))
 
-            stop, due = world.any_flags(self.preempt.requested, world.is_main and self.ckpt.due(done))
+            stop, due, lost = world.any_flags(self.preempt.requested, world.is_main and self.ckpt.due(done),
+                                              self._lease_lost())
             self.stopping = stop
-            if stop or done == cfg.steps or done == cfg.stop_at_step:
+            if not (stop or lost) and evaluator.due(done):
+                self._evaluate(done, evaluator)
+            if stop or lost or done == cfg.steps or done == cfg.stop_at_step:
                 break
             if due:
                 self._save(done, model, task, scaler, data, fingerprint)
             if world.is_node_leader and time.monotonic() - last_progress_event >= cfg.progress_every_s:
-                self.ledger.append("progress", step=done, productive_s=self.productive_s)
+                self._progress(done)
                 last_progress_event = time.monotonic()
-        loop_s = time.monotonic() - t_loop
+        loop_s, loop_cpu_s = time.monotonic() - t_loop, time.process_time() - cpu_loop
         progress.close()
+        self.batches.stop()  # the workers' prefetch is no longer needed: nothing competes with the save
 
         if done < cfg.steps and self.stopping:
             code = self._emergency_save(done, model, task, scaler, data, fingerprint)
-            return Outcome(code, done - start, loop_s)
+            return Outcome(code, done - start, loop_s, loop_cpu_s)
+        if lost:
+            why = self._stop_for_lost_lease(done, model, task, scaler, data, fingerprint)
+            return Outcome(EXIT_BAD_INPUT, done - start, loop_s, loop_cpu_s, reason=why)
         if done < cfg.steps:
             code = self._pause(done, model, task, scaler, data, fingerprint)
-            return Outcome(code, done - start, loop_s)
+            return Outcome(code, done - start, loop_s, loop_cpu_s)
         code = self._final_save(done, model, task, scaler, data, fingerprint)
         log.debug("session took %.1fs", time.monotonic() - t_start)
-        return Outcome(code, done - start, loop_s)
+        return Outcome(code, done - start, loop_s, loop_cpu_s)
+
+    def _evaluate(self, step: int, evaluator: Evaluator) -> None:
+        result = evaluator()
+        if result is None or not self.world.is_main:
+            return
+        values, batches, seconds = result
+        self.log.info("event=eval step=%d %s batches=%d seconds=%.3f", step,
+                      " ".join(f"{k}={v:.4f}" for k, v in values.items()), batches, seconds)
+        self.metrics.scalars(step, {f"eval/{k}": v for k, v in values.items()})
+
+    def _progress(self, step: int) -> None:
+        """A progress event in the ledger; rank 0 also charts the job's goodput and cost so far."""
+        self.ledger.append("progress", step=step, productive_s=self.productive_s)
+        self._chart_goodput(step)
+
+    def _chart_goodput(self, step: int) -> None:
+        if self.world.is_main and self.ledger is not None and isinstance(self.metrics, Metrics):
+            r = report(read_events(self.ledger.path))
+            points = {"goodput/goodput": r.goodput}
+            if r.cost.cost_so_far is not None:
+                points["goodput/cost_usd"] = r.cost.cost_so_far
+            self.metrics.scalars(step, points)
 
     def _state(self, step: int, model: Any, task: tasks.Task, scaler: Any, data: DataOrder,
                fingerprint: dict) -> dict | None:
@@ -251,6 +324,9 @@ class _Session:
         step = int(saved["step"])
         change = state.check_fingerprint(saved["fingerprint"], fingerprint, step=step,
                                          extend_steps=self.cfg.extend_steps)
+        if self.world.is_main:
+            for note in state.unrecorded(saved["fingerprint"], fingerprint) + state.check_versions(saved):
+                self.log.warning(note)
         if "init_from" in saved["fingerprint"]:
             fingerprint["init_from"] = saved["fingerprint"]["init_from"]
         if self.cfg.init_from is not None and self.world.is_main:
@@ -280,6 +356,104 @@ class _Session:
 
             auto_export(self.cfg, step, self.log.getChild("export"))
 
+    # ------------------------------------------------------------------ who writes, and from where
+    def _lock_run_dir(self) -> None:
+        """Node leaders lock their run dir; a second trainer there stops every rank (exit 2)."""
+        busy: RunDirBusy | None = None
+        if self.world.is_node_leader:
+            try:
+                self.run_lock = RunDirLock(self.cfg.run_dir, self.log.getChild("lease")).acquire(self.process_start)
+            except RunDirBusy as e:
+                busy = e
+            except OSError as e:  # no run dir at all: nothing on it to protect; the tiers report it
+                self.log.warning("event=run_dir_lock ok=0 error=%r", e)
+        if self.world.any_flags(busy is not None)[0]:
+            raise busy or RunDirBusy("run_dir: another node's run dir is in use by another trainer (see its log)")
+
+    def _install_lease(self) -> None:
+        """Every GCS store of this process asks the lease before it writes (refused until held)."""
+        store = self.ckpt.gcs if self.ckpt is not None else None
+        if store is None or self.lease is not None:
+            return
+        if self.world.is_main:
+            self.lease = Lease(store, holder=holder_id(self.cfg.run_dir), started=self.process_start,
+                               ttl_s=self.cfg.lease_ttl_s, log=self.log.getChild("lease"),
+                               op_timeout_s=self._probe_s())
+        else:
+            self.lease = FollowerLease()
+        store.guard = self.lease.check
+
+    def _probe_s(self) -> float:
+        """How long one look at a tier may take while start-up waits (a share of the wait)."""
+        return min(60.0, max(1.0, self.cfg.wait_for_tiers_s / 4))
+
+    def _take_lease(self) -> None:
+        """Rank 0 takes the job's writer lease (once); every rank learns the outcome together."""
+        if self.lease_decided or self.cfg.gcs_uri is None:
+            return
+        self._install_lease()
+        outcome: tuple[str, Any] | None = None
+        if self.world.is_main:
+            lease = self.lease
+            assert isinstance(lease, Lease)
+            try:
+                lease.acquire(sleep=self.preempt.wait, on_wait=self.health.waiting)
+                outcome = ("held", None)
+            except tier_wait.TierUnknown as e:
+                outcome = ("unknown", e.tiers)
+            except LeaseHeld as e:
+                outcome = ("busy", str(e))
+            except InterruptedError as e:
+                outcome = ("stopped", str(e))
+        outcome = self.world.broadcast(outcome)
+        kind, detail = outcome if outcome is not None else ("held", None)
+        if kind == "unknown":
+            raise tier_wait.TierUnknown(detail)
+        if kind == "busy":
+            raise LeaseHeld(detail)
+        if kind == "stopped":
+            raise tier_wait.Stopped(detail)
+        self.lease_decided = True
+        if isinstance(self.lease, FollowerLease):
+            self.lease.granted = True
+        if isinstance(self.lease, Lease):
+            self.lease.start()
+        if self.ledger is not None and self.ckpt is not None and self.ckpt.gcs is not None:
+            self.ledger.mirror_to(self.ckpt.gcs)
+
+    def _until_known(self, attempt: Callable[[], Any]) -> Any:
+        """``attempt()`` (collective) once every configured tier it reads answers: the lease, then
+        the restore, within one ``wait_for_tiers_s`` between them. See ``trainer.tier_wait``."""
+        if self.ckpt is not None:
+            self.ckpt.LIST_TIMEOUT_S = min(self.ckpt.LIST_TIMEOUT_S, self._probe_s())
+        t0 = time.monotonic()
+        try:
+            return tier_wait.until_known(
+                attempt, wait_s=self.cfg.wait_for_tiers_s, waited_before=self.waited_s, log=self.log,
+                on_wait=self.health.waiting, sleep=self.preempt.wait, stop_requested=lambda: self.preempt.requested,
+                agree=lambda give_up, stop: tuple(self.world.any_flags(give_up, stop)))  # type: ignore[arg-type]
+        finally:
+            self.waited_s += time.monotonic() - t0
+            self.health.starting()
+
+    def _lease_lost(self) -> bool:
+        return self.lease is not None and self.lease.lost is not None
+
+    def _stop_for_lost_lease(self, step: int, *args: Any) -> str:
+        """Another trainer took the job's lease: no more GCS writes (the guard refuses them);
+        this one saves to its own disks and stops, exit 2 (a human must choose); the reason."""
+        taker = self.lease.lost if self.lease is not None else None
+        if isinstance(self.lease, FollowerLease) and taker is None:
+            self.lease.lose("another trainer (rank 0 saw it)")
+        if self.world.is_main:
+            self.log.error("event=stopped reason=lease_lost step=%d taker=%s (another trainer writes this job "
+                           "now; this one saves step %d to its own disks only and exits 2)", step, taker, step)
+        self._save_and_wait(step, *args)
+        why = (f"gcs_uri: another trainer took this job's writer lease ({taker}); two trainers on one job "
+               "would collide: stop one of them")
+        self.record_failure("lease_lost", why)
+        return why
+
     def _restore(self, model: Any, optimizer: Any) -> tuple[dict | None, tuple[str, str]]:
         """The newest valid checkpoint of the job, on every rank, and (tier, path) it came from.
 
@@ -295,19 +469,39 @@ class _Session:
         if not world.distributed:
             restored = self.ckpt.restore()
             return (restored.state, (restored.tier, restored.path)) if restored else (None, ("", ""))
-        offers = world.all_gather(self.ckpt.newest_valid_step() if self.ckpt is not None else None)
-        best = max((s for s in offers if s is not None), default=None)
-        src = 0 if best is None or offers[0] == best else offers.index(best)
-        mismatch = None
-        try:
-            restored = self.ckpt.restore() if world.rank == src else None
-        except state.ResumeMismatch as e:  # every rank must hear it, or the others wait below
-            restored, mismatch = None, str(e)
-        payload = world.broadcast(mismatch or (
-            (restored.state, (restored.tier, f"{node_name()}:{restored.path}")) if restored else None), src=src)
-        if isinstance(payload, str):
-            raise state.ResumeMismatch(payload)
-        saved, where = payload if payload is not None else (None, ("", ""))
+        # Each leader offers its newest step, or the tiers it cannot read: then every rank waits.
+        offer: tuple[str, Any] | None = None
+        if self.ckpt is not None:
+            try:
+                offer = ("step", self.ckpt.newest_valid_step())
+            except tier_wait.TierUnknown as e:
+                offer = ("unknown", e.tiers)
+        offers = world.all_gather(offer)
+        unknown = {f"{t} (rank {r})": why for r, o in enumerate(offers) if o and o[0] == "unknown"
+                   for t, why in o[1].items()}
+        if unknown:
+            raise tier_wait.TierUnknown(unknown)
+        steps = [o[1] if o else None for o in offers]
+        best = max((s for s in steps if s is not None), default=None)
+        src = 0 if best is None or steps[0] == best else steps.index(best)
+        payload: tuple[str, Any] | None = None
+        if world.rank == src:
+            try:
+                restored = self.ckpt.restore()
+            except tier_wait.TierUnknown as e:
+                payload = ("unknown", e.tiers)
+            except state.ResumeMismatch as e:  # every rank must hear it, or the others wait below
+                payload = ("mismatch", str(e))
+            else:
+                payload = ("state", (restored.state, (restored.tier, f"{node_name()}:{restored.path}"))
+                           if restored else None)
+        payload = world.broadcast(payload, src=src)
+        assert payload is not None
+        if payload[0] == "unknown":
+            raise tier_wait.TierUnknown(payload[1])
+        if payload[0] == "mismatch":
+            raise state.ResumeMismatch(payload[1])
+        saved, where = payload[1] if payload[1] is not None else (None, ("", ""))
         if saved is not None and world.is_main and src != 0:
             self.ckpt.mark_restored(int(saved["step"]))
         return saved, where
@@ -409,6 +603,8 @@ class _Session:
                 self.ledger.append("failed", reason=reason, detail=detail[:500])
 
     def close(self) -> None:
+        if self.batches is not None:
+            self.batches.close()
         if self.server is not None:
             self.server.close()
         if self.artifacts is not None:
@@ -416,21 +612,32 @@ class _Session:
         if self.ckpt is not None:
             with contextlib.suppress(Exception):
                 self.ckpt.close()
+        # After a preemption notice the mirrors and the lease get what is left of the budget, the
+        # ledger first; otherwise they may take their time (what is only in the run dir is lost
+        # with the disk).
+        if self.done > self.start:
+            with contextlib.suppress(Exception):
+                self._chart_goodput(self.done)  # the session's last word: its goodput at its end
+        notice = self.preempt.notice_monotonic
+        end = time.monotonic() + 30.0 if notice is None else notice + self.cfg.preemption_budget_s
         if self.ledger is not None:
-            # After a preemption notice the mirror gets what is left of the budget; otherwise
-            # it may take its time (events only in the run dir are lost with the disk).
-            notice = self.preempt.notice_monotonic
-            budget = 30.0 if notice is None else notice + self.cfg.preemption_budget_s - time.monotonic()
-            if not self.ledger.close(timeout=max(1.0, budget)):
+            if not self.ledger.close(timeout=max(1.0, end - time.monotonic())):
                 self.log.warning("event=ledger_mirror ok=0 detail=some goodput events reached only the run dir")
+        if not self.metrics.close(timeout=max(1.0, end - time.monotonic())):
+            self.log.warning("event=metrics_upload ok=0 detail=the last TensorBoard points reached only the run dir")
+        if self.lease is not None:  # the next trainer of the job takes over at once
+            with contextlib.suppress(Exception):
+                self.lease.release(timeout=max(1.0, min(10.0, end - time.monotonic())))
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 class _StepFn:
     """One optimizer step: ``grad_accum_steps`` micro-batches, clipping, mixed precision."""
 
-    def __init__(self, cfg: RunConfig, accum: int, model: torch.nn.Module, task: tasks.Task, data: DataOrder,
+    def __init__(self, cfg: RunConfig, accum: int, model: torch.nn.Module, task: tasks.Task, batches: Batches,
                  scaler: Any, device: torch.device, world: distributed.World):
-        self.cfg, self.accum, self.model, self.task, self.data = cfg, accum, model, task, data
+        self.cfg, self.accum, self.model, self.task, self.batches = cfg, accum, model, task, batches
         self.scaler, self.device, self.world = scaler, device, world
         self.loss_fn = task.loss_fn or (lambda m, batch: m(*batch))
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
@@ -448,18 +655,12 @@ class _StepFn:
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else model.no_sync()
 
-    def _batch(self) -> tuple:
-        samples = [self.task.dataset[i] for i in self.data.next_indices()]
-        batch = torch.utils.data.default_collate(samples)
-        batch = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
-        return tuple(b.to(self.device, non_blocking=True) if torch.is_tensor(b) else b for b in batch)
-
     def __call__(self) -> float:
         accum, model, opt = self.accum, self.model, self.task.optimizer
         model.train()
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
-            batch = self._batch()
+            batch = self.batches.next()
             last = micro == accum - 1
             # Under DDP/FSDP, reduce gradients only on the last micro-batch.
             with self._sync(last):

@@ -7,17 +7,19 @@ that synthesize share these; `xdist_group("stacks")` keeps them on one worker.
 from __future__ import annotations
 
 import pytest
-from stack_support import FIXTURES, VARIANTS, Synthesized, variant
+from stack_support import EXPERIMENTS, FIXTURES, VARIANTS, Synthesized, variant
 
 from stacks.load import load_all
 
 
 @pytest.fixture(scope="session")
 def synthesized() -> dict[str, Synthesized]:
-    """Every variant, plus the experiment files under fixtures/ (checkov sees them all)."""
+    """Every variant, plus the experiment files under fixtures/ and the repository's own
+    experiments/ (checkov sees them all)."""
     found = {name: Synthesized(name, variant(o, name)) for name, o in VARIANTS.items()}
-    for e in load_all(FIXTURES):
-        found[e.name] = Synthesized(e.name, e.spec)
+    for e in [*load_all(FIXTURES), *load_all(EXPERIMENTS)]:
+        if e.name not in found:  # experiments/example.toml is the "example" variant
+            found[e.name] = Synthesized(e.name, e.spec)
     return found
 
 

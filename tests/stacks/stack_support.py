@@ -15,7 +15,8 @@ from stacks.experiment import Experiment
 from stacks.load import parse
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "experiments" / "example.toml"
+EXPERIMENTS = ROOT / "experiments"
+EXAMPLE = EXPERIMENTS / "example.toml"
 FIXTURES = Path(__file__).parent / "fixtures"
 
 

@@ -63,3 +63,8 @@ def test_the_skip_list_is_the_only_source_of_skips():
     skip_args = [n for n in ast.walk(tree)
                  if isinstance(n, ast.Constant) and n.value == "--skip-check"]
     assert len(skip_args) == 1
+
+
+def test_the_repositorys_own_experiments_are_checked(synthesized):
+    """Every experiments/*.toml a user starts from is synthesized and checked with the rest."""
+    assert {p.stem for p in (ROOT / "experiments").glob("*.toml")} <= set(synthesized)

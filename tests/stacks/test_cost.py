@@ -81,6 +81,14 @@ def test_cost_command_on_the_repository_experiments():
     assert "savings" in run.stdout
 
 
+def test_cost_command_takes_an_experiment_by_name(capsys):
+    """`make cost EXPERIMENT=example`, as `make deploy EXPERIMENT=example` takes it."""
+    assert cost.main(["example"]) == 0
+    assert "cost of example (experiments/example.toml)" in capsys.readouterr().out
+    assert cost.main(["nope"]) == 2
+    assert "experiments/nope.toml: no such experiment file (experiments/: " in capsys.readouterr().err
+
+
 def test_cost_command_bad_input_exits_2_naming_file_and_field(tmp_path):
     text = (ROOT / "experiments" / "example.toml").read_text()
     bad = tmp_path / "cheap.toml"

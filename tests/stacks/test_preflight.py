@@ -100,7 +100,7 @@ def test_an_api_error_is_one_line_not_a_traceback(gcp) -> None:
 def test_without_credentials_it_says_what_it_would_check(tmp_path: Path) -> None:
     env = {**os.environ, "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "missing.json"),
            "GCE_METADATA_HOST": f"127.0.0.1:{free_port()}", "NO_GCE_CHECK": "True", "HOME": str(tmp_path)}
-    out = preflight(env)
+    out = preflight(env, Path("example"))  # a name, as `make deploy EXPERIMENT=example` takes it
     assert out.returncode == 3
     assert "Traceback" not in out.stderr
     assert "no usable application-default credentials" in out.stderr

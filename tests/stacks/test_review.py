@@ -394,14 +394,19 @@ def test_a_flag_in_args_that_changes_the_fingerprint_is_refused():
 
 
 def test_settings_outside_the_fingerprint_restart_the_vm():
-    d = judge({"trainer": {"config": {"threads": 4, "keep": 5}}})
+    d = judge({"trainer": {"config": {"log_every_steps": 4, "keep": 5}}})
     assert d.job == "restarts"
     assert d.job_lines[0].startswith("running job: **RESTARTS** (new VM, same checkpoint)")
-    assert d.job_lines[1] == "trainer settings outside the fingerprint change: keep 3 -> 5, threads 1 -> 4"
+    assert d.job_lines[1] == "trainer settings outside the fingerprint change: keep 3 -> 5, log_every_steps 10 -> 4"
     assert d.edits == [
         "`trainer.config.keep`: (none) -> 5: restarts with the change as a whole (new VM, same checkpoint)",
-        "`trainer.config.threads`: (none) -> 4: restarts with the change as a whole (new VM, same "
+        "`trainer.config.log_every_steps`: (none) -> 4: restarts with the change as a whole (new VM, same "
         "checkpoint)"]
+
+
+def test_other_cpu_threads_change_the_numbers_and_are_refused():
+    d = judge({"trainer": {"config": {"threads": 4}}})
+    assert d.job == "refused" and "(threads 1 -> 4)" in d.job_lines[0]
 
 
 def test_a_machine_edit_restarts_and_a_bucket_edit_resumes():

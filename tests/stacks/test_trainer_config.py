@@ -77,8 +77,8 @@ def test_every_stack_setting_is_a_trainer_setting():
     assert set(STACK_SETTINGS) <= set(RunConfig.model_fields)
     # Asked of the trainer, not listed: what a resume refuses to change.
     assert {"seed", "steps", "task", "task_args", "batch_size", "precision",
-            "global_batch_size"} <= set(fingerprint_settings())
-    assert "threads" not in fingerprint_settings()
+            "global_batch_size", "threads", "deterministic", "device"} <= set(fingerprint_settings())
+    assert "log_every_steps" not in fingerprint_settings()
 
 
 def test_the_vm_reads_back_exactly_the_checked_settings(tmp_path):

@@ -109,6 +109,14 @@ class Proc:
                 return m
         raise AssertionError(f"no line matching {pattern!r} so far:\n{self.output[-3000:]}")
 
+    def seen_or_wait(self, pattern: str, timeout: float = TIMEOUT) -> re.Match[str]:
+        """A line matching ``pattern``, already read or still to come (a background thread's line
+        may land on either side of the line last waited for)."""
+        try:
+            return self.seen(pattern)
+        except AssertionError:
+            return self.wait_for(pattern, timeout)
+
     def signal(self, sig: int, group: bool = False) -> None:
         if group:
             os.killpg(self.p.pid, sig)

@@ -15,6 +15,7 @@ from trainer.checkpoint import MANIFEST, STATE, TENSORS, list_checkpoints, step_
 from trainer.checkpoint_key import CheckpointKey
 from trainer.checkpointer import Checkpointer, TierPolicy
 from trainer.state import ResumeMismatch
+from trainer.tier_wait import TierUnknown
 
 GUARD = 60.0  # failure guard for waits; never reached when the code is right
 
@@ -495,17 +496,26 @@ def test_restore_waits_for_an_in_flight_save_without_deadlock(gcs_emulator, faul
     assert [i.step for i in list_checkpoints(c.gcs)] == [2]
 
 
-def test_restore_with_gcs_unreachable_uses_disk(gcs_emulator, tmp_path: Path, logwatch) -> None:
+def test_restore_with_gcs_unreachable_is_unknown_not_empty(gcs_emulator, tmp_path: Path, logwatch) -> None:
+    # GCS may hold a newer checkpoint than the disk: a trainer's restore does not choose without
+    # it (the caller waits); a read-only look (status) answers from the disk and says so.
     c = ckpt(tmp_path, gcs_emulator, with_local=False)
     save_steps(c, [1])
     gcs_emulator.emulator.stop()
     c2 = ckpt(tmp_path, gcs_emulator, with_local=False)
     c2.LIST_TIMEOUT_S = 0.5
     c2.gcs.initial_backoff_s = 0.05
-    r = c2.restore()
+    with pytest.raises(TierUnknown) as e:
+        c2.restore()
+    assert list(e.value.tiers) == ["gcs"]
+    with pytest.raises(TierUnknown):
+        c2.newest_valid_step()
+    r = c2.restore(download=False)
     assert (r.step, r.tier) == (1, "persistent")
     assert "cannot list checkpoints on gcs" in logwatch.text()
     assert "error" in c2.describe()["tiers"]["gcs"]
+    gcs_emulator.emulator.start()
+    assert c2.restore().step == 1
 
 
 def test_retention_after_falling_back_keeps_what_was_just_written(tmp_path: Path) -> None:
@@ -675,3 +685,19 @@ def test_the_same_step_again_keeps_this_sessions_copy_and_replaces_other_state(t
     r = ckpt(tmp_path, with_local=False).restore()
     assert r.step == 3 and same(r.state, make_state(33))
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [step_name(3)]
+
+
+def test_a_download_that_fails_is_unknown_not_a_reason_to_fall_back(gcs_proxy, tmp_path: Path, logwatch) -> None:
+    c = Checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(),
+                     policies={"persistent": EVERY, "gcs": EVERY})
+    save_steps(c, [1, 2])
+    c.close()
+    shutil.rmtree(tmp_path / "run")  # a blank disk: the checkpoints are only in GCS
+    # The listing and the manifests answer; step 2's payload does not (403).
+    gcs_proxy.proxy.add("GET", r"alt=media.* object=.*step-00000002/(?!manifest)", "status", status=403, times=None)
+    c2 = Checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client())
+    with pytest.raises(TierUnknown, match="gcs: Forbidden"):
+        c2.restore()  # not step 1 (older), not "nothing": step 2 exists
+    assert "falling back" not in logwatch.text()
+    gcs_proxy.proxy.clear()
+    assert c2.restore().step == 2

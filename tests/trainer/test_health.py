@@ -53,6 +53,18 @@ def test_server_answers_the_configured_request_only() -> None:
         srv.close()
 
 
+def test_a_bounded_start_up_wait_passes_the_check_and_says_for_what() -> None:
+    from stacks.group import HEALTH_RESPONSE
+
+    h = Health(stall_timeout_s=30, clock=Clock())
+    h.waiting("for gcs (unknown for 42s,\ngiving up at 2026-01-01T00:15:00Z)")
+    answer = h.answer()
+    assert answer.startswith(HEALTH_RESPONSE)  # the group's check passes: no recreation meanwhile
+    assert answer == "ok waiting for gcs (unknown for 42s, giving up at 2026-01-01T00:15:00Z)"
+    h.starting()
+    assert not h.answer().startswith(HEALTH_RESPONSE)
+
+
 def test_a_port_in_use_is_bad_input_naming_the_port_and_its_holder() -> None:
     import os
 

@@ -55,3 +55,18 @@ def test_no_terminal_escapes_in_log_lines(restore_logging) -> None:
     text = out.getvalue()
     assert "\x1b" not in text
     assert "state.pt: do those steps only if you trust the source" in text and "ValueError: red" in text
+
+
+def test_samples_per_s_counts_the_samples_of_a_step(restore_logging) -> None:
+    """A task without tokens (an image classifier) gets samples/s: steps/s x the global batch,
+    not steps/s again."""
+    out = io.StringIO()
+    log = setup_logging(stream=out)
+    p = Progress(log, total_steps=4, start_step=0, every=2, tokens_per_step=0, samples_per_step=32, stream=out)
+    for step in range(1, 5):
+        p.update(step, loss=1.0, lr=0.1)
+    p.close()
+    for line in (x for x in out.getvalue().splitlines() if "event=step" in x):
+        m = re.search(r"steps_per_s=(\S+) samples_per_s=(\S+) ", line)
+        assert m, line
+        assert float(m.group(2)) == pytest.approx(32 * float(m.group(1)), abs=1.0)

@@ -472,3 +472,30 @@ def _logger() -> Any:
 
 if __name__ == "__main__":
     worker(sys.argv[1], json.loads(sys.argv[2]))
+
+
+def test_a_gcs_that_cannot_be_read_is_unknown_in_the_sharded_layout_too(tmp_path: Path, gcs_proxy) -> None:
+    from trainer.tier_wait import TierUnknown
+
+    model, opt, sched = make(seed=0)
+    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(), key=key(),
+                            gcs_client=gcs_proxy.client(), policies={"gcs": TierPolicy(every_steps=1)})
+    train(model, opt, sched, 1, 0)
+    c.save(1, model, opt, extras={"step": 1}, every_tier=True)
+    c.wait()
+    c.close()
+    shutil.rmtree(tmp_path / "run")  # a blank disk: the checkpoint is only in GCS
+    for rule in ((r"/o\?.*prefix=", "listing"), (r"alt=media.* object=.*\.distcp", "download")):
+        gcs_proxy.proxy.clear()
+        gcs_proxy.proxy.add("GET", rule[0], "status", status=403, times=None)
+        fresh, fresh_opt, _ = make(seed=1)
+        c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(), key=key(),
+                                gcs_client=gcs_proxy.client())
+        with pytest.raises(TierUnknown, match="gcs"):  # never "no checkpoint: start from scratch"
+            c.restore(fresh, fresh_opt)
+        c.close()
+    gcs_proxy.proxy.clear()
+    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(), key=key(),
+                            gcs_client=gcs_proxy.client())
+    assert c.restore(*make(seed=1)[:2]).step == 1
+    c.close()

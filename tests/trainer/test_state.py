@@ -49,6 +49,43 @@ def test_reseed_after_a_world_size_change_is_reproducible_and_per_rank() -> None
     assert len({draw(10, 0), draw(10, 1), draw(11, 0)}) == 3
 
 
+def test_settings_that_change_the_numbers_are_in_the_fingerprint(tmp_path) -> None:
+    from trainer.config import RunConfig
+
+    base = RunConfig(run_dir=tmp_path, steps=5).fingerprint(dataset_len=7, device="cpu")
+    for change, key in (({"threads": 2}, "threads"), ({"deterministic": False}, "deterministic")):
+        other = RunConfig(run_dir=tmp_path, steps=5, **change).fingerprint(dataset_len=7, device="cpu")
+        with pytest.raises(ResumeMismatch, match=rf"{key}: checkpoint has "):
+            check_fingerprint(base, other)
+    gpu = RunConfig(run_dir=tmp_path, steps=5).fingerprint(dataset_len=7, device="cuda")
+    with pytest.raises(ResumeMismatch, match="device: checkpoint has 'cpu', this run has 'cuda'"):
+        check_fingerprint(base, gpu)
+
+
+def test_a_checkpoint_older_than_a_fingerprint_key_resumes_with_a_warning_naming_it(tmp_path) -> None:
+    from trainer.config import RunConfig
+    from trainer.state import LATER_KEYS, unrecorded
+
+    current = RunConfig(run_dir=tmp_path, steps=5, threads=4).fingerprint(dataset_len=7, device="cpu")
+    old = {k: v for k, v in current.items() if k not in LATER_KEYS}  # written before these keys
+    assert check_fingerprint(old, current) is None  # accepted ...
+    notes = unrecorded(old, current)  # ... with a warning naming each key
+    assert [n.split()[1] for n in notes] == ["key=threads", "key=deterministic", "key=device"]
+    assert "value=4" in notes[0]
+    # Only keys added later are forgiven: a key the run really changed is still refused.
+    with pytest.raises(ResumeMismatch, match="seed"):
+        check_fingerprint({**old, "seed": 1}, current)
+
+
+def test_another_torch_is_reported_naming_both_versions_not_refused() -> None:
+    from trainer.state import check_versions
+
+    assert check_versions({"torch": torch.__version__}) == []
+    assert check_versions({}) == []  # written before the version was recorded in the state
+    (note,) = check_versions({"torch": "2.9.0+cu129"})
+    assert note.startswith(f"event=torch_version_change from=2.9.0+cu129 to={torch.__version__} ")
+
+
 def test_another_total_of_steps_needs_extend_steps_and_never_goes_below_the_step_reached() -> None:
     saved, now = {"seed": 1, "steps": 20}, {"seed": 1, "steps": 30}
     with pytest.raises(ResumeMismatch) as e:

@@ -69,3 +69,38 @@ def test_status_json_reports_the_cost_at_each_session_price(tmp_path: Path, caps
     assert c["on_demand_equivalent"] > 0 and c["savings"] is None  # the second session had no on-demand price
     assert status_main(StatusConfig(run_dir=tmp_path / "run")) == 0
     assert "cost: $" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_the_old_data_order_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """A checkpoint written before the order became a bijection has no ``data_order`` in its
+    fingerprint: resuming it would continue on another sample stream, so it is refused (exit 2)."""
+    real = RunConfig.fingerprint
+
+    def old_fingerprint(self: RunConfig, **kw: object) -> dict:
+        return {k: v for k, v in real(self, **kw).items() if k != "data_order"}
+
+    monkeypatch.setattr(RunConfig, "fingerprint", old_fingerprint)
+    assert run(_cfg(tmp_path / "run", stop_at_step=7)).code == 75
+    monkeypatch.setattr(RunConfig, "fingerprint", real)
+    assert run(_cfg(tmp_path / "run")).code == 2
+    assert "data_order: checkpoint has None, this run has 2" in capsys.readouterr().err
+def test_status_of_a_run_known_only_by_its_bucket(tmp_path: Path, gcs_proxy, capsys: pytest.CaptureFixture) -> None:
+    """`status --gcs-uri` alone (a deployed run, seen from a laptop): the bucket's newest
+    checkpoint and the ledger's copy there; no stand-in disk in the report, nothing written."""
+    import json
+
+    from trainer.cli import main as cli
+
+    example_task.FETCHES[0] = 0
+    assert run(_cfg(tmp_path / "vm-disk", gcs_uri=gcs_proxy.uri)).code == 0
+    on_vm = collect(StatusConfig(run_dir=tmp_path / "vm-disk", gcs_uri=gcs_proxy.uri))
+    capsys.readouterr()
+    assert cli(["status", "--gcs-uri", gcs_proxy.uri, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert (s["latest_step"], s["tier"]) == (30, "gcs")
+    assert s["model_digest"] == on_vm["model_digest"]
+    assert list(s["tiers"]) == ["gcs"]
+    assert s["goodput"]["finished"] and s["goodput"]["sessions"] == 1
+    assert cli(["status"]) == 2
+    assert "run_dir: the run to inspect is required (flag --run-dir DIR or --gcs-uri" in capsys.readouterr().err

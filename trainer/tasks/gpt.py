@@ -1,8 +1,15 @@
-"""The bundled default task: a small character-level GPT over the shipped corpus.
+"""The bundled default task: a small GPT, over the shipped character corpus or token shards.
 
 Small enough to train a few hundred steps on one CPU thread in seconds, real enough to exercise
 everything the trainer restores: AdamW moments, a warmup+cosine LR schedule, dropout RNG.
 ``task_args`` scale it (``n_layer``, ``n_head``, ``n_embd``, ``block_size``), e.g. for the bench.
+
+By default it trains on the shipped corpus, character-level, holding out its last
+``eval_fraction`` for evaluation. With ``data`` it trains on nanoGPT-format token shards
+(``trainer.token_shards``) instead: ``data = "train.bin"`` and ``eval_data = "val.bin"`` (a
+file, a directory of ``.bin`` files or a glob, relative to the staged ``ctx.data_dir`` unless
+absolute), ``token_dtype`` (``uint16`` or ``uint32``), ``vocab_size`` (default 50304, GPT-2's
+vocabulary padded) and ``stride``.
 """
 from __future__ import annotations
 
@@ -13,14 +20,15 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from trainer.task import Task, TaskContext
+from trainer.task import Task, TaskContext, TaskError
+from trainer.token_shards import TokenShardError, TokenShards, find_shards
 
 
 class CharDataset:
     """Windows of ``block_size + 1`` characters, one every ``stride`` characters: (x, y) pairs."""
 
-    def __init__(self, text: str, block_size: int, stride: int):
-        chars = sorted(set(text))
+    def __init__(self, text: str, block_size: int, stride: int, chars: list[str] | None = None):
+        chars = chars or sorted(set(text))
         self.stoi = {c: i for i, c in enumerate(chars)}
         self.vocab_size = len(chars)
         self.data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
@@ -28,7 +36,7 @@ class CharDataset:
         self.stride = stride
 
     def __len__(self) -> int:
-        return (len(self.data) - self.block_size - 1) // self.stride + 1
+        return max(0, (len(self.data) - self.block_size - 1) // self.stride + 1)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.data[i * self.stride : i * self.stride + self.block_size + 1]
@@ -85,10 +93,29 @@ def build(
     lr: float = 3e-3,
     weight_decay: float = 0.1,
     warmup_steps: int = 20,
+    eval_fraction: float = 0.1,
+    data: str | None = None,
+    eval_data: str | None = None,
+    token_dtype: str = "uint16",
+    vocab_size: int = 50304,
 ) -> Task:
-    text = resources.files("trainer").joinpath("data/corpus.txt").read_text(encoding="utf-8")
-    dataset = CharDataset(text, block_size, stride)
-    model = GPT(dataset.vocab_size, block_size, n_layer, n_head, n_embd, dropout).to(ctx.device)
+    eval_dataset: object | None
+    if data is None:
+        text = resources.files("trainer").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+        cut = int(len(text) * (1 - eval_fraction))
+        chars = sorted(set(text))  # the vocabulary of the whole corpus, so that both splits share it
+        dataset = CharDataset(text[:cut], block_size, stride, chars)
+        eval_dataset = CharDataset(text[cut:], block_size, block_size, chars) if eval_fraction > 0 else None
+        vocab_size = dataset.vocab_size
+    else:
+        try:
+            dataset = TokenShards(find_shards(data, ctx.data_dir), block_size=block_size, dtype=token_dtype,
+                                  stride=stride)
+            eval_dataset = (TokenShards(find_shards(eval_data, ctx.data_dir), block_size=block_size,
+                                        dtype=token_dtype) if eval_data is not None else None)
+        except TokenShardError as e:
+            raise TaskError(f"task_args: data: {e}") from None
+    model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout).to(ctx.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
     def lr_factor(step: int) -> float:
@@ -104,6 +131,7 @@ def build(
         optimizer=optimizer,
         scheduler=scheduler,
         dataset=dataset,
+        eval_dataset=eval_dataset,
         tokens_per_sample=block_size,
-        info={"params": params, "vocab": dataset.vocab_size, "samples": len(dataset)},
+        info={"params": params, "vocab": vocab_size, "samples": len(dataset)},
     )

@@ -1,5 +1,6 @@
 """DDP under torchrun with 2 gloo ranks on CPU: a SIGTERM to the whole group mid-run, a restart,
-and the same final model as an uninterrupted 2-rank run. (World-size changes: test_e2e_elastic.)"""
+and the same final model as an uninterrupted 2-rank run; the interrupted session loads its data
+with workers, the reference inline. (World-size changes: test_e2e_elastic.)"""
 from __future__ import annotations
 
 import signal
@@ -11,8 +12,8 @@ from tests.trainer.support import Proc, run_args, status, write_config
 STEPS = 20
 
 
-def torchrun(run_dir: Path, config: Path, nproc: int = 2) -> Proc:
-    argv = run_args(run_dir, STEPS, config, "--checkpoint-every-steps", "5")
+def torchrun(run_dir: Path, config: Path, *extra: str, nproc: int = 2) -> Proc:
+    argv = run_args(run_dir, STEPS, config, "--checkpoint-every-steps", "5", *extra)
     # run_args starts with [python, -m, trainer, ...]: run the same module under torchrun.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", *argv[2:]]
@@ -25,7 +26,7 @@ def test_ddp_two_ranks_sigterm_and_resume_exactly(tmp_path: Path) -> None:
     assert ref.wait() == 0, ref.output[-4000:]
 
     run_dir = tmp_path / "run"
-    p = torchrun(run_dir, config)
+    p = torchrun(run_dir, config, "--data-workers", "2")
     p.wait_for(r"event=step step=7/")
     p.signal(signal.SIGTERM, group=True)  # what systemd does to the unit's processes
     p.wait()  # torchrun's own exit status reports the signal; the log says what was saved

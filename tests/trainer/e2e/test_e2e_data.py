@@ -1,0 +1,86 @@
+"""Data workers end to end: the same weights as inline loading across real preemptions and
+crashes, the position never counting prefetched batches, and a notice that does not wait for
+workers stuck on slow samples."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from tests.trainer.support import REFERENCE_STEPS as STEPS
+from tests.trainer.support import run_to_end, start, status, write_config
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has released everything
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_give_the_inline_weights_across_sigterm_and_sigkill(tmp_path: Path, reference: dict) -> None:
+    """2 workers, SIGTERM at step 13; 1 worker, SIGKILL at step 27 (checkpoint 20 survives);
+    inline to the end: the final weights are the inline reference's, bit for bit."""
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10", "--data-workers", "2")
+    pids = [int(x) for x in p.wait_for(r"event=data_workers workers=2 from=0 pids=([\d,]+)").group(1).split(",")]
+    p.wait_for(r"event=step step=13/")
+    p.signal(signal.SIGTERM)
+    assert p.wait() == 75, p.output[-3000:]
+    saved = int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    assert all(_gone(pid) for pid in pids), "a data worker outlived the trainer"
+    s = status(run_dir)
+    # Workers had prepared batches beyond the save: only the ones the loop took count.
+    assert s["latest_step"] == saved and s["data"]["consumed"] == saved * 4
+
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10", "--data-workers", "1")
+    pids = [int(p.wait_for(rf"event=data_workers workers=1 from={saved * 4} pids=(\d+)").group(1))]
+    p.wait_for(r"event=checkpoint_save step=20")
+    p.wait_for(r"event=step step=27/")
+    p.signal(signal.SIGKILL)  # the trainer alone: its workers must follow it (PR_SET_PDEATHSIG)
+    p.wait()
+    deadline = time.monotonic() + 60
+    while not all(_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a data worker outlived the SIGKILLed trainer"
+        time.sleep(0.05)
+
+    p = run_to_end(run_dir, STEPS, config, "--checkpoint-every-steps", "10")
+    assert int(p.seen(r"event=restore step=(\d+)").group(1)) == 20
+    assert status(run_dir)["model_digest"] == reference["model_digest"]
+
+
+def test_a_notice_does_not_wait_for_workers_busy_on_slow_samples(tmp_path: Path) -> None:
+    """The loop is parked inside step 6 (its batch in hand); both workers are stuck on samples of
+    batches 6 and 7 that never finish. A SIGTERM: the step in flight completes, the emergency save
+    is durable, the process exits 75 and no worker survives it, while the samples are still stuck."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    for gate in ("workers", "loop-gate"):
+        (slow / gate).touch()
+    # 4 samples a batch, batches dealt round-robin to 2 workers: a worker's 4th batch (after 12
+    # samples) is batch 6 or 7, which the workers reach while the loop waits in step 6.
+    env = {"SLOW_DIR": str(slow), "SLOW_AFTER": "12", "PARK_STEP": "6"}
+    config = write_config(tmp_path, 'task = "tests.trainer.e2e.slow_data_task:build"\ndata_workers = 2\n')
+    from tests.trainer.support import trainer_env
+
+    p = start(tmp_path / "run", STEPS, config, env=trainer_env(**env))
+    try:
+        deadline = time.monotonic() + 240
+        while not ((slow / "loop").exists() and len(list(slow.glob("worker-*"))) == 2):
+            assert p.p.poll() is None and time.monotonic() < deadline, p.output[-3000:]
+            time.sleep(0.05)
+        pids = [int(f.read_text()) for f in slow.glob("worker-*")]
+        p.signal(signal.SIGTERM)
+        p.wait_for(r"event=preemption_notice reason=SIGTERM completed_step=5")
+        (slow / "loop-gate").unlink()
+        assert p.wait() == 75, p.output[-3000:]
+        p.seen(r"event=preempted step=6 persistent_ok=1")
+        assert (slow / "workers").exists()  # the slow samples never finished
+        assert all(_gone(pid) for pid in pids), "a data worker outlived the trainer"
+        s = status(tmp_path / "run")
+        assert s["latest_step"] == 6 and s["data"]["consumed"] == 6 * 4
+    finally:
+        p.kill()
+        (slow / "workers").unlink(missing_ok=True)

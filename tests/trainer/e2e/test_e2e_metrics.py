@@ -1,0 +1,63 @@
+"""TensorBoard curves across a crash, a preemption and a lost disk: the bucket's event files
+show the whole run once, exactly the curve of an uninterrupted run."""
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+from tests.trainer.support import REFERENCE_STEPS as STEPS
+from tests.trainer.support import run_to_end, start, status, trainer_env, write_config
+
+
+def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(logdir))
+    ea.Reload()
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
+def test_curves_continue_across_crash_preemption_and_lost_disk(tmp_path: Path, gcs_emulator) -> None:
+    # The gate task parks the loop after 27 steps while the flag exists: a crash at a known step.
+    config = write_config(tmp_path, 'task = "tests.trainer.e2e.gate_task:build"\nmetrics_upload_every_s = 0.2\n'
+                                    "eval_every_steps = 10\neval_batches = 2\n")
+    gcs = ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
+    ref_dir, run_dir, flag = tmp_path / "ref", tmp_path / "run", tmp_path / "gate"
+    run_to_end(ref_dir, STEPS, config)
+    env = trainer_env(**gcs_emulator.env)
+
+    flag.touch()
+    p = start(run_dir, STEPS, config, *gcs, env=dict(env, GATE_FLAG=str(flag), GATE_AFTER=str(27 * 4)))
+    p.wait_for(r"event=step step=27/")
+    p.signal(signal.SIGKILL)  # a crash: the steps after the newest checkpoint are lost
+    p.wait()
+    flag.unlink()
+
+    p = start(run_dir, STEPS, config, *gcs, env=env)  # a preemption, then the disk is gone
+    restored = int(p.wait_for(r"event=restore step=(\d+)").group(1))
+    assert 10 <= restored < 27
+    p.wait_for(rf"event=metrics_superseded file=\S+ after_step={restored}")
+    p.wait_for(r"event=eval step=30 loss=\d+\.\d+ batches=2")
+    p.signal(signal.SIGTERM)
+    assert p.wait() == 75, p.output[-3000:]
+    assert "event=metrics_upload ok=0" not in p.output
+    shutil.rmtree(run_dir)
+
+    run_to_end(run_dir, STEPS, config, *gcs, env=env)
+    assert status(run_dir)["model_digest"] == status(ref_dir)["model_digest"]
+
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    name, prefix = gcs_emulator.uri.removeprefix("gs://").split("/", 1)
+    for blob in gcs_emulator.client.list_blobs(name, prefix=f"{prefix}/tensorboard/"):
+        blob.download_to_filename(bucket / blob.name.rsplit("/", 1)[1])
+    assert len(list(bucket.iterdir())) == 3  # one event file per session
+    ref = scalars(ref_dir / "tensorboard")
+    assert [s for s, _ in ref["train/loss"]] == list(range(1, STEPS + 1))
+    for logdir in (bucket, run_dir / "tensorboard"):
+        got = scalars(logdir)
+        assert got["train/loss"] == ref["train/loss"]  # every step once, the uninterrupted values
+        assert got["eval/loss"] == ref["eval/loss"] and [s for s, _ in got["eval/loss"]] == [10, 20, 30, 40]
+        assert [s for s, _ in got["lr"]] == [s for s, _ in got["throughput/steps_per_s"]] == list(range(1, STEPS + 1))
+        assert got["goodput/goodput"] and all(0 < v <= 1 for _, v in got["goodput/goodput"])
