@@ -30,6 +30,7 @@ class _NeverDue:
 
     gcs = None
     stats: dict[str, Any] = {"saves": 0, "blocked_s_total": 0.0}
+    LIST_TIMEOUT_S = 60.0
 
     def restore(self, *, download: bool = True) -> None:
         return None
@@ -40,11 +41,19 @@ class _NeverDue:
     def wait(self) -> None:
         pass
 
-    def save(self, step: int, state: dict, *, meta: dict | None = None) -> float:
+    def save(self, step: int, state: dict, *, meta: dict | None = None, every_tier: bool = False) -> float:
         return 0.0  # the final save at the end of the run: outside the timed loop, skipped here
 
-    def close(self) -> None:
-        pass
+    def durable(self, step: int, *, deadline: float) -> Any:
+        from trainer.checkpointer import Durability
+
+        return Durability(step, {"persistent": "ok"})
+
+    def failing(self) -> dict:
+        return {}
+
+    def close(self, timeout: float | None = None) -> bool:
+        return True
 
 
 def _one(variant: str, steps: int, every: int, root: Path) -> dict[str, Any]:

@@ -156,20 +156,22 @@ class Rendered:
 
 
 def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = None,
-           code_dir: Path | None = None, extra: dict[str, Any] | None = None, pool: Any = None) -> Rendered:
+           code_dir: Path | None = None, extra: dict[str, Any] | None = None, pool: Any = None,
+           trainer_args: tuple[str, ...] = ()) -> Rendered:
     """The experiment's real scripts, as the stack renders them, with the drill's overrides.
 
     With `trainer_source` and a stack that delivers code (`stacks.delivery`), the trainer is
     packed as the stack packs it and the scripts fetch it from the bucket; otherwise the VM
     image carries it preinstalled. `extra`: more BootProps fields (e.g. driver_timeout_s).
-    `pool`: a `stacks.experiment.Pool` replacing the experiment's own (the multi-node drill's)."""
+    `pool`: a `stacks.experiment.Pool` replacing the experiment's own (the multi-node drill's).
+    `trainer_args`: more `trainer run` flags, after the experiment's."""
     from stacks.boot import boot_props, render as render_boot
     from stacks.load import load_file
 
     ef = load_file(cfg.experiment)
     exp = ef.spec if pool is None else ef.spec.model_copy(update={"pool": pool})
     every = cfg.checkpoint_every_steps or max(1, cfg.steps // 6)
-    args = _replace_flag(list(exp.trainer.args), "--checkpoint-every-steps", str(every))
+    args = _replace_flag(list(exp.trainer.args), "--checkpoint-every-steps", str(every)) + list(trainer_args)
     uploads: list[tuple[str, Path]] = []
     releases: tuple = ()
     if trainer_source is not None:

@@ -12,3 +12,6 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: a checkpoint tier stayed unreadable; nothing trained; run again to retry
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by preemption after a successful save; run again to resume
+#: EX_IOERR: trained to the final step (or the pause's) but its checkpoint could not be made durable on
+#: every durable tier within ``durable_timeout_s``; run again: the re-run writes the missing copies.
+EXIT_NOT_DURABLE = 74

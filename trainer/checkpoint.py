@@ -27,7 +27,9 @@ or one that does not verify with this key: forged, or written with a lost or rot
 
 On a directory tier the folder is assembled under a ``.tmp-`` name, every file and the folder are
 fsynced, and the folder becomes visible by one atomic ``rename`` (then the parent is fsynced). On
-GCS the payload objects are uploaded create-only, then the manifest.
+GCS the payload objects are uploaded create-only, then the manifest: from a committed folder
+(``upload_dir``) or, when no disk tier could take the save, from the snapshot in host memory
+(``upload_snapshot``); both build the manifest the same way (``snapshot_manifest``).
 
 Why raw tensor bytes rather than one ``torch.save``: the snapshot already sits in one contiguous
 host buffer (see ``SnapshotBuffer``), so writing it is a handful of large ``os.write`` calls that
@@ -59,7 +61,7 @@ import torch
 
 from trainer import plain
 from trainer.checkpoint_key import ALG, CheckpointKey
-from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, fsync_dir
+from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, copy_file_durable, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -475,7 +477,7 @@ def write_dir(snap: Snapshot, root: Path, *, key: CheckpointKey | None = None, w
                 TENSORS: _write_hashed(stage / TENSORS, snap.tensor_bytes(), pool),
                 STATE: _write_hashed(stage / STATE, memoryview(snap.structure), pool),
             }
-        manifest = build_manifest(snap.step, files, snap.meta, snap.created_unix, key=key, writer=writer)
+        manifest = snapshot_manifest(snap, files, key=key, writer=writer)
         _write_hashed_plain(stage / MANIFEST, manifest)
         fsync_dir(stage)
         publish_dir(stage, final, replace=replace)  # the commit point
@@ -524,6 +526,21 @@ def publish_dir(stage: Path, final: Path, *, replace: bool = False) -> None:
     fsync_dir(final.parent)
 
 
+def snapshot_manifest(snap: Snapshot, files: dict[str, dict], *, key: CheckpointKey | None = None,
+                      writer: str | None = None) -> bytes:
+    """The manifest of ``snap`` whose payload files have these sizes and digests: the one place
+    a whole-model manifest is built, for a disk folder and for an upload from memory alike."""
+    return build_manifest(snap.step, files, snap.meta, snap.created_unix, key=key, writer=writer)
+
+
+def snapshot_files(snap: Snapshot) -> dict[str, dict]:
+    """Size and ``chunked_sha256`` of every payload file of ``snap``, hashed from host memory
+    (what ``write_dir`` computes while writing), for an upload without a disk copy."""
+    with cf.ThreadPoolExecutor(_hash_workers(), thread_name_prefix="ckpt-hash") as pool:
+        data = {TENSORS: snap.tensor_bytes(), STATE: memoryview(snap.structure)}
+        return {name: {"size": len(mv), "sha256": chunked_sha256(mv, pool)} for name, mv in data.items()}
+
+
 def _write_hashed_plain(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -535,22 +552,59 @@ def _write_hashed_plain(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def upload_dir(src: Path, store: GcsStore, step: int, *, deadline: float | None = None) -> None:
-    """Upload a verified local checkpoint folder to GCS: payload create-only, manifest last.
+def upload_dir(src: Path, store: GcsStore, step: int, *, deadline: float | None = None,
+               parse: ManifestParser = parse_manifest) -> None:
+    """Upload a committed checkpoint folder to GCS: every file its manifest lists (``parse``: the
+    layout's manifest parser, default ``parse_manifest``) create-only, then the manifest.
 
     With ``deadline`` (time.monotonic), the upload gives up when it passes; the manifest is never
     uploaded after the deadline, so a late upload leaves only payload objects, which no restore
     will choose.
     """
     prefix = step_name(step)
+    manifest = (Path(src) / MANIFEST).read_bytes()
+    names = sorted(parse(manifest, step)["files"])
     with store.deadline(deadline):
-        for name in PAYLOAD:
+        for name in names:
             store.put_file(Path(src) / name, f"{prefix}/{name}")
-        if deadline is not None and time.monotonic() > deadline:
-            from trainer.storage import UploadAborted
+        _put_manifest(store, prefix, manifest, deadline)
 
-            raise UploadAborted("deadline passed before the manifest upload")
-        store.put_bytes(f"{prefix}/{MANIFEST}", (Path(src) / MANIFEST).read_bytes())
+
+def upload_snapshot(snap: Snapshot, store: GcsStore, *, deadline: float | None = None,
+                    key: CheckpointKey | None = None, writer: str | None = None) -> None:
+    """Upload ``snap`` straight from host memory (its disk copy could not be written): the payload
+    create-only, then the manifest, as ``upload_dir`` does for a folder."""
+    prefix = step_name(snap.step)
+    manifest = snapshot_manifest(snap, snapshot_files(snap), key=key, writer=writer)
+    with store.deadline(deadline):
+        store.put_memory(f"{prefix}/{TENSORS}", snap.tensor_bytes())
+        store.put_memory(f"{prefix}/{STATE}", snap.structure)
+        _put_manifest(store, prefix, manifest, deadline)
+
+
+def _put_manifest(store: GcsStore, prefix: str, manifest: bytes, deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        from trainer.storage import UploadAborted
+
+        raise UploadAborted("deadline passed before the manifest upload")
+    store.put_bytes(f"{prefix}/{MANIFEST}", manifest)
+
+
+def copy_dir(src: Path, root: Path, parse: ManifestParser = parse_manifest, *,
+             key: CheckpointKey | None = None, replace: bool = False) -> Path:
+    """Copy a checkpoint folder holding its manifest (a committed one, or a staging folder) into
+    ``root/step-N/`` (another disk tier) atomically: every file the manifest lists, fsynced, the
+    manifest last, then the rename (a swap with a folder already there, with ``replace``)."""
+    src = Path(src)
+    manifest = (src / MANIFEST).read_bytes()
+    m = parse(manifest, parse_step(src.name), key=key)
+
+    def fill(stage: Path) -> bytes:
+        for name in m["files"]:
+            copy_file_durable(src / name, stage / name)
+        return manifest
+
+    return _assemble(Path(root), step_name(m["step"]), "cp", fill, replace=replace)
 
 
 def download_dir(store: Store, step: int, root: Path, parse: ManifestParser = parse_manifest, *,
@@ -559,24 +613,32 @@ def download_dir(store: Store, step: int, root: Path, parse: ManifestParser = pa
     irrelevant here: the folder only appears after everything arrived and was verified).
     ``parse``: the layout's manifest parser (default ``parse_manifest``), which says the files;
     ``key``: the manifest must carry a valid HMAC under it."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_name(step)
-    stage = root / f"{TMP_PREFIX}{final.name}-dl-{uuid.uuid4().hex[:8]}"
-    stage.mkdir()
-    try:
+    def fill(stage: Path) -> bytes:
         manifest_bytes = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
         manifest = parse(manifest_bytes, step, key=key)
         for name in manifest["files"]:
             store.get_file(f"{step_name(step)}/{name}", stage / name)
         for name, info in manifest["files"].items():
             _verify_file(stage / name, info)
-        _write_hashed_plain(stage / MANIFEST, manifest_bytes)
+        return manifest_bytes
+
+    return _assemble(Path(root), step_name(step), "dl", fill)
+
+
+def _assemble(root: Path, name: str, kind: str, fill: Callable[[Path], bytes], *, replace: bool = False) -> Path:
+    """Make ``root/name`` appear whole: ``fill(stage)`` puts the payload into a ``.tmp-`` folder and
+    returns the manifest, written last; then fsync and one atomic rename (``FileExistsError`` when
+    ``root/name`` is there already, unless ``replace``: then an atomic swap, see ``publish_dir``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    stage = root / f"{TMP_PREFIX}{name}-{kind}-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        _write_hashed_plain(stage / MANIFEST, fill(stage))
         fsync_dir(stage)
-        if final.exists():
+        if final.exists() and not replace:
             raise FileExistsError(str(final))
-        os.rename(stage, final)
-        fsync_dir(root)
+        publish_dir(stage, final, replace=replace)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -8,10 +8,23 @@
 ``rendezvous`` hosts the c10d rendezvous store of a multi-node job on a coordinator that does not
 train (when it trains, its torchrun agent hosts the store itself).
 
-Exit codes: 0 finished (also: already finished), 75 stopped by preemption after a successful save
-(run the same command again to resume), 2 bad input or a resume with other settings (or another
-trainer holds the run dir or the job's GCS lease), 69 a checkpoint tier stayed unreadable for
-``wait_for_tiers_s`` (nothing trained; run again: docs/resume.md), 1 failed.
+Exit codes of ``run``:
+
+- 0: finished: the final checkpoint is durable on every durable tier (the run dir and, when set,
+  GCS; read back after writing). Also a re-run of a finished job, once it has written any copy
+  that was missing. A VM may record the run as finished and stop paying.
+- 75: stopped by a preemption notice (or paused by ``--stop-at-step``) after the checkpoint was
+  saved on a tier that outlives the VM (the run dir or GCS; the local SSD alone does not count):
+  run the same command again to resume.
+- 74: trained to the end (or to the pause) but its checkpoint could not be made durable on every
+  durable tier within ``durable_timeout_s`` (GCS down or refusing, a full or read-only run dir):
+  not finished. Run the same command again: it writes the missing copies, then exits 0 (or 75).
+  A VM keeps its disk (it may hold the only copy) and its unit restarts the trainer.
+- 69: a checkpoint tier stayed unreadable for ``wait_for_tiers_s`` (nothing trained; run again:
+  docs/resume.md).
+- 2: bad input or a resume with other settings, or another trainer holds the run dir or the job's
+  GCS lease (restarting cannot fix it).
+- 1: failed (also: a notice whose emergency save reached no tier that outlives the VM).
 
 With ``SPOTTRAIN_BAD_INPUT_FILE`` set (the VM's trainer.sh sets it), an exit 2 of ``run`` also
 writes its reason there, for the VM's state output (health answer, guest attributes, stop marker);
@@ -69,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m trainer", description="Preemption-proof PyTorch trainer.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    r = sub.add_parser("run", help="train (or resume, or exit 0 at once if finished)")
+    r = sub.add_parser("run", help="train (or resume; a finished run checks its final checkpoint's copies, exit 0)")
     r.add_argument("--run-dir", type=Path, help="persistent checkpoint tier (PD-SSD on a VM); holds the ledger")
     r.add_argument("--steps", type=int, help="total optimizer steps of the job")
     r.add_argument("--seed", type=int, help="seed of init, dropout and data order (default 0)")
@@ -88,7 +101,10 @@ def parser() -> argparse.ArgumentParser:
                    help="ddp: whole model per rank (default); fsdp: sharded, saved per rank")
     r.add_argument("--global-batch-size", type=int,
                    help="samples per optimizer step over all ranks, constant across world sizes")
-    r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75")
+    r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75 once durable")
+    r.add_argument("--durable-timeout-s", type=float,
+                   help="how long the final save keeps trying to be durable on every tier before exit 74 "
+                        "(default 600)")
     r.add_argument("--data-workers", type=int, help="worker processes loading batches ahead (default 0: inline)")
     r.add_argument("--eval-every-steps", type=int, help="evaluate the task's eval set every K steps")
     r.add_argument("--extend-steps", action="store_const", const=True,
@@ -148,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
                 "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
                 "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "data_workers",
-                "eval_every_steps", "checkpoint_key_file")}
+                "eval_every_steps", "checkpoint_key_file", "durable_timeout_s")}
             cfg = load_run_config(cli, args.config)
         elif args.command == "export":
             ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out",

@@ -119,6 +119,11 @@ class RunConfig(BaseModel):
     stall_timeout_s: float = Field(default=600.0, gt=0)
     """Health answers ``stalled`` once no step has completed for this long (hung collective or
     data loader), so that the managed instance group autoheals the VM."""
+    durable_timeout_s: float = Field(default=600.0, gt=0)
+    """How long the final save (and a ``stop_at_step`` pause) keeps trying to make its checkpoint
+    durable on every durable tier (the run dir and GCS: written, then read back), saving again
+    where a copy is missing. Past it the trainer exits 74; running it again writes the missing
+    copies (the run only counts as finished, exit 0, once they are all there)."""
     preemption_budget_s: float = Field(default=25.0, gt=0)
     """Seconds from a preemption notice by which the emergency save must be durable (Spot VMs
     get 30 s between the notice and the hard power-off)."""

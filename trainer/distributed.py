@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,39 @@ class World:
         out: list[Any] = [None]
         dist.scatter_object_list(out, objs if self.is_main else None, src=0)
         return out[0]
+
+    def run_watching(self, work: Callable[[], Any] | None, stop: Callable[[], bool],
+                     poll_s: float = 0.25) -> tuple[bool, Any]:
+        """Run ``work`` on a thread of every rank that has one (None: nothing to do here) while
+        every rank polls ``stop`` (one small all-reduce per poll): (False, rank 0's result on
+        every rank) once every rank's work is done, or (True, None) as soon as ``stop()`` is true
+        on some rank; the work is then left to itself. An exception in rank 0's work is raised
+        on every rank."""
+        result: list[Any] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                result.append(work())  # type: ignore[misc]
+            except BaseException as e:  # noqa: BLE001 - raised below, on every rank
+                result.append(e)
+            finally:
+                done.set()
+
+        if work is not None:
+            threading.Thread(target=run, name="watched-work", daemon=True).start()
+        else:
+            done.set()
+        while True:
+            stopped, busy = self.any_flags(stop(), not done.wait(poll_s))
+            if stopped:
+                return True, None
+            if not busy:
+                break
+        out = self.broadcast(result[0] if self.is_main and result else None)
+        if isinstance(out, BaseException):
+            raise out
+        return False, out
 
     def barrier(self) -> None:
         if self.distributed:

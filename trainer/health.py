@@ -2,8 +2,11 @@
 
 Protocol (fixed with the stack): the check sends ``spottrain-health`` and passes only when the
 answer begins with ``ok``. Answers: ``starting`` during start-up and restore, ``ok`` while steps
-complete, ``stalled`` once no step has completed for the stall timeout (a hung collective or data
-loader: failing the check makes the group recreate the VM, which resumes from the checkpoint),
+complete, ``ok degraded: gcs failing since ...`` while steps complete but a checkpoint tier keeps
+failing (it passes: a VM still training must not be recreated for it), ``stalled`` once no step
+has completed for the stall timeout (a hung collective or data loader: failing the check makes
+the group recreate the VM, which resumes from the checkpoint), ``ok finishing: ...`` while the
+final checkpoint (or a pause's) is being made durable (bounded by ``durable_timeout_s``),
 ``finished`` when the run is complete. Any other request gets ``unknown``. While start-up waits
 for something a new VM cannot fix (a checkpoint tier it cannot read yet, another trainer's
 lease to expire; bounded by the trainer) the answer is ``ok waiting ...``: recreating the VM
@@ -58,15 +61,23 @@ def holder(port: int) -> str:
 class Health:
     """The state the server reports; the loop calls ``beat()`` after every step."""
 
-    def __init__(self, stall_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, stall_timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 degraded: Callable[[], str] | None = None):
         self.stall_timeout_s = stall_timeout_s
         self.clock = clock
+        #: One line saying which checkpoint tiers keep failing ("" when none does).
+        self.degraded = degraded
         self._phase = "starting"
+        self._finishing = ""
         self._last_beat = clock()
 
     def beat(self) -> None:
         self._last_beat = self.clock()
         self._phase = "running"
+
+    def finishing(self, step: int) -> None:
+        self._phase = "finishing"
+        self._finishing = f"making the checkpoint of step {step} durable on every tier"
 
     def finished(self) -> None:
         self._phase = "finished"
@@ -78,9 +89,21 @@ class Health:
         """Start-up waits, within its own bound, for ``what``: healthy meanwhile (see the module)."""
         self._phase = "ok waiting " + " ".join(what.split())[:200]
 
+    def _degraded(self) -> str:
+        try:
+            return self.degraded() if self.degraded is not None else ""
+        except Exception as e:  # noqa: BLE001 - the answer itself must not fail
+            return f"unknown ({type(e).__name__})"
+
     def answer(self) -> str:
         if self._phase == "running":
-            return "stalled" if self.clock() - self._last_beat > self.stall_timeout_s else "ok"
+            if self.clock() - self._last_beat > self.stall_timeout_s:
+                return "stalled"
+            why = self._degraded()
+            return f"ok degraded: {why}" if why else "ok"
+        if self._phase == "finishing":
+            why = self._degraded()
+            return f"ok finishing: {self._finishing}" + (f"; degraded: {why}" if why else "")
         return self._phase
 
 

@@ -38,13 +38,21 @@ talks to the other ranks only over a separate gloo process group made at constru
 training loop keeps using the default group meanwhile, and collectives from two threads on one
 group are unsafe. One save is in flight at a time; ``due()`` answers False meanwhile.
 
+Tiers fail independently, as in ``Checkpointer``: the shards are staged on the first due disk tier
+that takes them on every rank, else (GCS being due) in ``/dev/shm`` or the temporary folder; the
+staging folder is renamed into its own tier and copied into the others. The upload is the
+uploader's, never the save thread's: on one node rank 0 uploads the complete folder alone (the
+committed copy, else the staging folder, which the upload then owns and removes); across nodes
+every rank uploads its own files, in order, over the uploader's own process group. The emergency
+save waits for no upload (see ``Checkpointer``).
+
 Which copies are complete: a tier copy is valid only if every file of the manifest is there and
 verifies. Ranks that share a run dir (same host, same directory) form a *node*; its lowest rank
 (LOCAL_RANK 0 under torchrun) is the node leader, which commits, copies, verifies and deletes
 folders on that node's disks. On one host all ranks share the run dir, so the disk tiers hold
 complete checkpoints as usual. On several hosts each node's disk only ever receives its own ranks'
 shard files, so no disk holds a complete copy: the staging folder is used for the upload and then
-removed, and **the GCS copy is the only complete one** (without ``gcs_uri`` a multi-node run has
+removed, and **the GCS copy is the only complete one** (the only durable tier there) (without ``gcs_uri`` a multi-node run has
 no usable checkpoint; the constructor says so). On restore each node leader downloads the chosen
 step from GCS into its node's persistent tier, verifies it, and then every rank loads from its
 own node's folder. (A run dir shared between hosts, e.g. over NFS, is not supported: each host
@@ -67,9 +75,11 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import re
 import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -84,16 +94,16 @@ from torch import nn
 from trainer import plain
 from trainer.checkpoint import (MANIFEST, OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid, CheckpointUnloadable, StepOccupied,
                                 _hash_file, _verify_file, _write_hashed_plain, build_manifest, check_checkpoint,
-                                check_manifest_entries, delete_checkpoint, download_dir, kept, kept_mismatch,
-                                layout_mismatch, list_checkpoints, parse_manifest_header, parse_step, publish_dir,
+                                check_manifest_entries, copy_dir, delete_checkpoint, download_dir, kept, kept_mismatch,
+                                layout_mismatch, list_checkpoints, parse_manifest_header, publish_dir,
                                 read_manifest, step_name)
 from trainer.checkpoint_key import CheckpointKey, KeyProblem
-from trainer.checkpointer import TIERS, Checkpointer, EmergencyReport, Restored, TierPolicy, _check_meta
+from trainer.checkpointer import (TIERS, Checkpointer, Durability, EmergencyReport, Restored, TierPolicy, _check_meta,
+                                  _Upload)
 from trainer.distributed import World
 from trainer.interval import DEFAULT_MTBF_S
 from trainer.state import ResumeMismatch
-from trainer.storage import (TMP_PREFIX, DirStore, GcsStore, Store, UploadAborted, copy_file_durable, fsync_dir,
-                             is_unreachable)
+from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, UploadAborted, fsync_dir, is_unreachable
 from trainer.tier_wait import TierUnknown
 
 EXTRAS = "extras.json"
@@ -209,31 +219,23 @@ def verify_sharded_dir(folder: Path, *, key: CheckpointKey | None = None) -> dic
     return m
 
 
-def _commit(stage: Path, final: Path, manifest: bytes, *, replace: bool = False) -> None:
-    """Manifest last, fsync, atomic rename (or swap, with ``replace``), fsync the parent: the
-    checkpoint appears whole."""
-    _write_hashed_plain(stage / MANIFEST, manifest)
+def _commit(stage: Path, final: Path, *, replace: bool = False) -> None:
+    """A staging folder holding its manifest (written last) becomes the checkpoint: fsync, atomic
+    rename (or swap, with ``replace``), fsync the parent."""
     fsync_dir(stage)
     publish_dir(stage, final, replace=replace)
 
 
 def copy_sharded_dir(src: Path, root: Path, *, key: CheckpointKey | None = None, replace: bool = False) -> Path:
-    """Copy a verified checkpoint folder into ``root`` (another disk tier) atomically."""
-    src, root = Path(src), Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    manifest = (src / MANIFEST).read_bytes()
-    m = parse_sharded_manifest(manifest, parse_step(src.name), key=key)
-    final = root / src.name
-    stage = root / f"{TMP_PREFIX}{src.name}-cp-{uuid.uuid4().hex[:8]}"
-    stage.mkdir()
-    try:
-        for name in m["files"]:
-            copy_file_durable(src / name, stage / name)
-        _commit(stage, final, manifest, replace=replace)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return final
+    """Copy a folder holding a sharded manifest (committed or staged) into ``root`` atomically."""
+    return copy_dir(src, root, parse_sharded_manifest, key=key, replace=replace)
+
+
+def _spill_roots() -> list[Path]:
+    """Where the shards are staged when no disk tier takes them and GCS must: host memory
+    (``/dev/shm``, a tmpfs), else the temporary folder (the boot disk)."""
+    roots = [Path("/dev/shm")] if os.path.isdir("/dev/shm") else []
+    return roots + [Path(tempfile.gettempdir())]
 
 
 def download_sharded(store: Store, step: int, root: Path, *, key: CheckpointKey | None = None) -> Path:
@@ -314,6 +316,9 @@ class ShardedCheckpointer(Checkpointer):
         # died (default: the process group's default timeout).
         timeout = None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s)
         self._pg = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
+        # The uploader's own group, for uploads across nodes (every rank sends its shards): an
+        # upload in flight then never holds the save thread's or the emergency save's group.
+        self._pg_up = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
         self._rank = dist.get_rank(self._pg) if self._pg is not None else 0
         self._size = dist.get_world_size(self._pg) if self._pg is not None else 1
         cuda = torch.cuda.is_available()
@@ -334,19 +339,40 @@ class ShardedCheckpointer(Checkpointer):
                                  "complete checkpoint, so no restore is possible", self.nodes)
 
     # ------------------------------------------------------------------------------ collectives
-    def _all(self, obj: Any) -> list[Any]:
-        if self._pg is None:
+    def _all(self, obj: Any, group: Any = None) -> list[Any]:
+        group = self._pg if group is None else group
+        if group is None:
             return [obj]
         out: list[Any] = [None] * self._size
-        dist.all_gather_object(out, obj, group=self._pg)
+        dist.all_gather_object(out, obj, group=group)
         return out
 
-    def _bcast(self, obj: Any) -> Any:
-        if self._pg is None:
+    def _bcast(self, obj: Any, group: Any = None) -> Any:
+        group = self._pg if group is None else group
+        if group is None:
             return obj
         box = [obj if self._rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self._pg)
+        dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
+
+    # ------------------------------------------------------------------------------ durability
+    def _durable_tiers(self) -> list[str]:
+        """On several nodes no disk holds a complete copy: only GCS can (see the module doc)."""
+        return ["gcs"] if self.nodes > 1 else super()._durable_tiers()
+
+    def durable(self, step: int, *, deadline: float) -> Durability:
+        """``Checkpointer.durable``: every rank waits for its own saves in flight; rank 0 reads
+        the tiers back (the others get an empty verdict: the caller takes rank 0's). Not a
+        collective, so a caller may stop waiting for it at any time."""
+        if self._rank == 0:
+            return super().durable(step, deadline=deadline)
+        if not self.wait(timeout=max(0.0, deadline - time.monotonic())):
+            self._stop_uploads(f"step {step} was due durable by the deadline")
+        return Durability(step, {})
+
+    def _buffer_free(self) -> bool:
+        return True  # DCP's stager holds the host copy, one save at a time
+
 
     # ------------------------------------------------------------------------------ saving
     def _stage(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -363,8 +389,10 @@ class ShardedCheckpointer(Checkpointer):
         if self._rank == 0:
             if names is None:
                 names = list(self._tiers) if every_tier else (self._due_tiers(step) or list(self._tiers))
+                if "gcs" in names and self.nodes > 1 and self.uploading() and not every_tier:
+                    names.remove("gcs")  # uploads across nodes queue in order: GCS stays due
                 if "gcs" in names and not any(self._tiers[n].is_disk for n in names):
-                    names.append("persistent")  # the upload reads the staged files
+                    names.append("persistent")  # the shards are staged on a disk tier
                 names = [n for n in TIERS if n in names]
             try:
                 blob = plain.dumps(extras)  # encoded now: the loop may change these objects right after
@@ -416,58 +444,70 @@ class ShardedCheckpointer(Checkpointer):
     def _write(self, job: _Job) -> _Outcome:
         """Write ``job`` to its tiers. Collective over ``self._pg``: every rank runs the same
         sequence of collectives whatever fails locally (failures travel as values), so one
-        rank's error never leaves the others waiting."""
+        rank's error never leaves the others waiting. The disk tiers fail independently of each
+        other and of GCS: the shards are staged on the first disk tier that takes them, else
+        (GCS being due) in host memory or a temporary folder, which the upload then reads.
+        The upload goes to the uploader; an emergency save (``job.deadline``) uploads at once."""
         step, out = job.step, _Outcome({}, None, [])
         disk = [n for n in job.names if self._tiers[n].is_disk]
-        primary = self._tiers[disk[0]]
-        root = primary.store.root  # type: ignore[attr-defined]
-        stage = root / f"{TMP_PREFIX}{step_name(step)}-{job.tag}"
-        final = root / step_name(step)
+        final_name = step_name(step)
         t0 = time.monotonic()
 
-        # 1. Every rank writes its shards (DCP's own collectives run on our group).
-        err = _try(lambda: root.mkdir(parents=True, exist_ok=True))
-        if any(self._all(err)):
-            err = err or "skipped: another rank could not create its checkpoint folder"
-        else:
-            err = _try(lambda: self._dcp_save(job.staged, stage))
-        # 2. Each rank hashes the files it wrote; rank 0 also the index and the extras.
+        # 1. Every rank writes its shards (DCP's own collectives run on our group), and hashes the
+        #    files it wrote (rank 0 also the index and the extras), on the first root that takes
+        #    them on every rank.
+        roots = [self._tiers[n].store.root for n in disk]  # type: ignore[attr-defined]
+        if "gcs" in job.names:
+            roots += _spill_roots()
+        stage: Path | None = None
         files: dict[str, dict] = {}
-        if err is None:
-            err = _try(lambda: files.update(self._own_files(stage, job.extras)))
-        results = self._all((files, err))
-        manifest: bytes | None = None
-        if self._rank == 0:
-            errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(results) if e]
-            merged: dict[str, dict] = {}
-            for f, _ in results:
-                merged.update(f)
+        reasons = []
+        for root in roots:
+            cand = root / f"{TMP_PREFIX}{final_name}-{job.tag}"
+            files = {}
+            err = _try(lambda: root.mkdir(parents=True, exist_ok=True))
+            if any(self._all(err)):
+                err = err or "skipped: another rank could not create its checkpoint folder"
+            else:
+                err = _try(lambda: self._dcp_save(job.staged, cand))
+                if err is None:
+                    err = _try(lambda: files.update(self._own_files(cand, job.extras)))
+            errors = [f"rank {r}: {e}" for r, e in enumerate(self._all(err)) if e]
             if not errors:
-                manifest = build_manifest(step, merged, job.meta, job.created_unix, key=self.key,
-                                          writer=self.session)
-            reason = "; ".join(errors)
-        else:
-            reason = ""
-        manifest, reason = self._bcast((manifest, reason))
+                stage = cand
+                break
+            reasons.append(f"{root}: {'; '.join(errors)}")
+            if self.is_leader:
+                shutil.rmtree(cand, ignore_errors=True)
+        results = self._all(files)
+        manifest: bytes | None = None
+        if stage is not None and self._rank == 0:
+            merged: dict[str, dict] = {}
+            for f in results:
+                merged.update(f)
+            manifest = build_manifest(step, merged, job.meta, job.created_unix, key=self.key,
+                                      writer=self.session)
+        manifest = self._bcast(manifest)
         job.staged = {}  # the host copy is no longer needed
-        if manifest is None:
+        if stage is None or manifest is None:
+            reason = " | ".join(reasons) or "nowhere to write them"
             for n in job.names:
                 if self._rank == 0:  # rank 0 speaks for the job (it has every rank's reason)
                     self._failed(n, step, RuntimeError(f"writing the shards failed: {reason}"))
                 out.disk.setdefault(n, False)
-            if self.is_leader:
-                shutil.rmtree(stage, ignore_errors=True)
             out.gcs = False if "gcs" in job.names else None
             out.detail.append(f"shards not written ({reason})")
             return out
+        if reasons and self._rank == 0:
+            self.log.warning("checkpoint step %d: shards staged in %s (%s)", step, stage.parent, " | ".join(reasons))
         write_s = time.monotonic() - t0
 
-        # 3. Node leaders commit complete copies on their disks (multi-node: none is complete).
+        # 2. Node leaders commit complete copies on their disks (multi-node: none is complete).
         status: dict[str, str] = {}
+        committed: Path | None = None
         if self.is_leader:
-            status = self._commit_disk(job, disk, stage, final, manifest)
+            status, committed = self._commit_disk(job, disk, stage, manifest)
         statuses = self._all(status)
-        node = statuses[self._leader_of[self._rank]]
         for n in disk:
             ok = all(s.get(n) == "ok" for r, s in enumerate(statuses) if self._leader_of[r] == r)
             out.disk[n] = ok
@@ -483,27 +523,73 @@ class ShardedCheckpointer(Checkpointer):
                 else:
                     self._failed(n, step, RuntimeError(why))
             out.detail.append(f"{n} {'saved' if ok else 'not complete'}")
-        src = final if node.get(disk[0]) == "ok" else stage
-        if src == final:
-            # The committed folder may be an earlier valid save of this same step (kept, not
-            # replaced): upload exactly what it holds, with its own manifest.
-            manifest = _try_read(final / MANIFEST) or manifest
 
-        # 4. GCS: every rank uploads its own files, rank 0 the rest, then the manifest.
+        # 3. GCS, from this node's committed copy or from the staging folder.
+        handed = False
         if "gcs" in job.names:
-            t1 = time.monotonic()
-            out.gcs, why = self._upload_sharded(step, src, manifest, job.deadline)
-            if out.gcs:
-                if self._rank == 0:
-                    self._succeeded(self._tiers["gcs"], step, time.monotonic() - t1)
-                out.detail.append(f"GCS uploaded ({self._tiers['gcs'].store.location(step_name(step))})")  # type: ignore[attr-defined]
-            else:
-                if self._rank == 0:
-                    self._failed("gcs", step, RuntimeError(why))
-                out.detail.append(f"GCS not done ({why})")
-        if self.is_leader and stage.exists():
+            handed = self._hand_over(job, stage, committed, manifest, out)
+        if self.is_leader and not handed and stage.exists():
             shutil.rmtree(stage, ignore_errors=True)  # not committed here (multi-node or failed)
         return out
+
+    def _hand_over(self, job: _Job, stage: Path, committed: Path | None, manifest: bytes, out: _Outcome) -> bool:
+        """Upload ``job`` (an emergency save at once, a periodic one through the uploader).
+        True when the staging folder now belongs to the upload (which removes it)."""
+        step = job.step
+        # This node's copy: persistent, else local, else the staging folder (never committed).
+        folders = {n: self._tiers[n].store.root / step_name(step)  # type: ignore[attr-defined]
+                   for n in ("persistent", "local") if committed is not None and out.disk.get(n)}
+        tier = next(iter(folders), None)
+        src = folders[tier] if tier is not None else stage
+
+        def cleanup() -> None:
+            if self.is_leader:
+                shutil.rmtree(stage, ignore_errors=True)
+
+        if self.nodes > 1:  # every rank uploads its own files, in order, on every rank
+            if job.deadline is not None:
+                t1 = time.monotonic()
+                out.gcs, why = self._upload_sharded(step, stage, manifest, job.deadline)
+                self._record_upload(step, out, why, t1)
+                return False
+            self._enqueue(_Upload(step, folder=stage, manifest=manifest, collective=True, cleanup=cleanup))
+            out.detail.append("GCS upload queued")
+            return True
+        if job.deadline is not None:  # one node: rank 0 uploads the complete folder alone
+            parts: list[str] = []
+            if self._rank == 0:
+                out.gcs = self._emergency_upload(self._tiers["gcs"], step, src, job.deadline, parts)
+            out.gcs, parts = self._bcast((out.gcs, parts))
+            out.detail += parts
+            return False
+        if self._rank != 0:
+            return False
+        if tier is not None:
+            self._pin(tier, step)
+        self._enqueue(_Upload(step, folder=src, tier=tier, cleanup=None if tier is not None else cleanup))
+        out.detail.append("GCS upload queued")
+        return tier is None
+
+    def _record_upload(self, step: int, out: _Outcome, why: str, t1: float) -> None:
+        if out.gcs:
+            if self._rank == 0:
+                self._succeeded(self._tiers["gcs"], step, time.monotonic() - t1)
+            out.detail.append(f"GCS uploaded ({self._tiers['gcs'].store.location(step_name(step))})")  # type: ignore[attr-defined]
+        else:
+            if self._rank == 0:
+                self._failed("gcs", step, RuntimeError(why))
+            out.detail.append(f"GCS not done ({why})")
+
+    def _run_upload(self, job: _Upload) -> None:
+        if not job.collective:
+            return super()._run_upload(job)
+        t1 = time.monotonic()
+        out = _Outcome({}, None, [])
+        assert job.folder is not None and job.manifest is not None
+        out.gcs, why = self._upload_sharded(job.step, job.folder, job.manifest, job.deadline,
+                                            abort=job.abort, group=self._pg_up)
+        self._record_upload(job.step, out, why, t1)
+        return None
 
     def _dcp_save(self, staged: dict, stage: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -524,54 +610,65 @@ class ShardedCheckpointer(Checkpointer):
                 out[p.name] = _file_entry(p)
         return out
 
-    def _commit_disk(self, job: _Job, disk: list[str], stage: Path, final: Path, manifest: bytes) -> dict[str, str]:
-        """Leader: publish the staged folder on the first disk tier if it is complete here, then
-        copy it to the other due disk tiers. Returns tier -> "ok" or the reason."""
+    def _commit_disk(self, job: _Job, disk: list[str], stage: Path,
+                     manifest: bytes) -> tuple[dict[str, str], Path | None]:
+        """Leader: make every due disk tier hold the checkpoint, each on its own (the staging
+        folder is renamed into the tier it was staged on, copied into the others). Returns tier ->
+        "ok" or the reason, and a committed folder (None when no tier holds one)."""
         status: dict[str, str] = {}
         m = json.loads(manifest)
         missing = [n for n, i in m["files"].items()
                    if not (stage / n).is_file() or (stage / n).stat().st_size != i["size"]]
         if missing:
             why = f"this node holds {len(m['files']) - len(missing)} of {len(m['files'])} files"
-            return {n: why for n in disk}
+            return {n: why for n in disk}, None
+        try:
+            _write_hashed_plain(stage / MANIFEST, manifest)  # last: the staged folder is complete
+        except Exception as e:  # noqa: BLE001 - the staging disk just filled up: nothing to commit
+            return {n: f"{type(e).__name__}: {e}" for n in disk}, None
         src: Path | None = None
         for n in disk:
             t = self._tiers[n]
             root: Path = t.store.root  # type: ignore[attr-defined]
             target = root / step_name(job.step)
             try:
-                # Same step saved again (e.g. an emergency save of a step just saved): keep the copy
-                # this save's session wrote, replace other state or an invalid copy atomically,
-                # never touch a kept one (StepOccupied).
+                # Same step saved again (an emergency save of a step just saved, the final save of
+                # a re-run): keep a copy of this state, replace other state or an invalid copy
+                # atomically, never touch a kept one (StepOccupied).
                 replace = target.exists()
-                if replace and self._keep_same_step(n, target, job.step, writer=m.get("writer")):
+                if replace and ((n, job.step) in self._verified
+                                or self._keep_same_step(n, target, job.step, writer=m.get("writer"))):
                     status[n] = "ok"
                     src = src or target
                     continue
-                if src is None:
-                    _commit(stage, target, manifest, replace=replace)
+                if stage.parent == root and stage.exists():
+                    _commit(stage, target, replace=replace)
                 else:
-                    copy_sharded_dir(src, root, key=self.key, replace=replace)
+                    copy_sharded_dir(src or stage, root, key=self.key, replace=replace)
+                self._verified.add((n, job.step))
                 src = src or target
                 status[n] = "ok"
             except Exception as e:  # noqa: BLE001 - reported through the status
                 status[n] = f"{type(e).__name__}: {e}"
-        return status
+        return status, src
 
-    def _upload_sharded(self, step: int, src: Path, manifest: bytes,
-                        deadline: float | None) -> tuple[bool, str]:
-        """Collective upload of ``src`` (this node's copy) to GCS; (ok, reason)."""
+    def _upload_sharded(self, step: int, src: Path, manifest: bytes, deadline: float | None, *,
+                        abort: threading.Event | None = None, group: Any = None) -> tuple[bool, str]:
+        """Collective upload of ``src`` (this node's copy) to GCS over ``group`` (default: the
+        save's); (ok, reason). Each rank uploads its own shard files, rank 0 the rest, then
+        rank 0 the manifest once every rank reported its part done."""
         store = self._tiers["gcs"].store
         assert isinstance(store, GcsStore)
         prefix = step_name(step)
         decision = None
         if self._rank == 0:
             try:
-                with store.deadline(deadline), store.aborting(self._upload_abort):
+                with store.deadline(deadline), store.aborting(abort):
                     info = check_sharded(store, step, key=self.key)
                     ours = json.loads(manifest).get("writer")
-                    if info is not None and info.valid and (info.manifest or {}).get("writer") == ours:
-                        decision = "skip"  # this very save is there already
+                    theirs = (info.manifest or {}).get("writer") if info is not None else None
+                    if info is not None and info.valid and theirs in self._same_state(step, ours):
+                        decision = "skip"  # this very state is there already
                     elif info is not None and kept(info.reason):
                         decision = (f"gcs holds a checkpoint at step {step} that is never overwritten "
                                     f"({info.reason}); this tier skips step {step}")
@@ -587,7 +684,7 @@ class ShardedCheckpointer(Checkpointer):
                         decision = "upload"
             except Exception as e:  # noqa: BLE001
                 decision = f"{type(e).__name__}: {e}"
-        decision = self._bcast(decision)
+        decision = self._bcast(decision, group)
         if decision == "skip":
             return True, ""
         if decision != "upload":
@@ -597,11 +694,11 @@ class ShardedCheckpointer(Checkpointer):
                  or (not _SHARD_RE.match(n) and self._rank == 0)]
 
         def upload_mine() -> None:
-            with store.deadline(deadline), store.aborting(self._upload_abort):
+            with store.deadline(deadline), store.aborting(abort):
                 for n in names:
                     store.put_file(src / n, f"{prefix}/{n}")
 
-        errs = self._all(_try(upload_mine))
+        errs = self._all(_try(upload_mine), group)
         result: tuple[bool, str] | None = None
         if self._rank == 0:
             bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
@@ -609,14 +706,14 @@ class ShardedCheckpointer(Checkpointer):
                 result = (False, "; ".join(bad) + " (no manifest uploaded: nothing partial is visible)")
             else:
                 def commit() -> None:
-                    with store.deadline(deadline), store.aborting(self._upload_abort):
+                    with store.deadline(deadline), store.aborting(abort):
                         if deadline is not None and time.monotonic() > deadline:
                             raise UploadAborted("deadline passed before the manifest upload")
                         store.put_bytes(f"{prefix}/{MANIFEST}", manifest)
 
                 e = _try(commit)
                 result = (e is None, e or "")
-        return self._bcast(result)
+        return self._bcast(result, group)
 
     # ------------------------------------------------------------------------------ retention
     def _retain(self, t: Any, newest_step: int) -> None:
@@ -698,6 +795,10 @@ class ShardedCheckpointer(Checkpointer):
                 now = time.monotonic()
                 for x in self._tiers.values():
                     x.last_step, x.last_time = step, now
+                with contextlib.suppress(Exception):  # its copies hold this process's state
+                    writer = read_manifest(Path(path), parse_sharded_manifest, key=self.key).get("writer")
+                    if writer:
+                        self._restored[step] = writer
                 return Restored(step=step, state=loaded[0], tier=tier, path=path, seconds=seconds)
             if self._survey_kept["unauthenticated"]:
                 raise ResumeMismatch(kept_mismatch(self._survey_kept["unauthenticated"], self.key))
@@ -777,28 +878,26 @@ class ShardedCheckpointer(Checkpointer):
     # ------------------------------------------------------------------------------ emergency
     def emergency_save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,  # type: ignore[override]
                        extras: Any = None, deadline: float, meta: dict | None = None) -> EmergencyReport:
-        """Save now, on a preemption notice: the persistent tier synchronously, then GCS until
-        ``deadline`` (time.monotonic), as ``Checkpointer.emergency_save``. On several nodes the
-        disk copy is never complete (``persistent_ok`` False), so GCS is what counts."""
+        """Save now, on a preemption notice: every disk tier synchronously, fastest first, then GCS
+        until ``deadline`` (time.monotonic), as ``Checkpointer.emergency_save``. On several nodes
+        the disk copy is never complete (``persistent_ok`` False), so GCS is what counts."""
         t0 = time.monotonic()
         report = self._uninterrupted(
             step, t0, lambda: self._emergency_sharded(step, model, optimizer, extras, deadline, meta, t0))
         if self._rank == 0:
-            (self.log.info if report.persistent_ok or report.gcs_ok else self.log.error)(
+            (self.log.info if report.saved else self.log.error)(
                 "emergency save: %s", report.detail)
         return report
 
     def _emergency_sharded(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                            extras: Any, deadline: float, meta: dict | None, t0: float) -> EmergencyReport:
+        # As ``Checkpointer._emergency``: no upload is waited for (every rank drops its queue and
+        # leaves the upload in flight behind; across nodes that one runs on the uploader's own
+        # group), only the save thread's disk writes. Then every tier, fastest first.
+        self._stop_uploads(f"emergency save of step {step}")
         if self._busy():
-            # The in-flight save is older: let its disk write finish but cut its upload short (no
-            # manifest, so nothing visible). Every rank does the same, so its collectives line up.
-            self._upload_abort.set()
-            try:
-                self._thread.join()  # type: ignore[union-attr]
-            finally:
-                self._upload_abort.clear()
-        names = ["persistent"] + (["gcs"] if "gcs" in self._tiers else [])
+            self._thread.join()  # type: ignore[union-attr]
+        names = [n for n in TIERS if n in self._tiers]
         names, tag, blob, meta = self._plan(step, extras, meta, names=names)
         staged = self._stage(model, optimizer)
         out = self._write(_Job(step, staged, blob, meta, names, tag, time.time(), deadline))
@@ -806,20 +905,28 @@ class ShardedCheckpointer(Checkpointer):
         for n in names:
             if (out.gcs if n == "gcs" else out.disk.get(n)):
                 self._tiers[n].last_step, self._tiers[n].last_time = step, now
+        ok = {**out.disk, "gcs": bool(out.gcs)}
         return EmergencyReport(step=step, persistent_ok=bool(out.disk.get("persistent")),
-                               gcs_ok=out.gcs, seconds=time.monotonic() - t0,
-                               detail=f"step {step}: " + "; ".join(out.detail))
+                               gcs_ok=out.gcs if "gcs" in self._tiers else None, seconds=time.monotonic() - t0,
+                               detail=f"step {step}: " + "; ".join(out.detail),
+                               local_ok=out.disk.get("local") if "local" in self._tiers else None,
+                               complete=all(ok.get(n) for n in self._durable_tiers()))
 
     # ------------------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:  # type: ignore[override]
         """Finish background work and release the host copies (collective when a save is in
         flight, since its thread talks to the other ranks)."""
-        self.wait()
+        done = super().close(timeout)
         self._stager.close()
-        if self._pg is not None:
-            with contextlib.suppress(Exception):  # the default group may be gone already
-                dist.destroy_process_group(self._pg)
-            self._pg = None
+        for name in ("_pg", "_pg_up"):
+            group = getattr(self, name)
+            # An abandoned upload may still sit in a collective of the uploader's group: leave
+            # that group to the process's exit.
+            if group is not None and not (name == "_pg_up" and self.abandoned):
+                with contextlib.suppress(Exception):  # the default group may be gone already
+                    dist.destroy_process_group(group)
+            setattr(self, name, None)
+        return done
 
     def describe(self, *, deep: bool = False) -> dict:
         """As ``Checkpointer.describe`` (this node's view; not a collective)."""
@@ -845,13 +952,6 @@ def _single_process_quiet() -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _try_read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
 
 
 def _try(fn: Any) -> str | None:

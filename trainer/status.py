@@ -8,7 +8,9 @@ that do not authenticate are listed as invalid with the reason. ``--plot FILE.pn
 the job's timeline (``trainer.timeline``).
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
-(the checkpointer's per-tier description), ``unknown_tiers`` (tier -> error for those that could
+(the checkpointer's per-tier description), ``failing`` (the checkpoint tiers whose writes the
+newest session saw failing, and not working again since: tier -> {since, failures, error}, from
+the ledger), ``unknown_tiers`` (tier -> error for those that could
 not be read: the newest checkpoint may be there), ``goodput`` (see ``goodput.Report``; its
 ``cost`` object is ``goodput.Cost``; for a multi-node job ``goodput.nodes`` has one report per
 node; ``ledger_errors`` and ``skipped_events`` say what the ledger could not write or read, and
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
+from trainer.checkpointer import describe_failing
 from trainer.config import StatusConfig
 from trainer.goodput import merge, read_events, read_store_events, report
 from trainer.goodput import LEDGER_DIR, LEDGER_FILE
@@ -65,6 +68,7 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -
         "tier": restored.tier if restored else None,
         "path": restored.path if restored else None,
         "tiers": tiers,
+        "failing": failing_tiers(events),
         "unknown_tiers": _unknown(tiers),
         "goodput": _goodput(events, skipped),
         **_story(events),
@@ -74,6 +78,22 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -
     if restored is not None and isinstance(restored.state, dict):
         out["data"] = restored.state.get("data")
         out["fingerprint"] = restored.state.get("fingerprint")
+    return out
+
+
+def failing_tiers(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The checkpoint tiers the job's newest session saw failing (``tier_failing`` events) and
+    not working again since (``tier_ok``): tier -> {since, failures, error}."""
+    mains = [e["session"] for e in events if e["event"] == "session_start" and e.get("main", True)]
+    if not mains:
+        return {}
+    newest = max(mains)
+    out: dict[str, dict[str, Any]] = {}
+    for e in sorted((e for e in events if e["session"] == newest), key=lambda e: e["seq"]):
+        if e["event"] == "tier_failing" and isinstance(e.get("tier"), str):
+            out[e["tier"]] = {k: e.get(k) for k in ("since", "failures", "error")}
+        elif e["event"] == "tier_ok":
+            out.pop(e.get("tier"), None)
     return out
 
 
@@ -132,8 +152,8 @@ def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger,
     step, tier, path, model, extras = found if found else (None, None, None, None, {})
     out: dict[str, Any] = {
         "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
-        "tier": tier, "path": path, "tiers": tiers, "unknown_tiers": _unknown(tiers),
-        "goodput": _goodput(events, skipped), "sharded": True,
+        "tier": tier, "path": path, "tiers": tiers, "failing": failing_tiers(events),
+        "unknown_tiers": _unknown(tiers), "goodput": _goodput(events, skipped), "sharded": True,
         **_story(events),
     }
     if isinstance(extras, dict):
@@ -160,6 +180,8 @@ def _human(s: dict[str, Any]) -> str:
     else:
         lines.append(f"newest valid checkpoint: step {s['latest_step']} on {s['tier']} ({s['path']})")
         lines.append(f"model digest: {s['model_digest']}")
+    if s.get("failing"):
+        lines.append("degraded: " + describe_failing(s["failing"]))
     lines.append("tiers:")
     for tier, desc in (s["tiers"] or {}).items():
         cps = ", ".join(f"{c['step']}" + ("" if c["valid"] else f" (INVALID: {c['reason']})")

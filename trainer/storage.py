@@ -378,6 +378,30 @@ def is_retryable(exc: BaseException) -> bool:
     return cause is not None and cause is not exc and is_retryable(cause)
 
 
+class _MemoryReader:
+    """A read-only file over a bytes-like object (no copy), for uploads from host memory."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._mv, self._pos = data, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._mv) if n is None or n < 0 else min(len(self._mv), self._pos + n)
+        out = bytes(self._mv[self._pos:end])
+        self._pos = end
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._mv)}[whence]
+        self._pos = max(0, min(len(self._mv), base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        pass
+
+
 class _AbortableReader:
     """File wrapper that stops an upload at a deadline or on abort (checked per read)."""
 
@@ -530,17 +554,29 @@ class GcsStore:
         still at that generation (replacing exactly what was seen). The precondition makes the
         retries safe. A 412 whose object already holds exactly this content (our own write whose
         answer was lost) counts as done; otherwise ``FileExistsError``."""
-        self._may_write()
         src = Path(src)
         size = src.stat().st_size
+        self._put_stream(key, lambda: open(src, "rb"), size, lambda: _crc32c_file(src), generation=generation)
+
+    def put_memory(self, key: str, data: memoryview | bytes) -> None:
+        """``put_file`` from host memory (a snapshot whose disk copy could not be written)."""
+        mv = memoryview(data).cast("B")
+        self._put_stream(key, lambda: contextlib.closing(_MemoryReader(mv)), len(mv), lambda: _crc32c_bytes(mv))
+
+    def _put_stream(self, key: str, opener: Callable[[], Any], size: int, crc: Callable[[], str], *,
+                    generation: int = 0) -> None:
+        """Chunked upload of what ``opener`` opens (create-only, or at ``generation``, see
+        ``put_file``); the deadline and the abort are checked before every chunk, and every
+        request is bounded by ``_timeout()``. The guard (the writer lease) is asked first."""
+        self._may_write()
 
         def upload() -> None:
             blob = self._blob(key)
-            with open(src, "rb") as f:
+            with opener() as f:
                 blob.upload_from_file(_AbortableReader(f, self._deadline(), self._aborted), size=size,
                                       if_generation_match=generation, retry=None, timeout=self._timeout())
 
-        self._create_only(key, upload, lambda: (size, _crc32c_file(src)))
+        self._create_only(key, upload, lambda: (size, crc()))
 
     def put_bytes(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
         self._may_write()
@@ -697,10 +733,15 @@ class GcsStore:
         return self._retry(f"delete {key}", delete)
 
 
-def _crc32c_bytes(data: bytes) -> str:
+def _crc32c_bytes(data: bytes | memoryview) -> str:
     import google_crc32c
 
-    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+    if isinstance(data, bytes):
+        return base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+    c = google_crc32c.Checksum()  # it takes read-only bytes only: a chunk at a time
+    for i in range(0, len(data), _COPY_CHUNK):
+        c.update(bytes(data[i:i + _COPY_CHUNK]))
+    return base64.b64encode(c.digest()).decode()
 
 
 def _crc32c_file(path: Path) -> str:

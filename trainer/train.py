@@ -10,6 +10,10 @@ Under torchrun on several nodes, each node's local rank 0 (its "leader") runs th
 server, metadata watcher and goodput ledger; global rank 0 speaks for the job and saves DDP
 checkpoints. Every decision that changes control flow (stop, save, pause) is agreed on by all
 ranks in one small all-reduce per step, so a notice on any node stops every node at the same step.
+
+The run is finished (exit 0) only once the final checkpoint is durable on every durable tier; a
+pause exits 75 only once its checkpoint is. Both keep saving where a copy is missing until
+``durable_timeout_s``, then exit 74; a notice meanwhile takes the emergency path.
 """
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED, EXIT_UNAVAILABLE
+from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from trainer import distributed, gpu, placement, plain, state, tier_wait
 from trainer import task as tasks
 from trainer.checkpoint_key import KeyProblem
+from trainer.checkpointer import describe_failing
 from trainer.config import RunConfig
 from trainer.artifacts import Artifacts
 from trainer.data import Batches
@@ -144,6 +149,8 @@ class _Session:
             if world.is_main:  # checkpoints per tier, for the timeline (`status --plot`)
                 ledger = self.ledger
                 self.ckpt.on_durable = lambda tier, step: ledger.append("durable", tier=tier, step=step)
+            self.ckpt.on_tier_health = self._tier_health  # a tier that keeps failing: health, ledger
+            self.health.degraded = lambda: describe_failing(self.ckpt.failing())
             self.ledger.append("session_start", **session_start_fields(
                 self.process_start, price_per_hour=cfg.price_per_hour,
                 on_demand_price_per_hour=cfg.on_demand_price_per_hour, main=world.is_main,
@@ -218,13 +225,8 @@ class _Session:
                          "from init_from's weights" if cfg.init_from is not None else "fresh")
             self.ledger.append("restore", step=start, seconds=restore_s, world_size=world.size,
                                startup_s=max(0.0, time.time() - self.process_start - restore_s))
-        if start >= cfg.steps:
-            log.info("event=finished step=%d (already complete)", start)
-            if world.is_node_leader:
-                self.ledger.append("finish", step=start, blocked_s=0.0, productive_s=0.0)
-            self.health.finished()
-            self._export(start)  # once: a no-op when the finished run's export is already there
-            return Outcome(EXIT_FINISHED)
+        if start >= cfg.steps:  # finished before: write the final checkpoint where a copy is missing
+            return Outcome(self._final_save(start, model, task, scaler, data, fingerprint, again=True))
         if world.any_flags(self.preempt.requested)[0]:  # a notice during start-up: nothing new to save
             return self._stop_before_training(start)
         if cfg.stop_at_step is not None and start >= cfg.stop_at_step:
@@ -274,8 +276,8 @@ class _Session:
         self.batches.stop()  # the workers' prefetch is no longer needed: nothing competes with the save
 
         if done < cfg.steps and self.stopping:
-            code = self._emergency_save(done, model, task, scaler, data, fingerprint)
-            return Outcome(code, done - start, loop_s, loop_cpu_s)
+            saved = self._emergency_save(done, model, task, scaler, data, fingerprint)
+            return Outcome(EXIT_FAILED if saved == "failed" else EXIT_PREEMPTED, done - start, loop_s, loop_cpu_s)
         if lost:
             why = self._stop_for_lost_lease(done, model, task, scaler, data, fingerprint)
             return Outcome(EXIT_BAD_INPUT, done - start, loop_s, loop_cpu_s, reason=why)
@@ -523,51 +525,104 @@ class _Session:
         self.ledger.append("checkpoint", step=step, blocked_s=blocked, productive_s=self.productive_s)
         self.artifacts.sync_soon(after=self.ckpt.wait)  # in the background, once the checkpoint is written
 
-    def _final_save(self, step: int, *args: Any) -> int:
-        if self.stopping:  # the notice came during the last step: the deadline still holds
-            return EXIT_FINISHED if self._emergency_save(step, *args) == EXIT_PREEMPTED else EXIT_FAILED
-        blocked = self._save_and_wait(step, *args)
-        if self.world.is_main:
+    def _final_save(self, step: int, *args: Any, again: bool = False) -> int:
+        """The last checkpoint: the run is finished (exit 0, ``event=finished``) only once it is
+        durable on every durable tier, else exit 74. A re-run of a finished job (``again``) saves
+        it again, which writes it only where a copy is missing. A notice takes the emergency path,
+        whose deadline holds here too."""
+        t0 = time.monotonic()
+        durable = None if self.stopping else self._save_durably(step, *args)
+        if durable is None:  # a notice, during the last step or the save
+            saved = self._emergency_save(step, *args)
+            if saved != "complete":
+                return EXIT_FAILED if saved == "failed" else EXIT_PREEMPTED  # the next run finishes it
+        elif not durable.ok:
+            return self._not_durable(step, durable, "the final checkpoint")
+        elif self.world.is_main:
             self.artifacts.sync()
         if self.world.is_node_leader:
-            self.ledger.append("finish", step=step, blocked_s=blocked, productive_s=self.productive_s)
-            self.log.info("event=finished step=%d", step)
+            self.ledger.append("finish", step=step, blocked_s=time.monotonic() - t0, productive_s=self.productive_s)
+            self.log.info("event=finished step=%d%s", step, " (already complete)" if again else "")
         self.health.finished()
         self._export(step)
         return EXIT_FINISHED
 
     def _pause(self, step: int, *args: Any) -> int:
-        """``stop_at_step`` reached: a checkpoint on every tier, then exit as if preempted."""
-        blocked = self._save_and_wait(step, *args)
+        """``stop_at_step`` reached: a checkpoint durable on every tier, then exit as if preempted."""
+        t0 = time.monotonic()
+        durable = self._save_durably(step, *args)
+        if durable is None:  # a notice came meanwhile
+            return EXIT_FAILED if self._emergency_save(step, *args) == "failed" else EXIT_PREEMPTED
+        if not durable.ok:
+            return self._not_durable(step, durable, "the pause's checkpoint")
         if self.world.is_main:
             self.artifacts.sync()
         if self.world.is_node_leader:
-            self.ledger.append("paused", step=step, blocked_s=blocked, productive_s=self.productive_s)
+            self.ledger.append("paused", step=step, blocked_s=time.monotonic() - t0, productive_s=self.productive_s)
             self.log.warning("event=paused step=%d (stop_at_step; run again without it to continue)", step)
         return EXIT_PREEMPTED
 
-    def _save_and_wait(self, step: int, *args: Any) -> float:
-        """Save ``step`` to every tier and wait until it is durable; the seconds it took."""
+    def _save_durably(self, step: int, *args: Any) -> Any:
+        """Save ``step`` to every tier until it is durable on every durable tier (each attempt
+        writes only the copies still missing) or ``durable_timeout_s`` has passed. Rank 0's
+        verdict (a ``checkpointer.Durability``) on every rank, or None when a notice came first."""
+        self.health.finishing(step)
         t0 = time.monotonic()
-        snapshot = self._state(step, *args)
-        self._write(step, snapshot, args, every_tier=True)
-        if self.sharded or self.world.is_main:
-            self.ckpt.wait()
-        if self.world.is_main:
-            self.log.info("event=checkpoint_save step=%d blocked_s=%.4f final=1", step, time.monotonic() - t0)
-        self.world.barrier()
-        return time.monotonic() - t0
+        deadline = t0 + self.cfg.durable_timeout_s
+        delay = 1.0
+        while True:
+            self._write(step, self._state(step, *args), args, every_tier=True)
+            notice, verdict = self._watched(lambda: self.ckpt.durable(step, deadline=deadline))
+            if notice:
+                return None
+            if self.world.is_main:
+                self.log.info("event=checkpoint_save step=%d blocked_s=%.4f final=1 durable=%d %s", step,
+                              time.monotonic() - t0, verdict.ok, verdict.detail)
+            if verdict.ok or time.monotonic() + delay >= deadline:
+                return verdict
+            if self.world.is_main:
+                self.log.warning("event=not_durable_yet step=%d missing=%s; saving again in %.0fs", step,
+                                 ",".join(verdict.missing), delay)
+            if self._watched(lambda: time.sleep(delay))[0]:
+                return None
+            delay = min(2 * delay, 60.0)
 
-    def _emergency_save(self, step: int, *args: Any) -> int:
+    def _save_and_wait(self, step: int, *args: Any) -> None:
+        """Save ``step`` to every tier and wait for the writes, without a durability verdict (the
+        lost lease's save: the guard refuses its GCS copy)."""
+        self._write(step, self._state(step, *args), args, every_tier=True)
+        if self.sharded or self.world.is_main:
+            self.ckpt.wait(timeout=self.cfg.durable_timeout_s)
+        self.world.barrier()
+
+    def _watched(self, work: Callable[[], Any]) -> tuple[bool, Any]:
+        """``work`` on rank 0 (every rank when sharded) while every rank watches for a notice."""
+        notice, out = self.world.run_watching(work if self.sharded or self.world.is_main else None,
+                                              lambda: self.preempt.requested)
+        self.stopping = self.stopping or notice
+        return notice, out
+
+    def _not_durable(self, step: int, durable: Any, what: str) -> int:
+        detail = f"{what} (step {step}) is not durable after {self.cfg.durable_timeout_s:.0f}s: {durable.detail}"
+        if self.world.is_main:
+            self.log.error("event=not_durable step=%d detail=%s; exit %d: run the same command again, it "
+                           "writes the missing copies", step, detail, EXIT_NOT_DURABLE)
+        if self.world.is_node_leader:
+            self.ledger.append("failed", reason="not_durable", detail=detail[:500])
+        return EXIT_NOT_DURABLE
+
+    def _emergency_save(self, step: int, *args: Any) -> str:
         """A notice on some node: the step in flight is done everywhere; make it durable within
-        the budget of the node that got the earliest notice (its window closes first)."""
+        the budget of the node that got the earliest notice (its window closes first). Rank 0's
+        verdict on every rank: "complete" (on every durable tier), "saved" (on a tier that
+        outlives the VM) or "failed"."""
         t0 = time.monotonic()
         elapsed = self.world.max_float(self.preempt.seconds_since_notice())
         deadline = time.monotonic() + self.cfg.preemption_budget_s - elapsed
         if self.world.is_main:
             self.artifacts.abort()  # a copy in flight must not slow the checkpoint's upload
         snapshot = self._state(step, *args)
-        ok = True
+        verdict = "saved"
         if self.world.is_node_leader:
             self.ledger.append("preemption_notice", step=step, reason=self.preempt.reason or "another node")
         if self.sharded:  # every rank writes its shard
@@ -576,18 +631,30 @@ class _Session:
         elif self.world.is_main:
             report = self.ckpt.emergency_save(step, snapshot, deadline=deadline, meta=self._meta(args[-1]))
         if self.world.is_main:
-            ok = report.persistent_ok or bool(report.gcs_ok)
-            self.log.warning("event=preempted step=%d persistent_ok=%d gcs_ok=%s seconds=%.3f detail=%s",
-                             step, report.persistent_ok, report.gcs_ok, report.seconds, report.detail)
-        ok = self.world.broadcast(ok)
+            verdict = "complete" if report.complete else "saved" if report.saved else "failed"
+            self.log.warning("event=preempted step=%d persistent_ok=%d gcs_ok=%s local_ok=%s seconds=%.3f detail=%s",
+                             step, report.persistent_ok, report.gcs_ok, report.local_ok, report.seconds, report.detail)
+        verdict = self.world.broadcast(verdict)
         if self.world.is_node_leader:
-            extra = {"persistent_ok": report.persistent_ok, "gcs_ok": report.gcs_ok} if self.world.is_main else {}
+            extra = {"persistent_ok": report.persistent_ok, "gcs_ok": report.gcs_ok,
+                     "local_ok": report.local_ok} if self.world.is_main else {}
             self.ledger.append("preempted", step=step, productive_s=self.productive_s,
                                blocked_s=time.monotonic() - t0, **extra)
             self.ledger.flush(deadline - time.monotonic())
         if self.world.is_main and deadline - time.monotonic() > 1.0:
             self.artifacts.sync(deadline)  # only with the time the checkpoint left over
-        return EXIT_PREEMPTED if ok else EXIT_FAILED
+        return verdict
+
+    def _tier_health(self, tier: str, failing: dict | None) -> None:
+        """A checkpoint tier started failing, failed again, or works again (``failing`` None)."""
+        if failing is None:
+            self.log.info("event=tier_ok tier=%s", tier)
+            if self.ledger is not None:
+                self.ledger.append("tier_ok", tier=tier)
+            return
+        self.log.warning("event=tier_failing tier=%s %s", tier, describe_failing({tier: failing}))
+        if self.ledger is not None:
+            self.ledger.append("tier_failing", tier=tier, **failing)
 
     def _stop_before_training(self, step: int) -> Outcome:
         self.log.warning("event=preempted step=%d detail=notice during start-up; checkpoint %d is already durable",
@@ -609,17 +676,19 @@ class _Session:
             self.server.close()
         if self.artifacts is not None:
             self.artifacts.close()
+        # After a preemption notice the uploads, the mirrors and the lease get what is left of the
+        # budget (an upload still running is then abandoned), the ledger first; otherwise they may
+        # take their time (what is only in the run dir is lost with the disk).
+        notice = self.preempt.notice_monotonic
+        end = time.monotonic() + 30.0 if notice is None else notice + self.cfg.preemption_budget_s
         if self.ckpt is not None:
+            self.ckpt.on_tier_health = None  # an abandoned upload may still report after the ledger closed
             with contextlib.suppress(Exception):
-                self.ckpt.close()
-        # After a preemption notice the mirrors and the lease get what is left of the budget, the
-        # ledger first; otherwise they may take their time (what is only in the run dir is lost
-        # with the disk).
+                self.ckpt.close(timeout=self.cfg.durable_timeout_s if notice is None
+                                else max(0.0, end - time.monotonic()))
         if self.done > self.start:
             with contextlib.suppress(Exception):
                 self._chart_goodput(self.done)  # the session's last word: its goodput at its end
-        notice = self.preempt.notice_monotonic
-        end = time.monotonic() + 30.0 if notice is None else notice + self.cfg.preemption_budget_s
         if self.ledger is not None:
             if not self.ledger.close(timeout=max(1.0, end - time.monotonic())):
                 self.log.warning("event=ledger_mirror ok=0 detail=some goodput events reached only the run dir")

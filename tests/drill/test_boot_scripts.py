@@ -174,3 +174,59 @@ def test_bad_input_stays_stopped_says_why_and_stops_paying(tmp_path: Path) -> No
         after = dep.boot_after_finish()  # someone resizes the group to 1 by hand
         assert after["unit_started"] is False and after["guest_state"] == "stopped"
         assert after["group_size"] == 0
+
+
+class _ProxiedBucket:
+    """The deployment's bucket behind the fault proxy: what `Deployment(gcs=...)` needs of it."""
+
+    def __init__(self, bucket: str, log: Path) -> None:
+        from drill.fault_proxy import FaultProxy
+        from drill.gcs_emulator import StorageEmulator
+
+        self.emulator = StorageEmulator(bucket, log=log).start()
+        self.proxy = FaultProxy(self.emulator.host).start()
+        self.host = self.proxy.host
+
+    def close(self) -> None:
+        self.proxy.stop()
+        self.emulator.stop()
+
+
+def test_the_finished_marker_and_scaling_to_zero_follow_the_trainers_verdict(tmp_path: Path) -> None:
+    """The bucket refuses the final checkpoint: the trainer exits 74, the boot records no finished
+    run and keeps its group; the unit runs the trainer again, and once the bucket takes the
+    checkpoint the run is finished: marker, group at zero."""
+    from drill.drill import MOUNT_DIR
+    from stacks.boot import FINISHED_FILE
+
+    steps = 12
+    cfg = DrillConfig(steps=steps, disk_mb=64, guard_s=STARTUP_GUARD_S)
+    rendered = render(cfg, free_port(), trainer_source=REPO / "trainer", code_dir=tmp_path / "code",
+                      trainer_args=("--durable-timeout-s", "2"))
+    bucket = _ProxiedBucket(rendered.bucket, tmp_path / "gcs.log")
+    prefix = rendered.gcs_uri.split("/", 3)[3]
+    refuse = bucket.proxy.add("POST", rf"object={prefix}/step-{steps:08d}/manifest[.]json$", "status",
+                              status=403, times=None)
+    try:
+        with Deployment(tmp_path / "dep", rendered, cfg, lambda s: None, REPO, gcs=bucket) as dep:  # type: ignore[arg-type]
+            assert dep.vm is not None
+            for name, path in rendered.uploads:
+                dep.upload(name, path.read_bytes())
+            _, e0 = dep.boot()
+            first = dep.vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT,
+                                      STARTUP_GUARD_S, since=e0)
+            assert (first["status"], first["restarting"]) == (74, True), dep.vm.tail()
+            assert "event=not_durable step=12" in dep.vm.journal()
+            assert not dep.vm.path(FINISHED_FILE).exists()
+            assert dep.metadata.guest_attributes().get("spottrain/state") == "not-durable"
+            assert dep.group_size() == 1  # its disk holds the only complete copy: the VM stays
+
+            bucket.proxy.release(refuse)  # the grant is back; the unit's next run finishes the job
+            done = dep.vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT,
+                                     STARTUP_GUARD_S, since=dep.vm.events().index(first) + 1)
+            assert done["status"] == 0, dep.vm.tail()
+            assert "event=finished step=12 (already complete)" in dep.vm.journal()
+            assert dep.vm.path(FINISHED_FILE).exists() and dep.vm.path(f"{MOUNT_DIR}/run").is_dir()
+            assert dep.wait_group_size(0), dep.vm.tail()
+    finally:
+        bucket.close()

@@ -199,9 +199,8 @@ def test_emulator_down_mid_upload_then_back(gcs_emulator, faulty_gcs, tmp_path: 
     faulty_gcs.plan.add("upload", f"*{step_name(5)}/{STATE}", "hook", hook=emu.stop)
     c.save(5, make_state(5))
     logwatch.wait_for("retrying", GUARD)
-    # Training goes on meanwhile: the loop is not blocked and no second save starts.
-    assert c._busy() and not c.due(6)
-    assert c.stats["deferred_steps"] == 1
+    # Training goes on meanwhile, and so do the disk saves: the upload holds none of them back.
+    assert c.uploading() and not c._busy() and c.due(6)
     emu.start()
     c.wait()
     assert c.stats["tier_writes_failed"] == 0
@@ -251,8 +250,8 @@ def test_manifest_without_payload_after_outage_is_not_chosen(gcs_emulator, fault
 # ----------------------------------------------------------------------------- async
 
 
-def test_save_does_not_wait_for_the_write_and_one_is_in_flight(gcs_emulator, faulty_gcs, tmp_path: Path,
-                                                                logwatch) -> None:
+def test_save_does_not_wait_for_the_upload_and_newer_uploads_replace_queued_ones(
+        gcs_emulator, faulty_gcs, tmp_path: Path, logwatch) -> None:
     release = threading.Event()
     entered = threading.Event()
 
@@ -265,20 +264,23 @@ def test_save_does_not_wait_for_the_write_and_one_is_in_flight(gcs_emulator, fau
     done = threading.Event()
     threading.Thread(target=lambda: (c.save(1, make_state(1)), done.set()), daemon=True).start()
     assert done.wait(GUARD), "save() blocked on the background upload"
-    assert entered.wait(GUARD) and not release.is_set()  # the upload is still held
-    # While in flight: due() says no (and counts it), and a forced save waits for the first one.
-    assert not c.due(2) and c.stats["deferred_steps"] == 1
-    second = threading.Thread(target=lambda: c.save(2, make_state(2)), daemon=True)
-    second.start()
+    assert entered.wait(GUARD) and not release.is_set()  # the upload of step 1 is still held
+    # The disk saves go on meanwhile; their uploads queue behind it, the newest replacing the older.
+    for step in (2, 3):
+        c._thread.join(GUARD)  # the previous save's disk writer
+        assert c.due(step)
+        c.save(step, make_state(step))
+    c._thread.join(GUARD)
+    assert c.stats["waited"] == 0 and c.stats["uploads_superseded"] == 1
+    assert "upload of step 2 to gcs dropped: step 3 is newer" in logwatch.text()
     release.set()
-    second.join(GUARD)
     c.wait()
-    assert c.stats["waited"] == 1
     text = logwatch.records
     i1 = next(i for i, x in enumerate(text) if "step 1 durable on gcs" in x)
-    i2 = next(i for i, x in enumerate(text) if "step 2 durable on local" in x)
-    assert i1 < i2, "the second save started before the first finished"
-    assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {1, 2}
+    i3 = next(i for i, x in enumerate(text) if "step 3 durable on gcs" in x)
+    assert i1 < i3
+    assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {1, 3}
+    assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {1, 2, 3}
 
 
 def test_background_error_never_raises_into_the_loop(tmp_path: Path, logwatch) -> None:
@@ -386,7 +388,9 @@ def test_emergency_save_within_deadline(gcs_emulator, tmp_path: Path) -> None:
     assert "persistent saved" in rep.detail and "GCS uploaded" in rep.detail and "\n" not in rep.detail
     verify_dir(tmp_path / "run" / step_name(7))
     assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {7}
-    assert not (tmp_path / "local").exists()  # the local SSD does not survive a preemption
+    # The local SSD got it too: it dies with the VM, but serves a restart of the trainer in place.
+    assert rep.local_ok and rep.complete and rep.saved
+    verify_dir(tmp_path / "local" / step_name(7))
 
 
 def test_emergency_save_without_gcs(tmp_path: Path) -> None:
@@ -399,7 +403,8 @@ def test_emergency_deadline_too_short_for_gcs(gcs_emulator, tmp_path: Path) -> N
     rep = c.emergency_save(8, make_state(8), deadline=time.monotonic() - 1)
     assert rep.persistent_ok and rep.gcs_ok is False and "GCS not done" in rep.detail
     assert not [i for i in list_checkpoints(c.gcs) if i.valid]
-    r = ckpt(tmp_path, gcs_emulator).restore()
+    assert rep.saved and not rep.complete
+    r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
     assert (r.step, r.tier) == (8, "persistent")
 
 
@@ -417,7 +422,7 @@ def test_emergency_upload_running_past_deadline_leaves_nothing_valid(gcs_emulato
             th.join(GUARD)
     assert not [i for i in list_checkpoints(c.gcs) if i.valid]
     assert not any(name.endswith(MANIFEST) for name in c.gcs.list(""))
-    assert ckpt(tmp_path, gcs_emulator).restore().tier in ("persistent",)
+    assert ckpt(tmp_path, gcs_emulator, with_local=False).restore().tier == "persistent"
 
 
 def test_emergency_cuts_short_an_in_flight_upload(gcs_emulator, faulty_gcs, tmp_path: Path, logwatch) -> None:
@@ -427,8 +432,9 @@ def test_emergency_cuts_short_an_in_flight_upload(gcs_emulator, faulty_gcs, tmp_
     entered = threading.Event()
 
     def hang_until_aborted() -> None:
+        job = c._active
         entered.set()
-        assert c._upload_abort.wait(GUARD)
+        assert job.abort.wait(GUARD)
         # Meanwhile the store still works for others sharing it (the goodput ledger mirror).
         def put() -> None:
             try:
@@ -448,7 +454,8 @@ def test_emergency_cuts_short_an_in_flight_upload(gcs_emulator, faulty_gcs, tmp_
     assert rep.persistent_ok and rep.gcs_ok is True
     valid = {i.step for i in list_checkpoints(c.gcs) if i.valid}
     assert valid == {5}
-    assert "step 4 on gcs failed" in logwatch.text()
+    # The emergency save did not wait for it: the abandoned upload stops by itself afterwards.
+    logwatch.wait_for("step 4 on gcs failed", GUARD)
     assert other == [None] and c.gcs.get_bytes("ledger/e1") == b"{}"
     assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {4, 5}
 
@@ -701,3 +708,181 @@ def test_a_download_that_fails_is_unknown_not_a_reason_to_fall_back(gcs_proxy, t
     assert "falling back" not in logwatch.text()
     gcs_proxy.proxy.clear()
     assert c2.restore().step == 2
+
+
+# ----------------------------------------------------------------------------- real faults
+# Cloud Storage behind the fault proxy (tests/conftest.py: gcs_proxy) and real small filesystems
+# that fill up or turn read-only (small_fs).
+
+
+def proxied(tmp_path: Path, gcs_proxy, *, run_dir: Path | None = None, with_local: bool = False,
+            **policies) -> Checkpointer:
+    pol = {"local": EVERY, "persistent": EVERY, "gcs": EVERY}
+    pol.update(policies)
+    c = Checkpointer(run_dir=run_dir or tmp_path / "run", local_dir=(tmp_path / "local") if with_local else None,
+                     gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(),
+                     policies={k: v for k, v in pol.items() if v is not None})
+    c.gcs.initial_backoff_s, c.gcs.max_backoff_s = 0.05, 0.2
+    # A stalled request is held until the test releases it: the client must never be what ends it.
+    c.gcs.request_timeout_s = 3600
+    return c
+
+
+def obj(gcs_proxy, step: int, name: str) -> str:
+    """The fault proxy's pattern for one object of one checkpoint."""
+    prefix = gcs_proxy.uri.split("/", 3)[3]
+    return rf"object={prefix}/{step_name(step)}/{name.replace('.', '[.]')}$"
+
+
+def in_thread(fn) -> list:
+    """Run ``fn`` on a thread and wait for it (at most GUARD); its result in a list (empty when
+    it did not return)."""
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    th.start()
+    th.join(GUARD)
+    return out
+
+
+def gcs_steps(c: Checkpointer) -> set[int]:
+    return {i.step for i in list_checkpoints(c.gcs) if i.valid}
+
+
+def test_a_403_on_the_final_manifest_is_not_durable_until_saved_again(gcs_proxy, tmp_path: Path) -> None:
+    c = proxied(tmp_path, gcs_proxy)
+    rule = gcs_proxy.proxy.add("POST", obj(gcs_proxy, 5, MANIFEST), "status", status=403, times=None)
+    c.save(5, make_state(5), every_tier=True)
+    d = c.durable(5, deadline=time.monotonic() + GUARD)
+    assert not d.ok and d.missing == ["gcs"] and d.tiers["persistent"] == "ok"
+    assert "no manifest" in d.tiers["gcs"] and "gcs NOT DURABLE" in d.detail
+    assert "gcs" in c.failing() and "403" in c.failing()["gcs"]["error"]
+    disk_copy = (tmp_path / "run" / step_name(5) / TENSORS).stat()
+    # Saving again writes only what is missing: the disk copy stays as it was, GCS gets it.
+    gcs_proxy.proxy.release(rule)
+    c.save(5, make_state(5), every_tier=True)
+    assert c.durable(5, deadline=time.monotonic() + GUARD).ok
+    assert (tmp_path / "run" / step_name(5) / TENSORS).stat().st_ino == disk_copy.st_ino
+    assert gcs_steps(c) == {5} and not c.failing()
+
+
+def test_gcs_down_at_the_end_is_not_durable_by_the_deadline(gcs_proxy, tmp_path: Path) -> None:
+    c = proxied(tmp_path, gcs_proxy)
+    gcs_proxy.proxy.down()
+    c.save(6, make_state(6), every_tier=True)
+    d = c.durable(6, deadline=time.monotonic() + 1.0)  # the upload keeps retrying: cut short
+    assert not d.ok and d.missing == ["gcs"] and "cannot check it" in d.tiers["gcs"]
+    assert not c.uploading() and c.abandoned == 1
+    gcs_proxy.proxy.up()
+    c.save(6, make_state(6), every_tier=True)
+    assert c.durable(6, deadline=time.monotonic() + GUARD).ok and gcs_steps(c) == {6}
+
+
+def test_a_full_run_dir_still_gets_the_save_to_gcs_from_host_memory(gcs_proxy, small_fs, tmp_path: Path,
+                                                                    logwatch) -> None:
+    pd = small_fs("pd", 1 << 20)
+    (pd.path / "run").mkdir()
+    pd.fill()
+    c = proxied(tmp_path, gcs_proxy, run_dir=pd.path / "run")
+    c.save(3, make_state(3))
+    c.wait()
+    assert "step 3 on persistent failed" in logwatch.text() and "No space left" in c.failing()["persistent"]["error"]
+    assert "uploading it to gcs from host memory" in logwatch.text()
+    assert gcs_steps(c) == {3}
+    d = c.durable(3, deadline=time.monotonic() + GUARD)
+    assert d.tiers == {"persistent": "step 3 is not there", "gcs": "ok"}
+    c.close()
+    r = proxied(tmp_path, gcs_proxy, run_dir=tmp_path / "fresh").restore()
+    assert (r.step, r.tier) == (3, "gcs") and same(r.state, make_state(3))
+
+
+def test_a_read_only_run_dir_emergency_save_uses_the_local_ssd_and_gcs(gcs_proxy, small_fs, tmp_path: Path) -> None:
+    pd = small_fs("pd", 4 << 20)
+    c = proxied(tmp_path, gcs_proxy, run_dir=pd.path / "run", with_local=True)
+    save_steps(c, [1])
+    pd.readonly()  # ext4's errors=remount-ro after an I/O error
+    rep = c.emergency_save(2, make_state(2), deadline=time.monotonic() + GUARD)
+    assert (rep.local_ok, rep.persistent_ok, rep.gcs_ok) == (True, False, True), rep.detail
+    assert rep.saved and not rep.complete
+    assert "persistent FAILED" in rep.detail and "Read-only file system" in rep.detail
+    assert gcs_steps(c) >= {2}
+    verify_dir(tmp_path / "local" / step_name(2))
+
+
+def test_an_emergency_save_only_the_local_ssd_got_is_not_saved(gcs_proxy, small_fs, tmp_path: Path) -> None:
+    pd = small_fs("pd", 4 << 20)
+    c = proxied(tmp_path, gcs_proxy, run_dir=pd.path / "run", with_local=True)
+    pd.readonly()
+    gcs_proxy.proxy.down()
+    rep = c.emergency_save(2, make_state(2), deadline=time.monotonic() + 1.0)
+    assert (rep.local_ok, rep.persistent_ok, rep.gcs_ok) == (True, False, False), rep.detail
+    assert not rep.saved and "only on the local SSD" in rep.detail and "lost with the VM" in rep.detail
+    verify_dir(tmp_path / "local" / step_name(2))  # a restart of the trainer on this VM resumes from it
+
+
+def test_a_stalled_upload_never_holds_the_emergency_save(gcs_proxy, tmp_path: Path) -> None:
+    c = proxied(tmp_path, gcs_proxy)
+    stall = gcs_proxy.proxy.add("POST", obj(gcs_proxy, 1, TENSORS), "stall")
+    c.save(1, make_state(1))
+    assert gcs_proxy.proxy.wait_stalled(stall, timeout=GUARD)
+    got = in_thread(lambda: c.emergency_save(2, make_state(2), deadline=time.monotonic() + GUARD))
+    assert got, "the emergency save waited for the stalled upload"
+    assert got[0].persistent_ok and got[0].gcs_ok is True and got[0].complete, got[0].detail
+    assert stall.held == 1  # still stalled: nothing waited for it
+    assert gcs_steps(c) == {2}
+
+
+def test_a_stalled_retention_listing_never_holds_the_emergency_save(gcs_proxy, tmp_path: Path, logwatch) -> None:
+    c = proxied(tmp_path, gcs_proxy, gcs=TierPolicy(every_steps=1, keep=1))
+    save_steps(c, [1])
+    prefix = gcs_proxy.uri.split("/", 3)[3].replace("/", "%2F")
+    # Retention lists every checkpoint (prefix "step-"); a check of one step lists "step-N/".
+    stall = gcs_proxy.proxy.add("GET", rf"/o\?(.*&)?prefix={prefix}%2Fstep-(&|$)", "stall")
+    c.save(2, make_state(2))
+    assert gcs_proxy.proxy.wait_stalled(stall, timeout=GUARD)
+    assert "step 2 durable on gcs" in logwatch.text()  # retention comes after the upload
+    # The next disk save and its retention go on meanwhile (GCS retention holds no disk tier up).
+    c.save(3, make_state(3))
+    c._thread.join(GUARD)
+    assert not c._busy(), "the disk writer waited for GCS retention"
+    got = in_thread(lambda: c.emergency_save(4, make_state(4), deadline=time.monotonic() + GUARD))
+    assert got and got[0].complete, got[0].detail if got else "the emergency save waited for retention"
+    assert stall.held == 1
+    assert gcs_steps(c) == {1, 2, 4}  # retention was cut short: nothing it would delete is gone yet
+    assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {1, 2, 3, 4}
+
+
+def test_a_stalled_upload_never_holds_the_disk_saves_hostage(gcs_proxy, tmp_path: Path, logwatch) -> None:
+    c = proxied(tmp_path, gcs_proxy)
+    stall = gcs_proxy.proxy.add("POST", obj(gcs_proxy, 1, TENSORS), "stall")
+    c.save(1, make_state(1))
+    assert gcs_proxy.proxy.wait_stalled(stall, timeout=GUARD)
+    for step in (2, 3, 4):
+        c._thread.join(GUARD)  # the previous save's disk writer: done, while the upload is stalled
+        assert c.due(step)
+        c.save(step, make_state(step))
+    c._thread.join(GUARD)
+    assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {1, 2, 3, 4}
+    assert stall.held == 1 and c.stats["uploads_superseded"] == 2  # 2 and 3 gave way to 4
+    gcs_proxy.proxy.release(stall)
+    c.wait()
+    assert gcs_steps(c) == {1, 4}
+
+
+def test_host_buffers_stay_at_two_while_uploads_from_memory_are_stalled(gcs_proxy, small_fs, tmp_path: Path) -> None:
+    pd = small_fs("pd", 4 << 20)
+    c = proxied(tmp_path, gcs_proxy, run_dir=pd.path / "run")
+    pd.readonly()  # every save has to go to GCS from host memory
+    stall = gcs_proxy.proxy.add("POST", obj(gcs_proxy, 1, TENSORS), "stall")
+    c.save(1, make_state(1))  # its upload owns the first buffer while it is stalled
+    assert gcs_proxy.proxy.wait_stalled(stall, timeout=GUARD)
+    for step in (2, 3):
+        c._thread.join(GUARD)
+        assert c.due(step)  # a second buffer; then the queued upload of 2 gives its buffer to 3
+        c.save(step, make_state(step))
+    c._thread.join(GUARD)
+    assert len(c._buffers) == 2 and c.stats["uploads_superseded"] == 1
+    gcs_proxy.proxy.release(stall)
+    c.wait()
+    assert gcs_steps(c) == {1, 3} and not c._held
+    r = proxied(tmp_path, gcs_proxy, run_dir=tmp_path / "fresh").restore()
+    assert r.step == 3 and same(r.state, make_state(3))

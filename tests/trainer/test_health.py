@@ -81,3 +81,27 @@ def test_a_port_in_use_is_bad_input_naming_the_port_and_its_holder() -> None:
         assert "--health-port" in msg
     finally:
         first.close()
+
+
+def test_a_failing_tier_and_the_final_save_still_pass_the_check() -> None:
+    from trainer.checkpointer import describe_failing
+
+    clock = Clock()
+    failing = {"gcs": {"since": 1795000000.0, "failures": 2, "error": "Forbidden: 403"}}
+    h = Health(stall_timeout_s=30, clock=clock, degraded=lambda: describe_failing(failing))
+    h.beat()
+    want = "gcs failing since 2026-11-18T11:06:40Z (2 failed writes; last: Forbidden: 403)"
+    assert h.answer() == f"ok degraded: {want}"  # still training: autohealing must leave the VM alone
+    clock.t += 31
+    assert h.answer() == "stalled"  # a hung loop still fails the check
+    h.finishing(40)
+    assert h.answer() == f"ok finishing: making the checkpoint of step 40 durable on every tier; degraded: {want}"
+    failing.clear()
+    h.beat()
+    assert h.answer() == "ok"
+    srv = HealthServer(h, host="127.0.0.1", port=0).start()
+    try:
+        failing["persistent"] = {"since": 1795000000.0, "failures": 1, "error": "OSError: [Errno 28] No space"}
+        assert ask("127.0.0.1", srv.port).startswith("ok degraded: persistent failing since")
+    finally:
+        srv.close()

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -129,6 +130,14 @@ def worker(mode: str, args: dict) -> None:
                                       meta={"world_size": world.size})
             (out / f"report-{world.rank}.json").write_text(json.dumps(report.__dict__))
         c.wait()
+    elif mode == "durable":  # every rank its own node: GCS holds the only complete copy
+        train(model, opt, sched, 2, world.rank)
+        c.save(2, model, opt, extras=extras_for(2, sched, rngs) if world.is_main else None, meta={})
+        first = c.durable(2, deadline=time.monotonic() + GUARD)  # the upload ran on the uploader's group
+        train(model, opt, sched, 2, world.rank)
+        c.save(4, model, opt, extras=extras_for(4, sched, rngs) if world.is_main else None, meta={}, every_tier=True)
+        second = c.durable(4, deadline=time.monotonic() + GUARD)  # its manifest upload gets 403
+        (out / f"durable-{world.rank}.json").write_text(json.dumps([first.tiers, second.tiers]))
     elif mode == "load":
         r = c.restore(model, opt)
         record("loaded.pt")
@@ -456,6 +465,64 @@ def test_no_key_no_sharded_checkpointer(tmp_path: Path) -> None:
         ckpt(tmp_path / "run", World(), key=None)
     with pytest.raises(KeyProblem, match="inspected only with the run's checkpoint key"):
         inspect({"persistent": _dir_store(tmp_path)})
+
+
+def test_on_two_nodes_only_gcs_counts_and_a_403_on_the_manifest_is_not_durable(tmp_path: Path, gcs_proxy) -> None:
+    prefix = gcs_proxy.uri.split("/", 3)[3]
+    gcs_proxy.proxy.add("POST", rf"object={prefix}/{step_name(4)}/manifest[.]json$", "status", status=403, times=None)
+    launch(2, "durable", env=gcs_proxy.env, run_dir=tmp_path / "run", node_size=1, out=tmp_path,
+           gcs_uri=gcs_proxy.uri)
+    first, second = json.loads((tmp_path / "durable-0.json").read_text())
+    assert first == {"gcs": "ok"}  # no disk holds a complete copy on two nodes: GCS alone counts
+    assert list(second) == ["gcs"] and "no manifest" in second["gcs"]
+    assert json.loads((tmp_path / "durable-1.json").read_text()) == [{}, {}]  # rank 0 speaks for the job
+
+
+def _proxied(run_dir: Path, gcs_proxy, **kw: Any) -> ShardedCheckpointer:
+    c = ckpt(run_dir, World(), gcs_proxy.uri, gcs_client=gcs_proxy.client(), **kw)
+    c.gcs.request_timeout_s = 3600  # a stalled request is held until the test releases it
+    return c
+
+
+def test_a_full_run_dir_stages_the_shards_in_host_memory_for_gcs(tmp_path: Path, gcs_proxy, small_fs, logwatch) -> None:
+    model, opt, sched = make(seed=0)
+    train(model, opt, sched, 1, 0)
+    expected = copy.deepcopy(full_state(model, opt))
+    pd = small_fs("pd", 1 << 20)
+    (pd.path / "run").mkdir()
+    pd.fill()
+    c = _proxied(pd.path / "run", gcs_proxy, log=_logger())
+    c.save(1, model, opt, extras={"step": 1}, meta={})
+    c.wait()
+    assert "step 1 on persistent failed" in logwatch.text() and "shards staged in" in logwatch.text()
+    assert [i.step for i in list_sharded(c.gcs) if i.valid] == [1]
+    assert c.durable(1, deadline=time.monotonic() + GUARD).tiers == {"persistent": "step 1 is not there", "gcs": "ok"}
+    c.close()
+    assert not [p for root in ("/dev/shm", tempfile.gettempdir()) for p in Path(root).glob(f".tmp-{step_name(1)}-*")]
+    r, loaded = load_here(tmp_path / "fresh", gcs_uri=gcs_proxy.uri)
+    assert (r.step, r.tier, r.state) == (1, "gcs", {"step": 1})
+    assert_same_state(loaded, expected)
+
+
+def test_a_stalled_upload_never_holds_the_sharded_emergency_save(tmp_path: Path, gcs_proxy) -> None:
+    model, opt, sched = make(seed=0)
+    train(model, opt, sched, 1, 0)
+    c = _proxied(tmp_path / "run", gcs_proxy)
+    prefix = gcs_proxy.uri.split("/", 3)[3]
+    stall = gcs_proxy.proxy.add("POST", rf"object={prefix}/{step_name(1)}/__0_0[.]distcp$", "stall")
+    c.save(1, model, opt, extras={"step": 1}, meta={})
+    assert gcs_proxy.proxy.wait_stalled(stall, timeout=GUARD)
+    train(model, opt, sched, 1, 0)
+    got: list = []
+    th = threading.Thread(target=lambda: got.append(c.emergency_save(2, model, opt, extras={"step": 2},
+                                                                     deadline=time.monotonic() + GUARD, meta={})),
+                          daemon=True)
+    th.start()
+    th.join(GUARD)
+    assert got, "the emergency save waited for the stalled upload"
+    assert (got[0].persistent_ok, got[0].gcs_ok, got[0].complete) == (True, True, True), got[0].detail
+    assert stall.held == 1
+    assert [i.step for i in list_sharded(c.gcs) if i.valid] == [2]
 
 
 def _dir_store(root: Path) -> Any:

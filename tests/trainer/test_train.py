@@ -85,6 +85,8 @@ def test_a_checkpoint_of_the_old_data_order_is_refused_naming_it(tmp_path: Path,
     monkeypatch.setattr(RunConfig, "fingerprint", real)
     assert run(_cfg(tmp_path / "run")).code == 2
     assert "data_order: checkpoint has None, this run has 2" in capsys.readouterr().err
+
+
 def test_status_of_a_run_known_only_by_its_bucket(tmp_path: Path, gcs_proxy, capsys: pytest.CaptureFixture) -> None:
     """`status --gcs-uri` alone (a deployed run, seen from a laptop): the bucket's newest
     checkpoint and the ledger's copy there; no stand-in disk in the report, nothing written."""
@@ -104,3 +106,22 @@ def test_status_of_a_run_known_only_by_its_bucket(tmp_path: Path, gcs_proxy, cap
     assert s["goodput"]["finished"] and s["goodput"]["sessions"] == 1
     assert cli(["status"]) == 2
     assert "run_dir: the run to inspect is required (flag --run-dir DIR or --gcs-uri" in capsys.readouterr().err
+
+
+def test_a_pause_whose_checkpoint_gcs_refuses_exits_74_and_status_says_why(tmp_path: Path, gcs_proxy) -> None:
+    prefix = gcs_proxy.uri.split("/", 3)[3]
+    rule = gcs_proxy.proxy.add("POST", rf"object={prefix}/step-00000003/manifest[.]json$", "status", status=403,
+                               times=None)
+    cfg = _cfg(tmp_path / "run", gcs_uri=gcs_proxy.uri, stop_at_step=3, durable_timeout_s=2.0).model_copy(
+        update={"steps": 6, "checkpoint_every_steps": 100})
+    example_task.FETCHES[0] = 0
+    assert run(cfg).code == 74  # not 75: the pause's checkpoint is not on GCS
+    s = collect(StatusConfig(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri))
+    assert s["tiers"]["persistent"]["newest_valid"] == 3 and s["tiers"]["gcs"]["newest_valid"] is None
+    assert list(s["failing"]) == ["gcs"] and "403" in s["failing"]["gcs"]["error"]
+    assert s["failing"]["gcs"]["failures"] >= 2  # saved again before giving up
+    assert s["goodput"]["failures"] == 1 and not s["goodput"]["finished"]
+    gcs_proxy.proxy.release(rule)
+    assert run(cfg.model_copy(update={"stop_at_step": None})).code == 0
+    s = collect(StatusConfig(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri))
+    assert s["tiers"]["gcs"]["newest_valid"] == 6 and s["failing"] == {} and s["goodput"]["finished"]
