@@ -104,7 +104,7 @@ def forge_in_bucket(client: Any, uri: str, src_step: int, step: int, replace: di
         if name == "manifest.json":
             manifest = data
             continue
-        if name not in replace and not (legacy and name != "tensors.bin"):
+        if name not in replace:
             bucket.blob(dst + name).upload_from_string(data)
     for name, data in replace.items():
         bucket.blob(dst + name).upload_from_string(data)

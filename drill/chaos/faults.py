@@ -257,8 +257,8 @@ class SecondVm(SecondTrainer):
 _SAVES_ONLY = "the trainer reads a checkpoint only when it starts: a forgery planted during the run is met at the next start-up"
 _TWO_WRITERS = ("who may write is settled when a trainer starts (run-dir lock, GCS lease) whatever the "
                 "first one is doing: the start-up and restore cells")
-_TORN = ("a save cut short at any point is the crash-consistency soak's (SIGKILL at nine points of a save, "
-         "`make soak`); here: the disk's copy found damaged by the next boot")
+_TORN = ("a save cut short at any point of its writes is the crash-consistency tests' case (SIGKILL at nine points "
+         "of a save; `make soak`); the matrix's cells are the damaged copy a next boot finds")
 
 FAULTS: dict[str, Fault] = {f.key: f for f in [
     GcsDown("gcs-down", "GCS down (connection refused)",

@@ -229,6 +229,10 @@ class Cell:
                                 f"the next boot resumed from {r.resumed}")
         if self.forged_step is not None:
             name = f"step-{self.forged_step:08d}"
+            why = [m.group(1) for t in runs for m in t.find(rf"refusing \w+ checkpoint step {self.forged_step} at \S+: "
+                                                              r"([^;(]+)")]
+            if why:
+                r.notes.append(f"forged step {self.forged_step} refused: {why[0].strip()}")
             if any(x[1] is not None and (x[1][0] == self.forged_step or name in x[1][1]) for x in restores):
                 r.violations.append(f"a boot loaded the forged checkpoint (step {self.forged_step})")
         if rig.marker.exists():
