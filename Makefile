@@ -46,9 +46,10 @@ drill: setup
 	$(PY) -m drill $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(DRILL_ARGS)
 
 ## chaos: the promise under real faults, fault x moment, against the real trainer; prints the table
-## RELIABILITY.md records (about 10-15 min; needs root). CHAOS_CELLS="gcs-*:startup,pd-full" runs a part.
+## RELIABILITY.md records (about 10-15 min; needs root). CHAOS_CELLS="gcs-*:startup,pd-full" runs a part;
+## CHAOS_ARGS="--record RELIABILITY.md" writes a full run's table into it.
 chaos: setup
-	$(PY) -m drill.chaos $(if $(CHAOS_CELLS),--cells '$(CHAOS_CELLS)')
+	$(PY) -m drill.chaos $(if $(CHAOS_CELLS),--cells '$(CHAOS_CELLS)') $(CHAOS_ARGS)
 
 ## soak: the long crash-consistency runs, then the long drill (~8 min).
 soak: setup

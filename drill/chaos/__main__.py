@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-model", action="store_true", help="print RELIABILITY.md's fault model table and exit")
     p.add_argument("--keep", type=Path, help="keep every cell's disks' images, logs and results in this directory")
     p.add_argument("--markdown", type=Path, help="also write the report to this file")
+    p.add_argument("--record", type=Path, metavar="RELIABILITY.md",
+                   help="write the report and the fault model into this file's marked blocks (a full run)")
     a = p.parse_args(argv)
 
     from drill.chaos.faults import FAULTS
@@ -31,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(fault_model())
         return 0
+    if a.record and a.cells:
+        print("chaos: --record is for a full run (without --cells/CHAOS_CELLS)", file=sys.stderr)
+        return 2
     selected = cells(a.cells)
     if not selected:
         print(f"chaos: no cell matches {a.cells!r}; faults: {', '.join(FAULTS)}; moments: "
@@ -63,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     if a.markdown:
         a.markdown.write_text(report + "\n")
+    if a.record:
+        from drill.chaos.report import embed, fault_model
+
+        a.record.write_text(embed(embed(a.record.read_text(), "results", report), "fault-model", fault_model()))
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -75,3 +75,15 @@ def fault_model() -> str:
     for f in FAULTS.values():
         lines.append(f"| {_cell(f.title)} | {_cell(f.reproduces)} | {_cell(f.injects)} | {', '.join(f.moments())} |")
     return "\n".join(lines)
+
+
+def embed(text: str, block: str, content: str) -> str:
+    """``text`` with what lies between ``<!-- block -->`` and ``<!-- /block -->`` replaced."""
+    start, end = f"<!-- {block} -->\n", f"<!-- /{block} -->"
+    i, j = text.index(start) + len(start), text.index(end)
+    return text[:i] + content.rstrip("\n") + "\n" + text[j:]
+
+
+def embedded(text: str, block: str) -> str:
+    start, end = f"<!-- {block} -->\n", f"<!-- /{block} -->"
+    return text[text.index(start) + len(start):text.index(end)].rstrip("\n")

@@ -62,3 +62,10 @@ def test_one_cell_runs_the_real_trainer_and_keeps_the_promise(tmp_path: Path) ->
     assert [role for role, _ in r.exits] == ["first", "boot 1"] and r.exits[-1] == ("boot 1", "0")
     burst = (tmp_path / "gcs-burst-emergency" / "first.log").read_text()
     assert "injected 429 by the fault proxy" in burst and "injected 503 by the fault proxy" in burst
+
+
+def test_reliability_md_shows_the_current_fault_model() -> None:
+    from drill.chaos.report import embedded, fault_model
+
+    assert embedded((REPO / "RELIABILITY.md").read_text(), "fault-model") == fault_model(), (
+        "RELIABILITY.md is stale: python -m drill.chaos --fault-model (or a full run with --record)")
