@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import re
 import shutil
 import signal
@@ -29,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from drill.fault_proxy import FaultProxy
 from drill.gcs_emulator import StorageEmulator
@@ -90,6 +89,21 @@ def key_env(folder: Path) -> dict[str, str]:
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(os.urandom(32))
     return {"SPOTTRAIN_CHECKPOINT_KEY_FILE": str(path)}
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """This process's environment with ``values``, for what reads it (the storage client, the key)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -316,17 +330,8 @@ class Rig:
         from trainer.config import StatusConfig
         from trainer.status import collect
 
-        old = os.environ.get("STORAGE_EMULATOR_HOST")
-        os.environ["STORAGE_EMULATOR_HOST"] = self.emulator.host
-        try:
-            if tier == "gcs":
-                cfg = StatusConfig(run_dir=self.dir / "no-run-dir", gcs_uri=self.uri)
-            else:
-                cfg = StatusConfig(run_dir=run_dir or self.run_dir)
-            s = collect(cfg)
-        finally:
-            if old is None:
-                os.environ.pop("STORAGE_EMULATOR_HOST", None)
-            else:
-                os.environ["STORAGE_EMULATOR_HOST"] = old
+        where = {"gcs_uri": self.uri, "run_dir": self.dir / "no-run-dir"} if tier == "gcs" else {
+            "run_dir": run_dir or self.run_dir}
+        with _environ(STORAGE_EMULATOR_HOST=self.emulator.host, **self.env):  # the run's key
+            s = collect(StatusConfig(**where))
         return s["latest_step"], s["model_digest"]
