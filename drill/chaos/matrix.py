@@ -281,42 +281,18 @@ class Cell:
 # ------------------------------------------------------------------------------------ two writers
 
 
-def _second_trainer_startup(c: Cell) -> None:
-    """B starts on A's run dir while A trains: B exits 2 naming A; A carries on unharmed."""
+def _second_writer_startup(c: Cell, run_dir: Path | None, what: str) -> None:
+    """B starts while A trains: on A's run dir (B exits 2 naming A), or on another VM's blank disk
+    with A's GCS prefix (B must not write the job: it waits for A's lease and gives up, exit 2).
+    A carries on unharmed."""
     rig = c.rig
     a = c.first = rig.start("first", park=[6, 13])
     c.settle(a, 6)
-    b = rig.start("second")
+    b = rig.start("second", run_dir=run_dir, local=run_dir is None)
     b.finish()
     c.ended(b)
     if b.rc != 2 or b.restored() is not None:
-        c.r.violations.append(f"the second trainer on the run dir exited {b.exit} (restored: {b.restored()})")
-    rig.release(6)
-    c.settle(a, 13)
-    a.notice(rig.metadata)
-    rig.release(13)
-    a.finish()
-    c.ended(a)
-    c.r.stopped = max(a.steps())
-    c.fault.remove(rig)
-    rig.next_boot()
-    t = rig.start("boot 1")
-    c.boots.append(t)
-    t.finish()
-    c.ended(t)
-
-
-def _second_vm_startup(c: Cell) -> None:
-    """B on another VM (its own blank disk) starts on A's GCS prefix while A trains: it must not
-    write the job (it waits for A's lease and gives up, exit 2); A carries on."""
-    rig = c.rig
-    a = c.first = rig.start("first", park=[6, 13])
-    c.settle(a, 6)
-    b = rig.start("second", run_dir=rig.dir / "other-vm", local=False)
-    b.finish()
-    c.ended(b)
-    if b.rc != 2 or b.restored() is not None:
-        c.r.violations.append(f"the second VM exited {b.exit} (restored: {b.restored()})")
+        c.r.violations.append(f"{what} exited {b.exit} (restored: {b.restored()})")
     rig.release(6)
     c.settle(a, 13)
     a.notice(rig.metadata)
@@ -354,9 +330,9 @@ def _both_at_once(c: Cell, run_dir_b: object, local_b: bool) -> None:
 
 
 SCRIPTS: dict[tuple[str, str], Callable[[Cell], None]] = {
-    ("second-trainer", "startup"): _second_trainer_startup,
+    ("second-trainer", "startup"): lambda c: _second_writer_startup(c, None, "the second trainer on the run dir"),
     ("second-trainer", "restore"): lambda c: _both_at_once(c, None, True),
-    ("second-vm", "startup"): _second_vm_startup,
+    ("second-vm", "startup"): lambda c: _second_writer_startup(c, c.rig.dir / "other-vm", "the second VM"),
     ("second-vm", "restore"): lambda c: _both_at_once(c, c.rig.dir / "other-vm", False),
 }
 
