@@ -57,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = a.keep or Path(tempfile.mkdtemp(prefix="spottrain-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
+    t0, load = time.monotonic(), os.getloadavg()
     try:
         results = run_matrix(selected, workdir, log=lambda line: print(line, file=sys.stderr, flush=True))
     finally:
         if a.keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
     command = "make chaos" + (f" CHAOS_CELLS={a.cells}" if a.cells else "")
-    report = summary(results, time.monotonic() - t0, command)
+    report = summary(results, time.monotonic() - t0, command, load)
     print(report)
     if a.markdown:
         a.markdown.write_text(report + "\n")

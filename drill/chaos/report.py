@@ -34,8 +34,8 @@ def table(results: list[Result]) -> str:
     return "\n".join([HEADER, *(row(r) for r in results)])
 
 
-def machine() -> str:
-    """Cores, memory, load, kernel and the torch version of this run."""
+def machine(load_at_start: tuple[float, ...] | None = None) -> str:
+    """Cores, memory, load (at the start and the end), kernel and the torch version of this run."""
     import torch
 
     mem = ""
@@ -46,7 +46,8 @@ def machine() -> str:
     except (OSError, StopIteration, ValueError):
         pass
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{os.cpu_count()} cores{mem}, load average {load} (at the end), Linux {platform.release()}, "
+    start = "" if load_at_start is None else " ".join(f"{x:.2f}" for x in load_at_start) + " at the start, "
+    return (f"{os.cpu_count()} cores{mem}, load average {start}{load} at the end, Linux {platform.release()}, "
             f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
@@ -57,12 +58,12 @@ def commit() -> str:
     return (out.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
-def summary(results: list[Result], seconds: float, command: str) -> str:
+def summary(results: list[Result], seconds: float, command: str, load_at_start: tuple[float, ...] | None = None) -> str:
     run = [r for r in results if r.na is None]
     failed = [r for r in run if not r.ok]
     lines = [f"`{command}` on {time.strftime('%Y-%m-%d')}, commit {commit()}: {len(run)} cells run "
              f"({len(results) - len(run)} n/a), {len(run) - len(failed)} kept the promise, {len(failed)} did not; "
-             f"{seconds / 60:.1f} minutes.", "", f"Machine: {machine()}.", "", table(results)]
+             f"{seconds / 60:.1f} minutes.", "", f"Machine: {machine(load_at_start)}.", "", table(results)]
     if failed:
         lines += ["", "Violations:", ""]
         lines += [f"- {FAULTS[r.fault].title} at {r.moment}: {'; '.join(r.violations)}" for r in failed]
