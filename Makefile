@@ -9,7 +9,7 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo drill soak bench synth cost review preflight docs wheels clean \
+.PHONY: setup test demo drill chaos soak bench synth cost review preflight docs wheels clean \
 	deploy diff destroy output
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
@@ -44,6 +44,12 @@ demo: setup
 ## two-GPU VM: torchrun with one trainer process per GPU (gloo on CPU here).
 drill: setup
 	$(PY) -m drill $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(DRILL_ARGS)
+
+## chaos: the promise under real faults, fault x moment, against the real trainer; prints the table
+## RELIABILITY.md records (about 10-15 min; needs root). CHAOS_CELLS="gcs-*:startup,pd-full" runs a part;
+## CHAOS_ARGS="--record RELIABILITY.md" writes a full run's table into it.
+chaos: setup
+	$(PY) -m drill.chaos $(if $(CHAOS_CELLS),--cells '$(CHAOS_CELLS)') $(CHAOS_ARGS)
 
 ## soak: the long crash-consistency runs, then the long drill (~8 min).
 soak: setup

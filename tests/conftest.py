@@ -103,16 +103,17 @@ def gcs_proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[ProxiedGcs]:
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """`small_fs(name, size_bytes)`: a real tmpfs of that size mounted under tmp_path (root only;
-    the test is skipped otherwise). Unmounted at teardown."""
+    """`small_fs(name, size_bytes, fstype="tmpfs")`: a real filesystem of that size mounted under
+    tmp_path (a tmpfs, or an ext4 on a loop device; root only: the test is skipped otherwise).
+    Unmounted at teardown."""
     from drill.small_fs import SmallFs
 
-    if not SmallFs.possible():
-        pytest.skip("a real small filesystem needs root (mount -t tmpfs)")
     mounted: list[SmallFs] = []
 
-    def make(name: str = "disk", size_bytes: int = 64 << 20) -> SmallFs:
-        fs = SmallFs(tmp_path / name, size_bytes).__enter__()
+    def make(name: str = "disk", size_bytes: int = 64 << 20, fstype: str = "tmpfs") -> SmallFs:
+        if not SmallFs.possible(fstype):
+            pytest.skip(f"a real small filesystem needs root (mount -t {fstype})")
+        fs = SmallFs(tmp_path / name, size_bytes, fstype=fstype).__enter__()
         mounted.append(fs)
         return fs
 

@@ -70,3 +70,9 @@ def test_make_drill_takes_an_experiment():
     proc = make("-n", "drill", "EXPERIMENT=drill/experiments/two-gpus.toml")
     assert proc.returncode == 0, proc.stderr
     assert ".venv/bin/python -m drill --experiment drill/experiments/two-gpus.toml" in proc.stdout
+
+
+def test_make_chaos_takes_a_selection_of_cells():
+    proc = make("-n", "chaos", "CHAOS_CELLS=gcs-*:startup,pd-full")
+    assert proc.returncode == 0, proc.stderr
+    assert ".venv/bin/python -m drill.chaos --cells 'gcs-*:startup,pd-full'" in proc.stdout

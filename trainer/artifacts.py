@@ -28,6 +28,9 @@ torch.save(model.state_dict(), tmp)``), so that a file appears complete or not a
 the local disk. At start-up, objects missing locally are downloaded (atomically); a local file
 that differs from its object is kept (it is newer: the disk outlived the last copy). Artifacts
 are not rolled back with a checkpoint: after a resume they are the latest ones copied.
+
+Artifacts never stop a run: a GCS failure and a run dir that is full or read-only (the directory
+cannot even be created) are logged, and the run goes on.
 """
 from __future__ import annotations
 
@@ -96,7 +99,11 @@ class Artifacts:
         self.store = store
         self.staging = Path(staging)  # on the same disk as root, never listed as an artifact
         self.log = log or logging.getLogger("trainer.artifacts")
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a full or read-only run dir: the task finds no directory, the run goes on
+            self.log.warning("event=artifacts_dir ok=0 path=%s error=%r (the run goes on; the task cannot keep "
+                             "files there until the disk takes writes again)", self.root, e)
         self._lock = threading.Lock()  # one copy at a time
         self._thread: threading.Thread | None = None
         self._wanted = threading.Event()

@@ -41,7 +41,9 @@ lists is there with the listed size. The final checkpoint and a pause's count on
 Restoring: the newest checkpoint that verifies (manifest self-check and HMAC under the run's key,
 sizes, sha256 of every file) across all tiers, preferring the fastest tier for equal steps. A GCS
 checkpoint newer than anything on disk is downloaded into the persistent tier (atomically) and
-loaded from there. Any invalid candidate is logged with the reason and the next older one is
+loaded from there; when the run dir cannot take it (full, read-only) through a temporary folder
+instead, and when nothing can, the run dir is unknown (start-up waits): a disk's failure never
+makes a checkpoint unusable. Any invalid candidate is logged with the reason and the next older one is
 tried. A tier that cannot be listed or read is unknown, not empty: a trainer's restore raises
 ``TierUnknown`` rather than choose without it (``trainer.tier_wait`` waits); ``status``
 (``download=False``) only notes it. What is never a reason to fall back or start afresh (a
@@ -96,6 +98,15 @@ TIERS = ("local", "persistent", "gcs")
 DURABLE_TIERS = ("persistent", "gcs")
 #: Buffers a training run keeps at most (see the module docstring).
 MAX_BUFFERS = 2
+
+
+class _CannotStore(Exception):
+    """A download that the folder it goes to cannot take (full, read-only, failing): the disk's
+    problem, not the checkpoint's."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -840,28 +851,49 @@ class Checkpointer:
                 self.log.warning("replacing invalid persistent copy of step %d with the GCS one", step)
                 delete_checkpoint(persistent, step)
         if download:
-            folder = self._download(t, step, persistent.root)
-            self.log.info("downloaded step %d from %s into %s", step, info.location, folder)
-            _, state = load_dir(folder, key=self.key)
-            self._verified.add(("persistent", step))
-            return state, info.location, t.name
-        tmp = Path(tempfile.mkdtemp(prefix="spottrain-restore-"))
+            try:
+                folder = self._download(t, step, persistent.root)
+            except _CannotStore as e:  # a full or read-only run dir: load it from elsewhere all the same
+                self.log.warning("the run dir cannot take the download of step %d (%s): loading it through a "
+                                 "temporary folder; the run dir gets checkpoints again once it takes writes",
+                                 step, e.error)
+            else:
+                self.log.info("downloaded step %d from %s into %s", step, info.location, folder)
+                _, state = load_dir(folder, key=self.key)
+                self._verified.add(("persistent", step))
+                return state, info.location, t.name
         try:
-            folder = download_dir(t.store, step, tmp, key=self.key)
+            tmp = Path(tempfile.mkdtemp(prefix="spottrain-restore-"))
+        except OSError as e:
+            raise self._nowhere(step, e) from e
+        try:
+            try:
+                folder = self._download(t, step, tmp)
+            except _CannotStore as e:
+                raise self._nowhere(step, e.error) from e
             _, state = load_dir(folder, key=self.key)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return state, info.location, t.name
 
     def _download(self, t: _Tier, step: int, root: Path) -> Path:
-        """``download_dir``; a tier that stops answering midway is unknown (the checkpoint is
-        not thereby invalid: never fall back to an older one for that)."""
+        """``download_dir``; a tier that stops answering midway is unknown, and a folder that cannot
+        take the files is ``_CannotStore`` (the checkpoint is not thereby invalid: never fall back
+        to an older one for either)."""
         try:
             return download_dir(t.store, step, root, key=self.key)
         except Exception as e:
             if is_unreachable(e):
                 raise TierUnknown({t.name: f"{type(e).__name__}: {e}"}) from e
+            if isinstance(e, OSError):  # writing the files here failed (ENOSPC, EROFS, EIO, ...)
+                raise _CannotStore(e) from e
             raise
+
+    def _nowhere(self, step: int, e: OSError) -> TierUnknown:
+        """Neither the run dir nor a temporary folder takes the download: the run dir cannot be used
+        now, so start-up waits for it (trainer.tier_wait), as for any tier it cannot use."""
+        return TierUnknown({"persistent": f"cannot store the download of step {step} in the run dir nor in a "
+                                          f"temporary folder ({type(e).__name__}: {e})"})
 
     # ------------------------------------------------------------------------------ emergency
     def emergency_save(self, step: int, state: dict, *, deadline: float,

@@ -18,12 +18,18 @@ it (1) rewrites the earlier sessions' files without those points, locally and in
 ``SessionLog.START`` event at step S + 1, TensorBoard's own purge marker (readers that load
 files written before the rewrite drop the superseded points on it too).
 
+The metrics never stop a run: a write to the run dir that fails (a full or read-only disk) is
+logged and counted (``event=metrics_error``, at the 1st, 2nd, 4th, 8th ... failure), its point is
+dropped (a partial record is cut off, so that no torn record hides the points after it), and the
+file is written again once the disk takes writes.
+
 Steps are optimizer steps completed; scalars: ``train/loss`` (mean over the logging interval),
 ``lr``, ``throughput/steps_per_s``, ``throughput/tokens_per_s`` (or ``samples_per_s``),
 ``eval/loss``, ``goodput/goodput`` and ``goodput/cost_usd``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -149,16 +155,23 @@ class Metrics:
     def __init__(self, run_dir: Path, *, start_step: int, store: Any | None = None, session: str = "",
                  upload_every_s: float = 60.0, log: logging.Logger | None = None):
         self.log = log or logging.getLogger("trainer.metrics")
+        self.errors = 0  # writes to the run dir that failed
         self.dir = DirStore(Path(run_dir) / TB_DIR, "tensorboard")
-        self.dir.root.mkdir(parents=True, exist_ok=True)
-        self.dir.clean_temporaries()  # a rewrite cut short: TensorBoard would read it as a run file
         self.store, self.upload_every_s = store, upload_every_s
         self.base = f"{_PREFIX}{int(time.time()):010d}.{socket.gethostname()}.{session or os.getpid()}"
+        try:
+            self.dir.root.mkdir(parents=True, exist_ok=True)
+            self.dir.clean_temporaries()  # a rewrite cut short: TensorBoard would read it as a run file
+        except OSError as e:
+            self._failed(e)
         self._supersede(start_step)
         self._lock = threading.Lock()
         self._written: dict[str, int] = {}  # part -> bytes written (the last part is the open one)
         self._uploaded: dict[str, int] = {}
-        self._open_part()
+        self._fd: int | None = None
+        self.name = f"{self.base}.0000"
+        self._written[self.name] = 0
+        self._open()
         self._write(event(time.time(), file_version="brain.Event:2"))
         self._write(event(time.time(), start_step + 1, session_start=True))
         self._wake = threading.Event()
@@ -183,8 +196,11 @@ class Metrics:
             raw = path.read_bytes()
             kept = without_steps_after(raw, step)
             if kept != raw:
-                self.dir.put_bytes(path.name, kept, overwrite=True)
-                self.log.info("event=metrics_superseded file=%s after_step=%d", path.name, step)
+                try:
+                    self.dir.put_bytes(path.name, kept, overwrite=True)
+                    self.log.info("event=metrics_superseded file=%s after_step=%d", path.name, step)
+                except OSError as e:  # the bucket's copy is still rewritten
+                    self._failed(e)
             if self.store is not None and (kept != raw or path.name not in remote):
                 self._put(path.name, kept)
 
@@ -196,19 +212,51 @@ class Metrics:
             self.log.warning("event=metrics_upload ok=0 file=%s error=%r", name, e)
             return False
 
-    def _open_part(self) -> None:
-        self.name = f"{self.base}.{len(self._written):04d}"
-        self._fd = os.open(self.dir.path(self.name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._written[self.name] = 0
+    def _failed(self, e: OSError) -> None:
+        """Count a failed write to the run dir; log it at counts 1, 2, 4, ... (never raises)."""
+        self.errors += 1
+        if self.errors & (self.errors - 1) == 0:
+            self.log.warning("event=metrics_error where=local count=%d error=%r (training goes on; these "
+                             "points are dropped)", self.errors, e)
+
+    def _open(self) -> bool:
+        """Open the current part (again, after a failed write: cut back to its whole records)."""
+        if self._fd is not None:
+            return True
+        try:
+            self._fd = os.open(self.dir.path(self.name), os.O_WRONLY | os.O_CREAT, 0o644)
+            os.ftruncate(self._fd, self._written[self.name])
+            os.lseek(self._fd, 0, os.SEEK_END)
+            return True
+        except OSError as e:
+            self._close_fd()
+            self._failed(e)
+            return False
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
 
     def _write(self, data: bytes) -> None:
         with self._lock:
+            if self._fd is None and not self._open():
+                return
             rec = record(data)
-            os.write(self._fd, rec)
+            try:
+                if os.write(self._fd, rec) != len(rec):  # type: ignore[arg-type]
+                    raise OSError("short write (the disk is full)")
+            except OSError as e:
+                self._close_fd()  # reopened, cut back to the last whole record, by the next write
+                self._failed(e)
+                return
             self._written[self.name] += len(rec)
             if self._written[self.name] >= PART_BYTES:
-                os.close(self._fd)
-                self._open_part()
+                self._close_fd()
+                self.name = f"{self.base}.{len(self._written):04d}"
+                self._written[self.name] = 0
+                self._open()
 
     def scalars(self, step: int, values: dict[str, float] | None) -> None:
         """Points at ``step`` (None or empty: nothing)."""
@@ -231,7 +279,11 @@ class Metrics:
         for name, n in written.items():
             if self._uploaded.get(name) == n:
                 continue
-            data = self.dir.path(name).read_bytes()[:n]  # whole records only, even while one is appended
+            try:
+                data = self.dir.path(name).read_bytes()[:n]  # whole records only, even while one is appended
+            except OSError:  # never created (the run dir could not take it): nothing of it to upload
+                ok = n == 0 and ok
+                continue
             if self._put(name, data):
                 self._uploaded[name] = n
             else:
@@ -240,10 +292,14 @@ class Metrics:
 
     def close(self, timeout: float = 30.0) -> bool:
         """fsync the file and make the last upload, waiting at most ``timeout`` s for it; True
-        if the bucket then has every point."""
+        if the bucket then has every point the run dir has."""
         with self._lock:
-            os.fsync(self._fd)
-            os.close(self._fd)
+            if self._fd is not None:
+                try:
+                    os.fsync(self._fd)
+                except OSError as e:
+                    self._failed(e)
+                self._close_fd()
         if self._thread is None:
             return True
         self._closing = True

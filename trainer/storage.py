@@ -266,7 +266,8 @@ class DirStore:
             fsync_dir(p.parent)
 
     def clean_temporaries(self) -> list[str]:
-        """Remove leftovers of interrupted writes/deletes in the root (never visible, never valid)."""
+        """Remove leftovers of interrupted writes/deletes in the root (never visible, never valid).
+        Best effort: on a disk that takes no writes (full, read-only) they stay, harmless."""
         removed = []
         if not self.root.is_dir():
             return removed
@@ -274,9 +275,15 @@ class DirStore:
             if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 if p.is_dir():
                     shutil.rmtree(p, ignore_errors=True)
+                    if p.exists():
+                        continue
                 else:
-                    with contextlib.suppress(FileNotFoundError):
+                    try:
                         p.unlink()
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        continue
                 removed.append(p.name)
         return removed
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
 
-def test_a_filled_fs_refuses_writes_with_enospc_and_frees_again(small_fs) -> None:
-    fs = small_fs("d", 4 << 20)
+@pytest.mark.parametrize("fstype", ["tmpfs", "ext4"])
+def test_a_filled_fs_refuses_writes_with_enospc_and_frees_again(small_fs, fstype: str) -> None:
+    fs = small_fs("d", 4 << 20 if fstype == "tmpfs" else 16 << 20, fstype=fstype)
     fs.fill()
     with pytest.raises(OSError) as e:
         (fs.path / "f").write_bytes(b"x" * (1 << 20))
@@ -26,3 +28,22 @@ def test_a_readonly_fs_refuses_writes_with_erofs(small_fs) -> None:
     assert (fs.path / "kept").read_bytes() == b"1"
     fs.writable()
     (fs.path / "g").write_bytes(b"1")
+
+
+def test_an_ext4_disk_turns_read_only_while_a_file_is_open_for_writing_and_comes_back(small_fs) -> None:
+    fs = small_fs("pd", 16 << 20, fstype="ext4")
+    (fs.path / "kept").write_bytes(b"1")
+    os.sync()  # what was not on the disk when it failed is gone after the reboot, as on a VM
+    with open(fs.path / "open", "ab", buffering=0) as held:  # a trainer's lock file, its ledger
+        fs.readonly()  # a tmpfs would refuse (EBUSY): an ext4 takes its error path
+        with pytest.raises(OSError) as e:
+            (fs.path / "g").write_bytes(b"1")
+        assert e.value.errno == errno.EROFS
+        with pytest.raises(OSError) as e:
+            held.write(b"x")
+        assert e.value.errno == errno.EROFS
+    assert (fs.path / "kept").read_bytes() == b"1"
+    fs.writable()  # the reboot: checked and mounted again
+    (fs.path / "g").write_bytes(b"1")
+    assert (fs.path / "kept").read_bytes() == b"1"
+

@@ -127,3 +127,13 @@ def test_an_emergency_never_waits_for_a_copy_in_flight(gcs_proxy, tmp_path: Path
     (a.root / "later.txt").write_text("after the notice")
     a.sync_soon()
     assert not a.busy and uploads(gcs_proxy, "later.txt") == 0
+
+
+def test_a_full_or_read_only_run_dir_never_stops_a_run_from_starting(small_fs, caplog) -> None:
+    for broken in ("fill", "readonly"):
+        fs = small_fs(f"run-{broken}", 8 << 20, fstype="ext4")  # a directory needs a block there
+        getattr(fs, broken)()
+        a = Artifacts(fs.path / "artifacts", None, staging=fs.path)  # cannot create its directory
+        assert a.restore() == 0 and a.sync().failed == []
+        assert f"event=artifacts_dir ok=0 path={fs.path / 'artifacts'} error=" in caplog.text
+        caplog.clear()

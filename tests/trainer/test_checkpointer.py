@@ -113,6 +113,40 @@ def test_gcs_newer_than_disk_is_downloaded(gcs_emulator, tmp_path: Path) -> None
     assert (tmp_path / "run" / step_name(3) / MANIFEST).exists()
 
 
+@pytest.mark.parametrize("broken", ["fill", "readonly"])
+def test_a_run_dir_that_cannot_take_the_download_still_resumes_from_gcs(
+        gcs_emulator, tmp_path: Path, small_fs, logwatch, monkeypatch: pytest.MonkeyPatch, broken: str) -> None:
+    """The disk's failure is not the checkpoint's: never fall back to an older one, or to none."""
+    save_steps(ckpt(tmp_path, gcs_emulator, with_local=False), [1, 2, 3])
+    disk = small_fs("run", 8 << 20, fstype="ext4")  # a new VM's blank disk over the old run dir
+    getattr(disk, broken)()  # full (the staged data filled it) or failed read-only
+    r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
+    assert r is not None and (r.step, r.tier) == (3, "gcs") and same(r.state, make_state(3))
+    assert "falling back" not in logwatch.text()
+    logwatch.wait_for("the run dir cannot take the download of step 3 ")
+    # Nowhere to put it at all: the run dir is unknown (start-up waits), never a fresh start.
+    tmp = small_fs("tmp", 1 << 20)
+    tmp.fill()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp.path))
+    with pytest.raises(TierUnknown) as e:
+        ckpt(tmp_path, gcs_emulator, with_local=False).restore()
+    assert "persistent" in e.value.tiers and "cannot store the download of step 3" in str(e.value)
+
+
+def test_a_read_only_run_dir_with_leftovers_of_a_cut_write_still_restores(tmp_path: Path, small_fs) -> None:
+    disk = small_fs("run", 8 << 20, fstype="ext4")
+    save_steps(ckpt(tmp_path, with_local=False), [1, 2])
+    (disk.path / ".tmp-step-00000003-abcd").mkdir()  # saves cut short, then the disk failed
+    (disk.path / ".tmp-step-00000003-abcd" / TENSORS).write_bytes(b"x")
+    (disk.path / ".tmp-manifest.json-abcd").write_bytes(b"x")
+    import os
+
+    os.sync()
+    disk.readonly()
+    r = ckpt(tmp_path, with_local=False).restore()
+    assert (r.step, r.tier) == (2, "persistent") and same(r.state, make_state(2))
+
+
 # ----------------------------------------------------------------------------- corruption
 
 

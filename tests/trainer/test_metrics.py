@@ -98,3 +98,33 @@ def test_a_long_session_goes_to_the_bucket_in_parts_each_uploaded_until_it_is_fu
     assert len(parts) == 3 and parts == sorted(p.name for p in (tmp_path / "run" / TB_DIR).iterdir())
     assert max(n for _, n in puts) < 2000 + 200  # never a whole session's file
     assert _read(tmp_path / "bucket" / TB_DIR)["train/loss"] == [(s, float(s)) for s in range(1, 101)]
+
+
+def test_a_run_dir_that_fills_never_stops_the_run_and_the_curve_goes_on_once_there_is_room(
+        small_fs, caplog: pytest.LogCaptureFixture) -> None:
+    fs = small_fs("run", 1 << 20)
+    bucket = DirStore(fs.path.parent / "bucket", "gcs")
+    m = Metrics(fs.path, start_step=0, store=bucket, session="s", upload_every_s=3600)
+    m.scalars(1, {"train/loss": 1.0})
+    fs.fill()
+    for step in range(2, 200):  # a point per step on a full disk: each write fails
+        m.scalars(step, {"train/loss": float(step), "lr": 0.5})
+    assert "event=metrics_error where=local count=1 " in caplog.text and m.errors >= 100
+    fs.free()
+    m.scalars(200, {"train/loss": 200.0})
+    assert m.close()
+    for logdir in (fs.path / TB_DIR, bucket.root / TB_DIR):  # no torn record hides the later points
+        got = _read(logdir)["train/loss"]
+        kept = len(got) - 1  # what fitted in the file's last page before the disk was full, then 200
+        assert got == [(s, float(s)) for s in range(1, kept + 1)] + [(200, 200.0)] and kept < 100
+
+
+def test_a_read_only_run_dir_at_start_never_stops_the_run(small_fs, caplog: pytest.LogCaptureFixture) -> None:
+    fs = small_fs("run", 1 << 20)
+    _session(fs.path, None, 0, 3, 0.0, "1").close()  # an earlier session's curve, superseded below
+    fs.readonly()
+    bucket = DirStore(fs.path.parent / "bucket", "gcs")
+    m = _session(fs.path, bucket, 2, 6, 10.0, "2")
+    m.close(timeout=5)
+    assert "event=metrics_error where=local count=1 " in caplog.text
+    assert _read(bucket.root / TB_DIR)["train/loss"] == [(1, 1.0), (2, 2.0)]  # superseded there all the same

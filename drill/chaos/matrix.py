@@ -1,0 +1,375 @@
+"""The chaos matrix: every fault at every moment it applies to, against the real trainer, and the
+promise checked in each cell.
+
+A cell (`run_cell`) is one fault at one moment (drill.chaos.faults). Its first run is a fresh job
+of `STEPS` steps, saving every `EVERY` steps to the local SSD, the persistent disk and GCS; the
+fault is injected at the moment, plays out (a preemption notice, a final save, an exit), and is
+taken away; then the trainer runs again (the next boot, up to three boots) until it exits 0.
+For the start-up and restore moments the first run is clean (notice at step 13) and the fault
+meets the next boot.
+
+Every cell must keep the promise (`Result.violations`):
+
+- nothing lost beyond the step in flight: the step the next boot resumes from is the last step
+  the first run completed (a notice lets the step in flight finish and saves it);
+- no fresh start while a checkpoint exists: no boot restores step 0;
+- no code run: the marker file of the forged checkpoints' pickle never appears, and no boot loads
+  a forged checkpoint;
+- exit 0 means finished: the final checkpoint is on the persistent disk and in GCS when a trainer
+  exits 0 (read back by the harness at once), and the job's final model equals the uninterrupted
+  reference run's (`model_digest`, on each durable tier);
+- no trainer hangs (one without a notice is powered off after `GUARD_S`) or crashes (exit 1
+  with a traceback); two trainers never train one job at once.
+"""
+from __future__ import annotations
+
+import fnmatch
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from drill.chaos.faults import FAULTS, MOMENTS, WAITING, Fault
+from drill.chaos.rig import EVERY, STEPS, Rig, Trainer, key_env
+from drill.gcs_emulator import StorageEmulator
+
+BOOTS = 3  # next boots at most (one with the fault, then after it is gone)
+OUTAGE_S = 45.0  # the longest a start-up or restore outage lasts (removed sooner once the trainer waits)
+SYNC_S = 60.0  # guard of a synchronisation point of a healthy run (a park, a save durable on GCS)
+
+
+class CellAborted(Exception):
+    """A synchronisation point never came (the trainer ended or hung first)."""
+
+
+@dataclass
+class Result:
+    fault: str
+    moment: str
+    na: str | None = None
+    stopped: int | None = None         # the last step the first run completed
+    resumed: int | None = None         # the step the next boot(s) resumed from (the lowest)
+    exits: list[tuple[str, str]] = field(default_factory=list)
+    unpickled: str = "no"
+    fresh_start: bool = False
+    digest_equal: bool | None = None
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def lost(self) -> int | None:
+        if self.stopped is None or self.resumed is None:
+            return None
+        return max(0, self.stopped - self.resumed)
+
+    @property
+    def ok(self) -> bool:
+        return self.na is not None or not self.violations
+
+    @property
+    def verdict(self) -> str:
+        return "n/a" if self.na is not None else "PASS" if self.ok else "FAIL"
+
+
+def cells(selection: str = "") -> list[tuple[str, str]]:
+    """Every (fault, moment) of the matrix, n/a ones included, filtered by ``selection``:
+    comma-separated ``FAULT:MOMENT`` globs (``gcs-*:startup,pd-full:*``; a bare ``FAULT`` means
+    every moment)."""
+    pats = [p.strip() if ":" in p else f"{p.strip()}:*" for p in selection.split(",") if p.strip()]
+    out = []
+    for key in FAULTS:
+        for moment in MOMENTS:
+            if not pats or any(fnmatch.fnmatchcase(f"{key}:{moment}", p) for p in pats):
+                out.append((key, moment))
+    return out
+
+
+# ------------------------------------------------------------------------------------ a cell
+
+
+class Cell:
+    def __init__(self, rig: Rig, fault: Fault, moment: str, reference: str, log: Callable[[str], None]):
+        self.rig, self.fault, self.moment, self.reference, self.log = rig, fault, moment, reference, log
+        self.r = Result(fault.key, moment)
+        self.first: Trainer | None = None
+        self.boots: list[Trainer] = []
+        self.forged_step: int | None = None
+
+    # --- synchronisation ------------------------------------------------------------------
+    def must(self, ok: object, what: str, t: Trainer) -> None:
+        if not ok:
+            if not t.alive():
+                t.finish()
+            raise CellAborted(f"{t.role}: {what} never came (exit {t.exit})")
+
+    def newest(self, tier: str, run_dir: Path | None = None) -> tuple[int | None, str | None]:
+        """``Rig.newest``; a `status` that fails (it met a checkpoint it cannot read) is a violation."""
+        try:
+            return self.rig.newest(tier, run_dir)
+        except Exception as e:  # noqa: BLE001
+            self.r.violations.append(f"status of {tier} failed: {type(e).__name__}: {e}")
+            return None, None
+
+    def park(self, t: Trainer, step: int) -> None:
+        self.must(self.rig.parked(t, step, SYNC_S), f"step {step}", t)
+
+    def durable(self, t: Trainer, step: int, tier: str = "gcs") -> None:
+        self.must(t.wait_for(rf"checkpoint step {step} durable on {tier}\b", SYNC_S), f"step {step} durable on {tier}", t)
+
+    def ended(self, t: Trainer) -> None:
+        """``t`` exited (or was powered off): record it; exit 0 must mean finished and durable."""
+        if t.rc is None and t.killed is None:
+            t.finish()
+        self.r.exits.append((t.role, t.exit))
+        if t.killed and t.notice_at is None:
+            self.r.violations.append(f"{t.role} hung ({t.killed})")
+        if t.rc == 1 and "Traceback" in t.output:
+            self.r.violations.append(f"{t.role} crashed (exit 1 with a traceback)")
+        if t.rc == 0:
+            on = {tier: self.newest(tier, t.run_dir)[0] for tier in ("persistent", "gcs")}
+            missing = [tier for tier, step in on.items() if step != STEPS]
+            if missing:
+                self.r.violations.append(f"{t.role} exited 0 but step {STEPS} is not on {'/'.join(missing)} "
+                                         f"(newest: {on})")
+
+    # --- the first run --------------------------------------------------------------------
+    def settle(self, t: Trainer, step: int) -> None:
+        """Park ``t`` at ``step`` and wait until its newest periodic save is durable on GCS (the last
+        tier), so that a fault injected now meets what comes next, not a save still under way.
+        (Which step that save is depends on the checkpointer: a save due while the previous one is
+        still being written is made a step or two later.)"""
+        self.park(t, step)
+        saves = [int(m.group(1)) for m in t.find(r"\bevent=checkpoint_save step=(\d+)")]
+        if saves:
+            self.durable(t, max(saves))
+
+    def first_run(self) -> None:
+        """A fresh job; the fault at this cell's moment (none for start-up and restore cells)."""
+        rig, fault, moment = self.rig, self.fault, self.moment
+        if moment == "periodic":
+            t = self.first = rig.start("first", park=[6, 17])
+            self.settle(t, 6)
+            fault.inject(rig, moment)  # from before the next periodic save to after the notice
+            rig.release(6)
+            self.park(t, 17)
+            got = sorted({(int(m.group(1)), m.group(2)) for m in t.find(r"checkpoint step (\d+) durable on (\w+)")
+                          if int(m.group(1)) > EVERY})
+            self.r.notes.append("while it lasted: " + (", ".join(f"{k} on {n}" for k, n in got) or "no save durable"))
+            t.notice(rig.metadata)
+            rig.release(17)
+        elif moment == "final":
+            t = self.first = rig.start("first", park=[STEPS])
+            self.settle(t, STEPS)
+            fault.inject(rig, moment)
+            rig.release(STEPS)
+            if fault.notice_in_final:
+                fault.ready(rig, moment, t)
+                t.notice(rig.metadata)
+        else:  # emergency; start-up and restore cells: a clean run stopped by a notice
+            t = self.first = rig.start("first", park=[13])
+            self.settle(t, 13)
+            if moment == "emergency":
+                fault.inject(rig, moment)
+            t.notice(rig.metadata)
+            rig.release(13)
+        t.finish()
+        self.ended(t)
+        steps = t.steps()
+        self.r.stopped = max(steps) if steps else 0
+        m = t.find(r"\bevent=preempted step=\d+ (.*?) seconds=")
+        if m:
+            self.r.notes.append(f"first: {m[-1].group(1)}")
+
+    # --- the next boots -------------------------------------------------------------------
+    def next_boots(self) -> None:
+        rig, fault, moment = self.rig, self.fault, self.moment
+        at_boot = moment in ("startup", "restore")
+        if not at_boot:
+            fault.remove(rig)
+        rig.next_boot(blank_pd=moment in fault.blank_pd)
+        if at_boot:
+            fault.inject(rig, moment)
+            self.forged_step = getattr(fault, "forged", None)
+        present = at_boot
+        for i in range(1, BOOTS + 1):
+            t = rig.start(f"boot {i}")
+            self.boots.append(t)
+            if present:
+                fault.ready(rig, moment, t)
+                if fault.waits:  # an outage: until the trainer says it waits, at most OUTAGE_S
+                    waited = t.wait_for(WAITING, OUTAGE_S)
+                    self.r.notes.append(f"boot {i} waited for the tier" if waited else
+                                        f"boot {i}: fault removed after {OUTAGE_S:.0f}s" if t.alive() else
+                                        f"boot {i} ended without waiting")
+                else:
+                    t.finish()
+                fault.remove(rig)
+                present = False
+            t.finish()
+            self.ended(t)
+            if t.rc == 0:
+                break
+        if not any(t.rc == 0 for t in self.boots):
+            self.r.violations.append("the job never finished (no boot exited 0)")
+
+    # --- the checks -----------------------------------------------------------------------
+    def check(self) -> None:
+        r, rig = self.r, self.rig
+        runs = self.boots
+        restores = [(t.role, t.restored()) for t in runs]
+        steps = [x[1][0] for x in restores if x[1] is not None]
+        r.resumed = min(steps) if steps else None
+        if any(s == 0 for s in steps):
+            r.fresh_start = True
+            r.violations.append("a boot started from scratch while a checkpoint existed")
+        if r.lost:
+            r.violations.append(f"{r.lost} step(s) lost: the first run completed step {r.stopped}, "
+                                f"the next boot resumed from {r.resumed}")
+        if self.forged_step is not None:
+            name = f"step-{self.forged_step:08d}"
+            why = [m.group(1) for t in runs for m in t.find(rf"refusing \w+ checkpoint step {self.forged_step} at \S+: "
+                                                              r"([^;(]+)")]
+            if why:
+                r.notes.append(f"forged step {self.forged_step} refused: {why[0].strip()}")
+            if any(x[1] is not None and (x[1][0] == self.forged_step or name in x[1][1]) for x in restores):
+                r.violations.append(f"a boot loaded the forged checkpoint (step {self.forged_step})")
+        if rig.marker.exists():
+            r.unpickled = "YES (trainer run)"
+            r.violations.append("the forged checkpoint's pickle ran (trainer run)")
+        done = [t for t in runs if t.rc == 0]
+        digests = {tier: self.newest(tier, done[-1].run_dir if done else None) for tier in ("persistent", "gcs")}
+        if rig.marker.exists() and r.unpickled == "no":
+            r.unpickled = "YES (trainer status)"
+            r.violations.append("the forged checkpoint's pickle ran (trainer status)")
+        r.digest_equal = all(d == (STEPS, self.reference) for d in digests.values())
+        if not r.digest_equal:
+            r.violations.append("the final model is not the reference's on every tier (" + ", ".join(
+                f"{tier}: step {step}" + (", the reference's digest" if digest == self.reference else ", another digest")
+                for tier, (step, digest) in digests.items()) + ")")
+        trained = [t.role for t in runs if t.steps()]
+        if len(trained) > 1 and self.fault.key.startswith("second-"):
+            r.violations.append(f"two trainers trained the job: {', '.join(trained)}")
+
+    def run(self) -> Result:
+        t0 = time.monotonic()
+        try:
+            script = SCRIPTS.get((self.fault.key, self.moment))
+            if script is not None:
+                script(self)
+            else:
+                self.first_run()
+                self.next_boots()
+            self.check()
+        except CellAborted as e:
+            self.r.violations.append(str(e))
+            for t in self.rig.trainers:  # how each ended, for the table
+                if (t.role, t.exit) not in self.r.exits and not t.alive():
+                    t.finish()
+                    self.r.exits.append((t.role, t.exit))
+        except Exception as e:  # noqa: BLE001 - a harness error is a failed cell, with its reason
+            self.r.violations.append(f"harness error: {type(e).__name__}: {e}")
+            self.log(traceback.format_exc())
+        finally:
+            for t in self.rig.trainers:
+                t.kill()
+        self.r.seconds = time.monotonic() - t0
+        return self.r
+
+
+# ------------------------------------------------------------------------------------ two writers
+
+
+def _second_writer_startup(c: Cell, run_dir: Path | None, what: str) -> None:
+    """B starts while A trains: on A's run dir (B exits 2 naming A), or on another VM's blank disk
+    with A's GCS prefix (B must not write the job: it waits for A's lease and gives up, exit 2).
+    A carries on unharmed."""
+    rig = c.rig
+    a = c.first = rig.start("first", park=[6, 13])
+    c.settle(a, 6)
+    b = rig.start("second", run_dir=run_dir, local=run_dir is None)
+    b.finish()
+    c.ended(b)
+    if b.rc != 2 or b.restored() is not None:
+        c.r.violations.append(f"{what} exited {b.exit} (restored: {b.restored()})")
+    rig.release(6)
+    c.settle(a, 13)
+    a.notice(rig.metadata)
+    rig.release(13)
+    a.finish()
+    c.ended(a)
+    c.r.stopped = max(a.steps())
+    rig.next_boot()
+    t = rig.start("boot 1")
+    c.boots.append(t)
+    t.finish()
+    c.ended(t)
+
+
+def _both_at_once(c: Cell, run_dir_b: object, local_b: bool) -> None:
+    rig = c.rig
+    c.first_run()
+    rig.next_boot(blank_pd=False)
+    a = rig.start("boot A")
+    b = rig.start("boot B", run_dir=run_dir_b, local=local_b)  # type: ignore[arg-type]
+    c.boots += [a, b]
+    for t in (a, b):
+        t.finish()
+        c.ended(t)
+    if not any(t.rc == 0 for t in (a, b)):
+        t = rig.start("boot C")
+        c.boots.append(t)
+        t.finish()
+        c.ended(t)
+    if not any(t.rc == 0 for t in c.boots):
+        c.r.violations.append("the job never finished (no boot exited 0)")
+    bad = [f"{t.role} exited {t.exit}" for t in (a, b) if t.rc not in (0, 2)]
+    if bad:
+        c.r.violations.append("; ".join(bad))
+
+
+SCRIPTS: dict[tuple[str, str], Callable[[Cell], None]] = {
+    ("second-trainer", "startup"): lambda c: _second_writer_startup(c, None, "the second trainer on the run dir"),
+    ("second-trainer", "restore"): lambda c: _both_at_once(c, None, True),
+    ("second-vm", "startup"): lambda c: _second_writer_startup(c, c.rig.dir / "other-vm", "the second VM"),
+    ("second-vm", "restore"): lambda c: _both_at_once(c, c.rig.dir / "other-vm", False),
+}
+
+
+# ------------------------------------------------------------------------------------ the run
+
+
+def reference_digest(workdir: Path, emulator: StorageEmulator, env: dict[str, str]) -> str:
+    """The uninterrupted run's final model digest (same task, settings and cadence)."""
+    with Rig(workdir, emulator, "reference", env) as rig:
+        t = rig.start("reference")
+        rc = t.finish()
+        step, digest = rig.newest("persistent")
+        if rc != 0 or step != STEPS or digest is None:
+            raise RuntimeError(f"the reference run failed (exit {t.exit}, newest step {step}):\n{t.output[-3000:]}")
+        return digest
+
+
+def run_matrix(selected: list[tuple[str, str]], workdir: Path, log: Callable[[str], None]) -> list[Result]:
+    """Run the ``selected`` cells one after another (cells in parallel would fight for the cores
+    and time the deadlines of each other); n/a ones are reported with their reason."""
+    env = key_env(workdir)
+    results: list[Result] = []
+    with StorageEmulator("spottrain-chaos", quiet=True) as emulator:
+        reference = None
+        for n, (key, moment) in enumerate(selected, 1):
+            fault = FAULTS[key]
+            if moment in fault.na:
+                results.append(Result(key, moment, na=fault.na[moment]))
+                continue
+            if reference is None:
+                reference = reference_digest(workdir, emulator, env)
+                log(f"chaos: reference digest {reference[:16]}")
+            with Rig(workdir, emulator, f"{key}-{moment}", env) as rig:
+                r = Cell(rig, fault, moment, reference, log).run()
+            results.append(r)
+            exits = ", ".join(f"{role} {code}" for role, code in r.exits)
+            log(f"chaos: [{n}/{len(selected)}] {key}:{moment} {r.verdict} in {r.seconds:.0f}s: resumed "
+                f"{r.resumed} lost {r.lost}; {exits}" + (f"; {'; '.join(r.violations)}" if r.violations else ""))
+    return results

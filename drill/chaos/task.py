@@ -1,0 +1,50 @@
+"""The chaos matrix's task: the bundled GPT task whose data loader can park the trainer at chosen
+steps, so that the harness injects a fault at an exact, known point of the run instead of racing it.
+
+``CHAOS_PARK_DIR`` names a folder, ``CHAOS_PARK_STEPS`` the steps to park at (comma-separated,
+counted from this process's first step: the chaos matrix parks only a run that starts fresh) and
+``CHAOS_PARK_BATCH`` the run's samples per step (``batch_size``; one process, no accumulation).
+Before loading the first sample of step ``k`` (steps ``1..k-1`` are done, and any periodic save
+they triggered has been handed to the checkpointer), the loader creates ``DIR/parked-k`` and waits
+while ``DIR/hold-k`` exists; the harness creates the hold files before it starts the trainer and
+deletes one to let the run go on. Without the variables it is the GPT task unchanged; the task
+string is part of the resume fingerprint, so the reference run uses this task too.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from trainer.task import Task, TaskContext
+from trainer.tasks import gpt
+
+PARK_DIR, PARK_STEPS, PARK_BATCH = "CHAOS_PARK_DIR", "CHAOS_PARK_STEPS", "CHAOS_PARK_BATCH"
+
+
+class ParkingDataset:
+    def __init__(self, inner: object, folder: Path, steps: list[int], batch_size: int):
+        self.inner, self.folder = inner, folder
+        self.at = {(k - 1) * batch_size: k for k in steps}  # samples served before step k
+        self.served = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> object:
+        step = self.at.get(self.served)
+        if step is not None:
+            (self.folder / f"parked-{step}").touch()
+            while (self.folder / f"hold-{step}").exists():  # the harness deletes it to go on
+                time.sleep(0.005)
+        self.served += 1
+        return self.inner[i]  # type: ignore[index]
+
+
+def build(ctx: TaskContext, **kw: object) -> Task:
+    task = gpt.build(ctx, **kw)  # type: ignore[arg-type]
+    folder, steps = os.environ.get(PARK_DIR), os.environ.get(PARK_STEPS)
+    if folder and steps:
+        task.dataset = ParkingDataset(task.dataset, Path(folder), [int(s) for s in steps.split(",")],
+                                      int(os.environ.get(PARK_BATCH, "1")))
+    return task

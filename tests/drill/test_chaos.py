@@ -1,0 +1,71 @@
+"""`make chaos` (drill.chaos): the matrix's catalogue, its selection, and one real cell end to end.
+
+The whole matrix takes minutes and runs with `make chaos` only; this is its smoke test: the
+harness runs a cell against the real trainer and reports it as the table says.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from drill.chaos.faults import FAULTS, MOMENTS
+from drill.chaos.matrix import Result, cells
+from drill.chaos.report import row, table
+from drill.chaos.rig import REPO
+from drill.small_fs import SmallFs
+
+
+def test_every_fault_has_a_cell_or_a_reason_at_every_moment() -> None:
+    for fault in FAULTS.values():
+        assert set(fault.na) <= set(MOMENTS), fault.key
+        assert all(reason.strip() for reason in fault.na.values()), fault.key
+        assert fault.moments(), f"{fault.key} has no cell at all"
+        assert set(fault.blank_pd) <= set(fault.moments()), fault.key
+    assert len(cells()) == len(FAULTS) * len(MOMENTS)
+
+
+def test_a_selection_picks_cells_by_fault_and_moment() -> None:
+    assert cells("gcs-down:startup") == [("gcs-down", "startup")]
+    assert cells("pd-full") == [("pd-full", m) for m in MOMENTS]
+    assert cells("gcs-*:final, ssd-full:restore") == [(k, "final") for k in FAULTS if k.startswith("gcs-")] + [
+        ("ssd-full", "restore")]
+    assert cells("nothing-like-it") == []
+
+
+def test_the_table_shows_why_a_cell_is_not_applicable_and_what_a_failed_one_broke() -> None:
+    na = Result("ssd-full", "restore", na=FAULTS["ssd-full"].na["restore"])
+    failed = Result("gcs-down", "emergency", stopped=13, resumed=5, exits=[("first", "killed"), ("boot 1", "0")],
+                    digest_equal=True, violations=["8 step(s) lost"])
+    text = table([na, failed])
+    assert "| n/a | a replacement VM's local SSD is blank" in row(na)
+    assert "| emergency | 5 | 8 | first killed, boot 1 0 | no | no | yes | FAIL | 8 step(s) lost |" in text
+
+
+def test_an_unknown_selection_is_bad_input() -> None:
+    out = subprocess.run([sys.executable, "-m", "drill.chaos", "--cells", "nope:never", "--list"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "no cell matches 'nope:never'" in out.stderr
+
+
+@pytest.mark.skipif(not SmallFs.possible("ext4"), reason="the chaos matrix mounts real disks: root only")
+def test_one_cell_runs_the_real_trainer_and_keeps_the_promise(tmp_path: Path) -> None:
+    from drill.chaos.matrix import run_matrix
+
+    logs: list[str] = []
+    [r] = run_matrix([("gcs-burst", "emergency")], tmp_path, log=logs.append)
+    assert r.verdict == "PASS", (r.violations, logs)
+    assert (r.stopped, r.resumed, r.lost, r.unpickled, r.fresh_start, r.digest_equal) == (13, 13, 0, "no", False, True)
+    assert [role for role, _ in r.exits] == ["first", "boot 1"] and r.exits[-1] == ("boot 1", "0")
+    burst = (tmp_path / "gcs-burst-emergency" / "first.log").read_text()
+    assert "injected 429 by the fault proxy" in burst and "injected 503 by the fault proxy" in burst
+
+
+def test_reliability_md_shows_the_current_fault_model() -> None:
+    from drill.chaos.report import embedded, fault_model
+
+    assert embedded((REPO / "RELIABILITY.md").read_text(), "fault-model") == fault_model(), (
+        "RELIABILITY.md is stale: python -m drill.chaos --fault-model (or a full run with --record)")
