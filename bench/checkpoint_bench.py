@@ -27,7 +27,11 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import SnapshotBuffer, step_name, write_dir
+from trainer.checkpoint_key import CheckpointKey
 from trainer.checkpointer import Checkpointer, TierPolicy
+
+#: Checkpoints are signed as in a real run (an HMAC over the manifest: negligible next to sha256).
+KEY = CheckpointKey(os.urandom(32), "bench")
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -128,7 +132,7 @@ def main() -> None:
 
         # (1) blocked time vs a plain synchronous torch.save + fsync, interleaved.
         plain, blocked, first_blocked = [], [], None
-        c = Checkpointer(run_dir=d / "run", policies={"persistent": TierPolicy(every_steps=1, keep=1)})
+        c = Checkpointer(run_dir=d / "run", policies={"persistent": TierPolicy(every_steps=1, keep=1)}, key=KEY)
         for i in range(REPEATS + 1):
             b = c.save(i + 1, state)
             c.wait()
@@ -150,7 +154,7 @@ def main() -> None:
         for i in range(REPEATS):
             snap = buf.take(i, state)
             t0 = time.perf_counter()
-            folder, _ = write_dir(snap, d / "w")
+            folder, _ = write_dir(snap, d / "w", key=KEY)
             ours.append(time.perf_counter() - t0)
             total = sum(p.stat().st_size for p in folder.iterdir())
             shutil.rmtree(folder)
@@ -167,7 +171,7 @@ def main() -> None:
             keys = [k for k in state["model"] if k.endswith(".weight")]
             sub["model"] = {k: state["model"][k] for k in keys[: max(1, int(len(keys) * frac))]}
             sz = _nbytes(sub)
-            c = Checkpointer(run_dir=d / f"em{frac}", policies={"persistent": TierPolicy(every_steps=1)})
+            c = Checkpointer(run_dir=d / f"em{frac}", policies={"persistent": TierPolicy(every_steps=1)}, key=KEY)
             # As in a running trainer: one periodic save happened before the notice, so the
             # reusable host buffer exists.
             c.save(6, sub)
@@ -183,7 +187,7 @@ def main() -> None:
                          f"{dt / fl:.2f}"))
 
         # (4) restore (verify + load) vs the read floor, warm and cold page cache.
-        c = Checkpointer(run_dir=d / "r", policies={"persistent": TierPolicy(every_steps=1)})
+        c = Checkpointer(run_dir=d / "r", policies={"persistent": TierPolicy(every_steps=1)}, key=KEY)
         c.save(9, state)
         c.close()
         folder = d / "r" / step_name(9)
@@ -195,7 +199,7 @@ def main() -> None:
                 if cache == "cold":
                     _drop_cache(folder)
                 t0 = time.perf_counter()
-                rc = Checkpointer(run_dir=d / "r")
+                rc = Checkpointer(run_dir=d / "r", key=KEY)
                 r = rc.restore()
                 rs.append(time.perf_counter() - t0)
                 assert r is not None and r.step == 9

@@ -249,7 +249,11 @@ class Deployment:
         root.mkdir(parents=True, exist_ok=True)
         self.gcs = gcs if gcs is not None else StorageEmulator(rendered.bucket, log=root / "gcs-emulator.log")
         target = rendered.props.scale if rendered.props is not None else None
-        project = target.project if target is not None else "spottrain-drill"
+        #: The experiment's checkpoint key secret (`stacks.checkpoint_key`): the VM's boot fills and
+        #: reads it through the fake Secret Manager; `status` reads it as an operator would.
+        self.key_secret = rendered.props.checkpoint_key_secret if rendered.props is not None else None
+        project = target.project if target is not None else \
+            self.key_secret.split("/")[1] if self.key_secret else "spottrain-drill"
         zone = target.location.split("/", 1)[1] if target is not None else "europe-west4-a"
         if target is not None and target.location.startswith("regions/"):
             zone += "-a"
@@ -260,6 +264,8 @@ class Deployment:
                 where = {"zone": zone} if target.location.startswith("zones/") else \
                     {"region": zone[:-2], "zones": (zone,)}
                 self.compute.add_group(group, instances=(hostname,), **where)  # type: ignore[arg-type]
+        if self.key_secret:
+            self.compute.add_secret(self.key_secret.rsplit("/", 1)[1])
         self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
                                                    "shutdown-script": rendered.shutdown, **(attributes or {})},
                                        instance_name=hostname, zone=zone, project_id=project)
@@ -279,7 +285,8 @@ class Deployment:
         for name, path in self.r.uploads if self.upload_code else ():
             self.upload(name, path.read_bytes())
         fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
-                 "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_COMPUTE_API": self.compute.compute_api}
+                 "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_COMPUTE_API": self.compute.compute_api,
+                 "SPOTTRAIN_SECRETMANAGER_API": self.compute.secretmanager_api}
         # The fakes' addresses are in PID 1's environment: the scripts get them, and units get
         # what they name in PassEnvironment= (on GCE they are unset: the defaults are real).
         image_files: dict[str, str | Path] = dict(self.image_files)
@@ -372,10 +379,24 @@ class Deployment:
         return {"startup_rc": ev["rc"], "unit_started": UNIT in units, "other_units": units,
                 "guest_state": state, "health": health, "group_size": self.group_size()}
 
+    def checkpoint_key(self) -> list[str]:
+        """`--checkpoint-key-file F` for an operator's `trainer status`: the experiment's key, read
+        from (the fake) Secret Manager with the operator's own access, as `gcloud secrets versions
+        access 1 --secret S --out-file F` would; none when the scripts use no secret."""
+        if not self.key_secret:
+            return []
+        from trainer.checkpoint_key import fetch
+        from trainer.gce import Client
+
+        path = self.root / "operator-checkpoint.key"
+        fetch(self.key_secret, path, client=Client(token=lambda: (DRILL_TOKEN, 3600.0)), create=False,
+              api=self.compute.secretmanager_api, say=lambda m: None)
+        return ["--checkpoint-key-file", str(path)]
+
     def status(self) -> dict[str, Any]:
         """`python -m trainer status --json` over the disk (mounted read-only) and the bucket."""
         out = disk_status(self.disk, [sys.executable, "-m", "trainer", "status", "--run-dir", f"{MOUNT_DIR}/run",
-                                      "--gcs-uri", self.r.gcs_uri, "--json"],
+                                      "--gcs-uri", self.r.gcs_uri, "--json", *self.checkpoint_key()],
                           env={"STORAGE_EMULATOR_HOST": self.gcs.host, "OMP_NUM_THREADS": "1"}, cwd=self.image)
         if out.returncode != 0:
             raise DrillFailure(f"trainer status failed ({out.returncode}):\n{out.stderr[-4000:]}")

@@ -1,10 +1,11 @@
 """A fake of the Google Cloud REST APIs our own code calls, on loopback, speaking the real protocol.
 
 What cannot exist here is faked, and only that: the Compute Engine API (the part the VM-side
-scale-to-zero call, the capacity check and `make preflight` use), the Service Usage API, and the
-OAuth 2.0 token endpoint that application-default credentials refresh against. Clients talk plain
-HTTP with the real paths and JSON bodies, pointed here by their endpoint settings
-(`SPOTTRAIN_COMPUTE_API`, `SPOTTRAIN_SERVICEUSAGE_API`, an ADC file's `token_uri`).
+scale-to-zero call, the capacity check and `make preflight` use), the Service Usage API, Secret
+Manager (the experiment's checkpoint key, `trainer.checkpoint_key`), and the OAuth 2.0 token
+endpoint that application-default credentials refresh against. Clients talk plain HTTP with the
+real paths and JSON bodies, pointed here by their endpoint settings (`SPOTTRAIN_COMPUTE_API`,
+`SPOTTRAIN_SERVICEUSAGE_API`, `SPOTTRAIN_SECRETMANAGER_API`, an ADC file's `token_uri`).
 
 Protocol kept (cloud.google.com/compute/docs/reference/rest/v1, /serviceusage/docs/reference/rest):
 - every call needs `Authorization: Bearer TOKEN` (401 otherwise); errors are Google's JSON error
@@ -16,7 +17,12 @@ Protocol kept (cloud.google.com/compute/docs/reference/rest/v1, /serviceusage/do
 - `regions.get` (status, zones, quotas), `machineTypes.get` per zone, `images.getFromFamily`,
   `regions/{r}/advice/capacity` (beta and v1 paths; the obtainability score per zone);
 - Service Usage `services.get` and `services:batchGet`; `POST /token` (refresh-token and JWT-bearer
-  grants).
+  grants);
+- Secret Manager (cloud.google.com/secret-manager/docs/reference/rest): `secrets.addVersion`
+  (`POST .../secrets/S:addVersion`, `{"payload": {"data": BASE64}}`, versions numbered from 1) and
+  `secrets.versions.access` (`GET .../secrets/S/versions/V:access`, V a number or `latest`; 404
+  for a missing secret or version, 400 FAILED_PRECONDITION for a disabled or destroyed one). The
+  secrets themselves come from the "stack": `add_secret`.
 
 The world behind it is a small model: groups with a target size and instances; a group the fake
 manages itself (`auto=True`) creates an instance when `capacity(zone, provisioning_model)` says
@@ -139,8 +145,11 @@ class FakeGcp:
         self.machine_types: dict[str, set[str]] = {}  # zone -> machine types offered
         self.images: dict[tuple[str, str], dict[str, Any]] = {}  # (project, family) -> image
         self.services: dict[str, str] = {}  # service name -> ENABLED | DISABLED
-        #: (method, path regex) pairs answered 403, as IAM would for a missing permission
-        self.denied: list[tuple[str, str]] = []
+        #: (method, path regex, times left or None for ever) answered 403, as IAM would for a
+        #: missing permission (or one still propagating)
+        self.denied: list[list[Any]] = []
+        #: Secret Manager: secret resource name -> versions (1-based), each {"data", "state"}
+        self.secrets: dict[str, list[dict[str, Any]]] = {}
         self.refresh_tokens: set[str] = set()
         self.service_accounts: set[str] = set()  # emails whose signed JWTs the token endpoint accepts
         self.preemptions: list[tuple[float, str, str]] = []  # (time, group, instance) of auto groups
@@ -190,6 +199,11 @@ class FakeGcp:
         return f"{self.url}/v1"
 
     @property
+    def secretmanager_api(self) -> str:
+        """The value for SPOTTRAIN_SECRETMANAGER_API (what https://secretmanager.googleapis.com/v1 is)."""
+        return f"{self.url}/v1"
+
+    @property
     def token_uri(self) -> str:
         return f"{self.url}/token"
 
@@ -229,9 +243,22 @@ class FakeGcp:
         self.images[(project, family)] = {"name": name or f"{family}-v20260101", "family": family,
                                           "status": "READY"}
 
-    def deny(self, method: str, path_regex: str) -> None:
-        """Answer 403 to matching calls (IAM refusing the caller), e.g. deny("POST", "/resize")."""
-        self.denied.append((method.upper(), path_regex))
+    def deny(self, method: str, path_regex: str, times: int | None = None) -> None:
+        """Answer 403 to matching calls (IAM refusing the caller), e.g. deny("POST", "/resize");
+        with `times`, only to that many (a grant that is still propagating)."""
+        self.denied.append([method.upper(), path_regex, times])
+
+    def add_secret(self, secret_id: str) -> str:
+        """A Secret Manager secret of this project, without versions (as the stack creates it);
+        its resource name. Idempotent."""
+        name = f"projects/{self.project}/secrets/{secret_id}"
+        with self._lock:
+            self.secrets.setdefault(name, [])
+        return name
+
+    def secret_versions(self, name: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(v) for v in self.secrets[name]]
 
     def set_target(self, name: str, size: int) -> None:
         """Resize a group from outside the API (a human with gcloud, in the drill)."""
@@ -355,8 +382,11 @@ class FakeGcp:
             call = Call(method, path, query, body)
             self.calls.append(call)
             try:
-                for m, rx in self.denied:
-                    if m == method and re.search(rx, path):
+                for entry in self.denied:
+                    m, rx, times = entry
+                    if m == method and re.search(rx, path) and (times is None or times > 0):
+                        if times is not None:
+                            entry[2] = times - 1
                         raise Refused(403, "PERMISSION_DENIED", f"Required permission denied for {path}",
                                       "forbidden")
                 for g in self.groups.values():
@@ -374,9 +404,48 @@ class FakeGcp:
         prefix = next((p for p in COMPUTE_PREFIXES if path.startswith(p)), None)
         if prefix is not None:
             return self._compute(method, path[len(prefix):].strip("/").split("/"), query, body)
+        if path.startswith(SERVICEUSAGE_PREFIX) and "/secrets/" in path:
+            return self._secretmanager(method, path[len(SERVICEUSAGE_PREFIX):], body)
         if path.startswith(SERVICEUSAGE_PREFIX):
             return self._serviceusage(method, path[len(SERVICEUSAGE_PREFIX):], query)
         raise _not_found(path)
+
+    def _secretmanager(self, method: str, rest: str, body: Any) -> Any:
+        import base64
+        import binascii
+
+        m = re.fullmatch(r"(projects/([^/]+)/secrets/([^/:]+))(?::addVersion|/versions/([^/:]+):access)", rest)
+        if m is None:
+            raise _not_found(rest)
+        name, project, version = m.group(1), m.group(2), m.group(4)
+        if project != self.project:
+            raise Refused(403, "PERMISSION_DENIED", f"Permission denied on resource project {project}.",
+                          "forbidden")
+        versions = self.secrets.get(name)
+        if rest.endswith(":addVersion") and method == "POST":
+            if versions is None:
+                raise _not_found(f"Secret [{name}]")
+            try:
+                data = base64.b64decode(str((body or {})["payload"]["data"]), validate=True)
+            except (KeyError, TypeError, binascii.Error):
+                raise Refused(400, "INVALID_ARGUMENT", "Invalid resource field value in the request.",
+                              "badRequest") from None
+            versions.append({"data": data, "state": "ENABLED", "created": self.clock()})
+            return {"name": f"{name}/versions/{len(versions)}", "state": "ENABLED",
+                    "createTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))}
+        if version is not None and method == "GET":
+            if not versions:
+                raise Refused(404, "NOT_FOUND", f"Secret [{name}] not found or has no versions.", "notFound")
+            n = len(versions) if version == "latest" else int(version) if version.isdigit() else 0
+            if not 1 <= n <= len(versions):
+                raise Refused(404, "NOT_FOUND", f"Secret Version [{name}/versions/{version}] not found.",
+                              "notFound")
+            v = versions[n - 1]
+            if v["state"] != "ENABLED":
+                raise Refused(400, "FAILED_PRECONDITION", f"Secret Version [{name}/versions/{n}] is in "
+                              f"{v['state']} state.", "failedPrecondition")
+            return {"name": f"{name}/versions/{n}", "payload": {"data": base64.b64encode(v["data"]).decode()}}
+        raise _not_found(rest)
 
     def _compute(self, method: str, p: list[str], query: dict[str, list[str]], body: Any) -> Any:
         if len(p) < 2 or p[0] != "projects":

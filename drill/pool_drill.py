@@ -444,7 +444,13 @@ def replay(segments: list[tuple[int, int, int]], props: Any, run_dir: Path, imag
     # The VMs' settings that touch the numbers (one CPU thread); no metadata server: off GCE.
     env.update(PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                GCE_METADATA_HOST=f"127.0.0.1:{free_port()}")
+    from trainer.checkpoint_key import create
+
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    key = run_dir.parent / "reference-checkpoint.key"  # its own key: never the operator's default
+    create(key)
     args = ["--run-dir", str(run_dir), "--steps", str(props.steps), "--task", props.task, "--health-port", "0",
+            "--checkpoint-key-file", str(key),
             *(["--parallelism", props.parallelism] if props.parallelism else []), *props.args]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     for k, (ws, _, end) in enumerate(segments):
@@ -459,7 +465,8 @@ def replay(segments: list[tuple[int, int, int]], props: Any, run_dir: Path, imag
         if not ok:
             raise DrillFailure(f"reference segment {k} ({ws} rank(s) to step {end}) failed "
                                f"({out.returncode}):\n{log[-4000:]}")
-    out = subprocess.run([sys.executable, "-m", "trainer", "status", "--run-dir", str(run_dir), "--json"],
+    out = subprocess.run([sys.executable, "-m", "trainer", "status", "--run-dir", str(run_dir), "--json",
+                          "--checkpoint-key-file", str(key)],
                          env=env, cwd=image, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise DrillFailure(f"trainer status of the reference failed ({out.returncode}):\n{out.stderr[-4000:]}")

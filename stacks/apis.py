@@ -30,6 +30,7 @@ BASE: dict[str, str] = {
     "iam.googleapis.com": "the trainer's service account",
     "cloudresourcemanager.googleapis.com": "project IAM bindings and the project lookup",
     "storage.googleapis.com": "the checkpoint bucket and the code objects in it",
+    "secretmanager.googleapis.com": "the experiment's checkpoint key (stacks.checkpoint_key)",
 }
 
 

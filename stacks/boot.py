@@ -20,6 +20,7 @@ from urllib.parse import quote
 import jinja2
 
 from stacks import gcp_rules as R
+from stacks.checkpoint_key import secret_name
 from stacks.experiment import Experiment
 from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args
@@ -43,6 +44,8 @@ CONFIG_FILE = "/etc/spottrain/trainer.toml"
 EXIT_DIR = "/run/spottrain/exit"
 #: On the checkpoint disk: written when the trainer exits 0; no later boot trains again.
 FINISHED_FILE = f"{MOUNT_DIR}/spottrain-finished"
+#: The experiment's checkpoint key on the VM: a tmpfs (never a disk), mode 0600, root only.
+CHECKPOINT_KEY_FILE = "/run/spottrain/checkpoint.key"
 #: Seconds of the shutdown window kept back from the trainer for the kernel's own power-off.
 STOP_SLACK_S = 5
 #: Interpreters tried in order for the image's Python with torch (Deep Learning VM images).
@@ -172,6 +175,10 @@ class BootProps:
     """`[data] source`: staged before training (`python -m trainer stage`) and passed to the
     trainer as `--data-dir`; None: no dataset."""
     data_parallel: int = 16
+    checkpoint_key_secret: str | None = None
+    """`projects/P/secrets/S`: the experiment's checkpoint key (`stacks.checkpoint_key`), which the
+    boot fetches into `CHECKPOINT_KEY_FILE` and the trainer signs and authenticates checkpoints
+    with; None: the trainer's own default key (tests of other boot paths)."""
 
     @property
     def gcs_uri(self) -> str:
@@ -221,6 +228,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         data_source=exp.data.source if exp.data is not None else None,
         data_parallel=exp.data.parallel if exp.data is not None else 16,
         python_version=_image_python(exp),
+        checkpoint_key_secret=secret_name(exp.gcp.project, name),
     )
     fields.update(overrides)
     return BootProps(**fields)
@@ -350,6 +358,8 @@ def render(props: BootProps) -> BootScripts:
         "data": None if props.data_source is None else {
             "source": props.data_source, "parallel": props.data_parallel,
             "local_dir": DATA_DIR_LOCAL, "disk_dir": DATA_DIR_DISK},
+        "checkpoint_key_secret": props.checkpoint_key_secret,
+        "checkpoint_key_file": CHECKPOINT_KEY_FILE,
     }
     trainer_sh = env.get_template("trainer.sh.j2").render(ctx).rstrip("\n")
     unit = env.get_template("spottrain.service.j2").render(ctx).rstrip("\n")

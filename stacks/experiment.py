@@ -31,7 +31,9 @@ MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port",
                  # `trainer.parallelism`
                  "--parallelism",
                  # `[data]`: where the startup script staged the dataset
-                 "--data-dir")
+                 "--data-dir",
+                 # the experiment's checkpoint key (`stacks.checkpoint_key`)
+                 "--checkpoint-key-file")
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -1,8 +1,9 @@
 """The trainer's identity: a dedicated service account and its least-privilege IAM.
 
 Object admin on the checkpoint bucket only (a bucket-level binding, not a project role), object
-viewer on the `[data]` bucket only (read, never write), log writer and metric writer on the
-project. The VMs never run as the default compute account.
+viewer on the `[data]` bucket only (read, never write), accessor and version adder on the
+experiment's checkpoint-key secret only (a secret-level binding), log writer and metric writer on
+the project. The VMs never run as the default compute account.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cdktn_provider_google.project_iam_member import ProjectIamMember
+from cdktn_provider_google.secret_manager_secret_iam_member import SecretManagerSecretIamMember
 from cdktn_provider_google.service_account import ServiceAccount
 from cdktn_provider_google.storage_bucket_iam_member import StorageBucketIamMember
 from constructs import Construct
@@ -18,6 +20,8 @@ PROJECT_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
 BUCKET_ROLE = "roles/storage.objectAdmin"
 #: On the `[data]` bucket: list and read objects, nothing else.
 DATA_BUCKET_ROLE = "roles/storage.objectViewer"
+#: On the checkpoint-key secret: read version 1, and add it on the first boot.
+KEY_ROLES = ("roles/secretmanager.secretAccessor", "roles/secretmanager.secretVersionAdder")
 
 
 @dataclass(frozen=True)
@@ -38,13 +42,13 @@ class Identity(Construct):
             project=props.project,
             account_id=props.account_id,
             display_name=f"spottrain trainer for {props.experiment}",
-            description="Runs the spottrain trainer VMs; no roles beyond logs, metrics and "
-            "its checkpoint bucket.",
+            description="Runs the spottrain trainer VMs; no roles beyond logs, metrics, "
+            "its checkpoint bucket and its checkpoint key.",
         )
         self.member = f"serviceAccount:{self.account.email}"
         #: Every grant, so VMs can wait for them: a trainer that starts before its bucket role
         #: exists cannot upload its first checkpoint.
-        self.grants: list[ProjectIamMember | StorageBucketIamMember] = []
+        self.grants: list[ProjectIamMember | StorageBucketIamMember | SecretManagerSecretIamMember] = []
         for role in PROJECT_ROLES:
             member = ProjectIamMember(
                 self,
@@ -74,3 +78,12 @@ class Identity(Construct):
         )
         self.grants.append(grant)
         return grant
+
+    def grant_checkpoint_key(self, project: str, secret_id: str) -> list[SecretManagerSecretIamMember]:
+        """Accessor and version adder on that one secret (`stacks.checkpoint_key`): read the key,
+        and create it on the first boot. Nothing on any other secret."""
+        grants = [SecretManagerSecretIamMember(self, f"checkpoint-key-{role.split('.')[-1]}", project=project,
+                                               secret_id=secret_id, role=role, member=self.member)
+                  for role in KEY_ROLES]
+        self.grants.extend(grants)
+        return grants

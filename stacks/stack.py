@@ -18,6 +18,7 @@ from stacks import apis as A
 from stacks import gcp_rules as R
 from stacks.boot import boot_props, group_name, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
+from stacks.checkpoint_key import CheckpointKeyProps, CheckpointKeySecret
 from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
 from stacks.experiment import Experiment, code_path
 from stacks.fallback import FallbackProps, OnDemandFallback
@@ -88,6 +89,11 @@ class TrainingStack(TerraformStack):
         identity.grant_bucket(bucket.name)
         if exp.data is not None:  # read on the dataset's bucket, which the stack does not own
             identity.grant_data_bucket(exp.data.bucket)
+        # The key that authenticates its checkpoints (the boot fetches it; docs/security.md).
+        key = CheckpointKeySecret(self, "checkpoint-key", CheckpointKeyProps(
+            project=gcp.project, experiment=name, region=gcp.region,
+            protect=not exp.bucket.force_destroy, labels=labels))
+        identity.grant_checkpoint_key(gcp.project, key.secret_id)
 
         net = exp.network
         network = TrainerNetwork(self, "network", NetworkProps(

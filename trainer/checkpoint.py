@@ -4,16 +4,26 @@ A checkpoint holds three files::
 
     step-00001200/
         tensors.bin    every tensor's raw bytes, 64-byte aligned, back to back
-        state.pt       the state's structure and plain Python objects (torch.save), with each
-                       tensor replaced by a reference into tensors.bin (offset, dtype, shape)
-        manifest.json  written LAST: format, step, time, torch version, world size, meta, and the
-                       size and sha256 of every other file (``chunked_sha256``: the sha256 of
-                       the 64 MiB chunks' sha256s, so hashing runs on several cores), plus a
-                       sha256 of the manifest itself
+        state.json     the state's structure and plain Python values as JSON (``trainer.plain``),
+                       each tensor a reference into the table of tensors.bin (offset, size, dtype
+                       by name, shape)
+        manifest.json  written LAST: format, step, time, torch version, world size, meta, the
+                       writer's session id, and the size and sha256 of every other file
+                       (``chunked_sha256``: the sha256 of the 64 MiB chunks' sha256s, so hashing
+                       runs on several cores), plus a sha256 of the manifest itself and, with a
+                       checkpoint key (``trainer.checkpoint_key``), an HMAC-SHA256 over it
 
-A checkpoint is valid only if its manifest parses, its self-checksum matches and every file it
-lists has the listed size and sha256. The manifest is the commit record: it is written last on
-every tier, so an interrupted write or upload never produces a valid checkpoint.
+Nothing in a checkpoint is ever unpickled: the structure is JSON and tensors are raw bytes read
+by dtype and shape. With a key, a manifest counts only when its HMAC verifies, so whoever can
+write a bucket but does not hold the key cannot make a reader use a checkpoint of their making
+(docs/security.md). Format 1 (a pickled ``state.pt``) is recognised and never loaded.
+
+A checkpoint is valid only if its manifest parses, its self-checksum (and HMAC) match and every
+file it lists has the listed size and sha256. The manifest is the commit record: it is written
+last on every tier, so an interrupted write or upload never produces a valid checkpoint. Some
+checkpoints are *kept*, never loaded, overwritten or deleted (``kept``): one of the other layout
+(whole-model vs sharded), one of another format version, and an unauthenticated one (no HMAC,
+or one that does not verify with this key: forged, or written with a lost or rotated key).
 
 On a directory tier the folder is assembled under a ``.tmp-`` name, every file and the folder are
 fsynced, and the folder becomes visible by one atomic ``rename`` (then the parent is fsynced). On
@@ -32,31 +42,35 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import dataclasses
+import errno
 import hashlib
-import io
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
+from trainer import plain
+from trainer.checkpoint_key import ALG, CheckpointKey
 from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, fsync_dir
 
 log = logging.getLogger(__name__)
 
 FORMAT = "spottrain-checkpoint"
-FORMAT_VERSION = 1
+#: 2: JSON structure (``state.json``) and, with a key, an HMAC. 1: a pickled ``state.pt``.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-STATE = "state.pt"
+STATE = "state.json"
+#: Format 1's pickled structure: recognised, never unpickled.
+LEGACY_STATE = "state.pt"
+STRUCTURE = "spottrain-state"
 TENSORS = "tensors.bin"
 PAYLOAD = (STATE, TENSORS)
 ALIGN = 64
@@ -71,13 +85,41 @@ class CheckpointInvalid(Exception):
     """A checkpoint that must not be used; ``str(exc)`` is the reason for the log."""
 
 
+class CheckpointUnloadable(Exception):
+    """A checkpoint that verified (every sha256, and the HMAC with a key) but that this version
+    cannot decode: a resume mismatch, never corruption (nothing is deleted, no fallback)."""
+
+
+class StepOccupied(Exception):
+    """A kept checkpoint (see ``kept``) occupies the step a save would write on a tier: the save
+    skips that tier rather than overwrite it."""
+
+
 #: Reason prefix of a valid-looking checkpoint of the other layout (whole-model vs sharded): never
 #: deleted by retention, and a restore that meets one refuses to start afresh over it.
 OTHER_LAYOUT = "other layout: "
+#: Reason prefix of a checkpoint of another format version (an older spottrain's pickled
+#: ``state.pt``, or a newer one's): kept and never loaded, like the other layout.
+OTHER_FORMAT = "other format: "
+#: Reason prefix of a manifest without a valid HMAC under this run's key: never loaded, never
+#: deleted or overwritten (it may be the run's own work under a lost or rotated key).
+UNAUTHENTICATED = "unauthenticated: "
+KEPT = (OTHER_LAYOUT, OTHER_FORMAT, UNAUTHENTICATED)
 
 
 def other_layout(reason: str) -> bool:
     return reason.startswith(OTHER_LAYOUT)
+
+
+def kept(reason: str) -> bool:
+    """A checkpoint that is never loaded, overwritten or deleted (see the module docstring)."""
+    return reason.startswith(KEPT)
+
+
+def blocks_fresh_start(reason: str) -> bool:
+    """Kept checkpoints a run may not silently continue beside: the other layout and another
+    format (an unauthenticated one blocks only when nothing authentic is left to resume from)."""
+    return reason.startswith((OTHER_LAYOUT, OTHER_FORMAT))
 
 
 def layout_mismatch(this: str, found: list[str]) -> str:
@@ -85,6 +127,21 @@ def layout_mismatch(this: str, found: list[str]) -> str:
     return (f'cannot resume: this run has parallelism = "{this}", but its tiers hold checkpoints of '
             f"the other layout ({'; '.join(found[:5])}); use the original parallelism, or a new "
             "--run-dir/--gcs-uri for a new run (nothing was deleted)")
+
+
+def kept_mismatch(lines: list[str], key: CheckpointKey | None) -> str:
+    """The message of a run whose tiers hold kept checkpoints it must not start afresh beside:
+    other format versions (``key`` None) or unauthenticated ones with nothing authentic left."""
+    found = "; ".join(lines[:5]) + (f"; and {len(lines) - 5} more" if len(lines) > 5 else "")
+    if key is None:
+        return (f"cannot resume: the tiers hold checkpoints of another format ({found}); they are never "
+                "loaded; use the spottrain version that wrote them, or a new --run-dir/--gcs-uri for a new "
+                "run (nothing was deleted)")
+    return (f"cannot resume: no checkpoint on any tier is authentic under this run's checkpoint key {key.id} "
+            f"({key.source}), and the tiers hold checkpoints that are not ({found}). They are never loaded and "
+            "never deleted. If they are this run's own (its key was lost or rotated), run with the key that "
+            "wrote them (--checkpoint-key-file); otherwise someone without the key wrote them: remove them, "
+            "or use a new --run-dir/--gcs-uri for a new run. See docs/security.md")
 
 
 def step_name(step: int) -> str:
@@ -97,80 +154,26 @@ def parse_step(name: str) -> int | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Tensor references inside the pickled structure
+# The structure: JSON with tensors as references into tensors.bin
 # --------------------------------------------------------------------------------------------
 
 
-class TensorRef:
-    """Stands in for a tensor inside ``state.pt``: index into the tensor table."""
+def _encode_structure(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """(JSON-ready tree, tensors in table order). The same tensor object appearing twice (tied
+    weights) is stored once and restored as one object. ``plain.NotPlainData`` names anything
+    that is not plain data."""
+    found: list[torch.Tensor] = []
+    ids: dict[int, int] = {}
 
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __reduce__(self) -> tuple[Any, tuple[int]]:
-        return (TensorRef, (self.index,))
-
-    def __repr__(self) -> str:
-        return f"TensorRef({self.index})"
-
-
-# Allow TensorRef in weights_only loads (the safe unpickler refuses unknown classes).
-torch.serialization.add_safe_globals([TensorRef])
-
-
-def _raw_ok(t: torch.Tensor) -> bool:
-    return (t.layout == torch.strided and not t.is_quantized and t.device.type != "meta"
-            and not t.is_nested and type(t) in (torch.Tensor, torch.nn.Parameter))
-
-
-def _replace_tensors(obj: Any, found: list[torch.Tensor], ids: dict[int, int]) -> Any:
-    """Copy of the container structure with plain tensors replaced by ``TensorRef``s.
-
-    The same tensor object appearing twice (tied weights) is stored once and restored as one
-    object. Tensors inside other objects stay where they are and are pickled by torch.save.
-    """
-    if isinstance(obj, torch.Tensor):
-        if not _raw_ok(obj):
-            return obj
-        i = ids.get(id(obj))
+    def ref(t: torch.Tensor, path: tuple) -> dict:
+        i = ids.get(id(t))
         if i is None:
-            i = ids[id(obj)] = len(found)
-            found.append(obj)
-        return TensorRef(i)
-    t = type(obj)
-    if t is dict:
-        return {k: _replace_tensors(v, found, ids) for k, v in obj.items()}
-    if t is OrderedDict:
-        return OrderedDict((k, _replace_tensors(v, found, ids)) for k, v in obj.items())
-    if t is list:
-        return [_replace_tensors(v, found, ids) for v in obj]
-    if t is tuple:
-        return tuple(_replace_tensors(v, found, ids) for v in obj)
-    return obj
+            plain.check_tensor(t, path)
+            i = ids[id(t)] = len(found)
+            found.append(t)
+        return {plain.TAG: "t", "i": i}
 
-
-def _resolve(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, TensorRef):
-        return tensors[obj.index]
-    t = type(obj)
-    if t is dict:
-        return {k: _resolve(v, tensors) for k, v in obj.items()}
-    if t is OrderedDict:
-        return OrderedDict((k, _resolve(v, tensors)) for k, v in obj.items())
-    if t is list:
-        return [_resolve(v, tensors) for v in obj]
-    if t is tuple:
-        return tuple(_resolve(v, tensors) for v in obj)
-    return obj
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise CheckpointInvalid(f"unknown dtype {name!r} in tensor table")
-    return dt
+    return plain.encode(state, ref), found
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -195,7 +198,7 @@ class Snapshot:
     """A point-in-time copy of a state in host memory, ready to be written by any thread."""
 
     step: int
-    structure: bytes          # state.pt bytes
+    structure: bytes          # state.json bytes
     arena: torch.Tensor       # uint8 host buffer; tensors.bin is arena[:nbytes]
     nbytes: int
     meta: dict
@@ -239,8 +242,7 @@ class SnapshotBuffer:
     def reserve(self, state: Any) -> None:
         """Allocate the buffer for a state of this shape ahead of the first save (e.g. right
         after a restore, while the loop is starting anyway)."""
-        found: list[torch.Tensor] = []
-        _replace_tensors(state, found, {})
+        _, found = _encode_structure(state)
         total = sum((t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN for t in found)
         with self._lock:
             self._ensure(total, pinned=torch.cuda.is_available())
@@ -251,8 +253,7 @@ class SnapshotBuffer:
 
     def _take(self, step: int, state: Any, meta: dict | None) -> Snapshot:
         self.last_alloc_s = 0.0
-        found: list[torch.Tensor] = []
-        structure_obj = _replace_tensors(state, found, {})
+        tree, found = _encode_structure(state)  # NotPlainData here, in the caller's thread
         table = []
         off = 0
         for t in found:
@@ -264,6 +265,9 @@ class SnapshotBuffer:
         arena = self._ensure(off, pinned=any_cuda and torch.cuda.is_available())
         base = arena.data_ptr()
         for t, (o, n, _, shape, _, _) in zip(found, table):
+            pad = (n + ALIGN - 1) // ALIGN * ALIGN - n
+            if pad:  # no stale bytes of an earlier snapshot between tensors
+                ctypes.memset(base + o + n, 0, pad)
             if n == 0:
                 continue
             if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
@@ -275,12 +279,11 @@ class SnapshotBuffer:
                 dst.copy_(t.detach(), non_blocking=t.device.type == "cuda")
         if any_cuda:
             torch.cuda.synchronize()
-        # Pickling here (while the loop waits) freezes the plain Python objects too: the loop may
+        # Encoding here (while the loop waits) freezes the plain Python objects too: the loop may
         # mutate them (data position, counters) as soon as save() returns.
-        buf = io.BytesIO()
-        torch.save({"format": FORMAT, "version": FORMAT_VERSION, "tree": structure_obj,
-                    "tensors": table}, buf)
-        return Snapshot(step=step, structure=buf.getvalue(), arena=arena, nbytes=off,
+        structure = json.dumps({"format": STRUCTURE, "version": 1, "tensors": table, "tree": tree},
+                               separators=(",", ":"), allow_nan=False).encode()
+        return Snapshot(step=step, structure=structure, arena=arena, nbytes=off,
                         meta=dict(meta or {}), created_unix=time.time())
 
 
@@ -293,8 +296,12 @@ def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: float) -> bytes:
-    body = {
+def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: float, *,
+                   key: CheckpointKey | None = None, writer: str | None = None) -> bytes:
+    """The manifest's bytes. ``writer``: the writing session's id (a save id: two saves of one
+    step by one session hold the same state). ``key``: sign it (an HMAC over the canonical body,
+    everything but the self-checksum and the HMAC itself)."""
+    body: dict[str, Any] = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "hash": HASH_NAME,
@@ -306,27 +313,66 @@ def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: 
         "meta": meta,
         "files": files,
     }
-    body["manifest_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    if writer is not None:
+        body["writer"] = writer
+    if key is not None:
+        body["auth"] = {"alg": ALG, "key_id": key.id}
+    canonical = _canonical(body)
+    body["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+    if key is not None:
+        body["hmac"] = key.sign(canonical)
     return json.dumps(body, sort_keys=True, indent=1).encode()
 
 
-def parse_manifest_header(data: bytes) -> dict:
-    """The checks every layout's manifest shares: JSON, format marker, version, file hash, and
-    the self-checksum; raise ``CheckpointInvalid`` with the reason."""
+def _signed_body(m: dict) -> bytes:
+    return _canonical({k: v for k, v in m.items() if k not in ("manifest_sha256", "hmac")})
+
+
+def _key_id(m: dict) -> str:
+    auth = m.get("auth")
+    return str(auth.get("key_id"))[:64] if isinstance(auth, dict) else "none"
+
+
+def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict:
+    """The checks every layout's manifest shares: JSON, format marker, version, file hash, the
+    self-checksum and, with a ``key``, the HMAC; raise ``CheckpointInvalid`` with the reason
+    (prefixed ``OTHER_FORMAT`` or ``UNAUTHENTICATED`` for checkpoints that are kept)."""
     try:
         m = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointInvalid(f"manifest is not valid JSON ({e})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointInvalid("manifest has no spottrain format marker")
-    if m.get("version") != FORMAT_VERSION:
-        raise CheckpointInvalid(f"unsupported checkpoint format version {m.get('version')!r}")
+    version = m.get("version")
+    if version != FORMAT_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise CheckpointInvalid(f"unsupported checkpoint format version {version!r}")
+        if version < FORMAT_VERSION:
+            what = (f"checkpoint format {version}, written by an older spottrain: its state is a pickled "
+                    f"{LEGACY_STATE}, which this version never unpickles")
+        else:
+            what = f"checkpoint format {version}, written by a newer spottrain"
+        if key is not None and not (version > FORMAT_VERSION and key.verify(_signed_body(m), m.get("hmac"))):
+            raise CheckpointInvalid(UNAUTHENTICATED + what + " (and it carries no HMAC under this run's "
+                                    f"key {key.id}); never loaded, never deleted")
+        raise CheckpointInvalid(OTHER_FORMAT + what + "; use the spottrain version that wrote it, or a new "
+                                "--run-dir/--gcs-uri for a new run")
     if m.get("hash") != HASH_NAME:
         raise CheckpointInvalid(f"unsupported file hash {m.get('hash')!r}")
-    want = m.pop("manifest_sha256", None)
-    if want != hashlib.sha256(_canonical(m)).hexdigest():
+    if m.get("manifest_sha256") != hashlib.sha256(_signed_body(m)).hexdigest():
         raise CheckpointInvalid("manifest checksum mismatch (manifest corrupted)")
-    m["manifest_sha256"] = want
+    if key is not None:
+        if "hmac" not in m:
+            raise CheckpointInvalid(UNAUTHENTICATED + "its manifest carries no HMAC (written without a "
+                                    "checkpoint key, or forged); never loaded, never deleted")
+        if _key_id(m) != key.id:
+            raise CheckpointInvalid(UNAUTHENTICATED + f"its manifest names checkpoint key {_key_id(m)}, this "
+                                    f"run's key is {key.id} (a lost or rotated key, another run's, or forged); "
+                                    "never loaded, never deleted")
+        if not key.verify(_signed_body(m), m.get("hmac")):
+            raise CheckpointInvalid(UNAUTHENTICATED + "its manifest's HMAC does not verify with this run's "
+                                    f"checkpoint key {key.id} (altered or forged by someone without the key); "
+                                    "never loaded, never deleted")
     return m
 
 
@@ -341,9 +387,10 @@ def check_manifest_entries(m: dict, step: int | None) -> dict:
     return m
 
 
-def parse_manifest(data: bytes, step: int | None = None) -> dict:
-    """Parse and self-check a single-process manifest; raise ``CheckpointInvalid`` with the reason."""
-    m = parse_manifest_header(data)
+def parse_manifest(data: bytes, step: int | None = None, *, key: CheckpointKey | None = None) -> dict:
+    """Parse and self-check a single-process manifest (and its HMAC with a ``key``); raise
+    ``CheckpointInvalid`` with the reason."""
+    m = parse_manifest_header(data, key)
     if isinstance(m.get("meta"), dict) and m["meta"].get("sharded"):
         raise CheckpointInvalid(OTHER_LAYOUT + 'a sharded checkpoint (written with parallelism = "fsdp")')
     files = m.get("files")
@@ -352,8 +399,9 @@ def parse_manifest(data: bytes, step: int | None = None) -> dict:
     return check_manifest_entries(m, step)
 
 
-#: A layout's manifest parser: ``parse_manifest`` here, ``sharded.parse_sharded_manifest``.
-ManifestParser = Callable[[bytes, "int | None"], dict]
+#: A layout's manifest parser, called as ``parse(data, step, key=key)``: ``parse_manifest`` here,
+#: ``sharded.parse_sharded_manifest``.
+ManifestParser = Callable[..., dict]
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,15 +454,18 @@ def _write_hashed(path: Path, data: memoryview, pool: cf.ThreadPoolExecutor) -> 
     return {"size": len(data), "sha256": _combine([f.result() for f in futures])}
 
 
-def write_dir(snap: Snapshot, root: Path) -> tuple[Path, dict]:
-    """Write ``snap`` as ``root/step-N/`` atomically; returns (folder, manifest dict).
+def write_dir(snap: Snapshot, root: Path, *, key: CheckpointKey | None = None, writer: str | None = None,
+              replace: bool = False) -> tuple[Path, dict]:
+    """Write ``snap`` as ``root/step-N/`` atomically; returns (folder, manifest dict). ``key`` signs
+    the manifest; ``writer`` is the saving session's id.
 
-    Raises FileExistsError if a folder of that step is already there (the caller decides).
+    A folder of that step already there raises FileExistsError (the caller decides), unless
+    ``replace``: then the new folder takes its place atomically (``publish_dir``).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_name(snap.step)
-    if final.exists():
+    if final.exists() and not replace:
         raise FileExistsError(str(final))
     stage = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
@@ -424,15 +475,53 @@ def write_dir(snap: Snapshot, root: Path) -> tuple[Path, dict]:
                 TENSORS: _write_hashed(stage / TENSORS, snap.tensor_bytes(), pool),
                 STATE: _write_hashed(stage / STATE, memoryview(snap.structure), pool),
             }
-        manifest = build_manifest(snap.step, files, snap.meta, snap.created_unix)
+        manifest = build_manifest(snap.step, files, snap.meta, snap.created_unix, key=key, writer=writer)
         _write_hashed_plain(stage / MANIFEST, manifest)
         fsync_dir(stage)
-        os.rename(stage, final)  # the commit point: the folder appears complete or not at all
-        fsync_dir(root)
+        publish_dir(stage, final, replace=replace)  # the commit point
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return final, json.loads(manifest)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or filesystem cannot."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def publish_dir(stage: Path, final: Path, *, replace: bool = False) -> None:
+    """Make the complete, fsynced folder ``stage`` visible as ``final`` by one atomic rename,
+    then fsync the parent. With ``replace``, a folder already at ``final`` is swapped out in the
+    same step and removed afterwards: at every moment ``final`` is the old checkpoint or the new
+    one. (Where the atomic swap is unavailable the old folder is renamed aside first, leaving a
+    moment without ``final``; the new one is then still complete under its staging name.)"""
+    if replace and final.exists():
+        if _exchange(stage, final):
+            fsync_dir(final.parent)
+            shutil.rmtree(stage, ignore_errors=True)  # now the old folder
+            return
+        old = final.with_name(f"{TMP_PREFIX}{final.name}-old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+        os.rename(stage, final)
+        fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.rename(stage, final)  # the folder appears complete or not at all
+    fsync_dir(final.parent)
 
 
 def _write_hashed_plain(path: Path, data: bytes) -> None:
@@ -464,10 +553,12 @@ def upload_dir(src: Path, store: GcsStore, step: int, *, deadline: float | None 
         store.put_bytes(f"{prefix}/{MANIFEST}", (Path(src) / MANIFEST).read_bytes())
 
 
-def download_dir(store: Store, step: int, root: Path, parse: ManifestParser = parse_manifest) -> Path:
+def download_dir(store: Store, step: int, root: Path, parse: ManifestParser = parse_manifest, *,
+                 key: CheckpointKey | None = None) -> Path:
     """Copy ``step-N`` from ``store`` into ``root/step-N/`` atomically (manifest fetched last is
     irrelevant here: the folder only appears after everything arrived and was verified).
-    ``parse``: the layout's manifest parser (default ``parse_manifest``), which says the files."""
+    ``parse``: the layout's manifest parser (default ``parse_manifest``), which says the files;
+    ``key``: the manifest must carry a valid HMAC under it."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_name(step)
@@ -475,7 +566,7 @@ def download_dir(store: Store, step: int, root: Path, parse: ManifestParser = pa
     stage.mkdir()
     try:
         manifest_bytes = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
-        manifest = parse(manifest_bytes, step)
+        manifest = parse(manifest_bytes, step, key=key)
         for name in manifest["files"]:
             store.get_file(f"{step_name(step)}/{name}", stage / name)
         for name, info in manifest["files"].items():
@@ -576,13 +667,14 @@ def _sizes(store: Store, prefix: str) -> dict[str, int]:
     return store.sizes(prefix) if hasattr(store, "sizes") else {k: -1 for k in store.list(prefix)}
 
 
-def _quick_check(store: Store, step: int, files: dict[str, int], parse: ManifestParser) -> CheckpointInfo:
+def _quick_check(store: Store, step: int, files: dict[str, int], parse: ManifestParser,
+                 key: CheckpointKey | None = None) -> CheckpointInfo:
     loc = _store_location(store, step)
     total = sum(v for v in files.values() if v > 0)
     if MANIFEST not in files:
         return CheckpointInfo(step, False, "no manifest (incomplete write or upload)", total, loc)
     try:
-        m = parse(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step)
+        m = parse(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step, key=key)
     except KeyError:
         return CheckpointInfo(step, False, "manifest vanished while listing", total, loc)
     except CheckpointInvalid as e:
@@ -596,54 +688,58 @@ def _quick_check(store: Store, step: int, files: dict[str, int], parse: Manifest
     return CheckpointInfo(step, True, "", total, loc, m.get("created", ""), m)
 
 
-def list_checkpoints(store: Store, parse: ManifestParser = parse_manifest) -> list[CheckpointInfo]:
-    """Every ``step-N`` on the store, newest first, each quick-checked (manifest self-checksum,
-    every listed file present with the listed size; no hashing of payloads)."""
+def list_checkpoints(store: Store, parse: ManifestParser = parse_manifest, *,
+                     key: CheckpointKey | None = None) -> list[CheckpointInfo]:
+    """Every ``step-N`` on the store, newest first, each quick-checked (manifest self-checksum and
+    HMAC, every listed file present with the listed size; no hashing of payloads)."""
     by_step: dict[int, dict[str, int]] = {}
-    for key, size in _sizes(store, "step-").items():
-        folder, _, name = key.partition("/")
+    for name_, size in _sizes(store, "step-").items():
+        folder, _, name = name_.partition("/")
         step = parse_step(folder)
         if step is None or "/" in name:
             continue
         by_step.setdefault(step, {})[name] = size
-    return [_quick_check(store, step, by_step[step], parse) for step in sorted(by_step, reverse=True)]
+    return [_quick_check(store, step, by_step[step], parse, key) for step in sorted(by_step, reverse=True)]
 
 
-def check_checkpoint(store: Store, step: int, parse: ManifestParser = parse_manifest) -> CheckpointInfo | None:
+def check_checkpoint(store: Store, step: int, parse: ManifestParser = parse_manifest, *,
+                     key: CheckpointKey | None = None) -> CheckpointInfo | None:
     """Quick check of one step (None when nothing of it exists on the store)."""
     prefix = step_name(step) + "/"
     files = {k[len(prefix):]: v for k, v in _sizes(store, prefix).items() if "/" not in k[len(prefix):]}
-    return _quick_check(store, step, files, parse) if files else None
+    return _quick_check(store, step, files, parse, key) if files else None
 
 
-def verify_dir(folder: Path) -> dict:
-    """Full verification of a checkpoint folder (every sha256); returns the manifest."""
+def read_manifest(folder: Path, parse: ManifestParser = parse_manifest, *,
+                  key: CheckpointKey | None = None) -> dict:
+    """The parsed (self-checked, and with a key authenticated) manifest of a checkpoint folder."""
     folder = Path(folder)
-    step = parse_step(folder.name)
     try:
         data = (folder / MANIFEST).read_bytes()
     except FileNotFoundError:
         raise CheckpointInvalid("no manifest (incomplete write)") from None
-    m = parse_manifest(data, step)
+    return parse(data, parse_step(folder.name), key=key)
+
+
+def verify_dir(folder: Path, *, key: CheckpointKey | None = None) -> dict:
+    """Full verification of a checkpoint folder (manifest, HMAC with a key, every sha256);
+    returns the manifest."""
+    m = read_manifest(folder, key=key)
     for name in PAYLOAD:
-        _verify_file(folder / name, m["files"][name])
+        _verify_file(Path(folder) / name, m["files"][name])
     return m
 
 
-def load_dir(folder: Path, *, verified_manifest: dict | None = None) -> tuple[dict, Any]:
-    """Verify every file of ``folder`` against its manifest and load the state.
+def load_dir(folder: Path, *, verified_manifest: dict | None = None,
+             key: CheckpointKey | None = None) -> tuple[dict, Any]:
+    """Verify every file of ``folder`` against its manifest (authenticated with ``key``) and load
+    the state: ``CheckpointInvalid`` when something does not verify, ``CheckpointUnloadable``
+    when everything verified but the structure cannot be decoded.
 
     Returns (manifest, state). Tensors come back on CPU, contiguous, as views into one buffer.
     """
     folder = Path(folder)
-    step = parse_step(folder.name)
-    if verified_manifest is None:
-        try:
-            data = (folder / MANIFEST).read_bytes()
-        except FileNotFoundError:
-            raise CheckpointInvalid("no manifest (incomplete write)") from None
-        verified_manifest = parse_manifest(data, step)
-    m = verified_manifest
+    m = verified_manifest if verified_manifest is not None else read_manifest(folder, key=key)
     tinfo = m["files"][TENSORS]
     buf = torch.empty(max(tinfo["size"], 1), dtype=torch.uint8)
     _verify_file(folder / TENSORS, tinfo, into=buf[: tinfo["size"]])
@@ -656,49 +752,33 @@ def load_dir(folder: Path, *, verified_manifest: dict | None = None) -> tuple[di
                                 f"{m['files'][STATE]['size']} (truncated or partial)")
     if chunked_sha256(raw) != m["files"][STATE]["sha256"]:
         raise CheckpointInvalid(f"{STATE} sha256 mismatch (corrupted)")
-    obj = _load_structure(raw, folder)
     try:
-        table = obj["tensors"]
-        tensors = []
-        for off, nbytes, dtype_name, shape, requires_grad, is_param in table:
-            dtype = _dtype_from_name(dtype_name)
-            if off + nbytes > tinfo["size"]:
-                raise CheckpointInvalid("tensor table points past the end of tensors.bin")
-            t = buf[off : off + nbytes].view(dtype).view(tuple(shape))
-            if is_param:
-                t = torch.nn.Parameter(t, requires_grad=requires_grad)
-            elif requires_grad:
-                t.requires_grad_(True)
-            tensors.append(t)
-        state = _resolve(obj["tree"], tensors)
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
-        raise CheckpointInvalid(f"{STATE} structure is inconsistent ({type(e).__name__}: {e})") from None
-    return m, state
+        return m, _decode_state(raw, buf, tinfo["size"])
+    except (plain.DecodeError, KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+        raise CheckpointUnloadable(f"{STATE} verified but cannot be decoded ({type(e).__name__}: {e})") from None
 
 
-def _load_structure(raw: bytes, folder: Path) -> dict:
-    # weights_only=True first: it unpickles only tensors, containers and primitive types, which is
-    # what most states are (RNG states from torch/random are tuples of ints and byte tensors).
-    # Some states hold plain Python objects the safe unpickler refuses (numpy's RNG state, user
-    # dataclasses). For those we fall back to weights_only=False, and ONLY here, after the bytes
-    # matched the sha256 in the manifest: the checksum proves they are exactly the bytes our own
-    # save wrote, not corrupted or half-written data. The run dir and bucket are as trusted as the
-    # code being run (whoever can write them can also change the startup script), so this does
-    # not widen what an attacker with write access can already do.
-    try:
-        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        log.info("%s: %s needs full unpickling (%s); loading with weights_only=False after its "
-                 "sha256 matched the manifest", folder, STATE, str(e).splitlines()[0][:120])
-        try:
-            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
-        except Exception as e2:  # noqa: BLE001 - any unpickling failure means unusable
-            raise CheckpointInvalid(f"{STATE} cannot be unpickled ({type(e2).__name__}: {e2})") from None
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointInvalid(f"{STATE} cannot be loaded ({type(e).__name__}: {e})") from None
-    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise CheckpointInvalid(f"{STATE} is not a spottrain structure")
-    return obj
+def _decode_state(raw: bytes, buf: torch.Tensor, size: int) -> Any:
+    """The state from ``state.json`` with its tensors as views into ``buf`` (tensors.bin)."""
+    obj = json.loads(raw)
+    if not isinstance(obj, dict) or obj.get("format") != STRUCTURE or obj.get("version") != 1:
+        raise plain.DecodeError(f"{STATE} is not a spottrain structure of a known version")
+    tensors = []
+    for off, nbytes, dtype_name, shape, requires_grad, is_param in obj["tensors"]:
+        dtype = plain.dtype(dtype_name)
+        if not (type(off) is int and type(nbytes) is int and 0 <= off and 0 <= nbytes and off + nbytes <= size):
+            raise plain.DecodeError("tensor table points outside tensors.bin")
+        t = buf[off : off + nbytes].view(dtype).view(tuple(int(x) for x in shape))
+        if is_param:
+            t = torch.nn.Parameter(t, requires_grad=bool(requires_grad))
+        elif requires_grad:
+            t.requires_grad_(True)
+        tensors.append(t)
+
+    def ref(d: dict) -> torch.Tensor:
+        return tensors[int(d["i"])]
+
+    return plain.decode(obj["tree"], ref)
 
 
 def delete_checkpoint(store: Store, step: int) -> None:

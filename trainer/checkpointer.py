@@ -19,12 +19,22 @@ Saving (CheckFreq's snapshot/persist split):
 * Background failures (disk full, GCS unreachable after retries) are logged and counted; they never
   raise into the loop and never leave anything a restore would choose.
 
-Restoring: the newest checkpoint that verifies (manifest self-check, sizes, sha256 of every file)
-across all tiers, preferring the fastest tier for equal steps. A GCS checkpoint newer than anything
-on disk is downloaded into the persistent tier (atomically) and loaded from there. Any invalid
-candidate is logged with the reason and the next older one is tried. A tier that cannot be listed
-or read is unknown, not empty: a trainer's restore raises ``TierUnknown`` rather than choose
-without it (``trainer.tier_wait`` waits); ``status`` (``download=False``) only notes it.
+Restoring: the newest checkpoint that verifies (manifest self-check and HMAC under the run's key,
+sizes, sha256 of every file) across all tiers, preferring the fastest tier for equal steps. A GCS
+checkpoint newer than anything on disk is downloaded into the persistent tier (atomically) and
+loaded from there. Any invalid candidate is logged with the reason and the next older one is
+tried. A tier that cannot be listed or read is unknown, not empty: a trainer's restore raises
+``TierUnknown`` rather than choose without it (``trainer.tier_wait`` waits); ``status``
+(``download=False``) only notes it. What is never a reason to fall back or start afresh (a
+``ResumeMismatch``, exit 2, nothing deleted): a checkpoint that verified but cannot be decoded,
+checkpoints of the other layout or another format version, and unauthenticated checkpoints when
+nothing authentic is left.
+
+Same step twice: a save that finds a folder of its step already on a tier keeps it when the same
+session wrote it (the manifest's ``writer``: same session and step, same state), replaces it
+atomically when it holds other state (an abandoned trajectory: the live run is the one a restart
+must continue) or is invalid, and never touches a kept one (unauthenticated, another format or
+layout): that tier then skips this step.
 """
 
 from __future__ import annotations
@@ -37,13 +47,16 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.checkpoint import (OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid, Snapshot, SnapshotBuffer,
-                                check_checkpoint, delete_checkpoint, download_dir, layout_mismatch,
-                                list_checkpoints, load_dir, other_layout, parse_manifest, step_name, upload_dir,
-                                verify_dir, write_dir)
+from trainer.checkpoint import (OTHER_FORMAT, OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid,
+                                CheckpointUnloadable, Snapshot, SnapshotBuffer, StepOccupied, check_checkpoint,
+                                delete_checkpoint, download_dir, kept, kept_mismatch, layout_mismatch,
+                                list_checkpoints, load_dir, other_layout, parse_manifest, read_manifest, step_name,
+                                upload_dir, verify_dir, write_dir)
+from trainer.checkpoint_key import CheckpointKey
 from trainer.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
 from trainer.storage import DirStore, GcsStore, Store, UploadAborted, is_unreachable
 from trainer.tier_wait import TierUnknown
@@ -115,8 +128,17 @@ class Checkpointer:
     def __init__(self, *, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None,
                  policies: dict[str, TierPolicy] | None = None,
                  mtbf_s: float = DEFAULT_MTBF_S, log: logging.Logger | None = None,
-                 gcs_client: Any = None) -> None:
+                 gcs_client: Any = None, key: CheckpointKey | None = None) -> None:
+        """``key``: sign every manifest and load only checkpoints whose HMAC verifies under it
+        (``trainer.checkpoint_key``); None trusts the sha256 alone (nothing is unpickled either
+        way, but anyone who can write a tier can then make a checkpoint this run loads)."""
         self.log = log or logging.getLogger("spottrain.checkpoint")
+        self.key = key
+        #: This checkpointer's saves, in manifests as ``writer``: a save id (see the module docstring).
+        self.session = uuid.uuid4().hex
+        #: Kept checkpoints the last survey met that are not of the other layout: "format" and
+        #: "unauthenticated" lines (the restore decides what they block).
+        self._survey_kept: dict[str, list[str]] = {"format": [], "unauthenticated": []}
         policies = dict(policies or {})
         unknown = set(policies) - set(TIERS)
         if unknown:
@@ -285,29 +307,56 @@ class Checkpointer:
         store = t.store
         assert isinstance(store, DirStore)
         folder = store.root / step_name(snap.step)
-        if folder.exists():
-            # Same step saved again (e.g. a save right after resuming, or an emergency save of a
-            # step that was just saved). Keep a valid one; replace an invalid one.
-            try:
-                verify_dir(folder)
-                return folder
-            except CheckpointInvalid as e:
-                self.log.warning("replacing invalid %s (%s)", folder, e)
-                delete_checkpoint(store, snap.step)
-        folder, _ = write_dir(snap, store.root)
+        replace = folder.exists()
+        if replace and self._keep_same_step(t.name, folder, snap.step):
+            return folder
+        folder, _ = write_dir(snap, store.root, key=self.key, writer=self.session, replace=replace)
         return folder
+
+    def _keep_same_step(self, tier: str, folder: Path, step: int, writer: str | None = None) -> bool:
+        """A folder of this step is already on a disk tier (a save right after another of the same
+        step, e.g. an emergency save of a step just saved): True to keep it (``writer``, default
+        this session, wrote it: the same state), False to replace it; StepOccupied when it is a
+        kept checkpoint."""
+        writer = writer or self.session
+        try:
+            m = self._verify_folder(folder)
+        except CheckpointInvalid as e:
+            if kept(str(e)):
+                raise StepOccupied(f"{folder} holds a checkpoint that is never overwritten ({e}); this tier "
+                                   f"skips step {step}") from None
+            self.log.warning("replacing invalid %s (%s)", folder, e)
+            return False
+        if m.get("writer") == writer:
+            return True
+        self.log.warning("%s step %d at %s verifies but holds other state (written by session %s, not this "
+                         "one: an abandoned trajectory); replacing it atomically with this run's step %d",
+                         tier, step, folder, m.get("writer", "unknown"), step)
+        return False
+
+    def _verify_folder(self, folder: Path) -> dict:
+        """Full verification of a folder of this checkpointer's layout (the sharded one overrides)."""
+        return verify_dir(folder, key=self.key)
 
     def _upload(self, t: _Tier, src: Path, step: int, *, deadline: float | None) -> None:
         store = t.store
         assert isinstance(store, GcsStore)
         with store.deadline(deadline), store.aborting(self._upload_abort):
-            info = check_checkpoint(store, step)
+            info = check_checkpoint(store, step, key=self.key)
             if info is not None:
+                if info.valid and (info.manifest or {}).get("writer") == read_manifest(src, key=self.key).get("writer"):
+                    return  # this very save is there already
+                if kept(info.reason):
+                    raise StepOccupied(f"gcs holds a checkpoint at step {step} that is never overwritten "
+                                       f"({info.reason}); this tier skips step {step}")
                 if info.valid:
-                    return
-                # A leftover partial upload of this step: its objects are create-only, so remove
-                # them first; they were never visible as a checkpoint.
-                self.log.info("removing partial upload of step %d on gcs (%s)", step, info.reason)
+                    self.log.warning("gcs step %d verifies but holds other state (written by session %s, not "
+                                     "this one); replacing it with this run's", step,
+                                     (info.manifest or {}).get("writer", "unknown"))
+                else:
+                    # A leftover partial upload of this step: its objects are create-only, so remove
+                    # them first; they were never visible as a checkpoint.
+                    self.log.info("removing partial upload of step %d on gcs (%s)", step, info.reason)
                 delete_checkpoint(store, step)
             upload_dir(src, store, step, deadline=deadline)
 
@@ -322,10 +371,13 @@ class Checkpointer:
         """
         keep = t.policy.keep
         with self._restore_lock:
-            older = [i for i in list_checkpoints(t.store, self.parse_manifest) if i.step < newest_step]
+            older = [i for i in list_checkpoints(t.store, self.parse_manifest, key=self.key) if i.step < newest_step]
             keep_older = {i.step for i in [x for x in older if x.valid][: keep - 1]}
             for i in older:
-                if i.step in keep_older or other_layout(i.reason):
+                # Kept ones are never deleted: an unauthenticated checkpoint may be this run's own
+                # work under a lost or rotated key, and garbage in the bucket must never cost a
+                # good checkpoint (retention counts only valid ones).
+                if i.step in keep_older or kept(i.reason):
                     continue
                 self.log.info("retention: deleting %s step %d (%s)", t.name, i.step,
                               f"beyond the newest {keep} valid" if i.valid else f"invalid: {i.reason}")
@@ -352,6 +404,7 @@ class Checkpointer:
         candidates: list[tuple[int, int, _Tier, CheckpointInfo]] = []
         other: list[str] = []
         unknown: dict[str, str] = {}
+        self._survey_kept = {"format": [], "unauthenticated": []}
         for rank, t in enumerate(self._tiers.values()):
             try:
                 infos = self._list(t)
@@ -365,6 +418,10 @@ class Checkpointer:
                     candidates.append((i.step, rank, t, i))
                 elif other_layout(i.reason):
                     other.append(f"{t.name} step {i.step}: {i.reason[len(OTHER_LAYOUT):]}")
+                elif kept(i.reason):
+                    what = "format" if i.reason.startswith(OTHER_FORMAT) else "unauthenticated"
+                    self._survey_kept[what].append(f"{t.name} step {i.step} at {i.location}: {i.reason}")
+                    self.log.warning("refusing %s checkpoint step %d at %s: %s", t.name, i.step, i.location, i.reason)
                 else:
                     self.log.warning("ignoring %s checkpoint step %d at %s: %s",
                                      t.name, i.step, i.location, i.reason)
@@ -393,11 +450,13 @@ class Checkpointer:
                         if removed:
                             self.log.info("removed leftovers of interrupted writes on %s: %s",
                                           t.name, ", ".join(removed))
+            from trainer.state import ResumeMismatch
+
             candidates, other = self._survey(tolerate_unknown=not download)
             if other and download:  # a trainer starting; status (download=False) only looks
-                from trainer.state import ResumeMismatch
-
                 raise ResumeMismatch(layout_mismatch("ddp", other))
+            if self._survey_kept["format"] and download:
+                raise ResumeMismatch(kept_mismatch(self._survey_kept["format"], None))
             for step, _, t, info in candidates:
                 if wanted is not None and step != wanted:
                     continue
@@ -405,6 +464,10 @@ class Checkpointer:
                     state, path, tier = self._load(t, step, info, download=download)
                 except TierUnknown:
                     raise
+                except CheckpointUnloadable as e:
+                    raise ResumeMismatch(f"cannot resume from step {step} on {t.name} ({info.location}): {e}; "
+                                         "use the spottrain version that wrote it, or a new --run-dir/--gcs-uri "
+                                         "for a new run (nothing was deleted)") from None
                 except (CheckpointInvalid, Exception) as e:  # noqa: BLE001
                     self.log.warning("checkpoint step %d on %s at %s is unusable: %s; falling back "
                                      "to the next older one", step, t.name, info.location,
@@ -418,6 +481,9 @@ class Checkpointer:
                 for x in self._tiers.values():
                     x.last_step, x.last_time = step, now
                 return Restored(step=step, state=state, tier=tier, path=path, seconds=seconds)
+            if self._survey_kept["unauthenticated"] and download:
+                # Never a fresh start over them: they may be this run's work under a lost key.
+                raise ResumeMismatch(kept_mismatch(self._survey_kept["unauthenticated"], self.key))
             self.log.info("no valid checkpoint on any tier; starting from scratch")
             return None
 
@@ -442,31 +508,36 @@ class Checkpointer:
     def _list(self, t: _Tier) -> list[CheckpointInfo]:
         if isinstance(t.store, GcsStore):
             with t.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):
-                return list_checkpoints(t.store, self.parse_manifest)
-        return list_checkpoints(t.store, self.parse_manifest)
+                return list_checkpoints(t.store, self.parse_manifest, key=self.key)
+        return list_checkpoints(t.store, self.parse_manifest, key=self.key)
 
     def _load(self, t: _Tier, step: int, info: CheckpointInfo, *, download: bool) -> tuple[Any, str, str]:
         if isinstance(t.store, DirStore):
             folder = t.store.root / step_name(step)
-            _, state = load_dir(folder)
+            _, state = load_dir(folder, key=self.key)
             return state, str(folder), t.name
+        persistent = self._tiers["persistent"].store
+        assert isinstance(persistent, DirStore)
         if download:
-            persistent = self._tiers["persistent"].store
-            assert isinstance(persistent, DirStore)
-            stale = persistent.root / step_name(step)
-            if stale.exists():
+            stale = check_checkpoint(persistent, step, key=self.key)
+            if stale is not None and kept(stale.reason):
+                self.log.warning("the persistent tier's step %d is kept (%s): loading the GCS copy without "
+                                 "storing it there", step, stale.reason)
+                download = False
+            elif stale is not None:
                 # The persistent copy of this step failed verification (or it would have been
                 # chosen first): replace it with the good one from GCS.
                 self.log.warning("replacing invalid persistent copy of step %d with the GCS one", step)
                 delete_checkpoint(persistent, step)
+        if download:
             folder = self._download(t, step, persistent.root)
             self.log.info("downloaded step %d from %s into %s", step, info.location, folder)
-            _, state = load_dir(folder)
+            _, state = load_dir(folder, key=self.key)
             return state, info.location, t.name
         tmp = Path(tempfile.mkdtemp(prefix="spottrain-restore-"))
         try:
-            folder = download_dir(t.store, step, tmp)
-            _, state = load_dir(folder)
+            folder = download_dir(t.store, step, tmp, key=self.key)
+            _, state = load_dir(folder, key=self.key)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return state, info.location, t.name
@@ -475,7 +546,7 @@ class Checkpointer:
         """``download_dir``; a tier that stops answering midway is unknown (the checkpoint is
         not thereby invalid: never fall back to an older one for that)."""
         try:
-            return download_dir(t.store, step, root)
+            return download_dir(t.store, step, root, key=self.key)
         except Exception as e:
             if is_unreachable(e):
                 raise TierUnknown({t.name: f"{type(e).__name__}: {e}"}) from e
@@ -624,7 +695,7 @@ class Checkpointer:
                 valid, reason = i.valid, i.reason
                 if deep and valid and isinstance(t.store, DirStore):
                     try:
-                        verify_dir(t.store.root / step_name(i.step))
+                        verify_dir(t.store.root / step_name(i.step), key=self.key)
                     except CheckpointInvalid as e:
                         valid, reason = False, str(e)
                 entry["checkpoints"].append({"step": i.step, "valid": valid, "reason": reason,

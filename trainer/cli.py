@@ -98,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--init-from-step", type=int, help="the step of --init-from to start from (default: newest)")
     r.add_argument("--init-from-optimizer", action="store_const", const=True,
                    help="with --init-from: also take its optimizer state (default: weights only)")
+    r.add_argument("--checkpoint-key-file", type=Path,
+                   help="the run's checkpoint key (default: $SPOTTRAIN_CHECKPOINT_KEY_FILE, else "
+                        "~/.config/spottrain/checkpoint.key, created on first use)")
     r.add_argument("--config", type=Path, help="TOML file with any setting; flags override it")
 
     s = sub.add_parser("status", help="checkpoints on each tier, the newest valid one, goodput")
@@ -107,12 +110,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="also draw the job's timeline from the goodput ledger (needs matplotlib)")
+    s.add_argument("--checkpoint-key-file", type=Path, help="the run's checkpoint key (as for run)")
 
     e = sub.add_parser("export", help="write a run's weights as a plain state dict in safetensors (+ JSON sidecar)")
     e.add_argument("--run-dir", type=Path, help="the run's run dir")
     e.add_argument("--gcs-uri", help="the run's gs://BUCKET/PREFIX")
     e.add_argument("--local-dir", type=Path, help="the run's local tier, if any")
     e.add_argument("--step", type=int, help="the checkpoint to export (default: the newest valid one)")
+    e.add_argument("--checkpoint-key-file", type=Path, help="the run's checkpoint key (as for run)")
     e.add_argument("--out", type=Path, required=True, help="FILE.safetensors to write (sidecar: FILE.json)")
     g = sub.add_parser("stage", help="copy gs://BUCKET/PREFIX into a directory, verified and resumable")
     g.add_argument("--from", dest="source", required=True, help="gs://BUCKET/PREFIX to stage")
@@ -143,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                 "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
                 "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
                 "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "data_workers",
-                "eval_every_steps")}
+                "eval_every_steps", "checkpoint_key_file")}
             cfg = load_run_config(cli, args.config)
         elif args.command == "export":
-            ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out")})
+            ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out",
+                                                                     "checkpoint_key_file")})
         elif args.command == "stage":
             if args.health_port is not None and not 0 <= args.health_port <= 65535:
                 raise ConfigError([f"command line: health_port: must be 0..65535, got {args.health_port}"])
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
                                        "local_dir": args.local_dir, "json_output": args.json,
-                                       "plot": args.plot})
+                                       "plot": args.plot, "checkpoint_key_file": args.checkpoint_key_file})
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)

@@ -204,6 +204,18 @@ class RunConfig(BaseModel):
     metrics_upload_every_s: float = Field(default=60.0, gt=0)
     """Seconds between uploads of this session's TensorBoard event file to the durable tier
     (each upload replaces the object; the last one is made when the session ends)."""
+    checkpoint_key_file: Path | None = None
+    """The run's checkpoint key (``trainer.checkpoint_key``): every manifest is signed with it, and
+    only checkpoints whose HMAC verifies under it are loaded. Must exist when set. None: the
+    environment's ``SPOTTRAIN_CHECKPOINT_KEY_FILE``, else the per-user
+    ``~/.config/spottrain/checkpoint.key``, created on first use. On a VM the stack passes the
+    experiment's key. Not part of the fingerprint."""
+
+    def checkpoint_key(self) -> Any:
+        """The :class:`~trainer.checkpoint_key.CheckpointKey` of this run (``KeyProblem``: exit 2)."""
+        from trainer.checkpoint_key import resolve
+
+        return resolve(self.checkpoint_key_file, create_default=True)
 
     @field_validator("task")
     @classmethod
@@ -336,6 +348,10 @@ class StatusConfig(BaseModel):
     """Print one JSON object instead of the human report."""
     plot: Path | None = None
     """Also draw the job's timeline from the goodput ledger into this PNG file."""
+    checkpoint_key_file: Path | None = None
+    """The run's checkpoint key, as for ``run`` (never created here). Without one, whole-model
+    checkpoints are shown unauthenticated (nothing is unpickled either way) and sharded ones not
+    at all."""
 
 
 class ExportConfig(BaseModel):
@@ -353,6 +369,9 @@ class ExportConfig(BaseModel):
     """The checkpoint to export (default: the newest valid one)."""
     out: Path
     """The ``.safetensors`` file to write; the JSON sidecar goes next to it (``FILE.json``)."""
+    checkpoint_key_file: Path | None = None
+    """The run's checkpoint key, as for ``run`` (never created here): only checkpoints it
+    authenticates are exported, and a sharded one only with it."""
 
 
 def settings_digest(fingerprint: dict[str, Any]) -> str:

@@ -154,7 +154,14 @@ def main(cfg: Any) -> int:
         _check_out(cfg.out)
         if cfg.run_dir is not None and cfg.gcs_uri is None and not cfg.run_dir.is_dir():
             raise ExportError(f"command line: run_dir: {cfg.run_dir} is not a directory")
-        found = reader.read(run_dir=cfg.run_dir, gcs_uri=cfg.gcs_uri, local_dir=cfg.local_dir, step=cfg.step)
+        from trainer.checkpoint_key import KeyProblem, resolve
+
+        try:
+            key = resolve(cfg.checkpoint_key_file, create_default=False)
+        except KeyProblem as e:
+            raise ExportError(f"command line: {e}") from None
+        found = reader.read(run_dir=cfg.run_dir, gcs_uri=cfg.gcs_uri, local_dir=cfg.local_dir, step=cfg.step,
+                            key=key)
         try:
             sidecar = write(cfg.out, found)
         except OSError as e:  # a full or read-only disk, permissions
@@ -197,7 +204,8 @@ def auto_export(cfg: Any, step: int, log: logging.Logger) -> str | None:
             if (cfg.run_dir / key / SIDECAR).is_file():
                 log.info("event=export step=%d already=1 at=%s", step, where)
                 return where
-        found = reader.read(run_dir=cfg.run_dir, gcs_uri=cfg.gcs_uri, local_dir=cfg.local_dir, step=step, log=log)
+        found = reader.read(run_dir=cfg.run_dir, gcs_uri=cfg.gcs_uri, local_dir=cfg.local_dir, step=step, log=log,
+                            key=cfg.checkpoint_key())
         if store is None:
             sidecar = write(cfg.run_dir / key / MODEL, found)
         else:

@@ -58,7 +58,10 @@ def _read(cfg: Any, log: logging.Logger) -> Any:
 
     run_dir, gcs_uri = _source(cfg)
     try:
-        return reader.read(run_dir=run_dir, gcs_uri=gcs_uri, step=cfg.init_from_step, log=log)
+        # The source must be signed with this run's checkpoint key (runs of one experiment, or local
+        # runs under one per-user key); one under another key is refused as unauthenticated.
+        return reader.read(run_dir=run_dir, gcs_uri=gcs_uri, step=cfg.init_from_step, log=log,
+                           key=cfg.checkpoint_key())
     except reader.NotFound as e:
         raise InitFromError(f"init_from: {e}") from None
 

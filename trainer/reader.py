@@ -6,8 +6,11 @@ whole-model layout, ``sharded.inspect`` for the sharded one): every file is chec
 manifest before anything is loaded, a GCS copy is downloaded into a temporary folder that is
 removed afterwards, and nothing on any tier is created, repaired or deleted.
 
+Checkpoints count only when they authenticate under ``key`` (the run's checkpoint key,
+``trainer.checkpoint_key``); a sharded checkpoint is never read without one (DCP unpickles).
+
 Errors: ``NotFound`` (bad input: no valid checkpoint, or not the asked-for step, while every
-tier could be listed) and ``Unreachable`` (a tier could not be listed and nothing usable was
+tier could be listed; or a sharded source and no key) and ``Unreachable`` (a tier could not be listed and nothing usable was
 found on the others: try again later).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import OTHER_LAYOUT, list_checkpoints, parse_manifest
+from trainer.checkpoint import OTHER_LAYOUT, kept, list_checkpoints, other_layout, parse_manifest
 from trainer.storage import GcsStore, Store
 
 #: Seconds a listing of a bucket may take before it counts as unreachable.
@@ -56,9 +59,11 @@ def describe_source(run_dir: Path | None, gcs_uri: str | None) -> str:
     return " and ".join(str(x) for x in (run_dir, gcs_uri) if x is not None)
 
 
-def survey(stores: dict[str, Store]) -> tuple[dict[str, list[int]], dict[str, list[int]], list[str]]:
+def survey(stores: dict[str, Store], key: Any = None,
+           refused: list[str] | None = None) -> tuple[dict[str, list[int]], dict[str, list[int]], list[str]]:
     """Valid steps per tier of each layout ({tier: steps} whole-model, sharded) and the tiers
-    that could not be listed ("tier: error")."""
+    that could not be listed ("tier: error"). Checkpoints that are kept but never read
+    (unauthenticated, another format) are appended to ``refused`` ("tier step N: reason")."""
     from trainer.sharded import list_sharded
 
     whole: dict[str, list[int]] = {}
@@ -70,19 +75,26 @@ def survey(stores: dict[str, Store]) -> tuple[dict[str, list[int]], dict[str, li
             scope = store.deadline(time.monotonic() + LIST_TIMEOUT_S) if isinstance(store, GcsStore) \
                 else contextlib.nullcontext()
             with scope:
-                infos = list_checkpoints(store, parse_manifest)
+                infos = list_checkpoints(store, parse_manifest, key=key)
                 whole[name] = [i.step for i in infos if i.valid]
                 if any(i.reason.startswith(OTHER_LAYOUT + "a sharded") for i in infos):
-                    shards[name] = [i.step for i in list_sharded(store) if i.valid]
+                    infos = list_sharded(store, key=key)
+                    shards[name] = [i.step for i in infos if i.valid]
+                if refused is not None:
+                    refused += [f"{name} step {i.step}: {i.reason}" for i in infos
+                                if kept(i.reason) and not other_layout(i.reason)]
         except Exception as e:  # noqa: BLE001 - reported with the result
             errors.append(f"{name}: {type(e).__name__}: {e}")
     return whole, shards, errors
 
 
 def read(*, run_dir: Path | None, gcs_uri: str | None, local_dir: Path | None = None, step: int | None = None,
-         log: logging.Logger | None = None) -> RunCheckpoint:
-    """The newest valid checkpoint of the run (or the one of ``step``); see the module docstring."""
+         log: logging.Logger | None = None, key: Any = None) -> RunCheckpoint:
+    """The newest valid checkpoint of the run (or the one of ``step``); see the module docstring.
+    ``key``: the run's ``CheckpointKey`` (None: whole-model checkpoints unauthenticated, sharded
+    ones refused)."""
     from trainer import sharded
+    from trainer.checkpoint_key import KeyProblem
     from trainer.checkpointer import Checkpointer
 
     log = log or logging.getLogger("trainer.reader")
@@ -90,12 +102,13 @@ def read(*, run_dir: Path | None, gcs_uri: str | None, local_dir: Path | None = 
     with tempfile.TemporaryDirectory(prefix="spottrain-read-") as tmp:
         # A run known only by its bucket: an empty stand-in for its disk (never written).
         ckpt = Checkpointer(run_dir=run_dir if run_dir is not None else Path(tmp) / "no-run-dir",
-                            local_dir=local_dir, gcs_uri=gcs_uri, log=log)
+                            local_dir=local_dir, gcs_uri=gcs_uri, log=log, key=key)
         try:
             stores = {n: t.store for n, t in ckpt._tiers.items()}
             if run_dir is None:
                 stores.pop("persistent")
-            whole, shards, errors = survey(stores)
+            refused: list[str] = []
+            whole, shards, errors = survey(stores, key, refused)
             in_whole = sorted({s for v in whole.values() for s in v}, reverse=True)
             in_shards = sorted({s for v in shards.values() for s in v}, reverse=True)
             use_whole = bool(in_whole) and (step is None or step in in_whole)
@@ -106,7 +119,10 @@ def read(*, run_dir: Path | None, gcs_uri: str | None, local_dir: Path | None = 
                     return RunCheckpoint(restored.step, False, restored.state["model"], restored.state,
                                          restored.tier, restored.path)
             elif use_shards:
-                found = sharded.inspect(stores, step)
+                try:
+                    found = sharded.inspect(stores, step, key=key)
+                except KeyProblem as e:
+                    raise NotFound(f"{source}: {e}") from None
                 if found is not None:
                     got, tier, location, model, extras = found
                     return RunCheckpoint(got, True, model, extras if isinstance(extras, dict) else {}, tier,
@@ -118,7 +134,8 @@ def read(*, run_dir: Path | None, gcs_uri: str | None, local_dir: Path | None = 
         raise Unreachable(f"cannot read {source}: " + "; ".join(errors)
                           + (f" (valid elsewhere: steps {_steps(valid)})" if valid else ""))
     if not valid:
-        raise NotFound(f"no valid checkpoint at {source}")
+        raise NotFound(f"no valid checkpoint at {source}" + (
+            f"; never read: {'; '.join(refused[:3])}" if refused else ""))
     if step is not None and step not in valid:
         raise NotFound(f"no valid checkpoint of step {step} at {source} (valid: steps {_steps(valid)})")
     raise NotFound(f"no checkpoint at {source} passed verification (steps {_steps(valid)} looked valid; "

@@ -11,14 +11,21 @@ A sharded checkpoint folder (or GCS prefix)::
         __0_0.distcp   rank 0's shards of the model and optimizer (DCP, one file per rank)
         __1_0.distcp   rank 1's ...
         .metadata      DCP's index: which slice of which tensor lies where (written by rank 0)
-        extras.pt      the small replicated state rank 0 passed as ``extras`` (step, scheduler,
-                       scaler, data position, every rank's RNG, fingerprint), torch.save
+        extras.json    the small replicated state rank 0 passed as ``extras`` (step, scheduler,
+                       scaler, data position, every rank's RNG, fingerprint) as plain JSON
+                       (``trainer.plain``, tensors inline): never pickled
         manifest.json  written LAST, the same format as single-process checkpoints
                        (``trainer.checkpoint.build_manifest``: size and chunked sha256 of every
-                       file above, a self-checksum); its ``meta.sharded`` marks the layout
+                       file above, a self-checksum, the HMAC); its ``meta.sharded`` marks the layout
+
+A sharded checkpointer needs a checkpoint key (``trainer.checkpoint_key``; ``KeyProblem``
+otherwise): DCP reads its ``.metadata`` with pickle, and the non-tensor items of the shard files
+with ``torch.load(weights_only=False)``. So nothing of a sharded checkpoint reaches DCP before its
+manifest's HMAC verified under the run's key and every file matched its sha256 in that manifest:
+only a holder of the key could have written those bytes.
 
 The rules are those of ``trainer.checkpoint``: a checkpoint is valid only if its manifest parses,
-its self-checksum matches and every file it lists is present with the listed size and sha256. On
+its self-checksum and HMAC match and every file it lists is present with the listed size and sha256. On
 a disk tier the files are written into a ``.tmp-`` folder, fsynced, the manifest is written last
 and the folder appears by one atomic rename. On GCS every payload object is uploaded create-only
 (each rank uploads its own shard file), and rank 0 uploads the manifest only after every rank
@@ -58,11 +65,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import io
 import json
 import logging
-import os
-import pickle
 import re
 import shutil
 import socket
@@ -77,10 +81,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import (MANIFEST, OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid, _hash_file,
-                                _verify_file, _write_hashed_plain, build_manifest, check_checkpoint,
-                                check_manifest_entries, delete_checkpoint, download_dir, layout_mismatch, list_checkpoints,
-                                parse_manifest_header, parse_step, step_name)
+from trainer import plain
+from trainer.checkpoint import (MANIFEST, OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid, CheckpointUnloadable, StepOccupied,
+                                _hash_file, _verify_file, _write_hashed_plain, build_manifest, check_checkpoint,
+                                check_manifest_entries, delete_checkpoint, download_dir, kept, kept_mismatch,
+                                layout_mismatch, list_checkpoints, parse_manifest_header, parse_step, publish_dir,
+                                read_manifest, step_name)
+from trainer.checkpoint_key import CheckpointKey, KeyProblem
 from trainer.checkpointer import TIERS, Checkpointer, EmergencyReport, Restored, TierPolicy, _check_meta
 from trainer.distributed import World
 from trainer.interval import DEFAULT_MTBF_S
@@ -89,7 +96,7 @@ from trainer.storage import (TMP_PREFIX, DirStore, GcsStore, Store, UploadAborte
                              is_unreachable)
 from trainer.tier_wait import TierUnknown
 
-EXTRAS = "extras.pt"
+EXTRAS = "extras.json"
 DCP_METADATA = ".metadata"
 #: ``meta.sharded.layout`` in the manifest: what wrote the payload.
 LAYOUT = "torch.distributed.checkpoint"
@@ -163,10 +170,10 @@ def _default_blocks(model: nn.Module) -> list[nn.Module]:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_sharded_manifest(data: bytes, step: int | None = None) -> dict:
+def parse_sharded_manifest(data: bytes, step: int | None = None, *, key: CheckpointKey | None = None) -> dict:
     """``trainer.checkpoint.parse_manifest`` with the sharded file list: the DCP index, the extras
     and one or more rank files, nothing else; raises ``CheckpointInvalid``."""
-    m = parse_manifest_header(data)
+    m = parse_manifest_header(data, key)
     sharded = (m.get("meta") or {}).get("sharded") if isinstance(m.get("meta"), dict) else None
     if not isinstance(sharded, dict) or sharded.get("layout") != LAYOUT:
         raise CheckpointInvalid(OTHER_LAYOUT + 'a whole-model checkpoint (written with parallelism = "ddp")')
@@ -181,60 +188,58 @@ def parse_sharded_manifest(data: bytes, step: int | None = None) -> dict:
     return check_manifest_entries(m, step)
 
 
-def list_sharded(store: Store) -> list[CheckpointInfo]:
-    """Every ``step-N`` on the store, newest first, quick-checked (manifest, presence, sizes)."""
-    return list_checkpoints(store, parse_sharded_manifest)
+def list_sharded(store: Store, *, key: CheckpointKey | None = None) -> list[CheckpointInfo]:
+    """Every ``step-N`` on the store, newest first, quick-checked (manifest and HMAC, presence,
+    sizes)."""
+    return list_checkpoints(store, parse_sharded_manifest, key=key)
 
 
-def check_sharded(store: Store, step: int) -> CheckpointInfo | None:
+def check_sharded(store: Store, step: int, *, key: CheckpointKey | None = None) -> CheckpointInfo | None:
     """Quick check of one step (None when nothing of it exists on the store)."""
-    return check_checkpoint(store, step, parse_sharded_manifest)
+    return check_checkpoint(store, step, parse_sharded_manifest, key=key)
 
 
-def verify_sharded_dir(folder: Path) -> dict:
-    """Full verification of a sharded checkpoint folder (every file's sha256); the manifest."""
+def verify_sharded_dir(folder: Path, *, key: CheckpointKey | None = None) -> dict:
+    """Full verification of a sharded checkpoint folder (the manifest's HMAC under ``key``, every
+    file's sha256); the manifest. Only after this may DCP read the folder."""
     folder = Path(folder)
-    try:
-        data = (folder / MANIFEST).read_bytes()
-    except FileNotFoundError:
-        raise CheckpointInvalid("no manifest (incomplete write)") from None
-    m = parse_sharded_manifest(data, parse_step(folder.name))
+    m = read_manifest(folder, parse_sharded_manifest, key=key)
     for name, info in sorted(m["files"].items()):
         _verify_file(folder / name, info)
     return m
 
 
-def _commit(stage: Path, final: Path, manifest: bytes) -> None:
-    """Manifest last, fsync, atomic rename, fsync the parent: the checkpoint appears whole."""
+def _commit(stage: Path, final: Path, manifest: bytes, *, replace: bool = False) -> None:
+    """Manifest last, fsync, atomic rename (or swap, with ``replace``), fsync the parent: the
+    checkpoint appears whole."""
     _write_hashed_plain(stage / MANIFEST, manifest)
     fsync_dir(stage)
-    os.rename(stage, final)
-    fsync_dir(final.parent)
+    publish_dir(stage, final, replace=replace)
 
 
-def copy_sharded_dir(src: Path, root: Path) -> Path:
+def copy_sharded_dir(src: Path, root: Path, *, key: CheckpointKey | None = None, replace: bool = False) -> Path:
     """Copy a verified checkpoint folder into ``root`` (another disk tier) atomically."""
     src, root = Path(src), Path(root)
     root.mkdir(parents=True, exist_ok=True)
     manifest = (src / MANIFEST).read_bytes()
-    m = parse_sharded_manifest(manifest, parse_step(src.name))
+    m = parse_sharded_manifest(manifest, parse_step(src.name), key=key)
     final = root / src.name
     stage = root / f"{TMP_PREFIX}{src.name}-cp-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
     try:
         for name in m["files"]:
             copy_file_durable(src / name, stage / name)
-        _commit(stage, final, manifest)
+        _commit(stage, final, manifest, replace=replace)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return final
 
 
-def download_sharded(store: Store, step: int, root: Path) -> Path:
-    """Copy ``step-N`` from ``store`` into ``root/step-N/``: every file verified, then the
-    manifest, then the atomic rename."""
-    return download_dir(store, step, root, parse_sharded_manifest)
+def download_sharded(store: Store, step: int, root: Path, *, key: CheckpointKey | None = None) -> Path:
+    """Copy ``step-N`` from ``store`` into ``root/step-N/``: the manifest authenticated, every file
+    verified, then the manifest written, then the atomic rename."""
+    return download_dir(store, step, root, parse_sharded_manifest, key=key)
 
 
 def _file_entry(path: Path) -> dict:
@@ -243,13 +248,11 @@ def _file_entry(path: Path) -> dict:
 
 
 def _load_extras(path: Path) -> Any:
-    raw = path.read_bytes()
-    # weights_only first; the full unpickler only after the file's sha256 matched the manifest
-    # (see trainer.checkpoint._load_structure for why that is safe here).
+    """The extras of a verified folder (plain JSON: nothing to unpickle)."""
     try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        return plain.loads(path.read_bytes())
+    except plain.DecodeError as e:
+        raise CheckpointUnloadable(f"{EXTRAS} verified but cannot be decoded ({e})") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,7 +264,7 @@ def _load_extras(path: Path) -> Any:
 class _Job:
     step: int
     staged: dict            # {"model": ..., "optim": ...}: this rank's shards, on the host
-    extras: bytes | None    # rank 0: torch.save of the extras
+    extras: bytes | None    # rank 0: the extras as plain JSON (``trainer.plain.dumps``)
     meta: dict
     names: list[str]        # tiers to write, identical on every rank
     tag: str                # staging folder suffix, identical on every rank
@@ -293,9 +296,15 @@ class ShardedCheckpointer(Checkpointer):
     def __init__(self, *, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None,
                  policies: dict[str, TierPolicy] | None = None, mtbf_s: float = DEFAULT_MTBF_S,
                  log: logging.Logger | None = None, world: World, gcs_client: Any = None,
-                 collective_timeout_s: float | None = None) -> None:
+                 collective_timeout_s: float | None = None, key: CheckpointKey | None = None) -> None:
+        if key is None:
+            raise KeyProblem(
+                'checkpoint_key_file: sharded checkpoints (parallelism = "fsdp") need a checkpoint key: '
+                "torch.distributed.checkpoint reads its .metadata with pickle, so a sharded checkpoint is "
+                "only loaded after its manifest's HMAC verified (--checkpoint-key-file; on a VM the stack "
+                "provides one; see docs/security.md)")
         super().__init__(run_dir=run_dir, local_dir=local_dir, gcs_uri=gcs_uri, policies=policies,
-                         mtbf_s=mtbf_s, log=log, gcs_client=gcs_client)
+                         mtbf_s=mtbf_s, log=log, gcs_client=gcs_client, key=key)
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self.world = world
@@ -350,19 +359,21 @@ class ShardedCheckpointer(Checkpointer):
               every_tier: bool = False) -> tuple[list[str], str, bytes | None, dict]:
         meta = _check_meta(meta)
         plan = None
+        blob = None
         if self._rank == 0:
             if names is None:
                 names = list(self._tiers) if every_tier else (self._due_tiers(step) or list(self._tiers))
                 if "gcs" in names and not any(self._tiers[n].is_disk for n in names):
                     names.append("persistent")  # the upload reads the staged files
                 names = [n for n in TIERS if n in names]
-            plan = (names, uuid.uuid4().hex[:8])
-        names, tag = self._bcast(plan)
-        blob = None
-        if self._rank == 0:
-            buf = io.BytesIO()
-            torch.save(extras, buf)  # pickled now: the loop may change these objects right after
-            blob = buf.getvalue()
+            try:
+                blob = plain.dumps(extras)  # encoded now: the loop may change these objects right after
+                plan = (names, uuid.uuid4().hex[:8], None)
+            except plain.NotPlainData as e:
+                plan = (names, "", str(e))
+        names, tag, error = self._bcast(plan)
+        if error is not None:  # every rank raises, so no rank is left waiting in a collective
+            raise plain.NotPlainData(f"extras: {error}")
         meta = {**meta, "world_size": self._size,
                 "sharded": {"layout": LAYOUT, "world_size": self._size, "nodes": self.nodes}}
         return names, tag, blob, meta
@@ -432,7 +443,8 @@ class ShardedCheckpointer(Checkpointer):
             for f, _ in results:
                 merged.update(f)
             if not errors:
-                manifest = build_manifest(step, merged, job.meta, job.created_unix)
+                manifest = build_manifest(step, merged, job.meta, job.created_unix, key=self.key,
+                                          writer=self.session)
             reason = "; ".join(errors)
         else:
             reason = ""
@@ -528,21 +540,18 @@ class ShardedCheckpointer(Checkpointer):
             root: Path = t.store.root  # type: ignore[attr-defined]
             target = root / step_name(job.step)
             try:
-                if target.exists():
-                    # Same step saved again (e.g. an emergency save of a step just saved): keep a
-                    # valid copy, replace an invalid one.
-                    try:
-                        verify_sharded_dir(target)
-                        status[n] = "ok"
-                        src = src or target
-                        continue
-                    except CheckpointInvalid as e:
-                        self.log.warning("replacing invalid %s (%s)", target, e)
-                        delete_checkpoint(t.store, job.step)
+                # Same step saved again (e.g. an emergency save of a step just saved): keep the copy
+                # this save's session wrote, replace other state or an invalid copy atomically,
+                # never touch a kept one (StepOccupied).
+                replace = target.exists()
+                if replace and self._keep_same_step(n, target, job.step, writer=m.get("writer")):
+                    status[n] = "ok"
+                    src = src or target
+                    continue
                 if src is None:
-                    _commit(stage, target, manifest)
+                    _commit(stage, target, manifest, replace=replace)
                 else:
-                    copy_sharded_dir(src, root)
+                    copy_sharded_dir(src, root, key=self.key, replace=replace)
                 src = src or target
                 status[n] = "ok"
             except Exception as e:  # noqa: BLE001 - reported through the status
@@ -559,12 +568,21 @@ class ShardedCheckpointer(Checkpointer):
         if self._rank == 0:
             try:
                 with store.deadline(deadline), store.aborting(self._upload_abort):
-                    info = check_sharded(store, step)
-                    if info is not None and info.valid:
-                        decision = "skip"
+                    info = check_sharded(store, step, key=self.key)
+                    ours = json.loads(manifest).get("writer")
+                    if info is not None and info.valid and (info.manifest or {}).get("writer") == ours:
+                        decision = "skip"  # this very save is there already
+                    elif info is not None and kept(info.reason):
+                        decision = (f"gcs holds a checkpoint at step {step} that is never overwritten "
+                                    f"({info.reason}); this tier skips step {step}")
                     else:
-                        if info is not None:
+                        if info is not None and info.valid:
+                            self.log.warning("gcs step %d verifies but holds other state (written by session "
+                                             "%s); replacing it with this run's", step,
+                                             (info.manifest or {}).get("writer", "unknown"))
+                        elif info is not None:
                             self.log.info("removing partial upload of step %d on gcs (%s)", step, info.reason)
+                        if info is not None:
                             delete_checkpoint(store, step)
                         decision = "upload"
             except Exception as e:  # noqa: BLE001
@@ -639,11 +657,13 @@ class ShardedCheckpointer(Checkpointer):
                     unknown = e.tiers
                 else:
                     steps = sorted({c[0] for c in candidates}, reverse=True)
-            steps, other, unknown = self._bcast((steps, other, unknown))
+            steps, other, unknown, self._survey_kept = self._bcast((steps, other, unknown, self._survey_kept))
             if unknown:
                 raise TierUnknown(unknown)
             if other:
                 raise ResumeMismatch(layout_mismatch("fsdp", other))
+            if self._survey_kept["format"]:
+                raise ResumeMismatch(kept_mismatch(self._survey_kept["format"], None))
             for step in steps:
                 got = self._obtain(step) if self.is_leader else None
                 copies = self._all(got)
@@ -663,13 +683,14 @@ class ShardedCheckpointer(Checkpointer):
                 err = _try(lambda: loaded.append(self._load(Path(path), model, optimizer)))
                 errs = self._all(err)
                 if any(errs):
-                    # Every file matched its sha256, so this is no corruption: the checkpoint does
-                    # not fit this model/optimizer (another architecture or settings). Older ones
-                    # would not fit either, and starting afresh would throw the run away.
+                    # Every file matched its sha256 under an authentic manifest, so this is no
+                    # corruption: the checkpoint does not fit this model/optimizer (another
+                    # architecture or settings). Older ones would not fit either, and starting
+                    # afresh would throw the run away.
                     raise ResumeMismatch(
-                        f"cannot resume from step {step} at {path}: the checkpoint verified but does not "
-                        "fit this model and optimizer (use the original settings, or a new --run-dir/"
-                        "--gcs-uri for a new run): "
+                        f"cannot resume from step {step} on {tier} at {path}: the checkpoint verified but "
+                        "does not fit this model and optimizer (use the original code and settings, or a "
+                        "new --run-dir/--gcs-uri for a new run; nothing was deleted): "
                         + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errs) if e)[:2000])
                 seconds = time.monotonic() - t_start
                 if self._rank == 0:
@@ -678,9 +699,14 @@ class ShardedCheckpointer(Checkpointer):
                 for x in self._tiers.values():
                     x.last_step, x.last_time = step, now
                 return Restored(step=step, state=loaded[0], tier=tier, path=path, seconds=seconds)
+            if self._survey_kept["unauthenticated"]:
+                raise ResumeMismatch(kept_mismatch(self._survey_kept["unauthenticated"], self.key))
             if self._rank == 0:
                 self.log.info("no valid checkpoint on any tier; starting from scratch")
             return None
+
+    def _verify_folder(self, folder: Path) -> dict:
+        return verify_sharded_dir(folder, key=self.key)
 
     def _obtain(self, step: int) -> tuple[bool, str, str]:
         """Leader: a verified complete copy of ``step`` on this node: (True, folder, tier) or
@@ -694,7 +720,7 @@ class ShardedCheckpointer(Checkpointer):
             if not folder.exists():
                 continue
             try:
-                verify_sharded_dir(folder)
+                verify_sharded_dir(folder, key=self.key)
                 return True, str(folder), t.name
             except CheckpointInvalid as e:
                 reasons.append(f"{t.name} copy at {folder}: {e}")
@@ -703,14 +729,18 @@ class ShardedCheckpointer(Checkpointer):
         if gcs is not None:
             try:
                 with gcs.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):  # type: ignore[attr-defined]
-                    info = check_sharded(gcs.store, step)
+                    info = check_sharded(gcs.store, step, key=self.key)
                 if info is not None and info.valid:
                     persistent = self._tiers["persistent"].store
                     assert isinstance(persistent, DirStore)
                     if (persistent.root / step_name(step)).exists():
+                        stale = check_sharded(persistent, step, key=self.key)
+                        if stale is not None and kept(stale.reason):
+                            raise StepOccupied(f"the persistent tier's step {step} is never overwritten "
+                                               f"({stale.reason}), so the GCS copy cannot be placed there")
                         self.log.warning("replacing invalid persistent copy of step %d with the GCS one", step)
                         delete_checkpoint(persistent, step)
-                    folder = download_sharded(gcs.store, step, persistent.root)
+                    folder = download_sharded(gcs.store, step, persistent.root, key=self.key)
                     self.log.info("downloaded step %d from %s into %s", step, info.location, folder)
                     return True, str(folder), "gcs"
                 reasons.append(f"gcs: {info.reason if info else 'not there'}")
@@ -802,7 +832,7 @@ class ShardedCheckpointer(Checkpointer):
                 for c in entry["checkpoints"]:
                     if c["valid"]:
                         try:
-                            verify_sharded_dir(t.store.root / step_name(c["step"]))
+                            verify_sharded_dir(t.store.root / step_name(c["step"]), key=self.key)
                         except CheckpointInvalid as e:
                             c["valid"], c["reason"] = False, str(e)
                 entry["newest_valid"] = next((c["step"] for c in entry["checkpoints"] if c["valid"]), None)
@@ -843,20 +873,27 @@ __all__ = ["ShardedCheckpointer", "shard", "parse_sharded_manifest", "list_shard
            "verify_sharded_dir", "download_sharded", "EmergencyReport", "Restored", "TierPolicy"]
 
 
-def inspect(tiers: dict[str, Store], step: int | None = None) -> tuple[int, str, str, dict, dict] | None:
+def inspect(tiers: dict[str, Store], step: int | None = None, *,
+            key: CheckpointKey | None = None) -> tuple[int, str, str, dict, dict] | None:
     """Read-only look for ``status`` and ``export``: the newest sharded checkpoint (or the one of
-    ``step``) that fully verifies on any tier (fastest first for equal steps) as (step, tier,
-    location, full model state dict, extras), without a process group. A GCS-only checkpoint is
-    downloaded into a temporary folder, which is removed afterwards; nothing on a tier is
-    changed."""
+    ``step``) that fully verifies (HMAC under ``key``, every sha256) on any tier (fastest first
+    for equal steps) as (step, tier, location, full model state dict, extras), without a process
+    group. A GCS-only checkpoint is downloaded into a temporary folder, which is removed
+    afterwards; nothing on a tier is changed. Nothing reaches DCP (which unpickles)
+    unauthenticated: without a ``key``, KeyProblem."""
     import tempfile
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    import torch.distributed.checkpoint as dcp
 
+    if key is None:
+        raise KeyProblem("checkpoint_key_file: sharded checkpoints are inspected only with the run's "
+                         "checkpoint key (DCP unpickles its index): pass --checkpoint-key-file")
     candidates = []
     for rank, (name, store) in enumerate(tiers.items()):
         try:
-            infos = list_sharded(store)
+            infos = list_sharded(store, key=key)
         except Exception:  # noqa: BLE001 - a tier being down: look at the others
             continue
         candidates += [(i.step, rank, name, store, i) for i in infos if i.valid and step in (None, i.step)]
@@ -865,12 +902,13 @@ def inspect(tiers: dict[str, Store], step: int | None = None) -> tuple[int, str,
             try:
                 if isinstance(store, DirStore):
                     folder = store.root / step_name(found)
-                    verify_sharded_dir(folder)
+                    verify_sharded_dir(folder, key=key)
                 else:
-                    folder = download_sharded(store, found, Path(tmp))
-                with _single_process_quiet():
-                    dcp_to_torch_save(str(folder), str(Path(tmp) / "full.pt"))
-                full = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+                    folder = download_sharded(store, found, Path(tmp), key=key)
+                full: dict = {}
+                with _single_process_quiet():  # every file verified above: only now may DCP read them
+                    _load_state_dict(full, storage_reader=dcp.FileSystemReader(str(folder)),
+                                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
                 return found, name, info.location, full["model"], _load_extras(folder / EXTRAS)
             except Exception:  # noqa: BLE001 - try the next older one, as a restore would
                 continue

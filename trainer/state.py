@@ -33,10 +33,18 @@ def rng_state() -> dict[str, Any]:
     try:
         import numpy as np  # only if the task uses it; numpy is not a dependency
 
-        state["numpy"] = np.random.get_state()
+        state["numpy"] = _numpy_state(np.random.get_state(legacy=False))
     except ImportError:
         pass
     return state
+
+
+def _numpy_state(s: dict[str, Any]) -> dict[str, Any]:
+    """numpy's global RNG state as plain values (a checkpoint holds no pickled numpy objects):
+    the MT19937 key as a list of ints, the position, and the cached Gaussian."""
+    return {"bit_generator": str(s["bit_generator"]),
+            "state": {"key": [int(x) for x in s["state"]["key"]], "pos": int(s["state"]["pos"])},
+            "has_gauss": int(s["has_gauss"]), "gauss": float(s["gauss"])}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -49,7 +57,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        s = state["numpy"]
+        np.random.set_state({**s, "state": {"key": np.array(s["state"]["key"], dtype=np.uint32),
+                                            "pos": s["state"]["pos"]}})
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -112,6 +122,9 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], *, step: i
     ``steps`` may differ only with ``extend_steps`` and never below ``step`` (the step the
     checkpoint reached); returns (old total, new total) when it does, else None.
     """
+    if not isinstance(saved, dict):
+        raise ResumeMismatch(f"cannot resume: the checkpoint's settings fingerprint is {saved!r}, not a "
+                             "table of settings (a checkpoint of another program?)")
     # Checkpoints written before elastic training recorded the world size; it may now change.
     saved = {k: v for k, v in saved.items() if k not in PROVENANCE}
     # A key the checkpoint predates is unknown, not different (LATER_KEYS).
@@ -172,12 +185,29 @@ def apply(
     data: DataOrder,
     world: World,
     steps_changed: bool = False,
+    source: str = "the checkpoint",
 ) -> int:
     """Load ``state`` into the live objects; returns the step to continue from.
 
     The caller has already broadcast the state to every rank and checked the fingerprint.
     ``steps_changed``: the run's total was changed (``extend_steps``); see ``load_scheduler``.
+    A state that verified but does not load into these objects (a changed shape, a missing key:
+    the code changed since it was written) is a ``ResumeMismatch`` naming ``source`` (e.g. "step
+    1200 on gcs (gs://...)") and the reason: never a reason to start afresh over it.
     """
+    try:
+        return _apply(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data,
+                      world=world, steps_changed=steps_changed)
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as e:
+        reason = " ".join(str(e).split())[:1500]
+        raise ResumeMismatch(
+            f"cannot resume from {source}: the checkpoint verified but does not load into this model, "
+            f"optimizer or task ({type(e).__name__}: {reason}); use the code and settings that wrote it, or a "
+            "new --run-dir/--gcs-uri for a new run (nothing was deleted)") from None
+
+
+def _apply(state: dict[str, Any], *, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+           scheduler: Any | None, scaler: Any | None, data: DataOrder, world: World, steps_changed: bool) -> int:
     if model is not None:  # None: sharded state, already loaded by the sharded checkpointer
         unwrap(model).load_state_dict(state["model"])
     if optimizer is not None:

@@ -1,7 +1,11 @@
 """`python -m trainer status`: the checkpoints on each tier, the newest valid one, and goodput.
 
-Read-only: it never downloads into, repairs or deletes anything on a tier. ``--plot FILE.png``
-also draws the job's timeline (``trainer.timeline``).
+Read-only: it never downloads into, repairs or deletes anything on a tier, and it never unpickles
+anything a tier holds: whole-model checkpoints are JSON and raw tensors, and a sharded one reaches
+DCP only after its manifest's HMAC verified under the run's checkpoint key
+(``--checkpoint-key-file``, as for ``run``; exit 2 without one for a sharded run). Checkpoints
+that do not authenticate are listed as invalid with the reason. ``--plot FILE.png`` also draws
+the job's timeline (``trainer.timeline``).
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
 (the checkpointer's per-tier description), ``unknown_tiers`` (tier -> error for those that could
@@ -29,17 +33,27 @@ from trainer.goodput import LEDGER_DIR, LEDGER_FILE
 
 
 def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The report; ``events_out`` (if given) receives the job's ledger events."""
+    """The report; ``events_out`` (if given) receives the job's ledger events. ``KeyProblem`` when
+    the key cannot be read (or a sharded run has none)."""
+    from trainer.checkpoint_key import resolve
     from trainer.checkpointer import Checkpointer
-    from trainer.state import model_digest
+    from trainer.state import ResumeMismatch, model_digest
 
     log = logging.getLogger("trainer.status")
-    ckpt = Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, log=log)
+    key = resolve(cfg.checkpoint_key_file, create_default=False)
+    if key is None:
+        log.warning("no checkpoint key (--checkpoint-key-file): whole-model checkpoints are shown without "
+                    "authentication, sharded ones not at all")
+    ckpt = Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, log=log, key=key)
+    error = None
     try:
         tiers = ckpt.describe().get("tiers", {})
         if _sharded(tiers):
-            return _collect_sharded(cfg, ckpt, log, events_out)
-        restored = ckpt.restore(download=False)
+            return _collect_sharded(cfg, ckpt, log, events_out, key)
+        try:
+            restored = ckpt.restore(download=False)
+        except ResumeMismatch as e:  # the newest verified checkpoint cannot be decoded
+            restored, error = None, str(e)
         events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
@@ -55,6 +69,8 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -
         "goodput": _goodput(events, skipped),
         **_story(events),
     }
+    if error is not None:
+        out["error"] = error
     if restored is not None and isinstance(restored.state, dict):
         out["data"] = restored.state.get("data")
         out["fingerprint"] = restored.state.get("fingerprint")
@@ -95,19 +111,19 @@ def _sharded(tiers: dict[str, Any]) -> bool:
                for t in tiers.values() for c in t.get("checkpoints", []))
 
 
-def _collect_sharded(cfg: StatusConfig, plain: Any, log: logging.Logger,
-                     events_out: list[dict[str, Any]] | None) -> dict[str, Any]:
+def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger,
+                     events_out: list[dict[str, Any]] | None, key: Any) -> dict[str, Any]:
     """The same report for a run with ``parallelism = "fsdp"`` (sharded checkpoints)."""
     from trainer import sharded
     from trainer.distributed import World
     from trainer.state import model_digest
 
-    plain.close()
+    whole.close()
     ckpt = sharded.ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
-                                       world=World(), log=log)
+                                       world=World(), log=log, key=key)  # KeyProblem without a key
     try:
         tiers = ckpt.describe().get("tiers", {})
-        found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()})
+        found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()}, key=key)
         events, skipped = _events(cfg, ckpt.gcs, log)
     finally:
         ckpt.close()
@@ -137,6 +153,8 @@ def _story(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _human(s: dict[str, Any]) -> str:
     lines = []
+    if s.get("error"):
+        lines.append(s["error"])
     if s["latest_step"] is None:
         lines.append("newest valid checkpoint: none")
     else:
@@ -211,15 +229,21 @@ def main(cfg: StatusConfig) -> int:
     if cfg.run_dir is not None and not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
         print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from trainer.checkpoint_key import KeyProblem
+
     events: list[dict[str, Any]] = []
-    if cfg.run_dir is None:
-        # A run known only by its bucket (a deployed run, seen from a laptop): an empty stand-in
-        # for its disk, never written, and left out of the report.
-        with tempfile.TemporaryDirectory(prefix="spottrain-status-") as tmp:
-            s = collect(cfg.model_copy(update={"run_dir": Path(tmp) / "no-run-dir"}), events)
-        s["tiers"].pop("persistent", None)
-    else:
-        s = collect(cfg, events)
+    try:
+        if cfg.run_dir is None:
+            # A run known only by its bucket (a deployed run, seen from a laptop): an empty stand-in
+            # for its disk, never written, and left out of the report.
+            with tempfile.TemporaryDirectory(prefix="spottrain-status-") as tmp:
+                s = collect(cfg.model_copy(update={"run_dir": Path(tmp) / "no-run-dir"}), events)
+            s["tiers"].pop("persistent", None)
+        else:
+            s = collect(cfg, events)
+    except KeyProblem as e:
+        print(f"command line: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(json.dumps(s, default=str, sort_keys=True) if cfg.json_output else _human(s))
     if cfg.plot is not None:
         from trainer.timeline import PlotUnavailable, draw

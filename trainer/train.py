@@ -25,8 +25,9 @@ from typing import Any, Callable
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_PREEMPTED, EXIT_UNAVAILABLE
-from trainer import distributed, gpu, placement, state, tier_wait
+from trainer import distributed, gpu, placement, plain, state, tier_wait
 from trainer import task as tasks
+from trainer.checkpoint_key import KeyProblem
 from trainer.config import RunConfig
 from trainer.artifacts import Artifacts
 from trainer.data import Batches
@@ -63,7 +64,7 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     try:
         return session.run()
     except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, PortInUse, InitFromError,
-            RunDirBusy, LeaseHeld) as e:
+            RunDirBusy, LeaseHeld, KeyProblem, plain.NotPlainData) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT, reason=str(e))
@@ -197,7 +198,8 @@ class _Session:
             whole = not self.sharded  # sharded weights are already in place
             start = state.apply(saved, model=model if whole else None, optimizer=task.optimizer if whole else None,
                                 scheduler=task.scheduler, scaler=scaler, data=data, world=world,
-                                steps_changed=steps_changed)
+                                steps_changed=steps_changed,
+                                source=f"step {saved.get('step')} on {where[0]} ({where[1]})")
         elif cfg.init_from is not None:  # a new run seeded from another run's checkpoint
             fingerprint["init_from"] = self._init_from(model, task.optimizer)
         restore_s = time.monotonic() - t_restore
@@ -488,6 +490,8 @@ class _Session:
                 restored = self.ckpt.restore()
             except tier_wait.TierUnknown as e:
                 payload = ("unknown", e.tiers)
+            except state.ResumeMismatch as e:  # every rank must hear it, or the others wait below
+                payload = ("mismatch", str(e))
             else:
                 payload = ("state", (restored.state, (restored.tier, f"{node_name()}:{restored.path}"))
                            if restored else None)
@@ -495,6 +499,8 @@ class _Session:
         assert payload is not None
         if payload[0] == "unknown":
             raise tier_wait.TierUnknown(payload[1])
+        if payload[0] == "mismatch":
+            raise state.ResumeMismatch(payload[1])
         saved, where = payload[1] if payload[1] is not None else (None, ("", ""))
         if saved is not None and world.is_main and src != 0:
             self.ckpt.mark_restored(int(saved["step"]))
@@ -708,7 +714,7 @@ def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:
     return ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
                                policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s, world=world,
                                log=logging.getLogger("trainer.checkpoint"),
-                               collective_timeout_s=cfg.collective_timeout_s)
+                               collective_timeout_s=cfg.collective_timeout_s, key=cfg.checkpoint_key())
 
 
 def _default_checkpointer(cfg: RunConfig) -> Any:
@@ -716,4 +722,4 @@ def _default_checkpointer(cfg: RunConfig) -> Any:
 
     return Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
                         policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s,
-                        log=logging.getLogger("trainer.checkpoint"))
+                        log=logging.getLogger("trainer.checkpoint"), key=cfg.checkpoint_key())

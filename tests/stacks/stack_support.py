@@ -25,6 +25,8 @@ def scrub_code_hashes(text: str) -> str:
     snapshot pins the infrastructure, not the trainer's bytes (which change with every edit)."""
     text = re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", text)
     text = re.sub(r"(dependencies )[0-9a-f]{16}\b", r"\1<sha16>", text)
+    # The bad-input stop marker is named by the startup script's digest, which holds the code's.
+    text = re.sub(r"(bad-input-)[0-9a-f]{16}\b", r"\1<sha16>", text)
     # Object names appear plain and URL-encoded (code%2Ftrainer-...), where \\b finds no boundary.
     return re.sub(r"(?:\b|(?<=%2F))(trainer|user|wheels)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
 

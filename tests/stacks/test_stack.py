@@ -69,9 +69,39 @@ def test_group_waits_for_every_grant(example):
     group = example.one("google_compute_instance_group_manager")
     grants = [f"{kind}.{key}" for kind in ("google_project_iam_member",
                                            "google_storage_bucket_iam_member",
+                                           "google_secret_manager_secret_iam_member",
                                            "google_project_service")
               for key in example.json["resource"][kind]]
     assert sorted(group["depends_on"]) == sorted(grants)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_checkpoint_key_secret_only_the_trainer_can_read(synthesized, name):
+    """The key that authenticates checkpoints: a secret without a version (the key never reaches
+    Terraform), readable and fillable by the trainer's account on that one secret, named in the
+    boot; no bucket role reaches it."""
+    s = synthesized[name]
+    secret = s.one("google_secret_manager_secret")
+    (trainer, account), = [(k, a) for k, a in s.json["resource"]["google_service_account"].items()
+                           if a["account_id"].endswith("-trainer")]
+    assert secret["secret_id"] == f"{account['account_id'].removesuffix('-trainer')}-checkpoint-key"
+    assert "google_secret_manager_secret_version" not in s.json["resource"]
+    member = f"serviceAccount:${{google_service_account.{trainer}.email}}"
+    grants = s.resources("google_secret_manager_secret_iam_member")
+    assert sorted(g["role"] for g in grants) == ["roles/secretmanager.secretAccessor",
+                                                 "roles/secretmanager.secretVersionAdder"]
+    assert all(g["member"] == member and g["secret_id"] == f"{ref(s, 'google_secret_manager_secret')}.secret_id}}"
+               for g in grants)
+    assert not any("secretmanager" in m["role"] for m in s.resources("google_project_iam_member"))
+    name_ = f"projects/{secret['project']}/secrets/{secret['secret_id']}"
+    startup = s.text
+    assert f"KEY_SECRET={name_}" in startup and "--checkpoint-key-file /run/spottrain/checkpoint.key" in startup
+
+
+def test_the_checkpoint_key_is_kept_unless_the_bucket_may_be_destroyed(synthesized):
+    for name, s in synthesized.items():
+        force = s.one("google_storage_bucket")["force_destroy"]
+        assert s.one("google_secret_manager_secret")["deletion_protection"] is (not force), name
 
 
 # --- APIs ----------------------------------------------------------------------------------------
@@ -87,7 +117,7 @@ def test_the_stack_enables_the_apis_it_uses_and_everything_waits_for_them(synthe
     s = synthesized[name]
     apis = _apis(s)
     expected = {"compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com",
-                "cloudresourcemanager.googleapis.com"}
+                "cloudresourcemanager.googleapis.com", "secretmanager.googleapis.com"}
     if name == "l4-pool":
         expected.add("dns.googleapis.com")  # the pool's private zone
     assert {a["service"] for a in apis.values()} == expected

@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import pytest
 
-from stacks.boot import FINISHED_FILE, BootProps, BootScripts, render
+from stacks.boot import CHECKPOINT_KEY_FILE, FINISHED_FILE, BootProps, BootScripts, render
 from stacks.delivery import Archive, trainer_archive, user_archive
 
 pytestmark = pytest.mark.skipif(
@@ -86,6 +86,7 @@ class Boot:
     """One deployment's fakes, disk and VM, and the archives the scripts name."""
 
     def __init__(self, root: Path, archives: tuple[Archive, ...]) -> None:
+        from drill.fake_gcp import FakeGcp
         from drill.gcs_emulator import StorageEmulator
         from drill.metadata_server import MetadataServer
         from drill.sandbox import Disk, Sandbox
@@ -93,8 +94,11 @@ class Boot:
         self.root, self.archives = root, archives
         self.gcs = StorageEmulator(BUCKET, log=root / "gcs.log").start()
         self.metadata = MetadataServer().start()
+        # Secret Manager, holding the experiment's checkpoint key secret (no version yet).
+        self.gcp = FakeGcp("boot-test-project", token="drill-fake-token").start()
+        self.key_secret = self.gcp.add_secret("boot-test-checkpoint-key")
         fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
-                 "STORAGE_EMULATOR_HOST": self.gcs.host}
+                 "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_SECRETMANAGER_API": self.gcp.secretmanager_api}
         self.disk = Disk(root / "disk.img", 64)
         self.vm = Sandbox(root / "vm", env=fakes,
                           default_environment={**fakes, "OMP_NUM_THREADS": "1"},
@@ -113,6 +117,7 @@ class Boot:
                 **kw: object) -> BootScripts:
         kw.setdefault("health_port", 0)
         kw.setdefault("python_version", PY)
+        kw.setdefault("checkpoint_key_secret", self.key_secret)
         return render(BootProps(
             name="boot-test", bucket=BUCKET, task=task, steps=steps, provisioning="spot",
             releases=tuple(a.release for a in (*self.archives, *([wheels] if wheels else []))),
@@ -142,6 +147,7 @@ class Boot:
         self.vm.close()
         self.metadata.stop()
         self.gcs.stop()
+        self.gcp.stop()
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +256,11 @@ def test_a_restarted_vm_reuses_its_code_and_a_recreated_one_fetches_it_again(dep
                                    if "event=restore" in line else None, GUARD_S, since=j0)
         if saved:  # every boot after a preemption resumes from the checkpoint saved on notice
             assert int(restored.group(1)) == saved[-1], vm.tail()
+        # The same checkpoint key on every boot (a recreated VM's boot disk is new): version 1 of
+        # the experiment's secret, on a tmpfs, readable by root only.
+        assert vm.exec(["stat", "-f", "-c", "%T", CHECKPOINT_KEY_FILE]).stdout.strip() == "tmpfs"
+        assert vm.exec(["stat", "-c", "%a %U", CHECKPOINT_KEY_FILE]).stdout.strip() == "600 root"
+        assert len(dep.gcp.secret_versions(dep.key_secret)) == 1
         vm.wait_journal(lambda line: "event=step" in line, GUARD_S, since=j0)
         dep.metadata.preempt()
         assert not vm.power_off(30)["killed"], vm.tail()
@@ -459,6 +470,26 @@ def test_a_403_that_outlasts_iam_propagation_fails_clearly(deployment, forbidden
         steps=5, forbidden_retry_s=2, forbidden_first_wait_s=1), "cannot fetch trainer code")
     assert "still HTTP 403 after" in line and "cannot read the bucket" in line, line
     assert "did not arrive in 2 s" in line
+
+
+def test_the_checkpoint_key_waits_out_a_403_and_a_lost_key_stops_the_boot(deployment):
+    for archive in deployment.archives:
+        deployment.upload(archive)
+    dep, vm = deployment, deployment.vm
+    dep.gcp.deny("GET", r":access$", times=2)  # the secret grant is still propagating
+    scripts = dep.scripts(steps=10_000_000, forbidden_first_wait_s=1)
+    j0, e0 = dep.boot(scripts)
+    assert dep.startup_rc(e0) == 0, vm.tail()
+    keys = [line for line in vm.journal()[j0:].splitlines() if "spottrain-key:" in line]
+    assert sum("answered HTTP 403" in line for line in keys) == 2, "\n".join(keys)
+    assert any("has no version yet: adding a new random key as version 1" in line for line in keys)
+    vm.power_off(30)
+    # Someone destroyed the key: the VM must not make a new one (it would disown every checkpoint).
+    dep.gcp.secrets[dep.key_secret][0]["state"] = "DESTROYED"
+    line = _fails_loudly(dep, scripts, "cannot read the checkpoint key")
+    assert dep.key_secret in line
+    assert "FAILED_PRECONDITION" in vm.journal()
+    assert len(dep.gcp.secret_versions(dep.key_secret)) == 1
 
 
 def test_no_gpu_driver_fails_with_a_clear_message_instead_of_hanging(deployment):

@@ -40,6 +40,13 @@ warmup_steps = 5
 """
 
 
+def run_key() -> Any:
+    """The suite's checkpoint key (tests/conftest.py), as a ``trainer.checkpoint_key.CheckpointKey``."""
+    from trainer.checkpoint_key import ENV, load
+
+    return load(Path(os.environ[ENV]))
+
+
 def closed_metadata_host() -> str:
     """A loopback address nothing listens on: the watcher's 'off GCE' case, without DNS."""
     return f"127.0.0.1:{free_port()}"
@@ -315,3 +322,95 @@ def restore_logging():
     for h in handlers:
         root.addHandler(h)
     root.setLevel(level)
+
+
+# --------------------------------------------------------------------------------------------
+# The attacker: someone who can write the checkpoint bucket (or a copy of a run dir) but does not
+# hold the run's checkpoint key. Written against the format as it appears on disk, not with the
+# trainer's own code: what anyone reading a bucket could do.
+# --------------------------------------------------------------------------------------------
+
+
+class _RunsCode:
+    """Unpickling this runs `touch MARKER` (pickle calls os.system with the argument)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        import shlex
+
+        return (os.system, (f"touch {shlex.quote(self.marker)}",))
+
+
+def code_running_pickle(marker: Path, *, torch_save: bool = True) -> bytes:
+    """Bytes that create ``marker`` when unpickled: a torch.save file (what `state.pt` and
+    `extras.pt` were) or a bare pickle (what DCP's `.metadata` is)."""
+    import io
+    import pickle
+
+    if not torch_save:
+        return pickle.dumps(_RunsCode(str(marker)))
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"format": "spottrain-checkpoint", "version": 1, "tree": _RunsCode(str(marker)),
+                "tensors": []}, buf)
+    return buf.getvalue()
+
+
+def _chunked_sha256(data: bytes) -> str:
+    import hashlib
+
+    chunk = 64 << 20
+    parts = [data[i : i + chunk] for i in range(0, len(data), chunk)]
+    return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in parts)).hexdigest()
+
+
+def forge(manifest: bytes, step: int, replace: dict[str, bytes], *, legacy: bool = False) -> bytes:
+    """An attacker's manifest for ``step``: the given files' sizes and sha256s recomputed, the
+    self-checksum recomputed; the HMAC (which needs the key) dropped. ``legacy``: in checkpoint
+    format 1 (a pickled ``state.pt`` beside ``tensors.bin``), which older trainers unpickled."""
+    import hashlib
+
+    m = json.loads(manifest)
+    m["step"] = step
+    if legacy:
+        m["version"] = 1
+        m.pop("writer", None)
+        m.pop("auth", None)
+        m["files"] = {k: v for k, v in m["files"].items() if k == "tensors.bin"}
+    for name, data in replace.items():
+        m["files"][name] = {"size": len(data), "sha256": _chunked_sha256(data)}
+    m.pop("hmac", None)
+    m.pop("manifest_sha256", None)
+    m["manifest_sha256"] = hashlib.sha256(json.dumps(m, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return json.dumps(m, sort_keys=True, indent=1).encode()
+
+
+def forge_in_bucket(client: Any, uri: str, src_step: int, step: int, replace: dict[str, bytes], *,
+                    legacy: bool = False) -> None:
+    """Copy ``step-<src_step>/`` of the bucket prefix ``uri`` to ``step-<step>/`` with the files in
+    ``replace`` swapped for (or added as) the attacker's and a forged manifest (uploaded last, as a
+    writer would)."""
+    bucket_name, _, prefix = uri.removeprefix("gs://").partition("/")
+    bucket = client.bucket(bucket_name)
+    src, dst = f"{prefix}/step-{src_step:08d}/", f"{prefix}/step-{step:08d}/"
+    manifest = None
+    for blob in client.list_blobs(bucket_name, prefix=src):
+        name = blob.name[len(src):]
+        data = blob.download_as_bytes()
+        if name == "manifest.json":
+            manifest = data
+            continue
+        if name not in replace:
+            bucket.blob(dst + name).upload_from_string(data)
+    for name, data in replace.items():
+        bucket.blob(dst + name).upload_from_string(data)
+    assert manifest is not None, f"no manifest under {src}"
+    bucket.blob(dst + "manifest.json").upload_from_string(forge(manifest, step, replace, legacy=legacy))
+
+
+def bucket_names(client: Any, uri: str) -> set[str]:
+    bucket_name, _, prefix = uri.removeprefix("gs://").partition("/")
+    return {b.name[len(prefix) + 1:] for b in client.list_blobs(bucket_name, prefix=prefix + "/step-")}

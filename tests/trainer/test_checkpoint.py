@@ -10,11 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import (MANIFEST, STATE, TENSORS, CheckpointInvalid, SnapshotBuffer,
-                                delete_checkpoint, download_dir, list_checkpoints, load_dir,
-                                parse_step, step_name, tensor_digest, upload_dir, verify_dir,
-                                write_dir)
+from trainer.checkpoint import (MANIFEST, STATE, TENSORS, CheckpointInvalid, CheckpointUnloadable, SnapshotBuffer,
+                                build_manifest, delete_checkpoint, download_dir, kept, list_checkpoints, load_dir,
+                                parse_step, step_name, tensor_digest, upload_dir, verify_dir, write_dir)
+from trainer.checkpoint_key import CheckpointKey
+from trainer.plain import NotPlainData
 from trainer.storage import DirStore, GcsStore
+
+KEY = CheckpointKey(b"k" * 32, "test key")
+OTHER_KEY = CheckpointKey(b"o" * 32, "another key")
 
 
 def nested_state() -> dict:
@@ -52,9 +56,9 @@ def assert_same(a, b) -> None:
         assert a == b
 
 
-def write(root: Path, step: int, state=None, meta=None) -> Path:
+def write(root: Path, step: int, state=None, meta=None, key: CheckpointKey | None = KEY) -> Path:
     snap = SnapshotBuffer().take(step, nested_state() if state is None else state, meta or {"world_size": 4})
-    folder, _ = write_dir(snap, root)
+    folder, _ = write_dir(snap, root, key=key, writer="test")
     return folder
 
 
@@ -63,7 +67,7 @@ def test_roundtrip_nested_state(tmp_path: Path) -> None:
     folder = write(tmp_path, 42, state)
     assert folder.name == "step-00000042" and parse_step(folder.name) == 42
     assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, STATE, TENSORS]
-    manifest, loaded = load_dir(folder)
+    manifest, loaded = load_dir(folder, key=KEY)
     assert_same(state, loaded)
     # Tied weights stay tied; nothing else aliases.
     assert loaded["model"]["w"] is loaded["model"]["tied"]
@@ -84,7 +88,7 @@ def test_manifest_contents(tmp_path: Path) -> None:
     for name in (STATE, TENSORS):
         data = (folder / name).read_bytes()
         assert m["files"][name] == {"size": len(data), "sha256": tree(data)}
-    assert verify_dir(folder)["step"] == 7
+    assert verify_dir(folder, key=KEY)["step"] == 7
 
 
 def test_snapshot_is_isolated_from_later_mutation(tmp_path: Path) -> None:
@@ -112,12 +116,32 @@ def test_snapshot_buffer_is_reused(tmp_path: Path) -> None:
     assert buf.allocations == 2
 
 
-def test_python_objects_needing_full_unpickling_load_after_verification(tmp_path: Path, logwatch) -> None:
+def test_numpy_rng_state_round_trips_exactly_without_pickle(tmp_path: Path) -> None:
     np = pytest.importorskip("numpy")
-    state = {"np_rng": np.random.RandomState(3).get_state(), "w": torch.ones(3)}
-    _, loaded = load_dir(write(tmp_path, 1, state))
-    assert all((x == y).all() if hasattr(x, "all") else x == y for x, y in zip(state["np_rng"], loaded["np_rng"]))
-    assert "weights_only=False after its sha256 matched" in logwatch.text()
+    from trainer.state import rng_state, set_rng_state
+
+    np.random.seed(3)
+    np.random.standard_normal()  # a cached Gaussian is part of the state too
+    saved = rng_state()
+    want = np.random.random(5)
+    np.random.seed(99)
+    _, loaded = load_dir(write(tmp_path, 1, {"rng": saved, "w": torch.ones(3)}), key=KEY)
+    set_rng_state(loaded["rng"])
+    assert np.array_equal(np.random.random(5), want)
+    assert "pickle" not in (tmp_path / step_name(1) / STATE).read_text()  # plain JSON: ints, floats
+
+
+def test_state_that_is_not_plain_data_fails_at_save_naming_where(tmp_path: Path) -> None:
+    class Schedule:  # a custom object in a task's scheduler state
+        pass
+
+    with pytest.raises(NotPlainData, match=r"state\['scheduler'\]\['fns'\]\[1\] is a .*Schedule, not plain data"):
+        SnapshotBuffer().take(1, {"scheduler": {"fns": [None, Schedule()]}, "w": torch.ones(2)})
+    np = pytest.importorskip("numpy")
+    with pytest.raises(NotPlainData, match=r"state\['pos'\] is a numpy.int64, not plain data \(numpy: use"):
+        SnapshotBuffer().take(1, {"pos": np.int64(3)})
+    with pytest.raises(NotPlainData, match=r"state\['q'\] is a Tensor \(layout torch.sparse_coo"):
+        SnapshotBuffer().take(1, {"q": torch.eye(2).to_sparse()})
 
 
 def truncate(p: Path) -> None:
@@ -145,9 +169,10 @@ def test_corruption_is_detected(tmp_path: Path, damage, reason: str) -> None:
     folder = write(tmp_path, 5)
     damage(folder)
     with pytest.raises(CheckpointInvalid, match=reason):
-        load_dir(folder)
-    with pytest.raises(CheckpointInvalid):
-        verify_dir(folder)
+        load_dir(folder, key=KEY)
+    with pytest.raises(CheckpointInvalid) as e:
+        verify_dir(folder, key=KEY)
+    assert not kept(str(e.value))  # corruption, not a checkpoint to keep
 
 
 def test_listing_quick_check(tmp_path: Path) -> None:
@@ -195,9 +220,9 @@ def test_gcs_upload_download_and_partial_uploads(gcs_emulator, tmp_path: Path) -
     assert not infos[11].valid and "no manifest" in infos[11].reason
     assert not infos[12].valid and "missing" in infos[12].reason
     assert not infos[13].valid and "truncated or partial" in infos[13].reason
-    got = download_dir(gcs, 10, tmp_path / "dst")
+    got = download_dir(gcs, 10, tmp_path / "dst", key=KEY)
     assert got == tmp_path / "dst" / step_name(10)
-    _, loaded = load_dir(got)
+    _, loaded = load_dir(got, key=KEY)
     assert_same(state, loaded)
     with pytest.raises(CheckpointInvalid):
         download_dir(gcs, 13, tmp_path / "dst")
@@ -259,3 +284,80 @@ def test_reserve_allocates_once_for_the_first_save() -> None:
     assert buf.allocations == 1
     buf.take(1, state)
     assert buf.allocations == 1 and buf.last_alloc_s == 0.0  # no allocation during the save
+
+
+# ----------------------------------------------------------------------------- authentication
+
+
+def test_the_hmac_authenticates_the_manifest(tmp_path: Path) -> None:
+    from tests.trainer.support import forge
+
+    folder = write(tmp_path / "a", 3)
+    m = verify_dir(folder, key=KEY)
+    assert m["auth"] == {"alg": "hmac-sha256", "key_id": KEY.id} and m["writer"] == "test"
+    assert verify_dir(folder)["step"] == 3  # without a key: integrity only (nothing is unpickled)
+
+    def refused(f: Path, key: CheckpointKey | None = KEY) -> str:
+        with pytest.raises(CheckpointInvalid) as e:
+            load_dir(f, key=key)
+        assert kept(str(e.value))  # never deleted, never overwritten
+        return str(e.value)
+
+    assert f"names checkpoint key {KEY.id}, this run's key is {OTHER_KEY.id}" in refused(folder, OTHER_KEY)
+    # A bucket writer changes the data position and recomputes every sha256: no HMAC to show.
+    state = folder / STATE
+    state.write_text(state.read_text().replace('"index":1234', '"index":0'))
+    (folder / MANIFEST).write_bytes(forge((folder / MANIFEST).read_bytes(), 3, {STATE: state.read_bytes()}))
+    assert verify_dir(folder)["step"] == 3  # consistent: only the key tells it apart
+    assert "unauthenticated: its manifest carries no HMAC" in refused(folder)
+    # Keeping the old HMAC does not help.
+    good = json.loads((write(tmp_path / "b", 3) / MANIFEST).read_text())
+    forged = json.loads((folder / MANIFEST).read_text())
+    forged.update(hmac=good["hmac"])
+    (folder / MANIFEST).write_text(json.dumps(forged))
+    assert "HMAC does not verify with this run's checkpoint key" in refused(folder)
+    # A checkpoint written without a key is unauthenticated to a run with one.
+    assert "carries no HMAC" in refused(write(tmp_path / "c", 3, key=None))
+
+
+def test_a_format_1_checkpoint_is_never_unpickled(tmp_path: Path) -> None:
+    from tests.trainer.support import code_running_pickle, forge
+
+    folder = write(tmp_path, 4)
+    marker = tmp_path / "code-ran"
+    legacy = code_running_pickle(marker)
+    (folder / "state.pt").write_bytes(legacy)
+    (folder / MANIFEST).write_bytes(forge((folder / MANIFEST).read_bytes(), 4, {"state.pt": legacy}, legacy=True))
+    with pytest.raises(CheckpointInvalid, match=r"^unauthenticated: checkpoint format 1, written by an older "
+                                                 r"spottrain: its state is a pickled state.pt"):
+        load_dir(folder, key=KEY)
+    with pytest.raises(CheckpointInvalid, match=r"^other format: checkpoint format 1"):
+        load_dir(folder)
+    assert list_checkpoints(DirStore(tmp_path, "persistent"), key=KEY)[0].reason.startswith("unauthenticated")
+    assert not marker.exists()
+
+
+def test_verified_but_undecodable_is_unloadable_not_corrupt(tmp_path: Path) -> None:
+    """Bytes a key holder wrote that this version cannot decode (a newer spottrain's structure):
+    a resume mismatch upstream, never a fallback that retention would follow with deletions."""
+    from trainer.checkpoint import chunked_sha256
+
+    folder = write(tmp_path, 5)
+    state = (folder / STATE).read_text().replace('"$":"tuple"', '"$":"quaternion"', 1)
+    (folder / STATE).write_text(state)
+    files = json.loads((folder / MANIFEST).read_text())["files"]
+    files[STATE] = {"size": len(state.encode()), "sha256": chunked_sha256(state.encode())}
+    (folder / MANIFEST).write_bytes(build_manifest(5, files, {"world_size": 4}, 0.0, key=KEY))
+    assert verify_dir(folder, key=KEY)["step"] == 5
+    with pytest.raises(CheckpointUnloadable, match="unknown tag 'quaternion'"):
+        load_dir(folder, key=KEY)
+
+
+def test_a_step_written_again_with_replace_swaps_atomically(tmp_path: Path) -> None:
+    write(tmp_path, 6, {"w": torch.zeros(3)})
+    snap = SnapshotBuffer().take(6, {"w": torch.ones(3)})
+    with pytest.raises(FileExistsError):
+        write_dir(snap, tmp_path, key=KEY)
+    write_dir(snap, tmp_path, key=KEY, replace=True)
+    assert torch.equal(load_dir(tmp_path / step_name(6), key=KEY)[1]["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(6)]

@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.support import bucket_names, code_running_pickle, forge_in_bucket, run_key
 from trainer.checkpoint import MANIFEST, STATE, TENSORS, list_checkpoints, step_name, verify_dir
+from trainer.checkpoint_key import CheckpointKey
 from trainer.checkpointer import Checkpointer, TierPolicy
+from trainer.state import ResumeMismatch
 from trainer.tier_wait import TierUnknown
 
 GUARD = 60.0  # failure guard for waits; never reached when the code is right
@@ -33,12 +36,16 @@ def same(a: dict, b: dict) -> bool:
 EVERY = TierPolicy(every_steps=1, keep=10)
 
 
-def ckpt(tmp_path: Path, emu=None, *, client=None, with_local=True, **policies) -> Checkpointer:
+KEY = run_key()
+
+
+def ckpt(tmp_path: Path, emu=None, *, client=None, with_local=True, key: CheckpointKey | None = KEY,
+         **policies) -> Checkpointer:
     pol = {"local": EVERY, "persistent": EVERY, "gcs": EVERY}
     pol.update(policies)
     return Checkpointer(run_dir=tmp_path / "run", local_dir=(tmp_path / "local") if with_local else None,
                         gcs_uri=emu.uri if emu else None, gcs_client=client or (emu.client if emu else None),
-                        policies={k: v for k, v in pol.items() if v is not None})
+                        policies={k: v for k, v in pol.items() if v is not None}, key=key)
 
 
 def save_steps(c: Checkpointer, steps) -> None:
@@ -590,10 +597,10 @@ def test_the_other_layout_is_never_deleted_and_blocks_a_fresh_start(tmp_path: Pa
     run_dir = tmp_path / "run"
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sharded = ShardedCheckpointer(run_dir=run_dir, world=World())
+    sharded = ShardedCheckpointer(run_dir=run_dir, world=World(), key=KEY)
     sharded.save(2, model, opt, extras={"step": 2})
     sharded.close()
-    plain = Checkpointer(run_dir=run_dir, policies={"persistent": TierPolicy(keep=1)})
+    plain = Checkpointer(run_dir=run_dir, policies={"persistent": TierPolicy(keep=1)}, key=KEY)
     for s in (4, 6):
         plain.save(s, make_state(s))
         plain.wait()
@@ -602,6 +609,82 @@ def test_the_other_layout_is_never_deleted_and_blocks_a_fresh_start(tmp_path: Pa
     with pytest.raises(ResumeMismatch, match=r'parallelism = "ddp", but its tiers hold .*persistent step 2'):
         plain.restore()
     plain.close()
+
+
+# ----------------------------------------------------------------------------- written by others
+
+
+def test_forged_newer_checkpoints_on_gcs_are_refused_kept_and_the_newest_authentic_restored(
+        gcs_emulator, tmp_path: Path, logwatch) -> None:
+    c = ckpt(tmp_path, gcs_emulator, with_local=False, gcs=TierPolicy(every_steps=1, keep=2))
+    save_steps(c, [1, 2])
+    current, legacy = tmp_path / "ran-current-format", tmp_path / "ran-legacy"
+    forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 2, 9, {STATE: code_running_pickle(current)})
+    forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 2, 8, {"state.pt": code_running_pickle(legacy)},
+                    legacy=True)
+    shutil.rmtree(tmp_path / "run")  # a fresh disk: GCS decides
+    for download in (False, True):
+        r = ckpt(tmp_path, gcs_emulator, with_local=False).restore(download=download)
+        assert (r.step, r.tier) == (2, "gcs") and same(r.state, make_state(2))
+    assert not current.exists() and not legacy.exists()
+    text = logwatch.text()
+    assert "refusing gcs checkpoint step 9" in text and "unauthenticated: its manifest carries no HMAC" in text
+    assert "refusing gcs checkpoint step 8" in text and "checkpoint format 1, written by an older spottrain" in text
+    # Retention (keep=2) deletes older authentic ones and never the forged ones.
+    save_steps(c, [3, 4, 5])
+    names = bucket_names(gcs_emulator.client, gcs_emulator.uri)
+    assert {n.split("/")[0] for n in names if n.endswith(MANIFEST)} == {step_name(s) for s in (4, 5, 8, 9)}
+
+
+def test_only_unauthenticated_checkpoints_block_a_fresh_start_and_are_kept(tmp_path: Path) -> None:
+    other = CheckpointKey(b"x" * 32, "the key that was lost")
+    save_steps(ckpt(tmp_path, key=other, with_local=False), [1, 2])
+    c = ckpt(tmp_path, with_local=False)
+    with pytest.raises(ResumeMismatch, match=rf"no checkpoint on any tier is authentic under this run's "
+                                             rf"checkpoint key {KEY.id}.*persistent step 2 .*names checkpoint key "
+                                             rf"{other.id}"):
+        c.restore()
+    assert c.restore(download=False) is None  # a read-only look (status) just sees none
+    # A save at an occupied step skips that tier rather than overwrite the kept checkpoint.
+    save_steps(c, [2])
+    assert "StepOccupied" in c.stats["last_error"]
+    assert verify_dir(tmp_path / "run" / step_name(2), key=other)["step"] == 2
+    assert ckpt(tmp_path, key=other, with_local=False).restore().step == 2  # the right key resumes
+
+
+def test_a_verified_checkpoint_this_version_cannot_decode_is_a_resume_mismatch(tmp_path: Path) -> None:
+    import json
+
+    from trainer.checkpoint import build_manifest, chunked_sha256
+
+    save_steps(ckpt(tmp_path, with_local=False), [1, 2])
+    folder = tmp_path / "run" / step_name(2)
+    state = (folder / STATE).read_text().replace('"$":"dict"', '"$":"newer-type"', 1)
+    (folder / STATE).write_text(state)
+    m = json.loads((folder / MANIFEST).read_text())
+    m["files"][STATE] = {"size": len(state.encode()), "sha256": chunked_sha256(state.encode())}
+    (folder / MANIFEST).write_bytes(build_manifest(2, m["files"], m["meta"], m["created_unix"], key=KEY))
+    with pytest.raises(ResumeMismatch, match=r"cannot resume from step 2 on persistent .*verified but cannot be "
+                                             r"decoded .*unknown tag 'newer-type'"):
+        ckpt(tmp_path, with_local=False).restore()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [step_name(1), step_name(2)]
+
+
+def test_the_same_step_again_keeps_this_sessions_copy_and_replaces_other_state(tmp_path: Path, logwatch) -> None:
+    first = ckpt(tmp_path, with_local=False)
+    save_steps(first, [3])
+    folder = tmp_path / "run" / step_name(3)
+    inode = (folder / TENSORS).stat().st_ino
+    rep = first.emergency_save(3, make_state(3), deadline=time.monotonic() + GUARD)
+    assert rep.persistent_ok and (folder / TENSORS).stat().st_ino == inode  # kept: same session, same state
+    # Another session (an abandoned trajectory's step 3 is on disk) saves its own step 3.
+    second = ckpt(tmp_path, with_local=False)
+    second.save(3, make_state(33))
+    second.wait()
+    assert "verifies but holds other state" in logwatch.text()
+    r = ckpt(tmp_path, with_local=False).restore()
+    assert r.step == 3 and same(r.state, make_state(33))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [step_name(3)]
 
 
 def test_a_download_that_fails_is_unknown_not_a_reason_to_fall_back(gcs_proxy, tmp_path: Path, logwatch) -> None:

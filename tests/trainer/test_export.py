@@ -16,7 +16,7 @@ from trainer.checkpoint import tensor_digest
 from trainer.checkpointer import Checkpointer
 from trainer.cli import main
 from trainer.export import plain_state_dict
-from tests.trainer.support import REPO, trainer_env
+from tests.trainer.support import REPO, run_key, trainer_env
 
 
 class Tied(torch.nn.Module):
@@ -33,7 +33,8 @@ class Tied(torch.nn.Module):
 def saved_run(tmp_path: Path, *steps: int, gcs=None) -> tuple[Path, dict[int, dict]]:
     """A run dir (and GCS prefix) holding whole-model checkpoints as the trainer saves them."""
     run = tmp_path / "run"
-    c = Checkpointer(run_dir=run, gcs_uri=gcs.uri if gcs else None, gcs_client=gcs.client if gcs else None)
+    c = Checkpointer(run_dir=run, gcs_uri=gcs.uri if gcs else None, gcs_client=gcs.client if gcs else None,
+                     key=run_key())  # signed, as the trainer's are
     models = {}
     for step in steps:
         torch.manual_seed(step)
@@ -120,3 +121,16 @@ def test_the_command_has_no_traceback(tmp_path: Path) -> None:
                          cwd=REPO, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1] == f"export: no valid checkpoint at {tmp_path}"
+
+
+def test_export_reads_only_what_the_key_authenticates(tmp_path: Path, capsys) -> None:
+    run, _ = saved_run(tmp_path, 10)
+    other = tmp_path / "another.key"
+    other.write_bytes(b"a different key, not this run's!")
+    other.chmod(0o600)
+    out = str(tmp_path / "m.safetensors")
+    assert main(["export", "--run-dir", str(run), "--out", out, "--checkpoint-key-file", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "no valid checkpoint at" in err and "never read: persistent step 10: unauthenticated: its manifest names" in err
+    assert main(["export", "--run-dir", str(run), "--out", out, "--checkpoint-key-file", str(tmp_path / "nope")]) == 2
+    assert "checkpoint_key_file: cannot read" in capsys.readouterr().err

@@ -73,7 +73,15 @@ def extras_for(step: int, sched: Any, rngs: list) -> dict:
             "rng": rngs, "fingerprint": {"model": "tiny"}}
 
 
+def key() -> Any:
+    """The suite's checkpoint key (tests/conftest.py; the workers inherit its environment)."""
+    from trainer.checkpoint_key import resolve
+
+    return resolve(None, create_default=False)
+
+
 def ckpt(run_dir: Path, world: World, gcs_uri: str | None = None, **kw: Any) -> ShardedCheckpointer:
+    kw.setdefault("key", key())
     return ShardedCheckpointer(run_dir=run_dir, gcs_uri=gcs_uri, world=world,
                                policies={k: v for k, v in EVERY.items() if gcs_uri or k != "gcs"}, **kw)
 
@@ -218,8 +226,9 @@ def saved_ws2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_saved_layout_is_sharded_and_verified(saved_ws2: Path) -> None:
     for step in (2, 4):
         folder = saved_ws2 / "run" / step_name(step)
-        m = verify_sharded_dir(folder)
+        m = verify_sharded_dir(folder, key=key())
         assert set(m["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata", EXTRAS}
+        assert m["auth"]["key_id"] == key().id
         assert m["meta"]["sharded"]["world_size"] == 2 and m["meta"]["world_size"] == 2
         assert sorted(p.name for p in folder.iterdir()) == sorted([*m["files"], MANIFEST])
     assert [i.step for i in list_sharded(_dir_store(saved_ws2 / "run")) if i.valid] == [4, 2]
@@ -372,7 +381,7 @@ def test_emergency_save_writes_disk_then_gcs_and_reports_both(tmp_path: Path, gc
 
 def test_save_writes_the_due_tiers_or_every_tier(tmp_path: Path, gcs_emulator) -> None:
     model, opt, sched = make(seed=0)
-    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_emulator.uri, world=World(),
+    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_emulator.uri, world=World(), key=key(),
                             policies={"persistent": TierPolicy(every_steps=1), "gcs": TierPolicy(every_steps=1000)})
     train(model, opt, sched, 1, 0)
     assert c.due(1)
@@ -409,6 +418,46 @@ def test_checkpoint_of_another_model_is_a_resume_mismatch(saved_ws2: Path, tmp_p
     c.close()
 
 
+def _forge_on_disk(run: Path, src: int, step: int, replace: dict[str, bytes]) -> None:
+    """What a writer of a copy of the run dir (or of the bucket it is downloaded from) without
+    the key can do: a newer step with some files swapped and every sha256 recomputed."""
+    from tests.trainer.support import forge
+
+    dst = run / step_name(step)
+    shutil.copytree(run / step_name(src), dst)
+    for name, data in replace.items():
+        (dst / name).write_bytes(data)
+    (dst / MANIFEST).write_bytes(forge((dst / MANIFEST).read_bytes(), step, replace))
+
+
+def test_forged_dcp_index_or_extras_are_never_read(saved_ws2: Path, tmp_path: Path, logwatch) -> None:
+    from tests.trainer.support import code_running_pickle
+    from trainer.sharded import DCP_METADATA, inspect
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_ws2 / "run", run)
+    meta, extras = tmp_path / "ran-metadata", tmp_path / "ran-extras"
+    _forge_on_disk(run, 4, 6, {DCP_METADATA: code_running_pickle(meta, torch_save=False)})
+    _forge_on_disk(run, 4, 5, {EXTRAS: code_running_pickle(extras)})
+    r, loaded = load_here(run, log=_logger())
+    assert r.step == 4 and not meta.exists() and not extras.exists()
+    assert_same_state(loaded, torch.load(saved_ws2 / "out" / "full-4.pt", weights_only=False))
+    assert "refusing persistent checkpoint step 6" in logwatch.text()
+    found = inspect({"persistent": _dir_store(run)}, key=key())  # `status`
+    assert found is not None and found[0] == 4 and not meta.exists() and not extras.exists()
+    assert (run / step_name(6) / MANIFEST).exists() and (run / step_name(5) / MANIFEST).exists()
+
+
+def test_no_key_no_sharded_checkpointer(tmp_path: Path) -> None:
+    from trainer.checkpoint_key import KeyProblem
+    from trainer.sharded import inspect
+
+    with pytest.raises(KeyProblem, match=r"sharded checkpoints \(parallelism = \"fsdp\"\) need a checkpoint key"):
+        ckpt(tmp_path / "run", World(), key=None)
+    with pytest.raises(KeyProblem, match="inspected only with the run's checkpoint key"):
+        inspect({"persistent": _dir_store(tmp_path)})
+
+
 def _dir_store(root: Path) -> Any:
     from trainer.storage import DirStore
 
@@ -429,7 +478,7 @@ def test_a_gcs_that_cannot_be_read_is_unknown_in_the_sharded_layout_too(tmp_path
     from trainer.tier_wait import TierUnknown
 
     model, opt, sched = make(seed=0)
-    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(),
+    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(), key=key(),
                             gcs_client=gcs_proxy.client(), policies={"gcs": TierPolicy(every_steps=1)})
     train(model, opt, sched, 1, 0)
     c.save(1, model, opt, extras={"step": 1}, every_tier=True)
@@ -440,13 +489,13 @@ def test_a_gcs_that_cannot_be_read_is_unknown_in_the_sharded_layout_too(tmp_path
         gcs_proxy.proxy.clear()
         gcs_proxy.proxy.add("GET", rule[0], "status", status=403, times=None)
         fresh, fresh_opt, _ = make(seed=1)
-        c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(),
+        c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(), key=key(),
                                 gcs_client=gcs_proxy.client())
         with pytest.raises(TierUnknown, match="gcs"):  # never "no checkpoint: start from scratch"
             c.restore(fresh, fresh_opt)
         c.close()
     gcs_proxy.proxy.clear()
-    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(),
+    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(), key=key(),
                             gcs_client=gcs_proxy.client())
     assert c.restore(*make(seed=1)[:2]).step == 1
     c.close()

@@ -1,0 +1,145 @@
+"""Checkpoints someone else wrote, and checkpoints the code no longer fits, against the real CLI.
+
+Whoever can write the checkpoint bucket but does not hold the run's checkpoint key plants a newer
+checkpoint whose payload is a pickle that would run code (a marker file appears if it ever runs),
+with every sha256 and the manifest's self-checksum recomputed. `trainer status` and `trainer run`
+must never run it, must say why they refuse it, must resume from the newest authentic checkpoint
+and must never delete it. A checkpoint that verifies but no longer loads into the model (the code
+changed) is a resume mismatch: exit 2 naming the step, the tier and the reason, nothing deleted.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.support import (Proc, bucket_names, code_running_pickle, forge_in_bucket, run_args,
+                                   run_to_end, start, status, trainer_env, write_config)
+
+STEPS = 40  # the reference run's (e2e conftest)
+
+
+def test_a_forged_checkpoint_in_the_bucket_is_never_loaded(tmp_path: Path, gcs_emulator, reference: dict) -> None:
+    from trainer.checkpoint import STATE
+
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    env = trainer_env(**gcs_emulator.env)
+    gcs = ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
+    assert start(run_dir, STEPS, config, *gcs, "--stop-at-step", "20", env=env).wait() == 75
+    # Two forgeries newer than anything authentic: this format with its structure replaced, and
+    # the older format whose pickled state.pt older trainers unpickled.
+    same, legacy = tmp_path / "ran-same-format", tmp_path / "ran-legacy-format"
+    forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 20, 30, {STATE: code_running_pickle(same)})
+    forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 20, 25, {"state.pt": code_running_pickle(legacy)},
+                    legacy=True)
+
+    s = status(run_dir, "--gcs-uri", gcs_emulator.uri)  # an operator's laptop, with the run's key
+    assert not same.exists() and not legacy.exists()
+    assert s["latest_step"] == 20
+    refused = {c["step"]: c["reason"] for c in s["tiers"]["gcs"]["checkpoints"] if not c["valid"]}
+    assert refused[30].startswith("unauthenticated: its manifest carries no HMAC")
+    assert refused[25].startswith("unauthenticated: checkpoint format 1, written by an older spottrain")
+
+    p = run_to_end(run_dir, STEPS, config, *gcs, env=env)
+    assert not same.exists() and not legacy.exists()
+    p.seen(r"refusing gcs checkpoint step 30 at gs://\S+: unauthenticated: ")
+    p.seen(r"refusing gcs checkpoint step 25 at gs://\S+: unauthenticated: checkpoint format 1")
+    p.seen(r"event=restore step=20 tier=persistent")
+    # Never deleted, never overwritten (the run's own step 30 skipped GCS rather than replace it).
+    names = bucket_names(gcs_emulator.client, gcs_emulator.uri)
+    assert {"step-00000030/manifest.json", "step-00000025/manifest.json"} <= names
+    p.seen(r"gcs holds a checkpoint at step 30 that is never overwritten")
+    final = status(run_dir, "--gcs-uri", gcs_emulator.uri)
+    assert final["latest_step"] == STEPS and final["model_digest"] == reference["model_digest"]
+    assert not same.exists() and not legacy.exists()
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_a_forged_sharded_checkpoint_is_never_read(tmp_path: Path, gcs_emulator) -> None:
+    from trainer.sharded import DCP_METADATA, EXTRAS
+
+    config, run_dir = write_config(tmp_path, 'parallelism = "fsdp"\n'), tmp_path / "run"
+    env = trainer_env(**gcs_emulator.env)
+    gcs = ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
+    assert start(run_dir, STEPS, config, *gcs, "--stop-at-step", "20", env=env).wait() == 75
+    meta, extras = tmp_path / "ran-metadata", tmp_path / "ran-extras"
+    forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 20, 30,
+                    {DCP_METADATA: code_running_pickle(meta, torch_save=False)})
+    forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 20, 25, {EXTRAS: code_running_pickle(extras)})
+
+    s = status(run_dir, "--gcs-uri", gcs_emulator.uri)
+    assert not meta.exists() and not extras.exists()
+    assert s["sharded"] and s["latest_step"] == 20
+    p = start(run_dir, STEPS, config, *gcs, "--stop-at-step", "21", env=env)
+    assert p.wait() == 75, p.output[-3000:]
+    assert not meta.exists() and not extras.exists()
+    p.seen(r"refusing gcs checkpoint step 30 at gs://\S+: unauthenticated: ")
+    p.seen(r"event=restore step=20 tier=persistent")
+    assert {"step-00000030/manifest.json", "step-00000025/manifest.json"} <= bucket_names(
+        gcs_emulator.client, gcs_emulator.uri)
+
+
+TASK = """\
+import torch
+from trainer.task import Task
+
+WIDTH = {width}
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = torch.nn.Sequential(torch.nn.Linear(1, WIDTH), torch.nn.Linear(WIDTH, 1))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.f(x), y)
+
+
+def build(ctx):
+    model = Net().to(ctx.device)
+    data = [(torch.tensor([i / 64.0]), torch.tensor([i / 32.0])) for i in range(64)]
+    return Task(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), dataset=data)
+"""
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_verified_checkpoint_the_code_no_longer_fits_is_a_resume_mismatch(tmp_path: Path,
+                                                                              parallelism: str) -> None:
+    module = f"refactored_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(TASK.format(width=8))
+    env = trainer_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{trainer_env()['PYTHONPATH']}")
+    config = tmp_path / "trainer.toml"
+    config.write_text(f'log_every_steps = 1\nbatch_size = 4\nparallelism = "{parallelism}"\ntask = "{module}:build"\n')
+    run_dir = tmp_path / "run"
+    args = ("--checkpoint-every-steps", "2", "--stop-at-step", "4")
+    first = Proc(run_args(run_dir, 8, config, *args), env=env)
+    assert first.wait() == 75, first.output[-3000:]
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if "step-" in str(p))
+    assert "step-00000004/manifest.json" in before
+
+    (tmp_path / f"{module}.py").write_text(TASK.format(width=16))  # the model changed shape
+    p = Proc(run_args(run_dir, 8, config), env=env)
+    assert p.wait() == 2, p.output[-3000:]
+    assert "Traceback" not in p.output
+    p.seen(r"event=failed reason=bad_input cannot resume from step 4 on persistent .*verified but does not")
+    p.seen(r"size mismatch|Size mismatch")
+    after = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if "step-" in str(p))
+    assert after == before  # nothing deleted, nothing written: no fresh start
+
+
+def test_without_a_key_a_sharded_run_is_refused_with_exit_2(tmp_path: Path) -> None:
+    config = write_config(tmp_path, 'parallelism = "fsdp"\n')
+    p = Proc(run_args(tmp_path / "run", 4, config, "--checkpoint-key-file", str(tmp_path / "missing.key")))
+    assert p.wait() == 2, p.output[-3000:]
+    p.seen(r"event=failed reason=bad_input checkpoint_key_file: cannot read .*missing\.key")
+
+    # A sharded run dir, inspected with no key at all: exit 2 naming the flag, nothing read.
+    run_dir = tmp_path / "sharded"
+    assert Proc(run_args(run_dir, 2, config)).wait() == 0
+    env = {k: v for k, v in trainer_env().items() if k != "SPOTTRAIN_CHECKPOINT_KEY_FILE"}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "empty-config")  # no per-user default key either
+    out = Proc([*run_args(run_dir, 2, config)[:3], "status", "--run-dir", str(run_dir), "--json"], env=env)
+    assert out.wait() == 2
+    out.seen(r"command line: checkpoint_key_file: sharded checkpoints .*--checkpoint-key-file")
