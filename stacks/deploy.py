@@ -60,8 +60,8 @@ def terraform(path: str) -> tuple[str, dict[str, str]]:
             return found, {"TERRAFORM_BINARY_NAME": name} if name == "tofu" else {}
     raise DeployError("neither `terraform` (>= 1.5) nor `tofu` (OpenTofu >= 1.6) is on PATH: "
                       "deploy, diff, destroy and output run Terraform; install one of them, and "
-                      "sign in with `gcloud auth application-default login` (README: Deploy, "
-                      "diff, destroy)")
+                      "sign in with `gcloud auth application-default login` (docs/deploy.md: "
+                      "What deploy needs)")
 
 
 def command(verb: str, experiment: str, extra: list[str]) -> tuple[list[str], dict[str, str], list[str]]:

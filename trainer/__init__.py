@@ -6,7 +6,7 @@ answers a TCP health check and keeps a goodput ledger. Entry point: ``python -m 
 """
 from __future__ import annotations
 
-# Exit codes of `python -m trainer run` (a stable contract, documented in the README).
+# Exit codes of `python -m trainer run` (a stable contract, documented in docs/concepts.md#exit-statuses).
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2

@@ -1,4 +1,4 @@
-"""The README's example task with an evaluation that draws random numbers from every generator a
+"""docs/trainer.md's example task with an evaluation that draws random numbers from every generator a
 user's evaluation might: an eval set that augments (``mode = "dataset"``) or an eval callable
 that samples (``mode = "callable"``). Training itself uses dropout, so an evaluation that left a
 trace on the RNGs would change the weights."""

@@ -1,4 +1,4 @@
-"""The README's example user task (kept here so the documentation is tested).
+"""The example user task of docs/trainer.md (kept here so the documentation is tested).
 
 ``SIGTERM_AT_FETCH`` (tests only) makes the dataset send this process a real SIGTERM at the
 N-th sample fetch: a preemption notice in the middle of a gradient-accumulation cycle.

@@ -1,4 +1,4 @@
-"""trainer/train.py in-process with the README's example task: gradient accumulation, a real
+"""trainer/train.py in-process with docs/trainer.md's example task: gradient accumulation, a real
 SIGTERM in the middle of an accumulation cycle, and an exact resume."""
 from __future__ import annotations
 
