@@ -119,17 +119,7 @@ class FaultProxy:
     def stop(self) -> None:
         """Stop listening, release every held request and cut open connections."""
         self._release_all()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        with self._lock:
-            conns = list(self._open)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self.down()
 
     def __enter__(self) -> "FaultProxy":
         return self.start()

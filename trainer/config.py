@@ -16,7 +16,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser from PyPI (a dependency there)
     import tomli as tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator)
@@ -424,23 +424,25 @@ def load_run_config(cli: dict[str, Any], config_file: Path | None) -> RunConfig:
         raise ConfigError(_errors(e, source_of)) from None
 
 
+_R = TypeVar("_R", StatusConfig, ExportConfig)
+
+
 def load_export_config(cli: dict[str, Any]) -> ExportConfig:
-    try:
-        cfg = ExportConfig.model_validate({k: v for k, v in cli.items() if v is not None})
-    except ValidationError as e:
-        raise ConfigError(_errors(e, {})) from None
-    if cfg.run_dir is None and cfg.gcs_uri is None:
-        raise ConfigError(["command line: run_dir: the run to export is required "
-                           "(flag --run-dir DIR or --gcs-uri gs://BUCKET/PREFIX)"])
-    return cfg
+    return _load_reader(ExportConfig, cli, "the run to export")
 
 
 def load_status_config(cli: dict[str, Any]) -> StatusConfig:
+    return _load_reader(StatusConfig, cli, "the run to inspect")
+
+
+def _load_reader(model: type[_R], cli: dict[str, Any], what: str) -> _R:
+    """The settings of a command that reads a run (status, export): command-line flags only, and
+    a run dir or a bucket prefix to read."""
     try:
-        cfg = StatusConfig.model_validate({k: v for k, v in cli.items() if v is not None})
+        cfg = model.model_validate({k: v for k, v in cli.items() if v is not None})
     except ValidationError as e:
         raise ConfigError(_errors(e, {})) from None
     if cfg.run_dir is None and cfg.gcs_uri is None:
-        raise ConfigError(["command line: run_dir: the run to inspect is required "
+        raise ConfigError([f"command line: run_dir: {what} is required "
                            "(flag --run-dir DIR or --gcs-uri gs://BUCKET/PREFIX)"])
     return cfg
