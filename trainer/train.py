@@ -681,6 +681,9 @@ class _Session:
         # take their time (what is only in the run dir is lost with the disk).
         notice = self.preempt.notice_monotonic
         end = time.monotonic() + 30.0 if notice is None else notice + self.cfg.preemption_budget_s
+        # After a notice the power-off comes whatever we wait for: an exit with its status beats
+        # a SIGKILL, so nothing gets time past the budget (GCS down made each take its floor).
+        floor = 1.0 if notice is None else 0.0
         if self.ckpt is not None:
             self.ckpt.on_tier_health = None  # an abandoned upload may still report after the ledger closed
             with contextlib.suppress(Exception):
@@ -690,13 +693,13 @@ class _Session:
             with contextlib.suppress(Exception):
                 self._chart_goodput(self.done)  # the session's last word: its goodput at its end
         if self.ledger is not None:
-            if not self.ledger.close(timeout=max(1.0, end - time.monotonic())):
+            if not self.ledger.close(timeout=max(floor, end - time.monotonic())):
                 self.log.warning("event=ledger_mirror ok=0 detail=some goodput events reached only the run dir")
-        if not self.metrics.close(timeout=max(1.0, end - time.monotonic())):
+        if not self.metrics.close(timeout=max(floor, end - time.monotonic())):
             self.log.warning("event=metrics_upload ok=0 detail=the last TensorBoard points reached only the run dir")
         if self.lease is not None:  # the next trainer of the job takes over at once
             with contextlib.suppress(Exception):
-                self.lease.release(timeout=max(1.0, min(10.0, end - time.monotonic())))
+                self.lease.release(timeout=max(floor, min(10.0, end - time.monotonic())))
         if self.run_lock is not None:
             self.run_lock.release()
 
