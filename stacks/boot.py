@@ -175,6 +175,9 @@ class BootProps:
     """`[data] source`: staged before training (`python -m trainer stage`) and passed to the
     trainer as `--data-dir`; None: no dataset."""
     data_parallel: int = 16
+    startup_grace_s: int = 900
+    """`--startup-grace-s`: how long the trainer's start-up passes the health check
+    (`group.initial_delay_sec`, the same grace a new VM gets; `trainer.health`)."""
     checkpoint_key_secret: str | None = None
     """`projects/P/secrets/S`: the experiment's checkpoint key (`stacks.checkpoint_key`), which the
     boot fetches into `CHECKPOINT_KEY_FILE` and the trainer signs and authenticates checkpoints
@@ -229,6 +232,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         data_parallel=exp.data.parallel if exp.data is not None else 16,
         python_version=_image_python(exp),
         checkpoint_key_secret=secret_name(exp.gcp.project, name),
+        startup_grace_s=exp.group.initial_delay_sec,
     )
     fields.update(overrides)
     return BootProps(**fields)
@@ -321,6 +325,7 @@ def render(props: BootProps) -> BootScripts:
         "gcs_uri": props.gcs_uri,
         "task": props.task,
         "health_port": props.health_port,
+        "startup_grace_s": props.startup_grace_s,
         # The prices go first: the template quotes each word; a user arg cannot repeat them
         # (`MANAGED_FLAGS`).
         # A pool picks its prices by role at run time (`price_args` arrays in trainer.sh).

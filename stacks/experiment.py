@@ -33,7 +33,9 @@ MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port",
                  # `[data]`: where the startup script staged the dataset
                  "--data-dir",
                  # the experiment's checkpoint key (`stacks.checkpoint_key`)
-                 "--checkpoint-key-file")
+                 "--checkpoint-key-file",
+                 # `group.initial_delay_sec`: a restart in place gets a new VM's grace
+                 "--startup-grace-s")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -389,7 +391,8 @@ class Group(Section):
     zones of `gcp.zones`; its stateful constraints apply (no redistribution, no surge)."""
     initial_delay_sec: int = Field(default=900, ge=0, le=3600)
     """Seconds after a VM starts before autohealing judges it: driver install plus checkpoint
-    restore must fit."""
+    restore must fit. A trainer restarted in place on a running VM (which this delay does not
+    cover) gets the same grace: its health answers `ok starting` this long."""
     stop_when_done: bool = True
     """Stop paying by itself: once the final checkpoint is in the bucket (or the job stopped on
     bad input and the bucket holds its newest checkpoint), the VM scales its own group to zero

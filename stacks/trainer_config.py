@@ -34,6 +34,7 @@ STACK_SETTINGS: dict[str, str] = {
     "steps": "trainer.steps",
     "task": "trainer.task",
     "health_port": "trainer.health_port",
+    "startup_grace_s": "group.initial_delay_sec",
     "health_host": "the stack: the group's health check reaches every address",
     "health_request": "the stack: the group's health check sends this request",
     "parallelism": "trainer.parallelism",
@@ -79,7 +80,7 @@ def problems(config: dict[str, Any], *, steps: int, task: str, local_ssd: bool,
         if key in STACK_SETTINGS:
             source = STACK_SETTINGS[key]
             yield (f"config.{key}", f"is set by {source}; allowed: remove it here"
-                   + (f" and set {source}" if source.startswith("trainer.") else ""))
+                   + (f" and set {source}" if source.startswith(("trainer.", "group.")) else ""))
     flags = flag_settings()
     for i, arg in enumerate(args):
         setting = flags.get(arg.split("=", 1)[0])

@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--global-batch-size", type=int,
                    help="samples per optimizer step over all ranks, constant across world sizes")
     r.add_argument("--stop-at-step", type=int, help="pause after this step: save, exit 75 once durable")
+    r.add_argument("--startup-grace-s", type=float,
+                   help="health answers 'ok starting' this long after start, then 'starting' until the first step "
+                        "(default 900; the stack: group.initial_delay_sec)")
     r.add_argument("--durable-timeout-s", type=float,
                    help="how long the final save keeps trying to be durable on every tier before exit 74 "
                         "(default 600)")

@@ -119,6 +119,12 @@ class RunConfig(BaseModel):
     stall_timeout_s: float = Field(default=600.0, gt=0)
     """Health answers ``stalled`` once no step has completed for this long (hung collective or
     data loader), so that the managed instance group autoheals the VM."""
+    startup_grace_s: float = Field(default=900.0, ge=0)
+    """Health answers ``ok starting`` (passing the group's check) for this long after the trainer
+    starts, then ``starting`` (failing it) until the first step: a restart in place (a crash,
+    systemd, torchrun) restoring a big model is not taken for a dead VM, which the group's
+    ``initial_delay_sec`` covers for new VMs only, and a start-up that hangs still gets repaired.
+    On a VM the stack sets it to ``group.initial_delay_sec``. Not part of the fingerprint."""
     durable_timeout_s: float = Field(default=600.0, gt=0)
     """How long the final save (and a ``stop_at_step`` pause) keeps trying to make its checkpoint
     durable on every durable tier (the run dir and GCS: written, then read back), saving again

@@ -1,8 +1,9 @@
 """The TCP health server the managed instance group's autohealer asks.
 
 Protocol (fixed with the stack): the check sends ``spottrain-health`` and passes only when the
-answer begins with ``ok``. Answers: ``starting`` during start-up and restore, ``ok`` while steps
-complete, ``ok degraded: gcs failing since ...`` while steps complete but a checkpoint tier keeps
+answer begins with ``ok``. Answers: ``ok starting`` during start-up and restore for the first
+``startup_grace_s`` of the process, ``starting`` after that (a start-up that hangs gets the VM
+repaired), ``ok`` while steps complete, ``ok degraded: gcs failing since ...`` while steps complete but a checkpoint tier keeps
 failing (it passes: a VM still training must not be recreated for it), ``stalled`` once no step
 has completed for the stall timeout (a hung collective or data loader: failing the check makes
 the group recreate the VM, which resumes from the checkpoint), ``ok finishing: ...`` while the
@@ -11,6 +12,13 @@ final checkpoint (or a pause's) is being made durable (bounded by ``durable_time
 for something a new VM cannot fix (a checkpoint tier it cannot read yet, another trainer's
 lease to expire; bounded by the trainer) the answer is ``ok waiting ...``: recreating the VM
 would only start the wait over.
+
+Why the grace: the group's ``initial_delay_sec`` spares a *new* VM's start-up only. A trainer
+restarted in place (a crash, systemd's restart, torchrun re-forming the world) on a VM that has
+run for hours gets about a minute (6 failed probes 10 s apart) before the group recreates the
+VM: a new boot disk, a reinstall, the local SSD lost, all for a restore that was going fine. So
+start-up passes the check for as long as a new VM's would (the stack sets the grace to
+``initial_delay_sec``), and no longer.
 """
 from __future__ import annotations
 
@@ -62,9 +70,11 @@ class Health:
     """The state the server reports; the loop calls ``beat()`` after every step."""
 
     def __init__(self, stall_timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 degraded: Callable[[], str] | None = None):
+                 degraded: Callable[[], str] | None = None, startup_grace_s: float = 0.0):
         self.stall_timeout_s = stall_timeout_s
         self.clock = clock
+        self.startup_grace_s = startup_grace_s
+        self._born = clock()
         #: One line saying which checkpoint tiers keep failing ("" when none does).
         self.degraded = degraded
         self._phase = "starting"
@@ -104,6 +114,8 @@ class Health:
         if self._phase == "finishing":
             why = self._degraded()
             return f"ok finishing: {self._finishing}" + (f"; degraded: {why}" if why else "")
+        if self._phase == "starting" and self.clock() - self._born < self.startup_grace_s:
+            return "ok starting"
         return self._phase
 
 

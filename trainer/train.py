@@ -110,7 +110,7 @@ class _Session:
         self.metrics: Metrics | NoMetrics = NoMetrics()
         self.server: HealthServer | None = None
         self.artifacts: Artifacts | None = None  # node leaders: ctx.artifacts_dir and its GCS copy
-        self.health = Health(cfg.stall_timeout_s)
+        self.health = Health(cfg.stall_timeout_s, startup_grace_s=cfg.startup_grace_s)
         self.productive_s = 0.0
         self.start = self.done = 0  # the step this session restored, and how far it got
         self.stopping = False  # some rank got a preemption notice: every rank stops

@@ -81,6 +81,15 @@ def test_example_trainer_command_line():
     assert 'systemctl stop "$UNIT"' in scripts.shutdown
 
 
+def test_a_restart_in_place_gets_a_new_vms_grace():
+    """The group's initial_delay_sec spares new VMs only; the trainer's start-up passes the health
+    check for as long (trainer.health), and the experiment cannot set the two apart."""
+    default = render(props_for("example")).trainer_sh
+    assert "--startup-grace-s 900 " in default
+    longer = variant({"group": {"initial_delay_sec": 1800}}, "x")
+    assert "--startup-grace-s 1800 " in render(boot_props("x", longer)).trainer_sh
+
+
 def test_delivered_code_is_named_by_its_hash_in_the_scripts():
     scripts = render(BootProps(name="x", bucket="b", task="m:f", steps=1, health_port=8471,
                                provisioning="spot", releases=RELEASES))
@@ -143,7 +152,7 @@ def test_hostile_args_reach_the_trainer_verbatim_and_execute_nothing(tmp_path):
     assert [a.decode() for a in argv] == [
         "-m", "trainer", "run", "--run-dir", "/mnt/spottrain/run", "--steps", "7",
         "--gcs-uri", "gs://b/runs/x", "--task", "trainer.tasks.gpt:build", "--health-port", "9000",
-        "--local-dir", "/mnt/localssd/run", *args,
+        "--startup-grace-s", "900", "--local-dir", "/mnt/localssd/run", *args,
     ]
     assert not canary.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(

@@ -55,6 +55,8 @@ def test_a_typo_exits_2_naming_the_file_and_key_before_anything_is_synthesized(t
      "trainer.steps"),
     ({"gcs_uri": "gs://other/x"}, "trainer.config.gcs_uri: is set by the stack: the experiment's "
      "bucket; allowed: remove it here"),
+    ({"startup_grace_s": 60}, "trainer.config.startup_grace_s: is set by group.initial_delay_sec; allowed: remove "
+     "it here and set group.initial_delay_sec"),
     ({"health_request": "hi"}, "trainer.config.health_request: is set by the stack: the group's "
      "health check sends this request; allowed: remove it here"),
 ])

@@ -105,3 +105,21 @@ def test_a_failing_tier_and_the_final_save_still_pass_the_check() -> None:
         assert ask("127.0.0.1", srv.port).startswith("ok degraded: persistent failing since")
     finally:
         srv.close()
+
+
+def test_start_up_passes_the_check_for_its_grace_then_fails_it() -> None:
+    """A trainer restarted in place restoring a big model is not a dead VM (the group's
+    initial_delay_sec spares new VMs only); a start-up that hangs past the grace still is."""
+    from stacks.group import HEALTH_RESPONSE
+
+    clock = Clock()
+    h = Health(stall_timeout_s=30, clock=clock, startup_grace_s=900)
+    assert h.answer() == "ok starting" and h.answer().startswith(HEALTH_RESPONSE)
+    clock.t += 899
+    assert h.answer() == "ok starting"
+    clock.t += 1
+    assert h.answer() == "starting"
+    h.beat()
+    assert h.answer() == "ok"
+    h.starting()  # torchrun re-forms the world in the same process tree: a new start-up
+    assert h.answer() == "starting"  # the grace counts from the process's start, once
