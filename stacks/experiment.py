@@ -622,7 +622,7 @@ class Pool(Section):
         return machine.machine_type if self.coordinator_trains else R.DEFAULT_CPU_COORDINATOR
 
 
-# --- [data]: a dataset staged onto each VM before training (issue 11; docs/data.md) -----------
+# --- [data]: a dataset staged onto each VM before training (docs/data.md) -----------
 #: gs://BUCKET[/PREFIX]: a readable bucket's name (dots allowed: it is not created here) and an
 #: object prefix of printable characters without empty, "." or ".." parts.
 DATA_SOURCE = re.compile(r"^gs://([a-z0-9][-_.a-z0-9]{1,220}[a-z0-9])(/[^\x00-\x1f\x7f]*)?$")

@@ -12,7 +12,7 @@ own state (an object in the bucket), decides, resizes, and writes the state back
   deleted (`to-spot`).
 - **to-spot**: only when the on-demand group has no VM left does the Spot group go back to 1.
   So two VMs never train at once: every switch goes through a save, and a VM starts only after
-  the other is gone. (A trainer that is slow to die is still covered by issue 9's GCS writer
+  the other is gone. (A trainer that is slow to die is still covered by the job's GCS writer
   lease: the newcomer cannot write the job's prefix until the lease is released or expires.)
 - **stopped**: a stop marker (`trainer.scale`) is in the bucket: both groups go to 0 and stay.
 - **paused**: the experiment says `group.workers = 0`: both groups go to 0; when it says 1

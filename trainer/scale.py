@@ -2,7 +2,7 @@
 
 `python -m trainer.scale stop REASON [--detail TEXT]` (REASON: `finished` or `bad-input`) is the
 one path a job that needs no VM takes, for a run that finished and for one that cannot continue
-without a human (issue 10's exit-2 path calls it through `/etc/spottrain/stop_paying.sh REASON`):
+without a human (the exit-2 path calls it through `/etc/spottrain/stop_paying.sh REASON`):
 
 1. It checks that scaling to zero loses nothing: the group deletes the VM *and its checkpoint
    disk*. `finished` needs the final checkpoint's manifest in the bucket (`step-<steps>`);
