@@ -77,7 +77,8 @@ class RunConfig(BaseModel):
     docs/runs.md for what an LR schedule does then. Without it, another ``steps`` is exit 2."""
     init_from: str | None = None
     """Start this NEW run from another run's checkpoint: its run dir (a path) or its ``gs://``
-    prefix. Used only while this run has no checkpoint of its own (afterwards it resumes its
+    prefix; or from a weights file, ``FILE.safetensors`` (a path or ``gs://`` object; what
+    ``export`` writes: another experiment's run, pretrained weights). Used only while this run has no checkpoint of its own (afterwards it resumes its
     own). Weights only unless ``init_from_optimizer``; the model must have the same parameter
     names and shapes. Recorded in the ledger and in this run's checkpoints (provenance)."""
     init_from_step: int | None = Field(default=None, ge=0)

@@ -1,7 +1,12 @@
 """``--init-from SOURCE``: a new run that starts from another run's checkpoint.
 
 SOURCE is the other run's run dir or its ``gs://`` prefix; its newest valid checkpoint is used,
-or the one of ``init_from_step``. Only the weights by default; with ``init_from_optimizer`` also
+or the one of ``init_from_step``. Or SOURCE is a weights file, ``FILE.safetensors`` (a path or a
+``gs://`` object): what ``python -m trainer export`` writes, or any plain state dict, e.g. a run of
+another experiment (whose checkpoints are signed with that experiment's key, which this run does
+not hold) or pretrained weights from elsewhere. Nothing in it is code (safetensors is tensors and
+a JSON header), so it needs no key; its sha256 goes into the provenance, so what was loaded is on
+record. Only the weights by default; with ``init_from_optimizer`` also
 the optimizer state. Everything else starts fresh: step 0, the data order from the start, the LR
 schedule and the RNG from this run's seed. The loop calls ``apply`` only while this run has no
 checkpoint of its own; after its first save it resumes from its own checkpoints like any run.
@@ -52,10 +57,59 @@ def _source(cfg: Any) -> tuple[Path | None, str | None]:
     return path.resolve(), None
 
 
+WEIGHTS_SUFFIX = ".safetensors"
+
+
+def is_weights_file(source: str) -> bool:
+    return source.endswith(WEIGHTS_SUFFIX)
+
+
+def _read_weights_file(cfg: Any, log: logging.Logger) -> Any:
+    """A weights file as a whole-model source at step 0 of its own (weights only)."""
+    import hashlib
+
+    from safetensors.torch import load
+
+    from trainer import reader
+
+    src: str = cfg.init_from
+    if cfg.init_from_optimizer:
+        raise InitFromError(f"init_from_optimizer: {src} holds weights only (a .safetensors file); "
+                            "name a run dir or gs:// prefix for its optimizer state")
+    if cfg.init_from_step is not None:
+        raise InitFromError(f"init_from_step: {src} is one set of weights, it has no steps")
+    try:
+        if src.startswith("gs://"):
+            from trainer.storage import GcsStore, parse_gcs_uri
+
+            bucket, key = parse_gcs_uri(src)
+            parent, _, name = key.rpartition("/")
+            data = GcsStore(f"gs://{bucket}/{parent}" if parent else f"gs://{bucket}").get_bytes(name)
+        else:
+            data = Path(src).read_bytes()
+    except FileNotFoundError:
+        raise InitFromError(f"init_from: {src}: no such file") from None
+    except Exception as e:  # noqa: BLE001 - a 404 from GCS is bad input too
+        if type(e).__name__ == "NotFound":
+            raise InitFromError(f"init_from: {src}: no such object") from None
+        raise
+    try:
+        weights = load(data)
+    except Exception as e:  # noqa: BLE001 - whatever the parser says, it is not a weights file
+        raise InitFromError(f"init_from: {src} is not a safetensors file: {_first_lines(e)}") from None
+    log.info("init_from: read %d tensors (%d bytes, sha256 %s) from %s", len(weights), len(data),
+             hashlib.sha256(data).hexdigest(), src)
+    return reader.RunCheckpoint(step=0, sharded=False, model=weights,
+                                state={"file_sha256": hashlib.sha256(data).hexdigest()},
+                                tier="file", location=src)
+
+
 def _read(cfg: Any, log: logging.Logger) -> Any:
     """The source's checkpoint (this process only); InitFromError for bad input."""
     from trainer import reader
 
+    if is_weights_file(cfg.init_from):
+        return _read_weights_file(cfg, log)
     run_dir, gcs_uri = _source(cfg)
     try:
         # The source must be signed with this run's checkpoint key (runs of one experiment, or local
@@ -86,9 +140,12 @@ def _on_main(world: World, fn: Any) -> Any:
 
 
 def provenance(cfg: Any, found: Any, digest: str) -> dict[str, Any]:
-    return {"source": cfg.init_from, "step": found.step, "location": found.location,
+    prov = {"source": cfg.init_from, "step": found.step, "location": found.location,
             "layout": "sharded" if found.sharded else "whole-model",
             "optimizer": bool(cfg.init_from_optimizer), "digest": digest}
+    if found.tier == "file":
+        prov.update(layout="weights-file", file_sha256=found.state["file_sha256"])
+    return prov
 
 
 def apply(cfg: Any, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -188,7 +245,7 @@ def _apply_sharded(cfg: Any, world: World, model: torch.nn.Module, optimizer: to
 
     shapes, prov = _on_main(world, survey)
     _check_shapes(model, shapes, prov)
-    if prov["layout"] == "whole-model":
+    if prov["layout"] in ("whole-model", "weights-file"):
         _scatter_weights(model, kept.get("weights", {}))
         return prov
     folder, tmp = _sharded_folder(cfg, ckpt, prov) if ckpt.is_leader else (None, None)

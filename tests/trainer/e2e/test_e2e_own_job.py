@@ -166,6 +166,30 @@ def test_init_from_export_and_artifacts_of_a_run_with_gcs(tmp_path: Path, zygote
     model, side = load_export(out)
     assert tensor_digest(model.state_dict()) == side["digest"] == digest
 
+    # Another experiment seeds from those weights: its checkpoints are signed with a key of its own,
+    # so it takes the exported file (tensors and a JSON header, no code, no key needed), as a path
+    # or from the bucket; weights only.
+    other_key = tmp_path / "other.key"
+    other_key.write_bytes(b"k" * 32)
+    other_key.chmod(0o600)
+    other = {**env, "SPOTTRAIN_CHECKPOINT_KEY_FILE": str(other_key)}
+    refused = run(zygote, tmp_path / "other-run", 2, frozen, "--init-from", uri, rc=2, env=other)
+    assert "init_from: " in refused.output
+    gs_file = f"{uri}/export/step-00000008/model.safetensors"
+    for source in (str(out), gs_file):
+        name = "from-path" if source == str(out) else "from-gcs"
+        p = run(zygote, tmp_path / name, 2, frozen, "--init-from", source, env=other)
+        assert p.seen(rf"event=init_from source={re.escape(source)} step=0 location={re.escape(source)} "
+                      rf"layout=weights-file optimizer=0 digest={digest}")
+        assert p.seen(rf"event=export step=2 at=\S+ digest={digest}")  # lr = 0: the weights it was given
+    p = run(zygote, tmp_path / "file-opt", 2, frozen, "--init-from", str(out), "--init-from-optimizer", rc=2,
+            env=other)
+    assert "init_from_optimizer: " + str(out) + " holds weights only" in p.output
+    (tmp_path / "not-weights.safetensors").write_bytes(b"{not a header")
+    p = run(zygote, tmp_path / "bad-file", 2, frozen, "--init-from", str(tmp_path / "not-weights.safetensors"),
+            rc=2, env=other)
+    assert "is not a safetensors file" in p.output
+
     # A blank disk: the finished run restores from GCS, does not export again, gets its artifacts back.
     again = run(zygote, src, 8, cfg, "--gcs-uri", uri, env=env)
     assert again.seen(r"event=restore step=8 tier=gcs") and again.seen(r"event=export step=8 already=1")
