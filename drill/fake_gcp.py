@@ -43,6 +43,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
+from drill.quiet_http import QuietHTTPServer
+
 COMPUTE_PREFIXES = ("/compute/v1/", "/compute/beta/")
 SERVICEUSAGE_PREFIX = "/v1/"
 
@@ -163,7 +165,7 @@ class FakeGcp:
         class Handler(_Handler):
             gcp = fake
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd = QuietHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="fake-gcp", daemon=True)
         self._thread.start()

@@ -39,6 +39,7 @@ from typing import NamedTuple
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from drill.net import free_port
+from drill.quiet_http import QuietHTTPServer
 
 __all__ = ["FaultProxy", "Rule", "Seen"]
 
@@ -108,7 +109,7 @@ class FaultProxy:
         class Handler(_Handler):
             owner = proxy
 
-        server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        server = QuietHTTPServer(("127.0.0.1", self.port), Handler)
         server.daemon_threads = True
         server.allow_reuse_address = True
         self._server = server

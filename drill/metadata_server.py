@@ -29,6 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
+from drill.quiet_http import QuietHTTPServer
+
 PREFIX = "/computeMetadata/v1/"
 
 
@@ -90,7 +92,7 @@ class MetadataServer:
 
         with self._cond:
             self._closing = False
-        self._httpd = _Server(("127.0.0.1", self._port), Handler)
+        self._httpd = QuietHTTPServer(("127.0.0.1", self._port), Handler)
         self._httpd.daemon_threads = True
         self._port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metadata-server", daemon=True)
@@ -268,14 +270,6 @@ class MetadataServer:
             self._guest[sub] = value
             self._cond.notify_all()
         return 200
-
-
-class _Server(ThreadingHTTPServer):
-    def handle_error(self, request: object, client_address: object) -> None:
-        # A client that hangs up mid-answer (a VM killed while it waits for a change) is normal.
-        import sys
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
