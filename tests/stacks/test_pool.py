@@ -293,7 +293,7 @@ def test_torchrun_command_line_per_role(tmp_path, metadata, role, is_host):
         *TORCHRUN, f"--rdzv-conf=is_host={is_host},last_call_timeout=45,keep_alive_interval=1,keep_alive_max_attempt=3", "--max-restarts=50",
         "-m", "trainer", "run", "--run-dir", "/mnt/spottrain/run", "--steps", "20000",
         "--gcs-uri", "gs://my-project-123456-l4-pool-ckpt/runs/l4-pool",
-        "--task", "trainer.tasks.gpt:build", "--health-port", "8471",
+        "--task", "trainer.tasks.gpt:build", "--health-port", "8471", "--startup-grace-s", "900",
         "--checkpoint-key-file", "/run/spottrain/checkpoint.key", "--parallelism", "fsdp",
         *prices[role], "--checkpoint-every-steps", "500",
     ]
