@@ -37,6 +37,7 @@ from pathlib import Path
 from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
 from drill.procs import power_off
+from drill.tiny_gpt import TASK_ARGS_TOML
 
 REPO = Path(__file__).resolve().parent.parent
 REPS = int(os.environ.get("SPOTTRAIN_BENCH_REPS", "3"))
@@ -54,14 +55,7 @@ global_batch_size = 8
 health_port = 0
 watch_metadata = false
 progress_every_s = 0.5
-[task_args]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-stride = 32
-warmup_steps = 5
-"""
+""" + TASK_ARGS_TOML
 
 
 class Agent:

@@ -35,6 +35,7 @@ from drill.gcs_emulator import StorageEmulator
 from drill.metadata_server import MetadataServer
 from drill.procs import power_off
 from drill.small_fs import SmallFs
+from drill.tiny_gpt import TASK_ARGS_TOML
 
 REPO = Path(__file__).resolve().parents[2]
 TASK = "drill.chaos.task:build"
@@ -59,14 +60,7 @@ preemption_budget_s = {budget}
 wait_for_tiers_s = {wait}
 lease_ttl_s = {ttl}
 {extra}
-[task_args]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-stride = 32
-warmup_steps = 5
-"""
+""" + TASK_ARGS_TOML
 
 
 def config() -> str:

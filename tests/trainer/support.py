@@ -23,6 +23,7 @@ import pytest
 from drill.attacker import bucket_names, code_running_pickle, forge, forge_in_bucket  # noqa: F401
 from drill.net import free_port
 from drill.procs import power_off
+from drill.tiny_gpt import TASK_ARGS_TOML
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 240.0  # a failure guard only: this box is small and shared
@@ -33,14 +34,7 @@ TEST_CONFIG = """\
 log_every_steps = 1
 batch_size = 4
 progress_every_s = 0.5
-[task_args]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-stride = 32
-warmup_steps = 5
-"""
+""" + TASK_ARGS_TOML
 
 
 def run_key() -> Any:

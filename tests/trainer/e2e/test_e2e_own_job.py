@@ -247,6 +247,10 @@ def test_a_sharded_run_exports_and_seeds_runs_of_either_layout(tmp_path: Path, z
     p = run(zygote, tmp_path / "back-to-fsdp", 2, frozen, "--init-from", str(tmp_path / "to-ddp"))
     assert p.seen(r"event=init_from .* layout=whole-model optimizer=0 ")
     assert status(tmp_path / "back-to-fsdp")["model_digest"] == digest
+    # And the exported weights file into an FSDP run: scattered into the shards like a whole model.
+    p = run(zygote, tmp_path / "file-to-fsdp", 2, frozen, "--init-from", str(out))
+    assert p.seen(r"event=init_from .* layout=weights-file optimizer=0 ")
+    assert status(tmp_path / "file-to-fsdp")["model_digest"] == digest
 
 
 # ------------------------------------------------------------------------------------------------
