@@ -229,6 +229,14 @@ def logwatch() -> Iterator[LogWatch]:
 
 
 @pytest.fixture(autouse=True)
+def _no_trainer_outlives_its_test() -> Iterator[None]:
+    from tests.trainer.support import power_off_leftovers
+
+    yield
+    power_off_leftovers()
+
+
+@pytest.fixture(autouse=True)
 def _single_thread_torch() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +68,14 @@ def trainer_env(**extra: str) -> dict[str, str]:
 class Proc:
     """A subprocess whose merged stdout/stderr is read line by line by a thread."""
 
+    #: Every Proc a test started, for `power_off_leftovers`.
+    started: "weakref.WeakSet[Proc]" = weakref.WeakSet()
+
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, new_session: bool = False):
         self.argv = argv
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                   env=env or trainer_env(), cwd=REPO, start_new_session=new_session)
+        Proc.started.add(self)
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -272,6 +277,17 @@ class Zygote:
         if self.p.stdin is not None:
             self.p.stdin.close()
         self.p.wait(timeout=60)
+
+
+def power_off_leftovers() -> list[int]:
+    """Power off every Proc still running (and its descendants), the pids: a test that failed
+    before its end would leave its trainer running, parked by the gate task or waiting for a tier,
+    for the rest of the session."""
+    left = [p for p in list(Proc.started) if hasattr(p, "p") and p.p.poll() is None]
+    for proc in left:
+        power_off(proc.p.pid)
+    Proc.started = weakref.WeakSet()
+    return [proc.p.pid for proc in left]
 
 
 class ForkedProc(Proc):
