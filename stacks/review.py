@@ -438,6 +438,20 @@ def _edit_setting(key: str) -> str | None:
     return None
 
 
+def _device(stack: dict, settings: Any) -> str:
+    """The device the VMs' trainer resolves: the trainer's fingerprint holds that, not the setting,
+    so `device = "auto"` on a GPU machine is "cuda" (an edit to "cuda" there changes nothing)."""
+    if settings.device != "auto":
+        return settings.device
+    from stacks.gcp_rules import MACHINE_TYPES
+
+    for t in stack.get("resource", {}).get(TEMPLATE, {}).values():
+        shape = MACHINE_TYPES.get(t.get("machine_type", ""))
+        if t.get("guest_accelerator") or (shape is not None and shape.gpu_count > 0):
+            return "cuda"
+    return "cpu"
+
+
 def judge_job(d: StackDiff, old: dict | None, new: dict | None, old_file: dict | None,
               new_file: dict | None) -> None:
     """Fill `d.job`, `d.job_lines` and `d.edits`: what the running job does with this change."""
@@ -447,7 +461,8 @@ def judge_job(d: StackDiff, old: dict | None, new: dict | None, old_file: dict |
     refused: dict[str, tuple[Any, Any]] = {}
     extended = None
     if before is not None and after is not None:
-        a, b = before.fingerprint(dataset_len=0), after.fingerprint(dataset_len=0)
+        a = before.fingerprint(dataset_len=0, device=_device(old, before))
+        b = after.fingerprint(dataset_len=0, device=_device(new, after))
         refused = {k: (a.get(k, MISSING), b.get(k, MISSING)) for k in sorted(a.keys() | b.keys())
                    if a.get(k, MISSING) != b.get(k, MISSING)}
         if "steps" in refused and getattr(after, "extend_steps", False):

@@ -409,6 +409,15 @@ def test_other_cpu_threads_change_the_numbers_and_are_refused():
     assert d.job == "refused" and "(threads 1 -> 4)" in d.job_lines[0]
 
 
+def test_the_device_is_compared_as_the_vm_resolves_it():
+    """On a GPU machine "auto" is "cuda": spelling it out restarts the VM and resumes; "cpu" is
+    another device, which the trainer's fingerprint refuses."""
+    d = judge({"trainer": {"config": {"device": "cuda"}}})
+    assert d.job == "restarts"
+    d = judge({"trainer": {"config": {"device": "cpu"}}})
+    assert d.job == "refused" and '(device "cuda" -> "cpu")' in d.job_lines[0]
+
+
 def test_a_machine_edit_restarts_and_a_bucket_edit_resumes():
     d = judge({"machine": {"machine_type": "g2-standard-12"}})
     assert d.job == "restarts" and d.edits[0].startswith('`machine.machine_type`: "g2-standard-8" ->')
