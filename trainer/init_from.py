@@ -87,20 +87,15 @@ def _read_weights_file(cfg: Any, log: logging.Logger) -> Any:
             data = GcsStore(f"gs://{bucket}/{parent}" if parent else f"gs://{bucket}").get_bytes(name)
         else:
             data = Path(src).read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, KeyError):  # a store's missing object is a KeyError (trainer.storage)
         raise InitFromError(f"init_from: {src}: no such file") from None
-    except Exception as e:  # noqa: BLE001 - a 404 from GCS is bad input too
-        if type(e).__name__ == "NotFound":
-            raise InitFromError(f"init_from: {src}: no such object") from None
-        raise
     try:
         weights = load(data)
     except Exception as e:  # noqa: BLE001 - whatever the parser says, it is not a weights file
         raise InitFromError(f"init_from: {src} is not a safetensors file: {_first_lines(e)}") from None
-    log.info("init_from: read %d tensors (%d bytes, sha256 %s) from %s", len(weights), len(data),
-             hashlib.sha256(data).hexdigest(), src)
-    return reader.RunCheckpoint(step=0, sharded=False, model=weights,
-                                state={"file_sha256": hashlib.sha256(data).hexdigest()},
+    sha256 = hashlib.sha256(data).hexdigest()
+    log.info("init_from: read %d tensors (%d bytes, sha256 %s) from %s", len(weights), len(data), sha256, src)
+    return reader.RunCheckpoint(step=0, sharded=False, model=weights, state={"file_sha256": sha256},
                                 tier="file", location=src)
 
 

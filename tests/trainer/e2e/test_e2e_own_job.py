@@ -185,6 +185,9 @@ def test_init_from_export_and_artifacts_of_a_run_with_gcs(tmp_path: Path, zygote
     p = run(zygote, tmp_path / "file-opt", 2, frozen, "--init-from", str(out), "--init-from-optimizer", rc=2,
             env=other)
     assert "init_from_optimizer: " + str(out) + " holds weights only" in p.output
+    for missing in (str(tmp_path / "none.safetensors"), f"{uri}/export/none.safetensors"):
+        p = run(zygote, tmp_path / "missing-file", 2, frozen, "--init-from", missing, rc=2, env=other)
+        assert f"init_from: {missing}: no such file" in p.output
     (tmp_path / "not-weights.safetensors").write_bytes(b"{not a header")
     p = run(zygote, tmp_path / "bad-file", 2, frozen, "--init-from", str(tmp_path / "not-weights.safetensors"),
             rc=2, env=other)
