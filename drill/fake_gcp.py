@@ -39,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
@@ -155,7 +155,7 @@ class FakeGcp:
         self.refresh_tokens: set[str] = set()
         self.service_accounts: set[str] = set()  # emails whose signed JWTs the token endpoint accepts
         self.preemptions: list[tuple[float, str, str]] = []  # (time, group, instance) of auto groups
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: QuietHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -166,7 +166,6 @@ class FakeGcp:
             gcp = fake
 
         self._httpd = QuietHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="fake-gcp", daemon=True)
         self._thread.start()
         return self

@@ -34,7 +34,7 @@ import re
 import socket
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import NamedTuple
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -94,7 +94,7 @@ class FaultProxy:
         self._write_lock = threading.Lock()  # serialises precondition checks with their writes
         self._blackhole = threading.Event()
         self._unblock = threading.Event()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: QuietHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._open: set[socket.socket] = set()
 
@@ -110,7 +110,6 @@ class FaultProxy:
             owner = proxy
 
         server = QuietHTTPServer(("127.0.0.1", self.port), Handler)
-        server.daemon_threads = True
         server.allow_reuse_address = True
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="fault-proxy", daemon=True)

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
@@ -79,7 +79,7 @@ class MetadataServer:
         self._guest: dict[str, str] = {}
         self.waiting = 0   # requests blocked in wait_for_change right now
         self.requests: list[Request] = []   # every request seen, for tests and the drill log
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: QuietHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -93,7 +93,6 @@ class MetadataServer:
         with self._cond:
             self._closing = False
         self._httpd = QuietHTTPServer(("127.0.0.1", self._port), Handler)
-        self._httpd.daemon_threads = True
         self._port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metadata-server", daemon=True)
         self._thread.start()

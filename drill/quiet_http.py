@@ -7,9 +7,9 @@ from http.server import ThreadingHTTPServer
 
 
 class QuietHTTPServer(ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` that stays silent when a client resets or drops its connection (a
-    trainer killed while it waits, a proxy cutting connections on purpose), and prints anything
-    else as usual."""
+    """``ThreadingHTTPServer`` whose handler threads never keep the process alive, and that stays
+    silent when a client resets or drops its connection (a trainer killed while it waits, a proxy
+    cutting connections on purpose); anything else is printed as usual."""
 
     daemon_threads = True
 

@@ -283,7 +283,7 @@ def power_off_leftovers() -> list[int]:
     """Power off every Proc still running (and its descendants), the pids: a test that failed
     before its end would leave its trainer running, parked by the gate task or waiting for a tier,
     for the rest of the session."""
-    left = [p for p in list(Proc.started) if hasattr(p, "p") and p.p.poll() is None]
+    left = [p for p in list(Proc.started) if p.p.poll() is None]
     for proc in left:
         power_off(proc.p.pid)
     Proc.started = weakref.WeakSet()
