@@ -11,8 +11,9 @@ group (`stacks.group`):
   Terraform ignores the target size after creation (the requests move it);
 - nothing repairs or autoheals a flex-start VM (`DO_NOTHING`): the trainer unit restarts a crashed
   trainer, and the VM's deadline unit asks for a successor;
-- the checkpoint disk is not stateful: the VM and its disks go at the end of the run duration, so
-  the bucket is the tier every VM restores from;
+- the checkpoint disk is not stateful: the VM and its disks (all `auto_delete`, see
+  `TemplateProps.checkpoint_disk_stateful`) go at the end of the run duration, so the bucket is
+  the tier every VM restores from;
 - template changes reach the next VM only (`OPPORTUNISTIC`), never interrupting the running one;
 - a regional group keeps all its VMs in one zone (`ANY_SINGLE_ZONE`), as resize requests need.
 """

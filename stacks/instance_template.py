@@ -56,6 +56,11 @@ class TemplateProps:
     """flex-start provisioning (`spot` False): each VM runs at most this long, then is deleted."""
     name_suffix: str = ""
     """A second template of the same experiment (the on-demand fallback's, "od")."""
+    checkpoint_disk_stateful: bool = True
+    """The group keeps the checkpoint disk as a stateful disk (and deletes it on permanent
+    deletion of the instance). False (flex-start, a zone change on repair): no stateful policy
+    owns the disk, so it must go with its VM (`auto_delete`), or every VM the group or Compute
+    Engine deletes leaves a disk behind that Terraform does not know."""
 
 
 def scheduling(spot: bool, termination_action: str,
@@ -101,15 +106,16 @@ class TrainerTemplate(Construct):
                 disk_size_gb=props.boot_disk_gb,
                 labels=props.labels,
             ),
-            # The checkpoint disk; the group keeps it stateful by this device_name, and the
-            # startup script finds it at /dev/disk/by-id/google-<device_name>. The group's
-            # stateful policy decides when it is deleted (permanent deletion of the instance);
-            # auto_delete = false is a hedge: whether Compute Engine's own deletion of a
-            # preempted Spot VM (termination action DELETE) spares a stateful disk that is
-            # marked auto-delete is not documented.
+            # The checkpoint disk; the startup script finds it at
+            # /dev/disk/by-id/google-<device_name>. In a stateful group the group keeps it by
+            # this device_name and its stateful policy deletes it on permanent deletion of the
+            # instance; auto_delete = false is then a hedge: whether Compute Engine's own
+            # deletion of a preempted Spot VM (termination action DELETE) spares a stateful disk
+            # that is marked auto-delete is not documented. Without a stateful policy nothing
+            # but auto_delete ever deletes it.
             ComputeInstanceTemplateDisk(
                 boot=False,
-                auto_delete=False,
+                auto_delete=not props.checkpoint_disk_stateful,
                 device_name=DEVICE_NAME,
                 disk_type="pd-ssd",
                 disk_size_gb=props.checkpoint_disk_gb,

@@ -180,6 +180,8 @@ class TrainingStack(TerraformStack):
             extra_metadata={**({ROLE_KEY: WORKER} if pool else {}),
                             PROVISIONING_KEY: PROVISIONING_MODELS[m.provisioning]},
             flex_max_run_s=c.flex_max_run_hours * 3600 if flex else None,
+            # Only the Spot/standard group without a zone change keeps a stateful disk.
+            checkpoint_disk_stateful=not flex and not c.zone_change_on_repair,
         )
         template = TrainerTemplate(self, "template", template_props)
         workers = pool.worker_target if pool else exp.group.workers
@@ -205,7 +207,7 @@ class TrainingStack(TerraformStack):
                                      else UNHEALTHY_THRESHOLD),
                 # A short job may finish minutes after its VM starts: its role must exist by then.
                 depends_on=(*identity.grants, *vm_creator_grants, *(stop.grants if stop else ())),
-                stateful=not c.zone_change_on_repair,
+                stateful=template_props.checkpoint_disk_stateful,
                 zone_change=c.zone_change_on_repair,
                 machine_types=tuple(c.machine_types),
                 primary_machine_type=m.machine_type,

@@ -363,6 +363,31 @@ def test_checkpoint_disk_is_pd_ssd_with_the_fixed_device_name(example):
     assert f"/dev/disk/by-id/google-{DEVICE_NAME}" in t["metadata"]["startup-script"]
 
 
+def _template_key(ref: str) -> str:
+    """`${google_compute_instance_template.KEY.self_link_unique}` -> KEY."""
+    return ref.removeprefix("${google_compute_instance_template.").split(".", 1)[0]
+
+
+@pytest.mark.parametrize("name", [*VARIANTS, "l4-pool", "a3-regional", "n1-v100-standard"])
+def test_no_checkpoint_disk_outlives_its_vm_unnoticed(synthesized, name):
+    """A template disk with auto_delete = false is deleted by nothing but a stateful policy: in a
+    group that keeps no stateful disk of that device name (flex-start, a zone change on repair),
+    every VM the group or Compute Engine deletes would leave a disk Terraform does not know."""
+    s = synthesized[name]
+    templates = s.json["resource"]["google_compute_instance_template"]
+    groups = (s.resources("google_compute_instance_group_manager")
+              + s.resources("google_compute_region_instance_group_manager"))
+    used = 0
+    for group in groups:
+        stateful = {d["device_name"] for d in group.get("stateful_disk", [])}
+        for version in group["version"]:
+            used += 1
+            for disk in templates[_template_key(version["instance_template"])]["disk"]:
+                if not disk["auto_delete"]:
+                    assert disk.get("device_name") in stateful, (name, disk)
+    assert used == len(templates)  # every template is some group's
+
+
 def test_local_ssds_are_optional(example, synthesized):
     def scratch(s):
         return [d for d in s.one("google_compute_instance_template")["disk"]
