@@ -23,7 +23,8 @@ from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_a
 from stacks.experiment import Experiment, code_path
 from stacks.fallback import FallbackProps, OnDemandFallback
 from stacks.flex_start import FlexStartGroup, FlexStartProps
-from stacks.group import UNHEALTHY_THRESHOLD, GroupProps, TrainerGroup, rejoin_threshold
+from stacks.group import GroupProps, TrainerGroup
+from stacks.health import SINGLE_VM, pool_timing
 from stacks.identity import Identity, IdentityProps
 from stacks.instance_template import TemplateProps, TrainerTemplate
 from stacks.coordinator import Coordinator, CoordinatorProps
@@ -203,8 +204,7 @@ class TrainingStack(TerraformStack):
                 template_self_link=template.self_link_unique,
                 health_port=exp.trainer.health_port,
                 initial_delay_sec=exp.group.initial_delay_sec,
-                unhealthy_threshold=(rejoin_threshold(exp.pool.rendezvous_last_call_s) if exp.pool
-                                     else UNHEALTHY_THRESHOLD),
+                health=pool_timing(exp.pool.rendezvous_last_call_s) if exp.pool else SINGLE_VM,
                 # A short job may finish minutes after its VM starts: its role must exist by then.
                 depends_on=(*identity.grants, *vm_creator_grants, *(stop.grants if stop else ())),
                 stateful=template_props.checkpoint_disk_stateful,
