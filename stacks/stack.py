@@ -69,11 +69,6 @@ class TrainingStack(TerraformStack):
                        prefix=exp.backend.prefix or f"spottrain/{name}")
         else:
             LocalBackend(self, path=state_path(name))
-        # The APIs first: everything else in the stack waits for them.
-        apis = A.ProjectApis(self, "apis", A.ApisProps(project=gcp.project,
-                                                       services=A.required(exp)))
-        Aspects.of(self).add(A.WaitForApis(apis))
-
         identity = Identity(self, "identity", IdentityProps(
             project=gcp.project, account_id=f"{name}{R.SA_SUFFIX}", experiment=name))
         bucket = CheckpointBucket(self, "checkpoints", CheckpointBucketProps(
@@ -271,6 +266,11 @@ class TrainingStack(TerraformStack):
                 f"gs://{exp.bucket_name(name)}/{n}" for n in stop.marker_names.values()),
                 description="The job stopped itself (finished, or bad input) when one of these "
                 "objects exists; the next deploy keeps the group at zero. Delete it to start again")
+
+        # Last, once every resource exists: the APIs they need; everything else waits for them.
+        apis = A.ProjectApis(self, "apis", A.ApisProps(project=gcp.project,
+                                                       services=tuple(A.required(self))))
+        Aspects.of(self).add(A.WaitForApis(apis))
 
     def _fallback(self, name: str, exp: Experiment, template_props: TemplateProps,
                   group_props: GroupProps, bucket: str, code: Any, stop: ScaleToZero | None,
