@@ -8,6 +8,7 @@ pool's nodes (`stacks.pool`), and sizes the group for the Spot workers.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from cdktn import Aspects, GcsBackend, LocalBackend, TerraformOutput, TerraformStack
@@ -19,6 +20,7 @@ from stacks import gcp_rules as R
 from stacks.boot import boot_props, group_name, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
 from stacks.checkpoint_key import CheckpointKeyProps, CheckpointKeySecret
+from stacks.deploy import ADOPT_ENV
 from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
 from stacks.experiment import Experiment, code_path
 from stacks.fallback import FallbackProps, OnDemandFallback
@@ -88,8 +90,12 @@ class TrainingStack(TerraformStack):
         # The key that authenticates its checkpoints (the boot fetches it; docs/security.md).
         key = CheckpointKeySecret(self, "checkpoint-key", CheckpointKeyProps(
             project=gcp.project, experiment=name, region=gcp.region,
-            protect=not exp.bucket.force_destroy, labels=labels))
+            keep=not exp.bucket.force_destroy, labels=labels))
         identity.grant_checkpoint_key(gcp.project, key.secret_id)
+        if os.environ.get(ADOPT_ENV) == "1" and not exp.bucket.force_destroy:
+            # A destroy left both in the project: import them rather than fail creating them.
+            bucket.bucket.import_from(f"{gcp.project}/{exp.bucket_name(name)}")
+            key.secret.import_from(key.name)
 
         net = exp.network
         network = TrainerNetwork(self, "network", NetworkProps(

@@ -99,10 +99,15 @@ def test_a_checkpoint_key_secret_only_the_trainer_can_read(synthesized, name):
     assert f"KEY_SECRET={name_}" in startup and "--checkpoint-key-file /run/spottrain/checkpoint.key" in startup
 
 
-def test_the_checkpoint_key_is_kept_unless_the_bucket_may_be_destroyed(synthesized):
+def test_the_bucket_and_its_key_are_kept_by_destroy_unless_the_bucket_may_be_destroyed(synthesized):
+    """Kept means forgotten by Terraform and left in the project (`deletion_policy = "ABANDON"`),
+    never a refusal that leaves the destroy unfinished (tests/stacks/test_deploy.py runs it)."""
     for name, s in synthesized.items():
-        force = s.one("google_storage_bucket")["force_destroy"]
-        assert s.one("google_secret_manager_secret")["deletion_protection"] is (not force), name
+        bucket, key = s.one("google_storage_bucket"), s.one("google_secret_manager_secret")
+        keep = not bucket["force_destroy"]
+        assert bucket.get("deletion_policy") == key.get("deletion_policy") == (
+            "ABANDON" if keep else None), name
+        assert key["deletion_protection"] is False, name
 
 
 # --- APIs ----------------------------------------------------------------------------------------
