@@ -15,6 +15,7 @@ from cdktn_provider_google.compute_instance_template import (
     ComputeInstanceTemplateDisk,
     ComputeInstanceTemplateGuestAccelerator,
     ComputeInstanceTemplateNetworkInterface,
+    ComputeInstanceTemplateReservationAffinity,
     ComputeInstanceTemplateScheduling,
     ComputeInstanceTemplateSchedulingMaxRunDuration,
     ComputeInstanceTemplateServiceAccount,
@@ -67,7 +68,8 @@ def scheduling(spot: bool, termination_action: str,
                flex_max_run_s: int | None = None) -> ComputeInstanceTemplateScheduling:
     if flex_max_run_s is not None:
         # Dynamic Workload Scheduler: not preemptible; deleted (DELETE is the only action) when
-        # its run duration ends. The group's resize request asks for the same duration.
+        # its run duration ends. The resize requests ask for the same duration, so the VM ends
+        # at the same moment whichever of the two the group applies (docs/capacity.md).
         return ComputeInstanceTemplateScheduling(
             provisioning_model="FLEX_START",
             preemptible=False,
@@ -148,6 +150,11 @@ class TrainerTemplate(Construct):
             if props.attach_gpus
             else None,
             scheduling=scheduling(props.spot, props.termination_action, props.flex_max_run_s),
+            # Flex-start capacity comes from Dynamic Workload Scheduler, never from a reservation
+            # (the default affinity, ANY_RESERVATION, would let a matching one be consumed); as
+            # in Google's resize-request examples.
+            reservation_affinity=ComputeInstanceTemplateReservationAffinity(type="NO_RESERVATION")
+            if props.flex_max_run_s is not None else None,
             network_interface=[
                 # No access_config: no external IP. Egress goes through Cloud NAT.
                 ComputeInstanceTemplateNetworkInterface(
