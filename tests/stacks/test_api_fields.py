@@ -80,3 +80,40 @@ def test_every_row_names_its_source():
         for path, rule in rows.items():
             assert rule.source.startswith("https://"), (kind, path)
             assert rule.values or rule.low is not None or rule.high is not None or rule.pattern
+
+
+def _bounds(model: type, field: str) -> tuple[float | None, float | None]:
+    low = high = None
+    for m in model.model_fields[field].metadata:
+        low = getattr(m, "ge", low)
+        high = getattr(m, "le", high)
+    return low, high
+
+
+def test_validation_accepts_nothing_the_api_refuses():
+    """Where a file's number becomes an API field unchanged (or times a constant), the file's
+    bounds lie within the API's row: a value validation accepts synthesizes a value the API takes."""
+    from stacks.experiment import Bucket, Capacity, Disk, Group, Machine, Trainer
+
+    rows = R.API_FIELDS
+    group = rows["google_compute_instance_group_manager"]
+    template = rows["google_compute_instance_template"]
+    pairs = [
+        (_bounds(Group, "initial_delay_sec"), group["auto_healing_policies.initial_delay_sec"], 1),
+        (_bounds(Disk, "checkpoint_disk_gb"), template["disk.disk_size_gb"], 1),
+        (_bounds(Machine, "boot_disk_gb"), template["disk.disk_size_gb"], 1),
+        (_bounds(Trainer, "health_port"), group["named_port.port"], 1),
+        (_bounds(Capacity, "flex_max_run_hours"),
+         rows["google_compute_resize_request"]["requested_run_duration.seconds"], 3600),
+        (_bounds(Bucket, "soft_delete_days"),
+         rows["google_storage_bucket"]["soft_delete_policy.retention_duration_seconds"], 86400),
+    ]
+    for (low, high), rule, scale in pairs:
+        assert low is not None and high is not None
+        for value in (low, high):
+            # soft delete: 1-6 days are refused by the field's own validator (tested elsewhere)
+            assert rule.accepts(value * scale), (rule.source, value)
+    low, high = _bounds(Capacity, "fallback_check_minutes")
+    for minutes in range(low, high + 1):  # the schedule stacks.fallback writes for each
+        schedule = f"*/{minutes} * * * *" if minutes < 60 else "0 * * * *"
+        assert rows["google_cloud_scheduler_job"]["schedule"].accepts(schedule)

@@ -146,6 +146,14 @@ def test_the_apis_are_exactly_those_of_the_resources(synthesized, name, more):
     assert {a["service"] for a in _apis(synthesized[name]).values()} == BASE_APIS | more
 
 
+@pytest.mark.parametrize("name", ALL_STACKS)
+def test_preflight_checks_no_api_the_stack_does_not_need(synthesized, name):
+    from stacks.preflight import required_apis
+
+    s = synthesized[name]
+    assert set(required_apis(s.spec)) <= {a["service"] for a in _apis(s).values()}
+
+
 def test_a_resource_type_without_an_api_fails_synthesis_and_so_does_one_added_too_late():
     from cdktn import TerraformResource, Testing
 
