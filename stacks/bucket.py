@@ -4,8 +4,10 @@ Private (uniform access, public access prevention enforced), with a soft-delete 
 keeps every deleted or overwritten object restorable. Not versioned unless the experiment asks:
 the trainer's objects are create-only, so versions would duplicate what soft delete keeps (and
 bill it twice as long); with versioning, lifecycle rules prune old noncurrent versions.
-`force_destroy` only when the experiment opts in: by default `destroy` fails on a bucket that
-still holds checkpoints.
+Kept by `destroy` unless the experiment opts in to `force_destroy`: by default the bucket carries
+the provider's `deletion_policy = "ABANDON"`, so a destroy removes it from Terraform's state and
+leaves it, with every checkpoint in it, in the project (and finishes, instead of failing on a
+non-empty bucket). With `force_destroy` the destroy deletes it and everything in it.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class CheckpointBucket(Construct):
             public_access_prevention="enforced",
             versioning=StorageBucketVersioning(enabled=props.versioning),
             force_destroy=props.force_destroy,
+            # A destroy forgets the bucket instead of deleting it (or failing on its objects).
+            deletion_policy=None if props.force_destroy else "ABANDON",
             labels=props.labels,
             lifecycle_rule=noncurrent if props.versioning else None,
             soft_delete_policy=StorageBucketSoftDeletePolicy(

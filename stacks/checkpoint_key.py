@@ -11,8 +11,11 @@ write the checkpoint bucket but cannot read this secret cannot make a VM, or an 
   first boot converge on version 1 (`trainer.checkpoint_key.fetch`).
 - Replicated only in the experiment's region (user-managed replication): the key stays where the
   VMs run, and organisations that restrict resource locations accept it.
-- Deletion protection unless the bucket may be force-destroyed: without the key, the bucket's
-  checkpoints can no longer be resumed. A destroyed version stays recoverable (disabled) for
+- Kept by `destroy` unless the bucket may be force-destroyed: without the key, the bucket's
+  checkpoints can no longer be resumed, so the secret goes where the bucket goes. The provider's
+  `deletion_policy = "ABANDON"` makes a destroy forget it (it stays in the project, with its
+  version) rather than refuse: `deletion_protection = true`, used before, made every destroy fail
+  and could only be lifted by an apply. A destroyed version stays recoverable (disabled) for
   `VERSION_DESTROY_TTL` before it is gone.
 - Who can read it: the trainer's service account (`Identity.grant_checkpoint_key`: accessor and
   version adder on this one secret), and principals with Secret Manager access on the project
@@ -49,7 +52,7 @@ class CheckpointKeyProps:
     project: str
     experiment: str
     region: str
-    protect: bool  # deletion protection (not when the bucket may be force-destroyed)
+    keep: bool  # a destroy leaves it in the project (not when the bucket may be force-destroyed)
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -67,7 +70,10 @@ class CheckpointKeySecret(Construct):
                 user_managed=SecretManagerSecretReplicationUserManaged(
                     replicas=[SecretManagerSecretReplicationUserManagedReplicas(location=props.region)])),
             labels=props.labels,
-            deletion_protection=props.protect,
+            # Destroy forgets it (kept with the bucket) or deletes it (with a force-destroyed
+            # bucket); never a refusal that leaves the destroy unfinished.
+            deletion_policy="ABANDON" if props.keep else None,
+            deletion_protection=False,
             version_destroy_ttl=VERSION_DESTROY_TTL,
         )
         self.name = secret_name(props.project, props.experiment)

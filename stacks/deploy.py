@@ -7,6 +7,10 @@ virtual environment (cdktn needs Node >= 22.19; a system Node 20 crashes it, so 
 goes first on PATH whatever the shell had), and Terraform or OpenTofu on PATH for the verbs that
 run it. Then it replaces itself with `npx cdktn VERB STACK`, synthesizing that experiment alone
 (`SPOTTRAIN_EXPERIMENTS`). `--dry-run` prints what would run instead.
+
+`destroy` leaves the checkpoint bucket and its key in the project (unless `bucket.force_destroy`;
+docs/deploy.md). Deploying the same experiment again then finds them there: `--adopt-kept` (with
+deploy or diff) has the stack import them into the state instead of creating them (`ADOPT_ENV`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from stacks.load import ExperimentError, load_file, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 VERBS = ("deploy", "diff", "destroy", "output")
+#: Set for the synthesis: import the kept bucket and key (Terraform `import` blocks, >= 1.5).
+ADOPT_ENV = "SPOTTRAIN_ADOPT_KEPT"
 MIN_NODE = (22, 19)
 
 
@@ -64,7 +70,8 @@ def terraform(path: str) -> tuple[str, dict[str, str]]:
                       "What deploy needs)")
 
 
-def command(verb: str, experiment: str, extra: list[str]) -> tuple[list[str], dict[str, str], list[str]]:
+def command(verb: str, experiment: str, extra: list[str],
+            adopt: bool = False) -> tuple[list[str], dict[str, str], list[str]]:
     """(argv, environment additions, notes) for `npx cdktn VERB STACK`; raises on what is missing."""
     try:
         path = resolve(experiment)
@@ -75,7 +82,7 @@ def command(verb: str, experiment: str, extra: list[str]) -> tuple[list[str], di
     node_path, version = node(search)
     tf, tf_env = terraform(search)
     env = {"PATH": search, "SPOTTRAIN_EXPERIMENTS": str(path), "CHECKPOINT_DISABLE": "1",
-           "DISABLE_VERSION_CHECK": "1", **tf_env}
+           "DISABLE_VERSION_CHECK": "1", **tf_env, **({ADOPT_ENV: "1"} if adopt else {})}
     npx = str(Path(node_path).parent / "npx")
     notes = [f"node {version} ({node_path}), {Path(tf).name} ({tf}), experiment {path}"]
     return [npx, "cdktn", verb, spec.name, *extra], env, notes
@@ -87,13 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("experiment", nargs="?", default="",
                    help="a name (experiments/NAME.toml) or the path of an experiment file")
     p.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    p.add_argument("--adopt-kept", action="store_true",
+                   help="deploy/diff: import the bucket and key a destroy left in the project")
     args, extra = p.parse_known_args(argv)
     if not args.experiment:
         print(f"stacks.deploy: which experiment? make {args.verb} EXPERIMENT=name (a file "
               "experiments/NAME.toml) or EXPERIMENT=path/to/file.toml", file=sys.stderr)
         return 2
     try:
-        argv_, env, notes = command(args.verb, args.experiment, extra)
+        if args.adopt_kept and args.verb not in ("deploy", "diff"):
+            raise DeployError(f"--adopt-kept applies to deploy and diff, not {args.verb}")
+        argv_, env, notes = command(args.verb, args.experiment, extra, adopt=args.adopt_kept)
     except DeployError as e:
         print(f"stacks.deploy: {e}" if "\n" not in str(e) else str(e), file=sys.stderr)
         return 2

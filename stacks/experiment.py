@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stacks import gcp_rules as R
-from stacks import task_check, trainer_config
+from stacks import health, task_check, trainer_config
 from trainer.gpu import runs_on, sm
 
 Problem = tuple[str, str]  # (dotted field path, "what is wrong and what is allowed")
@@ -591,10 +591,12 @@ class Pool(Section):
     max_restarts: int = Field(default=100, ge=0, le=100000)
     """How often torchrun restarts the job (a node lost or joined, a rank failed) before it
     gives up; each restart resumes from the newest checkpoint."""
-    rendezvous_last_call_s: int = Field(default=10, ge=0, le=3600)
+    rendezvous_last_call_s: int = Field(default=10, ge=0)
     """Seconds the rendezvous waits for more nodes once min_nodes have joined. Every survivor
     idles this long after each node loss (the lost node comes back minutes later, if at all), so
-    keep it short: a node that joins late costs only a coordinated save and a restart."""
+    keep it short: a node that joins late costs only a coordinated save and a restart. At most
+    2937: the workers' health check must tolerate it plus 63 s of failed probes, and it can
+    tolerate at most 10 probes 300 s apart (docs/pools.md)."""
 
     @field_validator("coordinator_machine_type")
     @classmethod
@@ -607,6 +609,14 @@ class Pool(Section):
                 "min_nodes",
                 f"{self.min_nodes} is more than max_nodes ({self.max_nodes}); allowed: "
                 f"1 to {self.max_nodes}",
+            )
+        if self.rendezvous_last_call_s > health.MAX_LAST_CALL_S:
+            yield (
+                "rendezvous_last_call_s",
+                f"{self.rendezvous_last_call_s} s cannot be tolerated by the workers' health check "
+                f"(the last call plus {health.REJOIN_OVERHEAD_S} s of failed probes; the Compute API "
+                f"takes at most {R.HEALTH_THRESHOLD_MAX} probes {R.HEALTH_INTERVAL_MAX_S} s apart); "
+                f"allowed: 0 to {health.MAX_LAST_CALL_S}",
             )
         if not self.coordinator:
             yield (

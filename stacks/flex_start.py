@@ -11,9 +11,12 @@ group (`stacks.group`):
   Terraform ignores the target size after creation (the requests move it);
 - nothing repairs or autoheals a flex-start VM (`DO_NOTHING`): the trainer unit restarts a crashed
   trainer, and the VM's deadline unit asks for a successor;
-- the checkpoint disk is not stateful: the VM and its disks go at the end of the run duration, so
-  the bucket is the tier every VM restores from;
-- template changes reach the next VM only (`OPPORTUNISTIC`), never interrupting the running one;
+- the checkpoint disk is not stateful: the VM and its disks (all `auto_delete`, see
+  `TemplateProps.checkpoint_disk_stateful`) go at the end of the run duration, so the bucket is
+  the tier every VM restores from;
+- template changes reach the next VM only (`OPPORTUNISTIC`), never interrupting the running one,
+  and the first VM's request is never replaced (`REQUEST_FIXED`): a changed
+  `capacity.flex_max_run_hours` would otherwise cancel it or add a second VM;
 - a regional group keeps all its VMs in one zone (`ANY_SINGLE_ZONE`), as resize requests need.
 """
 
@@ -48,6 +51,9 @@ from cdktn_provider_google.compute_resize_request import (
 from constructs import Construct
 
 from stacks.boot import group_name
+
+#: What the first VM's request keeps after creation, whatever the experiment says later.
+REQUEST_FIXED = ("requested_run_duration", "resize_by", "description")
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,10 @@ class FlexStartGroup(Construct):
             project=p.project, name=f"{p.name}-flex", resize_by=1,
             instance_group_manager=self.manager.name,
             description="spottrain: the job's first flex-start VM; later VMs ask for themselves",
+            # A resize request cannot be updated: any change replaces it, and a new request adds
+            # a VM beside the running one. It asked for the job's first VM once; a new run
+            # duration reaches later VMs through the template and their own requests.
+            lifecycle=TerraformResourceLifecycle(ignore_changes=list(REQUEST_FIXED)),
         )
         seconds = str(p.run_duration_s)
         if p.regional:

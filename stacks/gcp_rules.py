@@ -261,8 +261,237 @@ FLEX_START_MIN_RUN_S = 10 * 60
 SHUTDOWN_MARGIN_S = 10
 
 HEALTH_CHECK_RANGES = ("35.191.0.0/16", "130.211.0.0/22")
+#: What a health check accepts: healthy/unhealthy thresholds 1-10, check interval and timeout
+#: 1-300 s with the timeout no longer than the interval (the provider checks none of it; see
+#: `API_FIELDS`).
+HEALTH_THRESHOLD_MIN, HEALTH_THRESHOLD_MAX = 1, 10
+HEALTH_INTERVAL_MIN_S, HEALTH_INTERVAL_MAX_S = 1, 300
 #: torchrun's default c10d rendezvous port.
 RENDEZVOUS_PORT = 29400
 #: The private DNS domain under which a pool's coordinator gets its stable name.
 POOL_DOMAIN = "spottrain.internal"
 IAP_RANGE = "35.235.240.0/20"
+
+
+# --- what the APIs accept in every numeric and enumerated field the stacks set -------------------
+#
+# One row per (Terraform type, attribute path without list indexes). `stacks.api_fields` walks a
+# synthesized stack against it: a numeric or enum-like value in a field without a row fails, so a
+# new field cannot skip this table. Each row names the page that states the limit (found through
+# the Google Cloud documentation and the provider's own schema descriptions); a row whose range the
+# page did not state pins the one value we set (`note`).
+
+_REST = "https://cloud.google.com/compute/docs/reference/rest/v1/"
+_HC_CONCEPTS = "https://cloud.google.com/load-balancing/docs/health-check-concepts"
+_IGM = _REST + "instanceGroupManagers"
+_SHAPE = "https://cloud.google.com/compute/docs/instance-groups/regional-mig-distribution-shape"
+_STATEFUL = "https://cloud.google.com/compute/docs/instance-groups/configuring-stateful-disks-in-migs"
+_FLEXIBILITY = "https://cloud.google.com/compute/docs/instance-groups/about-instance-flexibility"
+_MIG_LIMITS = "https://cloud.google.com/compute/docs/instance-groups"
+_SCHEDULING = _REST + "instances"  # the Scheduling object of instances and templates
+_FLEX = "https://cloud.google.com/compute/docs/instances/about-flex-start-vms"
+_RESIZE = "https://cloud.google.com/compute/docs/instance-groups/about-resize-requests-mig"
+_RESERVATIONS = "https://cloud.google.com/compute/docs/instances/reservations-prevent-consumption"
+_PD = "https://cloud.google.com/compute/docs/disks/persistent-disks"
+_LOCAL_SSD = "https://cloud.google.com/compute/docs/disks/local-ssd"
+_GPUS = "https://cloud.google.com/compute/docs/gpus"
+_GVNIC = "https://cloud.google.com/compute/docs/networking/using-gvnic"
+_SCOPES = "https://cloud.google.com/compute/docs/access/service-accounts#accesscopesiam"
+_SOFT_DELETE = "https://cloud.google.com/storage/docs/soft-delete"
+_LIFECYCLE = "https://cloud.google.com/storage/docs/lifecycle"
+_BUCKETS = "https://cloud.google.com/storage/docs/json_api/v1/buckets"
+_PAP = "https://cloud.google.com/storage/docs/public-access-prevention"
+_SECRET_TTL = "https://cloud.google.com/secret-manager/docs/delay-destruction-of-secret-versions"
+_RUN_RETRIES = "https://cloud.google.com/run/docs/configuring/max-retries"
+_RUN_TIMEOUT = "https://cloud.google.com/run/docs/configuring/task-timeout"
+_RUN_JOBS = "https://cloud.google.com/run/docs/reference/rest/v2/projects.locations.jobs"
+_SCHEDULER = "https://cloud.google.com/scheduler/docs/reference/rest/v1/projects.locations.jobs"
+_CRON = "https://cloud.google.com/scheduler/docs/configuring/cron-job-schedules"
+_FIREWALLS = _REST + "firewalls"
+_FLOW_LOGS = "https://cloud.google.com/vpc/docs/flow-logs"
+_ROUTERS = _REST + "routers"
+_DNS_ZONES = "https://cloud.google.com/dns/docs/reference/rest/v1/managedZones"
+_DNS_RECORDS = "https://cloud.google.com/dns/docs/reference/rest/v1/resourceRecordSets"
+_TF_INSTANCE = ("https://registry.terraform.io/providers/hashicorp/google/8.7.0/docs/resources/"
+                "compute_instance#desired_status")
+_DELETION_POLICY = ("https://registry.terraform.io/providers/hashicorp/google/8.7.0/docs/resources/"
+                    "storage_bucket#deletion_policy")
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What one field accepts: an inclusive numeric range, a set of values, or both (a value in
+    `values` or in the range passes), or a pattern. `duration`: the field is a "<seconds>s"
+    string, checked as its seconds."""
+
+    source: str
+    low: float | None = None
+    high: float | None = None
+    values: tuple[object, ...] = ()
+    duration: bool = False
+    pattern: str | None = None
+    note: str = ""
+
+    def accepts(self, value: object) -> bool:
+        if self.pattern is not None:
+            return isinstance(value, str) and re.fullmatch(self.pattern, value) is not None
+        if value in self.values:
+            return True
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                self.low is not None or self.high is not None):
+            return ((self.low is None or value >= self.low)
+                    and (self.high is None or value <= self.high))
+        return False
+
+    def allowed(self) -> str:
+        parts = [repr(v) for v in self.values]
+        if self.low is not None or self.high is not None:
+            parts.append(f"{self.low if self.low is not None else '...'} to "
+                         f"{self.high if self.high is not None else '...'}")
+        if self.pattern is not None:
+            parts.append(f"matching {self.pattern}")
+        return " or ".join(parts)
+
+
+def _enum(source: str, *values: str) -> FieldRule:
+    return FieldRule(source, values=values)
+
+
+def _range(source: str, low: float | None, high: float | None, **kw: object) -> FieldRule:
+    return FieldRule(source, low=low, high=high, **kw)  # type: ignore[arg-type]
+
+
+_PORT = _range(_REST + "instanceGroupManagers#NamedPort", 1, 65535)
+_PD_TYPES = ("pd-standard", "pd-balanced", "pd-ssd")
+_GROUP: dict[str, FieldRule] = {
+    "target_size": _range(_MIG_LIMITS, 0, 1000, note="a zonal group holds at most 1,000 VMs"),
+    "auto_healing_policies.initial_delay_sec": _range(_IGM, 0, 3600),
+    "named_port.port": _PORT,
+    "update_policy.type": _enum(_IGM, "PROACTIVE", "OPPORTUNISTIC"),
+    "update_policy.minimal_action": _enum(_IGM, "NONE", "REFRESH", "RESTART", "REPLACE"),
+    "update_policy.replacement_method": _enum(_IGM, "SUBSTITUTE", "RECREATE"),
+    "update_policy.instance_redistribution_type": _enum(_IGM, "PROACTIVE", "NONE"),
+    "update_policy.max_surge_fixed": _range(_IGM, 0, 1000),
+    "update_policy.max_unavailable_fixed": _range(_IGM, 0, 1000),
+    "instance_lifecycle_policy.default_action_on_failure": _enum(_IGM, "REPAIR", "DO_NOTHING"),
+    "instance_lifecycle_policy.force_update_on_repair": _enum(_IGM, "YES", "NO"),
+    "instance_lifecycle_policy.on_repair.allow_changing_zone": _enum(_IGM, "YES", "NO"),
+    "stateful_disk.delete_rule": _enum(_STATEFUL, "NEVER", "ON_PERMANENT_INSTANCE_DELETION"),
+    "distribution_policy_target_shape": _enum(_SHAPE, "EVEN", "BALANCED", "ANY", "ANY_SINGLE_ZONE"),
+    "instance_flexibility_policy.instance_selections.rank": _range(_FLEXIBILITY, 0, None),
+}
+_SCHEDULING_RULES: dict[str, FieldRule] = {
+    "scheduling.provisioning_model": _enum(_SCHEDULING, "STANDARD", "SPOT", "FLEX_START"),
+    "scheduling.instance_termination_action": _enum(_SCHEDULING, "STOP", "DELETE"),
+    "scheduling.on_host_maintenance": _enum(_SCHEDULING, "MIGRATE", "TERMINATE"),
+    # Set only for flex-start here, whose run is 10 minutes to 7 days.
+    "scheduling.max_run_duration.seconds": _range(_FLEX, FLEX_START_MIN_RUN_S, FLEX_START_MAX_RUN_S),
+    "reservation_affinity.type": _enum(_RESERVATIONS, "ANY_RESERVATION", "NO_RESERVATION",
+                                       "SPECIFIC_RESERVATION"),
+    "guest_accelerator.count": FieldRule(_GPUS, values=(1, 2, 4, 8)),
+    "guest_accelerator.type": FieldRule(_GPUS, values=(T4, V100, P100, P4)),
+    "network_interface.nic_type": _enum(_GVNIC, "GVNIC", "VIRTIO_NET"),
+    "service_account.scopes": _enum(_SCOPES, "cloud-platform"),
+}
+_RUN_DURATION = _range(_RESIZE, FLEX_START_MIN_RUN_S, FLEX_START_MAX_RUN_S)
+_CHECKPOINT_KEY_TTL_S = 30 * 86400
+
+#: (Terraform type) -> (attribute path) -> what the API accepts there.
+API_FIELDS: dict[str, dict[str, FieldRule]] = {
+    "google_compute_health_check": {
+        "check_interval_sec": _range(_HC_CONCEPTS, HEALTH_INTERVAL_MIN_S, HEALTH_INTERVAL_MAX_S),
+        "timeout_sec": _range(_HC_CONCEPTS, HEALTH_INTERVAL_MIN_S, HEALTH_INTERVAL_MAX_S,
+                              note="and no longer than check_interval_sec"),
+        "healthy_threshold": _range(_HC_CONCEPTS, HEALTH_THRESHOLD_MIN, HEALTH_THRESHOLD_MAX),
+        "unhealthy_threshold": _range(_HC_CONCEPTS, HEALTH_THRESHOLD_MIN, HEALTH_THRESHOLD_MAX),
+        "tcp_health_check.port": _PORT,
+    },
+    "google_compute_instance_group_manager": _GROUP,
+    "google_compute_region_instance_group_manager": _GROUP,
+    "google_compute_instance_template": {
+        **_SCHEDULING_RULES,
+        "disk.disk_size_gb": _range(_PD, PD_SSD_MIN_GB, PD_SSD_MAX_GB, values=(LOCAL_SSD_GB,)),
+        "disk.disk_type": FieldRule(_PD, values=(*_PD_TYPES, "local-ssd")),
+        "disk.type": _enum(_LOCAL_SSD, "PERSISTENT", "SCRATCH"),
+        "disk.interface": _enum(_LOCAL_SSD, "SCSI", "NVME"),
+        "disk.mode": _enum(_PD, "READ_WRITE", "READ_ONLY"),
+    },
+    "google_compute_instance": {
+        **_SCHEDULING_RULES,
+        "desired_status": _enum(_TF_INSTANCE, "RUNNING", "SUSPENDED", "TERMINATED"),
+        "boot_disk.initialize_params.size": _range(_PD, PD_SSD_MIN_GB, PD_SSD_MAX_GB),
+        "boot_disk.initialize_params.type": FieldRule(_PD, values=_PD_TYPES),
+        "attached_disk.mode": _enum(_PD, "READ_WRITE", "READ_ONLY"),
+        "scratch_disk.interface": _enum(_LOCAL_SSD, "SCSI", "NVME"),
+    },
+    "google_compute_disk": {
+        "size": _range(_PD, PD_SSD_MIN_GB, PD_SSD_MAX_GB),
+        "type": FieldRule(_PD, values=_PD_TYPES),
+    },
+    "google_compute_resize_request": {
+        "resize_by": _range(_RESIZE, 1, None),
+        "requested_run_duration.seconds": _RUN_DURATION,
+    },
+    "google_compute_region_resize_request": {
+        "resize_by": _range(_RESIZE, 1, None),
+        "requested_run_duration.seconds": _RUN_DURATION,
+    },
+    "google_storage_bucket": {
+        "soft_delete_policy.retention_duration_seconds": _range(
+            _SOFT_DELETE, SOFT_DELETE_MIN_DAYS * 86400, SOFT_DELETE_MAX_DAYS * 86400, values=(0,)),
+        "storage_class": _enum(_BUCKETS, "STANDARD", "NEARLINE", "COLDLINE", "ARCHIVE"),
+        "public_access_prevention": _enum(_PAP, "enforced", "inherited"),
+        "lifecycle_rule.action.type": _enum(_LIFECYCLE, "Delete", "SetStorageClass",
+                                            "AbortIncompleteMultipartUpload"),
+        "lifecycle_rule.condition.with_state": _enum(_LIFECYCLE, "LIVE", "ARCHIVED", "ANY"),
+        "lifecycle_rule.condition.num_newer_versions": _range(_LIFECYCLE, 0, None),
+        "lifecycle_rule.condition.days_since_noncurrent_time": _range(_LIFECYCLE, 0, None),
+        "deletion_policy": _enum(_DELETION_POLICY, "DELETE", "ABANDON", "PREVENT"),
+    },
+    "google_secret_manager_secret": {
+        "version_destroy_ttl": FieldRule(
+            _SECRET_TTL, values=(_CHECKPOINT_KEY_TTL_S,), duration=True,
+            note="the page read states no range: only the value the stack sets is accepted"),
+        "deletion_policy": _enum(_DELETION_POLICY, "DELETE", "ABANDON", "PREVENT"),
+    },
+    "google_cloud_run_v2_job": {
+        "template.task_count": _range(_RUN_JOBS, 1, None),
+        "template.template.max_retries": _range(_RUN_RETRIES, 0, 10),
+        "template.template.timeout": _range(_RUN_TIMEOUT, 1, 168 * 3600, duration=True),
+    },
+    "google_cloud_scheduler_job": {
+        "attempt_deadline": _range(_SCHEDULER, 15, 30 * 60, duration=True),
+        "http_target.http_method": _enum(_SCHEDULER, "POST", "GET", "HEAD", "PUT", "DELETE",
+                                         "PATCH", "OPTIONS"),
+        # Every N minutes (N 1-59), or hourly: the two shapes the fallback writes.
+        "schedule": FieldRule(_CRON, pattern=r"\*/([1-9]|[1-5][0-9]) \* \* \* \*|0 \* \* \* \*"),
+    },
+    "google_compute_firewall": {
+        "direction": _enum(_FIREWALLS, "INGRESS", "EGRESS"),
+        "allow.protocol": _enum(_FIREWALLS, "tcp", "udp", "icmp", "esp", "ah", "sctp", "ipip", "all"),
+        "allow.ports": _range(_FIREWALLS, 0, 65535),
+        "log_config.metadata": _enum(_FIREWALLS, "INCLUDE_ALL_METADATA", "EXCLUDE_ALL_METADATA"),
+    },
+    "google_compute_subnetwork": {
+        "log_config.aggregation_interval": _enum(
+            _FLOW_LOGS, "INTERVAL_5_SEC", "INTERVAL_30_SEC", "INTERVAL_1_MIN", "INTERVAL_5_MIN",
+            "INTERVAL_10_MIN", "INTERVAL_15_MIN"),
+        "log_config.flow_sampling": _range(_FLOW_LOGS, 0, 1),
+        "log_config.metadata": _enum(_FLOW_LOGS, "INCLUDE_ALL_METADATA", "EXCLUDE_ALL_METADATA",
+                                     "CUSTOM_METADATA"),
+    },
+    "google_compute_router_nat": {
+        "nat_ip_allocate_option": _enum(_ROUTERS, "AUTO_ONLY", "MANUAL_ONLY"),
+        "source_subnetwork_ip_ranges_to_nat": _enum(
+            _ROUTERS, "ALL_SUBNETWORKS_ALL_IP_RANGES", "ALL_SUBNETWORKS_ALL_PRIMARY_IP_RANGES",
+            "LIST_OF_SUBNETWORKS"),
+        "log_config.filter": _enum(_ROUTERS, "ERRORS_ONLY", "TRANSLATIONS_ONLY", "ALL"),
+    },
+    "google_compute_network": {"routing_mode": _enum(_REST + "networks", "REGIONAL", "GLOBAL")},
+    "google_compute_address": {"address_type": _enum(_REST + "addresses", "INTERNAL", "EXTERNAL")},
+    "google_dns_managed_zone": {"visibility": _enum(_DNS_ZONES, "public", "private")},
+    "google_dns_record_set": {
+        "ttl": _range(_DNS_RECORDS, 0, 2**31 - 1),
+        "type": _enum(_DNS_RECORDS, "A", "AAAA", "CNAME", "TXT", "PTR", "SRV", "MX", "NS", "SOA"),
+    },
+}

@@ -43,26 +43,15 @@ from cdktn_provider_google.compute_region_instance_group_manager import (
 from constructs import Construct
 
 from stacks.boot import DEVICE_NAME, group_name
+from stacks.health import SINGLE_VM, HealthTiming
 
 #: The health protocol shared with the trainer: this request, and only an answer starting "ok"
 #: passes (the trainer answers "starting", "stalled" or "finished" otherwise).
 HEALTH_REQUEST = "spottrain-health"
 HEALTH_RESPONSE = "ok"
-#: Probe every 10 s with a 5 s timeout; 2 passes make a VM healthy, 6 failures (a minute) make it
-#: unhealthy, so one slow answer during a checkpoint never recreates a VM.
-CHECK_INTERVAL_S, TIMEOUT_S, HEALTHY_THRESHOLD, UNHEALTHY_THRESHOLD = 10, 5, 2, 6
 DELETE_RULE = "ON_PERMANENT_INSTANCE_DELETION"
 #: A regional group's target distribution shape: the one that follows Spot capacity.
 TARGET_SHAPE = "BALANCED"
-
-
-def rejoin_threshold(last_call_s: int) -> int:
-    """Failed probes a pool worker may miss while the world is re-formed: the dead node's
-    rendezvous keep-alive expiring (3 x 1 s, set in trainer.sh), the last call for more nodes, worker start-up and
-    restore (a minute allowed), at one probe per CHECK_INTERVAL_S; never fewer than the single-VM
-    threshold. Without it, autohealing would recreate healthy survivors mid-rendezvous."""
-    window_s = 3 + last_call_s + 60
-    return max(UNHEALTHY_THRESHOLD, -(-window_s // CHECK_INTERVAL_S))
 
 
 @dataclass(frozen=True)
@@ -76,9 +65,9 @@ class GroupProps:
     template_self_link: str
     health_port: int
     initial_delay_sec: int
-    #: Failed probes before a VM is recreated. A pool's workers answer nothing while torchrun
-    #: re-forms the world after another node was lost: see `rejoin_threshold`.
-    unhealthy_threshold: int = UNHEALTHY_THRESHOLD
+    #: The health check's interval, timeout and thresholds. A pool's workers answer nothing while
+    #: torchrun re-forms the world after another node was lost: `stacks.health.pool_timing`.
+    health: HealthTiming = SINGLE_VM
     depends_on: tuple[ITerraformDependable, ...] = field(default_factory=tuple)
     #: "" for the experiment's group, "od" for its on-demand fallback group (`stacks.fallback`).
     kind: str = ""
@@ -103,10 +92,10 @@ class TrainerGroup(Construct):
             project=props.project,
             name=f"{props.name}-{props.kind}-health" if props.kind else f"{props.name}-health",
             description="spottrain trainer answers ok while steps progress",
-            check_interval_sec=CHECK_INTERVAL_S,
-            timeout_sec=TIMEOUT_S,
-            healthy_threshold=HEALTHY_THRESHOLD,
-            unhealthy_threshold=props.unhealthy_threshold,
+            check_interval_sec=props.health.interval_s,
+            timeout_sec=props.health.timeout_s,
+            healthy_threshold=props.health.healthy_threshold,
+            unhealthy_threshold=props.health.unhealthy_threshold,
             tcp_health_check=ComputeHealthCheckTcpHealthCheck(
                 port=props.health_port, request=HEALTH_REQUEST, response=HEALTH_RESPONSE
             ),

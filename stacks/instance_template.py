@@ -15,6 +15,7 @@ from cdktn_provider_google.compute_instance_template import (
     ComputeInstanceTemplateDisk,
     ComputeInstanceTemplateGuestAccelerator,
     ComputeInstanceTemplateNetworkInterface,
+    ComputeInstanceTemplateReservationAffinity,
     ComputeInstanceTemplateScheduling,
     ComputeInstanceTemplateSchedulingMaxRunDuration,
     ComputeInstanceTemplateServiceAccount,
@@ -56,13 +57,19 @@ class TemplateProps:
     """flex-start provisioning (`spot` False): each VM runs at most this long, then is deleted."""
     name_suffix: str = ""
     """A second template of the same experiment (the on-demand fallback's, "od")."""
+    checkpoint_disk_stateful: bool = True
+    """The group keeps the checkpoint disk as a stateful disk (and deletes it on permanent
+    deletion of the instance). False (flex-start, a zone change on repair): no stateful policy
+    owns the disk, so it must go with its VM (`auto_delete`), or every VM the group or Compute
+    Engine deletes leaves a disk behind that Terraform does not know."""
 
 
 def scheduling(spot: bool, termination_action: str,
                flex_max_run_s: int | None = None) -> ComputeInstanceTemplateScheduling:
     if flex_max_run_s is not None:
         # Dynamic Workload Scheduler: not preemptible; deleted (DELETE is the only action) when
-        # its run duration ends. The group's resize request asks for the same duration.
+        # its run duration ends. The resize requests ask for the same duration, so the VM ends
+        # at the same moment whichever of the two the group applies (docs/capacity.md).
         return ComputeInstanceTemplateScheduling(
             provisioning_model="FLEX_START",
             preemptible=False,
@@ -101,15 +108,16 @@ class TrainerTemplate(Construct):
                 disk_size_gb=props.boot_disk_gb,
                 labels=props.labels,
             ),
-            # The checkpoint disk; the group keeps it stateful by this device_name, and the
-            # startup script finds it at /dev/disk/by-id/google-<device_name>. The group's
-            # stateful policy decides when it is deleted (permanent deletion of the instance);
-            # auto_delete = false is a hedge: whether Compute Engine's own deletion of a
-            # preempted Spot VM (termination action DELETE) spares a stateful disk that is
-            # marked auto-delete is not documented.
+            # The checkpoint disk; the startup script finds it at
+            # /dev/disk/by-id/google-<device_name>. In a stateful group the group keeps it by
+            # this device_name and its stateful policy deletes it on permanent deletion of the
+            # instance; auto_delete = false is then a hedge: whether Compute Engine's own
+            # deletion of a preempted Spot VM (termination action DELETE) spares a stateful disk
+            # that is marked auto-delete is not documented. Without a stateful policy nothing
+            # but auto_delete ever deletes it.
             ComputeInstanceTemplateDisk(
                 boot=False,
-                auto_delete=False,
+                auto_delete=not props.checkpoint_disk_stateful,
                 device_name=DEVICE_NAME,
                 disk_type="pd-ssd",
                 disk_size_gb=props.checkpoint_disk_gb,
@@ -142,6 +150,11 @@ class TrainerTemplate(Construct):
             if props.attach_gpus
             else None,
             scheduling=scheduling(props.spot, props.termination_action, props.flex_max_run_s),
+            # Flex-start capacity comes from Dynamic Workload Scheduler, never from a reservation
+            # (the default affinity, ANY_RESERVATION, would let a matching one be consumed); as
+            # in Google's resize-request examples.
+            reservation_affinity=ComputeInstanceTemplateReservationAffinity(type="NO_RESERVATION")
+            if props.flex_max_run_s is not None else None,
             network_interface=[
                 # No access_config: no external IP. Egress goes through Cloud NAT.
                 ComputeInstanceTemplateNetworkInterface(

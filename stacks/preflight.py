@@ -58,7 +58,9 @@ class Result:
 
 
 def required_apis(exp: Experiment) -> tuple[str, ...]:
-    """Every API the experiment's stack needs enabled (one list for preflight and the stack)."""
+    """The APIs preflight checks with the caller's credentials. The stack enables what its
+    resources need itself (`stacks.apis`, from the synthesized resources); a test keeps this list
+    within that one."""
     apis = list(BASE_APIS)
     if exp.pool is not None:
         apis.append("dns.googleapis.com")

@@ -8,6 +8,7 @@ pool's nodes (`stacks.pool`), and sizes the group for the Spot workers.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from cdktn import Aspects, GcsBackend, LocalBackend, TerraformOutput, TerraformStack
@@ -19,11 +20,13 @@ from stacks import gcp_rules as R
 from stacks.boot import boot_props, group_name, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
 from stacks.checkpoint_key import CheckpointKeyProps, CheckpointKeySecret
+from stacks.deploy import ADOPT_ENV
 from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
 from stacks.experiment import Experiment, code_path
 from stacks.fallback import FallbackProps, OnDemandFallback
 from stacks.flex_start import FlexStartGroup, FlexStartProps
-from stacks.group import UNHEALTHY_THRESHOLD, GroupProps, TrainerGroup, rejoin_threshold
+from stacks.group import GroupProps, TrainerGroup
+from stacks.health import SINGLE_VM, pool_timing
 from stacks.identity import Identity, IdentityProps
 from stacks.instance_template import TemplateProps, TrainerTemplate
 from stacks.coordinator import Coordinator, CoordinatorProps
@@ -68,11 +71,6 @@ class TrainingStack(TerraformStack):
                        prefix=exp.backend.prefix or f"spottrain/{name}")
         else:
             LocalBackend(self, path=state_path(name))
-        # The APIs first: everything else in the stack waits for them.
-        apis = A.ProjectApis(self, "apis", A.ApisProps(project=gcp.project,
-                                                       services=A.required(exp)))
-        Aspects.of(self).add(A.WaitForApis(apis))
-
         identity = Identity(self, "identity", IdentityProps(
             project=gcp.project, account_id=f"{name}{R.SA_SUFFIX}", experiment=name))
         bucket = CheckpointBucket(self, "checkpoints", CheckpointBucketProps(
@@ -92,8 +90,12 @@ class TrainingStack(TerraformStack):
         # The key that authenticates its checkpoints (the boot fetches it; docs/security.md).
         key = CheckpointKeySecret(self, "checkpoint-key", CheckpointKeyProps(
             project=gcp.project, experiment=name, region=gcp.region,
-            protect=not exp.bucket.force_destroy, labels=labels))
+            keep=not exp.bucket.force_destroy, labels=labels))
         identity.grant_checkpoint_key(gcp.project, key.secret_id)
+        if os.environ.get(ADOPT_ENV) == "1" and not exp.bucket.force_destroy:
+            # A destroy left both in the project: import them rather than fail creating them.
+            bucket.bucket.import_from(f"{gcp.project}/{exp.bucket_name(name)}")
+            key.secret.import_from(key.name)
 
         net = exp.network
         network = TrainerNetwork(self, "network", NetworkProps(
@@ -180,6 +182,8 @@ class TrainingStack(TerraformStack):
             extra_metadata={**({ROLE_KEY: WORKER} if pool else {}),
                             PROVISIONING_KEY: PROVISIONING_MODELS[m.provisioning]},
             flex_max_run_s=c.flex_max_run_hours * 3600 if flex else None,
+            # Only the Spot/standard group without a zone change keeps a stateful disk.
+            checkpoint_disk_stateful=not flex and not c.zone_change_on_repair,
         )
         template = TrainerTemplate(self, "template", template_props)
         workers = pool.worker_target if pool else exp.group.workers
@@ -201,11 +205,10 @@ class TrainingStack(TerraformStack):
                 template_self_link=template.self_link_unique,
                 health_port=exp.trainer.health_port,
                 initial_delay_sec=exp.group.initial_delay_sec,
-                unhealthy_threshold=(rejoin_threshold(exp.pool.rendezvous_last_call_s) if exp.pool
-                                     else UNHEALTHY_THRESHOLD),
+                health=pool_timing(exp.pool.rendezvous_last_call_s) if exp.pool else SINGLE_VM,
                 # A short job may finish minutes after its VM starts: its role must exist by then.
                 depends_on=(*identity.grants, *vm_creator_grants, *(stop.grants if stop else ())),
-                stateful=not c.zone_change_on_repair,
+                stateful=template_props.checkpoint_disk_stateful,
                 zone_change=c.zone_change_on_repair,
                 machine_types=tuple(c.machine_types),
                 primary_machine_type=m.machine_type,
@@ -269,6 +272,11 @@ class TrainingStack(TerraformStack):
                 f"gs://{exp.bucket_name(name)}/{n}" for n in stop.marker_names.values()),
                 description="The job stopped itself (finished, or bad input) when one of these "
                 "objects exists; the next deploy keeps the group at zero. Delete it to start again")
+
+        # Last, once every resource exists: the APIs they need; everything else waits for them.
+        apis = A.ProjectApis(self, "apis", A.ApisProps(project=gcp.project,
+                                                       services=tuple(A.required(self))))
+        Aspects.of(self).add(A.WaitForApis(apis))
 
     def _fallback(self, name: str, exp: Experiment, template_props: TemplateProps,
                   group_props: GroupProps, bucket: str, code: Any, stop: ScaleToZero | None,

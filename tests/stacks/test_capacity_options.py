@@ -66,6 +66,49 @@ def test_a_flex_start_vm_stops_before_its_end_and_asks_for_a_successor():
     assert "spottrain-deadline" not in plain.startup
 
 
+FLEX = {"flex-start": "google_compute_resize_request",
+        "flex-regional": "google_compute_region_resize_request"}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_flex_start_templates_consume_no_reservation(synthesized, name):
+    """As Google's resize-request examples: flex-start capacity comes from Dynamic Workload
+    Scheduler; the default affinity (ANY_RESERVATION) would let a matching reservation be used."""
+    for t in synthesized[name].resources("google_compute_instance_template"):
+        flex = t["scheduling"]["provisioning_model"] == "FLEX_START"
+        assert t.get("reservation_affinity") == ({"type": "NO_RESERVATION"} if flex else None)
+
+
+@pytest.mark.parametrize("name", list(FLEX))
+def test_each_flex_vm_ends_when_its_deadline_expects_whichever_duration_the_group_applies(
+        synthesized, name):
+    """The template's max_run_duration, the first request's run duration and the duration the
+    VM's deadline unit (and so every successor request) uses are one number."""
+    s = synthesized[name]
+    template = s.one("google_compute_instance_template")["scheduling"]["max_run_duration"]["seconds"]
+    request = int(s.one(FLEX[name])["requested_run_duration"]["seconds"])
+    vm = json.loads(render(boot_props(name, s.spec)).scale_settings)["run_duration_s"]
+    assert template == request == vm == s.spec.capacity.flex_max_run_hours * 3600
+
+
+@pytest.mark.parametrize("name", list(FLEX))
+def test_a_changed_run_duration_never_replaces_the_running_request(synthesized, name):
+    """A resize request cannot be updated: Terraform would replace it, cancelling a queued VM or
+    adding a second one beside the running VM. Every argument a new flex_max_run_hours changes is
+    one Terraform ignores on the request."""
+    before = synthesized[name].one(FLEX[name])
+    hours = {"capacity": {"flex_max_run_hours": 96}}
+    after_spec = variant({**VARIANTS[name], **hours,
+                          "capacity": {**VARIANTS[name].get("capacity", {}), **hours["capacity"]}},
+                         name)
+    from stack_support import Synthesized
+
+    after = Synthesized(name, after_spec).one(FLEX[name])
+    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    assert changed == {"requested_run_duration"}
+    assert changed <= set(after["lifecycle"]["ignore_changes"])
+
+
 @pytest.mark.parametrize("overrides, line", [
     ({"machine": {"provisioning": "flex-start", "machine_type": "n1-standard-8",
                   "gpu_type": "nvidia-tesla-t4", "termination_action": None}},

@@ -150,9 +150,35 @@ def test_workers_are_spot_and_the_group_holds_every_node_but_the_coordinator(poo
 
 def test_workers_may_miss_health_probes_while_the_world_is_re_formed(pooled, example):
     """A survivor answers no health probe between losing a peer and training again; autohealing
-    must not recreate it meanwhile (last call 45 s in the fixture: 3 + 45 + 60 s = 11 probes)."""
-    assert pooled.one("google_compute_health_check")["unhealthy_threshold"] == 11
-    assert example.one("google_compute_health_check")["unhealthy_threshold"] == 6
+    must not recreate it meanwhile (last call 45 s in the fixture: 3 + 45 + 60 = 108 s of failed
+    probes). The API takes at most 10 failures, so the pool probes less often instead."""
+    hc = pooled.one("google_compute_health_check")
+    assert hc["unhealthy_threshold"] <= 10 and hc["timeout_sec"] <= hc["check_interval_sec"] <= 300
+    assert hc["unhealthy_threshold"] * hc["check_interval_sec"] >= 3 + 45 + 60
+    assert (hc["check_interval_sec"], hc["unhealthy_threshold"]) == (11, 10)
+    single = example.one("google_compute_health_check")
+    assert (single["check_interval_sec"], single["unhealthy_threshold"]) == (10, 6)
+
+
+@pytest.mark.parametrize("last_call", [0, 10, 37, 38, 45, 100, 1000, 2937])
+def test_every_last_call_validation_accepts_has_a_health_check_the_api_accepts(last_call):
+    from stacks import gcp_rules as R
+    from stacks.health import pool_timing
+
+    t = pool_timing(last_call)
+    assert R.HEALTH_THRESHOLD_MIN <= t.unhealthy_threshold <= R.HEALTH_THRESHOLD_MAX
+    assert R.HEALTH_INTERVAL_MIN_S <= t.timeout_s <= t.interval_s <= R.HEALTH_INTERVAL_MAX_S
+    assert t.tolerated_s >= 3 + last_call + 60
+    assert t.unhealthy_threshold >= 6 and t.interval_s >= 10  # never quicker than a single VM
+    assert variant({"pool": {**POOL, "rendezvous_last_call_s": last_call}}, "x").pool is not None
+
+
+def test_the_documented_last_call_limit_is_the_computed_one():
+    from stacks.experiment import Pool
+    from stacks.health import MAX_LAST_CALL_S
+
+    doc = Pool.model_fields["rendezvous_last_call_s"].description
+    assert f"At most {MAX_LAST_CALL_S}:" in " ".join(doc.split())
 
 
 def test_a_coordinator_that_does_not_train_leaves_every_node_to_the_group(rendezvous_only):
@@ -403,6 +429,10 @@ RULES = [
      "pool.max_restarts: Input should be greater than or equal to 0, got -1"),
     ("last-call-negative", {"pool": {**POOL, "rendezvous_last_call_s": -5}},
      "pool.rendezvous_last_call_s: Input should be greater than or equal to 0, got -5"),
+    ("last-call-beyond-any-health-check", {"pool": {**POOL, "rendezvous_last_call_s": 2938}},
+     "pool.rendezvous_last_call_s: 2938 s cannot be tolerated by the workers' health check (the "
+     "last call plus 63 s of failed probes; the Compute API takes at most 10 probes 300 s apart); "
+     "allowed: 0 to 2937"),
     ("coordinator-gpu-count-mismatch", {"pool": {**POOL,
                                                  "coordinator_machine_type": "g2-standard-24"}},
      "pool.coordinator_machine_type: the coordinator trains with the workers' 1 x nvidia-l4 on "
@@ -467,7 +497,8 @@ def test_a_bad_pool_exits_2_naming_file_and_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text((FIXTURES / "l4-pool.toml").read_text()
                    .replace("min_nodes = 2", "min_nodes = 6")
-                   .replace("rendezvous_port = 29500", "rendezvous_port = 8471"))
+                   .replace("rendezvous_port = 29500", "rendezvous_port = 8471")
+                   .replace("rendezvous_last_call_s = 45", "rendezvous_last_call_s = 3600"))
     env = {**os.environ, "SPOTTRAIN_EXPERIMENTS": str(bad), "CDKTF_OUTDIR": str(tmp_path / "o")}
     proc = subprocess.run([sys.executable, str(ROOT / "main.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -475,6 +506,9 @@ def test_a_bad_pool_exits_2_naming_file_and_field(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [
         f"{bad}: pool.min_nodes: 6 is more than max_nodes (4); allowed: 1 to 4",
+        f"{bad}: pool.rendezvous_last_call_s: 3600 s cannot be tolerated by the workers' health "
+        "check (the last call plus 63 s of failed probes; the Compute API takes at most 10 probes "
+        "300 s apart); allowed: 0 to 2937",
         f"{bad}: pool.rendezvous_port: 8471 is also trainer.health_port; allowed: another port "
         "in 1024-65535",
     ]

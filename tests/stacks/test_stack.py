@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from stack_support import VARIANTS, Synthesized, unless_stopped, variant
@@ -98,10 +99,15 @@ def test_a_checkpoint_key_secret_only_the_trainer_can_read(synthesized, name):
     assert f"KEY_SECRET={name_}" in startup and "--checkpoint-key-file /run/spottrain/checkpoint.key" in startup
 
 
-def test_the_checkpoint_key_is_kept_unless_the_bucket_may_be_destroyed(synthesized):
+def test_the_bucket_and_its_key_are_kept_by_destroy_unless_the_bucket_may_be_destroyed(synthesized):
+    """Kept means forgotten by Terraform and left in the project (`deletion_policy = "ABANDON"`),
+    never a refusal that leaves the destroy unfinished (tests/stacks/test_deploy.py runs it)."""
     for name, s in synthesized.items():
-        force = s.one("google_storage_bucket")["force_destroy"]
-        assert s.one("google_secret_manager_secret")["deletion_protection"] is (not force), name
+        bucket, key = s.one("google_storage_bucket"), s.one("google_secret_manager_secret")
+        keep = not bucket["force_destroy"]
+        assert bucket.get("deletion_policy") == key.get("deletion_policy") == (
+            "ABANDON" if keep else None), name
+        assert key["deletion_protection"] is False, name
 
 
 # --- APIs ----------------------------------------------------------------------------------------
@@ -112,15 +118,63 @@ def _apis(s: Synthesized) -> dict[str, dict]:
             for k, v in s.json["resource"]["google_project_service"].items()}
 
 
-@pytest.mark.parametrize("name", ["example", "l4-pool", "existing-net"])
+BASE_APIS = {"compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com",
+             "cloudresourcemanager.googleapis.com", "secretmanager.googleapis.com"}
+ALL_STACKS = [*VARIANTS, "l4-pool", "a3-regional", "n1-v100-standard", "cnn"]
+
+
+@pytest.mark.parametrize("name", ALL_STACKS)
+def test_every_resource_type_in_the_stack_has_its_api_enabled(synthesized, name):
+    """Read from the synthesized JSON, not from the constructs: each resource and data source type
+    against the one table of which API serves it (an unknown google_* type fails here too)."""
+    from stacks.apis import PREREQUISITE, service_of
+
+    s = synthesized[name]
+    enabled = {a["service"] for a in _apis(s).values()} | {PREREQUISITE}
+    types = [*s.json["resource"], *(f"data.{t}" for t in s.json.get("data", {}))]
+    missing = {t: service_of(t) for t in types if service_of(t) not in enabled}
+    assert missing == {}
+    assert BASE_APIS <= enabled
+
+
+@pytest.mark.parametrize(("name", "more"), [
+    ("example", set()),
+    ("l4-pool", {"dns.googleapis.com"}),  # the pool's private zone and query logging
+    ("od-fallback", {"run.googleapis.com", "cloudscheduler.googleapis.com"}),  # the capacity check
+])
+def test_the_apis_are_exactly_those_of_the_resources(synthesized, name, more):
+    assert {a["service"] for a in _apis(synthesized[name]).values()} == BASE_APIS | more
+
+
+@pytest.mark.parametrize("name", ALL_STACKS)
+def test_preflight_checks_no_api_the_stack_does_not_need(synthesized, name):
+    from stacks.preflight import required_apis
+
+    s = synthesized[name]
+    assert set(required_apis(s.spec)) <= {a["service"] for a in _apis(s).values()}
+
+
+def test_a_resource_type_without_an_api_fails_synthesis_and_so_does_one_added_too_late():
+    from cdktn import TerraformResource, Testing
+
+    from stacks.stack import TrainingStack
+
+    for kind, message in [
+        ("google_pubsub_topic", "google_pubsub_topic: no API known for this Terraform type; add "
+                                "it to SERVICE_OF in stacks/apis.py"),
+        ("google_dns_policy", "google_dns_policy (example/late) needs dns.googleapis.com, which "
+                              "this stack does not enable"),
+    ]:
+        stack = TrainingStack(Testing.app(), "example", variant({}, "example"))
+        TerraformResource(stack, "late", terraform_resource_type=kind)
+        with pytest.raises(Exception, match=re.escape(message)):
+            Testing.synth(stack)
+
+
+@pytest.mark.parametrize("name", ["example", "l4-pool", "existing-net", "od-fallback"])
 def test_the_stack_enables_the_apis_it_uses_and_everything_waits_for_them(synthesized, name):
     s = synthesized[name]
     apis = _apis(s)
-    expected = {"compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com",
-                "cloudresourcemanager.googleapis.com", "secretmanager.googleapis.com"}
-    if name == "l4-pool":
-        expected.add("dns.googleapis.com")  # the pool's private zone
-    assert {a["service"] for a in apis.values()} == expected
     for api in apis.values():
         # Shared by the whole project: a destroy never switches an API off.
         assert api["disable_on_destroy"] is False
@@ -361,6 +415,31 @@ def test_checkpoint_disk_is_pd_ssd_with_the_fixed_device_name(example):
     # preempted VM must not take it (a hedge: undocumented for stateful disks).
     assert disk["auto_delete"] is False
     assert f"/dev/disk/by-id/google-{DEVICE_NAME}" in t["metadata"]["startup-script"]
+
+
+def _template_key(ref: str) -> str:
+    """`${google_compute_instance_template.KEY.self_link_unique}` -> KEY."""
+    return ref.removeprefix("${google_compute_instance_template.").split(".", 1)[0]
+
+
+@pytest.mark.parametrize("name", [*VARIANTS, "l4-pool", "a3-regional", "n1-v100-standard"])
+def test_no_checkpoint_disk_outlives_its_vm_unnoticed(synthesized, name):
+    """A template disk with auto_delete = false is deleted by nothing but a stateful policy: in a
+    group that keeps no stateful disk of that device name (flex-start, a zone change on repair),
+    every VM the group or Compute Engine deletes would leave a disk Terraform does not know."""
+    s = synthesized[name]
+    templates = s.json["resource"]["google_compute_instance_template"]
+    groups = (s.resources("google_compute_instance_group_manager")
+              + s.resources("google_compute_region_instance_group_manager"))
+    used = 0
+    for group in groups:
+        stateful = {d["device_name"] for d in group.get("stateful_disk", [])}
+        for version in group["version"]:
+            used += 1
+            for disk in templates[_template_key(version["instance_template"])]["disk"]:
+                if not disk["auto_delete"]:
+                    assert disk.get("device_name") in stateful, (name, disk)
+    assert used == len(templates)  # every template is some group's
 
 
 def test_local_ssds_are_optional(example, synthesized):
