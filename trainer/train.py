@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED, EXIT_UNAVAILABLE
-from trainer import distributed, gpu, placement, plain, state, tier_wait
+from trainer import distributed, gpu, placement, plain, precision, state, tier_wait
 from trainer import task as tasks
 from trainer.checkpoint_key import KeyProblem
 from trainer.checkpointer import describe_failing
@@ -69,7 +69,7 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     try:
         return session.run()
     except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, PortInUse, InitFromError,
-            RunDirBusy, LeaseHeld, KeyProblem, plain.NotPlainData) as e:
+            RunDirBusy, LeaseHeld, KeyProblem, plain.NotPlainData, precision.UnsupportedPrecision) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT, reason=str(e))
@@ -122,6 +122,7 @@ class _Session:
         torch.set_num_threads(cfg.threads)
         device = _device(cfg, world)
         gpu.check(device)  # a GPU this PyTorch has no kernels for: bad input, not a restart loop
+        mixed = precision.setup(cfg.precision, device, cfg.source_of("precision"))
         if cfg.deterministic:
             _deterministic(device)
 
@@ -188,7 +189,7 @@ class _Session:
                          rank=world.rank, world_size=world.size)
         self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
                                log=log.getChild("data"))
-        scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.precision == "fp16" else None
+        scaler = mixed.scaler
         fingerprint = cfg.fingerprint(dataset_len=len(task.dataset), device=device.type)
         if world.is_node_leader:
             log.info("event=start steps=%d world_size=%d node=%s node_rank=%d restart=%d accum=%d device=%s "
@@ -237,7 +238,7 @@ class _Session:
 
         # The loop.
         self.preempt.step_completed(start)
-        step_fn = _StepFn(cfg, accum, model, task, self.batches, scaler, device, world)
+        step_fn = _StepFn(cfg, accum, model, task, self.batches, mixed, device, world)
         evaluator = Evaluator(task, cfg, step_fn, world, sharded=self.sharded,
                               interrupted=lambda: self.preempt.requested)
         if world.is_main and cfg.tensorboard:
@@ -708,15 +709,11 @@ class _StepFn:
     """One optimizer step: ``grad_accum_steps`` micro-batches, clipping, mixed precision."""
 
     def __init__(self, cfg: RunConfig, accum: int, model: torch.nn.Module, task: tasks.Task, batches: Batches,
-                 scaler: Any, device: torch.device, world: distributed.World):
+                 mixed: precision.MixedPrecision, device: torch.device, world: distributed.World):
         self.cfg, self.accum, self.model, self.task, self.batches = cfg, accum, model, task, batches
-        self.scaler, self.device, self.world = scaler, device, world
+        self.scaler, self.device, self.world = mixed.scaler, device, world
         self.loss_fn = task.loss_fn or (lambda m, batch: m(*batch))
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-        if device.type == "cuda" and dtype is not None:
-            self.autocast: Callable[[], Any] = lambda: torch.autocast("cuda", dtype=dtype)
-        else:
-            self.autocast = contextlib.nullcontext
+        self.autocast: Callable[[], Any] = mixed.autocast
 
     def _sync(self, last: bool) -> Any:
         model = self.model
