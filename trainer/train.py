@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED, EXIT_UNAVAILABLE
-from trainer import distributed, gpu, placement, plain, precision, state, tier_wait
+from trainer import distributed, gpu, placement, plain, precision, startup_notice, state, tier_wait
 from trainer import task as tasks
 from trainer.checkpoint_key import KeyProblem
 from trainer.checkpointer import describe_failing
@@ -63,6 +63,7 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     log = setup_logging(world.rank)
     if not world.is_node_leader:  # rank 0 speaks for the job, leaders for their node; others warn
         logging.getLogger().setLevel(logging.WARNING)
+    startup_notice.hold("run")  # a notice here is remembered by start-up's own handlers, and adopted:
     preempt = Preemption(log.getChild("preemption"))
     preempt.install_signal_handlers()
     session = _Session(cfg, world, log, preempt, make_checkpointer, process_start)
@@ -77,8 +78,10 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
         log.error("event=failed reason=tier_unknown %s", e)
         session.record_failure("tier_unknown", str(e))
         return Outcome(EXIT_UNAVAILABLE)
-    except tier_wait.Stopped as e:
-        log.warning("event=preempted step=none detail=%s; nothing was trained, nothing to save", e)
+    except (tier_wait.Stopped, StoppedDuringStartup) as e:
+        log.warning("event=preempted step=none detail=notice during start-up (%s); nothing was trained, "
+                    "nothing to save", e)
+        session.record_startup_stop()
         return Outcome(EXIT_PREEMPTED)
     except Exception as e:
         log.error("event=failed reason=exception\n%s", traceback.format_exc())
@@ -92,6 +95,10 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
 
 class BadWorld(Exception):
     """The settings cannot run at this world size (bad input: exit 2)."""
+
+
+class StoppedDuringStartup(Exception):
+    """A preemption notice came before the loop: stop at once (nothing trained, nothing to save)."""
 
 
 class _Session:
@@ -119,6 +126,7 @@ class _Session:
     def run(self) -> Outcome:
         cfg, world, log = self.cfg, self.world, self.log
         t_start = time.monotonic()
+        self._stop_if_noticed("session", "before the run was set up")
         torch.set_num_threads(cfg.threads)
         device = _device(cfg, world)
         gpu.check(device)  # a GPU this PyTorch has no kernels for: bad input, not a restart loop
@@ -169,6 +177,7 @@ class _Session:
                                        log=log.getChild("artifacts"))
             self.artifacts.restore()
         world.barrier()
+        self._stop_if_noticed("lease", "before the task was built")
 
         # Build the task: identical initial weights on every rank, then per-rank RNG streams.
         _seed(cfg.seed)
@@ -228,8 +237,9 @@ class _Session:
                                startup_s=max(0.0, time.time() - self.process_start - restore_s))
         if start >= cfg.steps:  # finished before: write the final checkpoint where a copy is missing
             return Outcome(self._final_save(start, model, task, scaler, data, fingerprint, again=True))
+        startup_notice.hold("restore", lambda: self.preempt.requested)
         if world.any_flags(self.preempt.requested)[0]:  # a notice during start-up: nothing new to save
-            return self._stop_before_training(start)
+            return self._stop_before_training(start, restored=saved is not None)
         if cfg.stop_at_step is not None and start >= cfg.stop_at_step:
             if world.is_main:
                 log.warning("event=stop_at_step stop_at_step=%d step=%d (already there: pausing at once)",
@@ -657,9 +667,27 @@ class _Session:
         if self.ledger is not None:
             self.ledger.append("tier_failing", tier=tier, **failing)
 
-    def _stop_before_training(self, step: int) -> Outcome:
-        self.log.warning("event=preempted step=%d detail=notice during start-up; checkpoint %d is already durable",
-                         step, step)
+    def _stop_if_noticed(self, point: str, when: str) -> None:
+        """A notice so far stops start-up here, every rank together: nothing was trained yet."""
+        startup_notice.hold(point, lambda: self.preempt.requested)
+        if self.world.any_flags(self.preempt.requested)[0]:
+            raise StoppedDuringStartup(f"{self.preempt.reason or 'on another rank'} {when}")
+
+    def record_startup_stop(self) -> None:
+        """The ledger's record of a start-up a notice stopped (once the ledger is open)."""
+        if self.ledger is not None:
+            with contextlib.suppress(Exception):
+                # No step: this session restored none (a ledger step is always a whole number).
+                self.ledger.append("preemption_notice", reason=self.preempt.reason or "another node")
+                self.ledger.append("preempted", blocked_s=0.0)
+
+    def _stop_before_training(self, step: int, *, restored: bool) -> Outcome:
+        if restored:
+            self.log.warning("event=preempted step=%d detail=notice during start-up; checkpoint %d is already "
+                             "durable", step, step)
+        else:
+            self.log.warning("event=preempted step=%d detail=notice during start-up; no checkpoint yet, nothing "
+                             "was trained, nothing to save", step)
         if self.ledger is not None:
             self.ledger.append("preemption_notice", step=step, reason=self.preempt.reason)
             self.ledger.append("preempted", step=step, productive_s=0.0, blocked_s=0.0)
