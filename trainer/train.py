@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED, EXIT_UNAVAILABLE
-from trainer import distributed, gpu, placement, plain, precision, startup_notice, state, tier_wait
+from trainer import distributed, gpu, host_copy, placement, plain, precision, startup_notice, state, tier_wait
 from trainer import task as tasks
 from trainer.checkpoint_key import KeyProblem
 from trainer.checkpointer import describe_failing
@@ -70,7 +70,8 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     try:
         return session.run()
     except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, PortInUse, InitFromError,
-            RunDirBusy, LeaseHeld, KeyProblem, plain.NotPlainData, precision.UnsupportedPrecision) as e:
+            RunDirBusy, LeaseHeld, KeyProblem, plain.NotPlainData, precision.UnsupportedPrecision,
+            host_copy.Unsupported) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT, reason=str(e))
@@ -807,6 +808,11 @@ def _device(cfg: RunConfig, world: distributed.World) -> torch.device:
 
 def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:
     from trainer.sharded import ShardedCheckpointer
+
+    why = host_copy.unavailable()
+    if why is not None:  # every rank has the same PyTorch: every rank refuses, before any collective
+        raise host_copy.Unsupported(f"{cfg.source_of('parallelism')}: parallelism: 'fsdp' cannot run here: "
+                                    f"{why}; allowed: 'ddp', or an image with a newer PyTorch")
 
     return ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
                                policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s, world=world,
