@@ -46,7 +46,12 @@ MOUNT_DIR = "/mnt/spottrain"
 UNIT = "spottrain.service"
 STEP_RE = re.compile(r"\bevent=step step=(\d+)/(\d+)\b.*?steps_per_s=([\d.]+)")
 RESTORE_RE = re.compile(r"\bevent=restore step=(\d+)(?: tier=(\S+))?")
-PREEMPTED_RE = re.compile(r"\bevent=preempted step=(\d+)(?: persistent_ok=(\d) gcs_ok=(\S+) seconds=([\d.]+))?")
+# The trainer's emergency-save line; fields are found by name, so that one added between them
+# (as local_ok was) cannot silently drop the measured seconds.
+PREEMPTED_RE = re.compile(r"\bevent=preempted step=(\d+)(?:[^\n]*? persistent_ok=(\d))?(?:[^\n]*? gcs_ok=(\S+))?"
+                          r"(?:[^\n]*? seconds=([\d.]+))?")
+#: A preempted line without a save: its detail says why (a notice during start-up, nothing trained).
+NO_SAVE_RE = re.compile(r"\bevent=preempted step=(?:\d+|none) detail=([^;\n]*)")
 EXIT_PREEMPTED = 75
 #: The access token the fake metadata server hands out, which the fake Compute API accepts.
 DRILL_TOKEN = "drill-fake-token"
@@ -96,6 +101,8 @@ class Preemption:
     notice_after_step: int = 0
     saved_step: int | None = None
     save_s: float | None = None
+    no_save: str | None = None
+    """Why the round has no emergency-save time, when it has none."""
     persistent_ok: bool | None = None
     gcs_ok: str | None = None
     trainer_exit: int | None = None
@@ -542,15 +549,30 @@ def _preempt_round(dep: Deployment, cfg: DrillConfig, i: int, rng: random.Random
         if ev["event"] == "unit-exited" and ev["unit"] == UNIT and p.trainer_exit is None:
             p.trainer_exit = ev["status"] if ev["code"] == "exited" else -ev["status"]
             p.unit_stopped_s = ev["t"] - notice_wall
-    saved = PREEMPTED_RE.search(dep.vm.journal()[j0:])
+    emergency_save(p, dep.vm.journal()[j0:])
+    say(f"  notice -> saved step {p.saved_step} in "
+        f"{p.no_save or _f(p.save_s) + ' s'} (trainer exit {p.trainer_exit}, "
+        f"unit down after {_f(p.unit_stopped_s)} s); VM off after {p.off_s:.1f} s of {cfg.window_s:g}"
+        + (" (KILLED at the end of the window)" if p.killed else ""))
+    return p
+
+
+def emergency_save(p: Preemption, journal: str) -> None:
+    """The round's emergency save as the trainer logged it (event=preempted): the step, the
+    measured seconds and the tiers; or why there was none."""
+    saved = PREEMPTED_RE.search(journal)
     if saved:
         p.saved_step = int(saved.group(1))
         if saved.group(4):
             p.persistent_ok, p.gcs_ok, p.save_s = saved.group(2) == "1", saved.group(3), float(saved.group(4))
-    say(f"  notice -> saved step {p.saved_step} in {_f(p.save_s)} s (trainer exit {p.trainer_exit}, "
-        f"unit down after {_f(p.unit_stopped_s)} s); VM off after {p.off_s:.1f} s of {cfg.window_s:g}"
-        + (" (KILLED at the end of the window)" if p.killed else ""))
-    return p
+            return
+    why = NO_SAVE_RE.search(journal)
+    if why:
+        p.no_save = f"none: {why.group(1).strip()}"
+    elif p.killed:
+        p.no_save = "none logged: killed at the end of the window"
+    else:
+        p.no_save = f"none logged (trainer exit {p.trainer_exit})"
 
 
 def _f(v: float | None) -> str:
@@ -576,7 +598,8 @@ def report(r: DrillResult) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in r.preemptions:
         lines.append(f"| {p.index} | {p.resumed_from} ({p.resumed_tier or '-'}) | {p.notice_after_step} | "
-                     f"{p.saved_step if p.saved_step is not None else '-'} | {_f(p.save_s)} | {_f(p.unit_stopped_s)} | "
+                     f"{p.saved_step if p.saved_step is not None else '-'} | {p.no_save or _f(p.save_s)} | "
+                     f"{_f(p.unit_stopped_s)} | "
                      f"{r.config.window_s:g} | {p.off_s:.2f} | {'yes' if p.killed else 'no'} | {p.trainer_exit} | "
                      f"{p.steps_lost if p.steps_lost is not None else '-'} | {'yes' if p.wiped_after else 'no'} |")
     if g:

@@ -89,6 +89,15 @@ def _hours(h: float) -> str:
     return f"{h:,.1f} h" if h >= 1 else f"{h * 60:,.0f} min"
 
 
+def _interval_text(seconds: float) -> str:
+    """A save interval in the unit that reads best; never rounded to 0."""
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    if seconds < 3600:
+        return f"{seconds / 60:,.1f}".removesuffix(".0") + " min"
+    return f"{seconds / 3600:,.1f}".removesuffix(".0") + " h"
+
+
 def _assumed(exp: Experiment, key: str) -> str:
     return "set in [cost]" if key in exp.cost.model_fields_set else "default"
 
@@ -301,7 +310,7 @@ def storage_lines(exp: Experiment, run_hours: float) -> list[str]:
         return ["  bucket storage    unknown checkpoint size (declare trainer.param_count or "
                 "trainer.state_bytes); soft delete and versioning retain every rotated "
                 "checkpoint for their retention"]
-    every = _hours(st.interval_s / 3600)
+    every = _interval_text(st.interval_s)
     if st.retention_days:
         retained = (f"{st.retention_source}: each rotated checkpoint stays billed "
                     f"{st.retention_days:g} d: up to {_size(st.retained_gb)} at once "

@@ -19,6 +19,27 @@ from stacks.load import ExperimentError, display, load_file
 EXAMPLE = Path("experiments/example.toml")
 
 
+def _retention(bucket: dict) -> str:
+    """What the synthesized bucket keeps of a deleted or overwritten object, read from its own
+    versioning, lifecycle rules and soft delete policy (not from the experiment file)."""
+    parts = []
+    if (bucket.get("versioning") or {}).get("enabled"):
+        limits = []
+        for rule in bucket.get("lifecycle_rule") or []:
+            condition = rule.get("condition") or {}
+            if condition.get("num_newer_versions"):
+                limits.append(f"{condition['num_newer_versions']} older versions")
+            if condition.get("days_since_noncurrent_time"):
+                limits.append(f"{condition['days_since_noncurrent_time']} d")
+        parts.append("versioned" + (f" (at most {', '.join(limits)})" if limits else
+                                    " (old versions kept forever)"))
+    else:
+        parts.append("not versioned")
+    seconds = (bucket.get("soft_delete_policy") or {}).get("retention_duration_seconds") or 0
+    parts.append(f"soft delete {seconds / 86400:g} d" if seconds else "soft delete off")
+    return ", ".join(parts)
+
+
 def _summary(kind: str, r: dict) -> str:
     if kind == "google_compute_instance_template":
         s = r["scheduling"]
@@ -44,7 +65,7 @@ def _summary(kind: str, r: dict) -> str:
                 + f"update {r['update_policy']['type']}"
                 + (f"/{r['update_policy']['replacement_method']}" if "replacement_method" in r["update_policy"] else ""))
     if kind == "google_storage_bucket":
-        return (f"{r['name']}  {r['location']}, versioned, public access "
+        return (f"{r['name']}  {r['location']}, {_retention(r)}, public access "
                 f"{r['public_access_prevention']}, force_destroy={str(r['force_destroy']).lower()}")
     if kind == "google_compute_firewall":
         ports = ",".join(p for a in r["allow"] for p in a.get("ports", [])) or "all ports"

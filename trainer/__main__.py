@@ -3,10 +3,17 @@ from __future__ import annotations
 
 import sys
 
-from trainer import exit_status
-from trainer.cli import main
+from trainer import startup_notice
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["run"]:
+        # Before any heavy import: a preemption notice from here on ends in exit 75 with a line,
+        # not in death by signal (the other commands keep the default: SIGTERM stops them).
+        startup_notice.install()
+        startup_notice.hold("main")
+    from trainer import exit_status
+    from trainer.cli import main
+
     exit_status.starting()
     try:
         code = main()

@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import EXIT_BAD_INPUT
+from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, startup_notice
 from trainer.config import ConfigError, load_export_config, load_run_config, load_status_config
 
 
@@ -62,6 +62,16 @@ def record_bad_input(lines: list[str]) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def _stopped_before_loading(reason: str) -> int:
+    """A notice before the trainer loaded: nothing trained or written yet, nothing to save."""
+    from trainer.progress import setup_logging  # light: no torch
+
+    setup_logging(int(os.environ.get("RANK", "0"))).warning(
+        "event=preempted step=none detail=notice during start-up (%s before the trainer loaded torch); "
+        "nothing was trained, nothing to save", reason)
+    return EXIT_PREEMPTED
 
 
 def _process_start() -> float:
@@ -190,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     if args.command == "run":
+        startup_notice.hold("imports")
+        if startup_notice.pending() is not None:  # a notice already: do not even load torch
+            return _stopped_before_loading(startup_notice.pending()[0])
         from trainer.train import run  # torch loads only once the input is known to be good
 
         outcome = run(cfg, process_start=started)

@@ -18,8 +18,8 @@ else:  # Python 3.10: the same parser from PyPI (a dependency there)
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
+                      ValidationInfo, field_validator)
 
 from trainer.sampler import ORDER_VERSION
 
@@ -64,6 +64,13 @@ class RunConfig(BaseModel):
     """Settings of `python -m trainer run`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # Where each setting came from (the config file or "command line"), for a refusal that only
+    # the run itself can make (a precision the device cannot do).
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def source_of(self, key: str) -> str:
+        """The file (or "command line") that set ``key``; "default" when nothing did."""
+        return self._sources.get(key, "default")
 
     run_dir: Path
     """Persistent checkpoint tier and home of the goodput ledger (the PD-SSD on a VM)."""
@@ -164,7 +171,9 @@ class RunConfig(BaseModel):
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value (none: no clipping). Part of the fingerprint."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Autocast dtype on CUDA; fp16 adds a grad scaler. CPU always trains in fp32."""
+    """Autocast dtype of the forward pass, on CUDA and on the CPU alike; fp16 adds a grad scaler.
+    A precision the installed PyTorch cannot autocast on the run's device is refused (exit 2),
+    never trained in fp32 instead. Part of the fingerprint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` takes CUDA when available (one device per local rank). The device it resolves to
     (cpu or cuda) is part of the fingerprint: other kernels give other numbers."""
@@ -426,9 +435,11 @@ def load_run_config(cli: dict[str, Any], config_file: Path | None) -> RunConfig:
             values[k] = v
             source_of[k] = "command line"
     try:
-        return RunConfig.model_validate(values)
+        cfg = RunConfig.model_validate(values)
     except ValidationError as e:
         raise ConfigError(_errors(e, source_of)) from None
+    cfg._sources.update(source_of)
+    return cfg
 
 
 _R = TypeVar("_R", StatusConfig, ExportConfig)

@@ -19,6 +19,8 @@ import urllib.parse
 import urllib.request
 from typing import Callable
 
+from trainer import startup_notice
+
 PREEMPTED_PATH = "/computeMetadata/v1/instance/preempted"
 DEFAULT_METADATA_HOST = "metadata.google.internal"
 
@@ -68,9 +70,21 @@ class Preemption:
         return 0.0 if t is None or not self._event.is_set() else max(0.0, time.monotonic() - t)
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT set the flag (main thread only, as Python requires)."""
+        """SIGTERM and SIGINT set the flag (main thread only, as Python requires). A notice that
+        start-up remembered before (``trainer.startup_notice``) sets it at once, with its time."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        early = startup_notice.pending()
+        if early is None:
+            return
+        with self._lock:
+            if self._event.is_set():  # one of ours came in between: it stands
+                return
+            self.reason, self.notice_monotonic = early
+            self.notice_step = self._completed
+            self._event.set()
+        self.log.warning("event=preemption_notice reason=%s completed_step=%d (during start-up)", self.reason,
+                         self.notice_step)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         # Runs between bytecodes of the main thread: logging here could deadlock on the

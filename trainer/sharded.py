@@ -31,7 +31,7 @@ and the folder appears by one atomic rename. On GCS every payload object is uplo
 (each rank uploads its own shard file), and rank 0 uploads the manifest only after every rank
 reported its upload done, so an interrupted upload never produces a valid checkpoint.
 
-Asynchrony: ``save()`` copies the rank's shards to host memory (DCP's ``DefaultStager``: reused
+Asynchrony: ``save()`` copies the rank's shards to host memory (``trainer.host_copy``: reused
 pinned buffers under CUDA) and returns; a background thread on every rank then runs ``dcp.save``
 into the staging folder, hashes its own files, and the ranks agree on the manifest. That thread
 talks to the other ranks only over a separate gloo process group made at construction: the
@@ -101,6 +101,7 @@ from trainer.checkpoint_key import CheckpointKey, KeyProblem
 from trainer.checkpointer import (TIERS, Checkpointer, Durability, EmergencyReport, Restored, TierPolicy, _check_meta,
                                   _Upload)
 from trainer.distributed import World
+from trainer.host_copy import HostCopy
 from trainer.interval import DEFAULT_MTBF_S
 from trainer.state import ResumeMismatch
 from trainer.storage import TMP_PREFIX, DirStore, GcsStore, Store, UploadAborted, fsync_dir, is_unreachable
@@ -307,8 +308,6 @@ class ShardedCheckpointer(Checkpointer):
                 "provides one; see docs/security.md)")
         super().__init__(run_dir=run_dir, local_dir=local_dir, gcs_uri=gcs_uri, policies=policies,
                          mtbf_s=mtbf_s, log=log, gcs_client=gcs_client, key=key)
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         self.world = world
         distributed = world.distributed and dist.is_available() and dist.is_initialized()
         # The checkpoint threads' own group (a collective: every rank constructs at once).
@@ -321,9 +320,7 @@ class ShardedCheckpointer(Checkpointer):
         self._pg_up = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
         self._rank = dist.get_rank(self._pg) if self._pg is not None else 0
         self._size = dist.get_world_size(self._pg) if self._pg is not None else 1
-        cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                    use_async_staging=False, use_non_blocking_copy=cuda))
+        self._host = HostCopy(cuda=torch.cuda.is_available())  # reused host buffers, pinned on CUDA
         # Ranks that see the same run dir form a node; its lowest rank is the leader.
         self.run_dir.mkdir(parents=True, exist_ok=True)
         st = self.run_dir.stat()
@@ -371,7 +368,7 @@ class ShardedCheckpointer(Checkpointer):
         return Durability(step, {})
 
     def _buffer_free(self) -> bool:
-        return True  # DCP's stager holds the host copy, one save at a time
+        return True  # the host copy (trainer.host_copy) is reused by one save at a time
 
 
     # ------------------------------------------------------------------------------ saving
@@ -379,7 +376,7 @@ class ShardedCheckpointer(Checkpointer):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(model, optimizer)
-        return self._stager.stage({"model": msd, "optim": osd})
+        return self._host.copy({"model": msd, "optim": osd})
 
     def _plan(self, step: int, extras: Any, meta: dict | None, *, names: list[str] | None,
               every_tier: bool = False) -> tuple[list[str], str, bytes | None, dict]:
@@ -917,7 +914,7 @@ class ShardedCheckpointer(Checkpointer):
         """Finish background work and release the host copies (collective when a save is in
         flight, since its thread talks to the other ranks)."""
         done = super().close(timeout)
-        self._stager.close()
+        self._host.close()
         for name in ("_pg", "_pg_up"):
             group = getattr(self, name)
             # An abandoned upload may still sit in a collective of the uploader's group: leave

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED, EXIT_UNAVAILABLE
-from trainer import distributed, gpu, placement, plain, state, tier_wait
+from trainer import distributed, gpu, host_copy, placement, plain, precision, startup_notice, state, tier_wait
 from trainer import task as tasks
 from trainer.checkpoint_key import KeyProblem
 from trainer.checkpointer import describe_failing
@@ -63,13 +63,15 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     log = setup_logging(world.rank)
     if not world.is_node_leader:  # rank 0 speaks for the job, leaders for their node; others warn
         logging.getLogger().setLevel(logging.WARNING)
+    startup_notice.hold("run")  # a notice here is remembered by start-up's own handlers, and adopted:
     preempt = Preemption(log.getChild("preemption"))
     preempt.install_signal_handlers()
     session = _Session(cfg, world, log, preempt, make_checkpointer, process_start)
     try:
         return session.run()
     except (state.ResumeMismatch, tasks.TaskError, BadWorld, gpu.UnsupportedGpu, PortInUse, InitFromError,
-            RunDirBusy, LeaseHeld, KeyProblem, plain.NotPlainData) as e:
+            RunDirBusy, LeaseHeld, KeyProblem, plain.NotPlainData, precision.UnsupportedPrecision,
+            host_copy.Unsupported) as e:
         log.error("event=failed reason=bad_input %s", e)
         session.record_failure("bad_input", str(e))
         return Outcome(EXIT_BAD_INPUT, reason=str(e))
@@ -77,8 +79,10 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
         log.error("event=failed reason=tier_unknown %s", e)
         session.record_failure("tier_unknown", str(e))
         return Outcome(EXIT_UNAVAILABLE)
-    except tier_wait.Stopped as e:
-        log.warning("event=preempted step=none detail=%s; nothing was trained, nothing to save", e)
+    except (tier_wait.Stopped, StoppedDuringStartup) as e:
+        log.warning("event=preempted step=none detail=notice during start-up (%s); nothing was trained, "
+                    "nothing to save", e)
+        session.record_startup_stop()
         return Outcome(EXIT_PREEMPTED)
     except Exception as e:
         log.error("event=failed reason=exception\n%s", traceback.format_exc())
@@ -92,6 +96,10 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
 
 class BadWorld(Exception):
     """The settings cannot run at this world size (bad input: exit 2)."""
+
+
+class StoppedDuringStartup(Exception):
+    """A preemption notice came before the loop: stop at once (nothing trained, nothing to save)."""
 
 
 class _Session:
@@ -119,9 +127,11 @@ class _Session:
     def run(self) -> Outcome:
         cfg, world, log = self.cfg, self.world, self.log
         t_start = time.monotonic()
+        self._stop_if_noticed("session", "before the run was set up")
         torch.set_num_threads(cfg.threads)
         device = _device(cfg, world)
         gpu.check(device)  # a GPU this PyTorch has no kernels for: bad input, not a restart loop
+        mixed = precision.setup(cfg.precision, device, cfg.source_of("precision"))
         if cfg.deterministic:
             _deterministic(device)
 
@@ -168,6 +178,7 @@ class _Session:
                                        log=log.getChild("artifacts"))
             self.artifacts.restore()
         world.barrier()
+        self._stop_if_noticed("lease", "before the task was built")
 
         # Build the task: identical initial weights on every rank, then per-rank RNG streams.
         _seed(cfg.seed)
@@ -188,7 +199,7 @@ class _Session:
                          rank=world.rank, world_size=world.size)
         self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
                                log=log.getChild("data"))
-        scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.precision == "fp16" else None
+        scaler = mixed.scaler
         fingerprint = cfg.fingerprint(dataset_len=len(task.dataset), device=device.type)
         if world.is_node_leader:
             log.info("event=start steps=%d world_size=%d node=%s node_rank=%d restart=%d accum=%d device=%s "
@@ -227,8 +238,9 @@ class _Session:
                                startup_s=max(0.0, time.time() - self.process_start - restore_s))
         if start >= cfg.steps:  # finished before: write the final checkpoint where a copy is missing
             return Outcome(self._final_save(start, model, task, scaler, data, fingerprint, again=True))
+        startup_notice.hold("restore", lambda: self.preempt.requested)
         if world.any_flags(self.preempt.requested)[0]:  # a notice during start-up: nothing new to save
-            return self._stop_before_training(start)
+            return self._stop_before_training(start, restored=saved is not None)
         if cfg.stop_at_step is not None and start >= cfg.stop_at_step:
             if world.is_main:
                 log.warning("event=stop_at_step stop_at_step=%d step=%d (already there: pausing at once)",
@@ -237,7 +249,7 @@ class _Session:
 
         # The loop.
         self.preempt.step_completed(start)
-        step_fn = _StepFn(cfg, accum, model, task, self.batches, scaler, device, world)
+        step_fn = _StepFn(cfg, accum, model, task, self.batches, mixed, device, world)
         evaluator = Evaluator(task, cfg, step_fn, world, sharded=self.sharded,
                               interrupted=lambda: self.preempt.requested)
         if world.is_main and cfg.tensorboard:
@@ -656,9 +668,27 @@ class _Session:
         if self.ledger is not None:
             self.ledger.append("tier_failing", tier=tier, **failing)
 
-    def _stop_before_training(self, step: int) -> Outcome:
-        self.log.warning("event=preempted step=%d detail=notice during start-up; checkpoint %d is already durable",
-                         step, step)
+    def _stop_if_noticed(self, point: str, when: str) -> None:
+        """A notice so far stops start-up here, every rank together: nothing was trained yet."""
+        startup_notice.hold(point, lambda: self.preempt.requested)
+        if self.world.any_flags(self.preempt.requested)[0]:
+            raise StoppedDuringStartup(f"{self.preempt.reason or 'on another rank'} {when}")
+
+    def record_startup_stop(self) -> None:
+        """The ledger's record of a start-up a notice stopped (once the ledger is open)."""
+        if self.ledger is not None:
+            with contextlib.suppress(Exception):
+                # No step: this session restored none (a ledger step is always a whole number).
+                self.ledger.append("preemption_notice", reason=self.preempt.reason or "another node")
+                self.ledger.append("preempted", blocked_s=0.0)
+
+    def _stop_before_training(self, step: int, *, restored: bool) -> Outcome:
+        if restored:
+            self.log.warning("event=preempted step=%d detail=notice during start-up; checkpoint %d is already "
+                             "durable", step, step)
+        else:
+            self.log.warning("event=preempted step=%d detail=notice during start-up; no checkpoint yet, nothing "
+                             "was trained, nothing to save", step)
         if self.ledger is not None:
             self.ledger.append("preemption_notice", step=step, reason=self.preempt.reason)
             self.ledger.append("preempted", step=step, productive_s=0.0, blocked_s=0.0)
@@ -708,15 +738,11 @@ class _StepFn:
     """One optimizer step: ``grad_accum_steps`` micro-batches, clipping, mixed precision."""
 
     def __init__(self, cfg: RunConfig, accum: int, model: torch.nn.Module, task: tasks.Task, batches: Batches,
-                 scaler: Any, device: torch.device, world: distributed.World):
+                 mixed: precision.MixedPrecision, device: torch.device, world: distributed.World):
         self.cfg, self.accum, self.model, self.task, self.batches = cfg, accum, model, task, batches
-        self.scaler, self.device, self.world = scaler, device, world
+        self.scaler, self.device, self.world = mixed.scaler, device, world
         self.loss_fn = task.loss_fn or (lambda m, batch: m(*batch))
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-        if device.type == "cuda" and dtype is not None:
-            self.autocast: Callable[[], Any] = lambda: torch.autocast("cuda", dtype=dtype)
-        else:
-            self.autocast = contextlib.nullcontext
+        self.autocast: Callable[[], Any] = mixed.autocast
 
     def _sync(self, last: bool) -> Any:
         model = self.model
@@ -782,6 +808,11 @@ def _device(cfg: RunConfig, world: distributed.World) -> torch.device:
 
 def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:
     from trainer.sharded import ShardedCheckpointer
+
+    why = host_copy.unavailable()
+    if why is not None:  # every rank has the same PyTorch: every rank refuses, before any collective
+        raise host_copy.Unsupported(f"{cfg.source_of('parallelism')}: parallelism: 'fsdp' cannot run here: "
+                                    f"{why}; allowed: 'ddp', or an image with a newer PyTorch")
 
     return ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
                                policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s, world=world,

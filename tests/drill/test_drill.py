@@ -27,6 +27,7 @@ def test_drill_two_preemptions_one_wiped_disk(tmp_path: Path) -> None:
         assert p.resumed_from < p.saved_step < cfg.steps
         assert p.next_resumed_from == p.saved_step                  # nothing lost
         assert p.steps_lost == 0
+        assert p.save_s is not None and p.no_save is None, "\n".join(lines)  # the trainer's measured time
     # The first VM's disk was wiped: the second restored from the durable tier.
     assert result.preemptions[0].wiped_after
     assert result.preemptions[1].resumed_tier == "gcs"
@@ -101,3 +102,43 @@ def test_the_report_explains_a_short_runs_low_goodput() -> None:
     assert "goodput 22.0% of 100.0 s wall over 3 session(s)" in text
     assert ("(why so low: this run trains for only 22.0 s, while each of its 3 VM boots pays about 12.0 s of "
             "trainer start-up and restore, plus 40.0 s without a trainer in all") in text
+
+
+def test_the_table_shows_the_emergency_save_the_real_trainer_measured(tmp_path: Path) -> None:
+    """The drill reads each round's save time from the trainer's own event=preempted line: a real
+    trainer is preempted (SIGTERM) and its log goes through the drill's parser into the table."""
+    import signal
+
+    from drill.drill import DrillResult, Preemption, emergency_save, report
+    from tests.trainer.support import start, write_config
+
+    p = start(tmp_path / "run", 40, write_config(tmp_path), "--checkpoint-every-steps", "10")
+    p.wait_for(r"event=step step=3/")
+    p.signal(signal.SIGTERM)
+    assert p.wait() == EXIT_PREEMPTED, p.output[-3000:]
+    logged = p.seen(r"event=preempted step=(\d+) .*\bseconds=([\d.]+)")
+    round_ = Preemption(index=1, boot=1, trainer_exit=EXIT_PREEMPTED)
+    emergency_save(round_, p.output)
+    assert round_.saved_step == int(logged.group(1))
+    assert round_.save_s == float(logged.group(2)) and round_.persistent_ok is True
+    row = next(line for line in report(DrillResult(DrillConfig(), "d", "d", {}, [round_])).splitlines()
+               if line.startswith("| 1 |"))
+    assert row.split(" | ")[4] == f"{float(logged.group(2)):.2f}", row
+
+
+@pytest.mark.parametrize(("journal", "cell"), [
+    ("event=preempted step=20 detail=notice during start-up; checkpoint 20 is already durable",
+     "none: notice during start-up"),
+    ("event=preempted step=none detail=stopped while waiting for gcs; nothing was trained, nothing to save",
+     "none: stopped while waiting for gcs"),
+    ("event=step step=7/40 loss=1.0", "none logged (trainer exit -9)"),
+])
+def test_a_round_without_an_emergency_save_says_why(journal: str, cell: str) -> None:
+    from drill.drill import DrillResult, Preemption, emergency_save, report
+
+    round_ = Preemption(index=1, boot=1, trainer_exit=-9)
+    emergency_save(round_, journal)
+    assert round_.save_s is None
+    row = next(line for line in report(DrillResult(DrillConfig(), "d", "d", {}, [round_])).splitlines()
+               if line.startswith("| 1 |"))
+    assert row.split(" | ")[4] == cell, row

@@ -35,6 +35,7 @@ def test_pool_drill_one_worker_preemption(tmp_path: Path) -> None:
     assert p.saved_step < p.rejoin_restored_step < cfg.steps, log
     assert [ws for ws, _, _ in r.segments][-3:] == [2, 1, 2], log
     assert p.recovered_s is not None and p.rejoin_s is not None  # reported, never judged here
+    assert p.save_s is not None, log  # the save time the trainer logged reaches the table
     assert r.segments[-1] == (2, p.rejoin_restored_step, cfg.steps)
 
     # The same model as a run that took the same world-size path without VMs.

@@ -169,6 +169,18 @@ def test_storage_lines_in_the_cost_output():
     assert any("unknown checkpoint size" in line for line in unknown)
 
 
+@pytest.mark.parametrize(("overrides", "every"), [
+    ({"cost": {"checkpoint_interval_s": 20}}, "one save every 20 s (set in [cost])"),
+    ({"cost": {"steps_per_second": 40.0}, "trainer": {"args": ["--checkpoint-every-steps", "10"]}},
+     "one save every 0.25 s (--checkpoint-every-steps 10 at the assumed steps/s)"),
+    ({"cost": {"checkpoint_interval_s": 500}}, "one save every 8.3 min"),
+    ({"cost": {"checkpoint_interval_s": 5400}}, "one save every 1.5 h"),
+])
+def test_a_save_interval_reads_in_its_own_unit_and_never_as_0(overrides, every):
+    text = "\n".join(cost.storage_lines(variant(overrides), run_hours=1))
+    assert every in text
+
+
 def test_the_storage_estimate_keeps_what_the_trainer_keeps():
     from trainer.config import RunConfig
 

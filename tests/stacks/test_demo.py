@@ -22,6 +22,25 @@ def test_demo_summarizes_the_example(capsys, monkeypatch):
     assert "emergency save: 1.8 MB" in out and ": fits" in out
     assert "scale_to_zero_command" in out
     assert "hourly price      Spot $" in out and "savings" in out and "with Spot" in out
+    # The bucket line says what the synthesized bucket keeps, not a fixed word.
+    assert "my-project-123456-example-ckpt  US-CENTRAL1, not versioned, soft delete 7 d, " \
+           "public access enforced" in out
+
+
+def test_demo_says_what_a_versioned_bucket_keeps(tmp_path, capsys, monkeypatch):
+    from stack_support import ROOT
+
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "experiments/example.toml").read_text()
+    for old, new in (("versioning = false", "versioning = true\nnoncurrent_days = 3"),
+                     ("soft_delete_days = 7", "soft_delete_days = 0")):
+        assert old in text
+        text = text.replace(old, new)
+    (tmp_path / "kept.toml").write_text(text)
+    assert demo.main([str(tmp_path / "kept.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "US-CENTRAL1, versioned (at most 3 older versions, 3 d), soft delete off, " \
+           "public access enforced" in out
 
 
 def test_demo_bad_file_exits_2(tmp_path, capsys):

@@ -39,6 +39,32 @@ def test_sigterm_and_sigint_only_set_the_flag() -> None:
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_a_notice_remembered_during_start_up_is_adopted_with_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up's own handlers (trainer.startup_notice) caught a real SIGTERM before the trainer's
+    existed: installing the trainer's handlers sets the flag from it, with the notice's own time."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    from trainer import startup_notice
+
+    monkeypatch.setattr(startup_notice, "_notice", None)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        startup_notice.install()
+        os.kill(os.getpid(), signal.SIGTERM)  # handled in this thread before the next line runs
+        noticed = startup_notice.pending()
+        assert noticed is not None and noticed[0] == "SIGTERM"
+        p = Preemption()
+        p.install_signal_handlers()
+        try:
+            assert p.requested and p.reason == "SIGTERM" and p.notice_monotonic == noticed[1]
+        finally:
+            p.close()
+        assert signal.getsignal(signal.SIGTERM) is startup_notice._remember  # start-up's, until exit
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def test_watcher_follows_wait_for_change(metadata: MetadataServer) -> None:
     not_preempted = metadata.etag("instance/preempted")
     p = Preemption()

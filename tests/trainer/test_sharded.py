@@ -87,6 +87,25 @@ def ckpt(run_dir: Path, world: World, gcs_uri: str | None = None, **kw: Any) -> 
                                policies={k: v for k, v in EVERY.items() if gcs_uri or k != "gcs"}, **kw)
 
 
+def stager_closes_after_every_stage() -> None:
+    """DCP's DefaultStager as PyTorch released it before 2.13 (2.11 on an H200 failed this way):
+    its ``_stage`` closes its StateDictStager after every stage, which drops the stager's cached
+    host buffers and empties its copy table. (2.13 no longer closes there.)"""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    if getattr(DefaultStager._stage, "closes_after_every_stage", False):
+        return
+    stage = DefaultStager._stage
+
+    def _stage(self: Any, state_dict: Any, **kwargs: Any) -> Any:
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    _stage.closes_after_every_stage = True  # type: ignore[attr-defined]
+    DefaultStager._stage = _stage  # type: ignore[method-assign]
+
+
 # ----------------------------------------------------------------------------- the worker
 
 
@@ -96,6 +115,8 @@ def worker(mode: str, args: dict) -> None:
     import torch.distributed as dist
 
     logging.basicConfig(level=logging.INFO, format=f"rank{os.environ['RANK']} %(message)s")
+    if os.environ.get("SHARDED_TEST_STAGER_CLOSES"):
+        stager_closes_after_every_stage()
     store = dist.TCPStore("127.0.0.1", int(os.environ["SHARDED_TEST_STORE_PORT"]), is_master=False)
     dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]))
@@ -230,6 +251,37 @@ def saved_ws2(tmp_path_factory: pytest.TempPathFactory) -> Path:
             launch(2, "save", run_dir=base / "run", out=base / "out")
             (base / "done").touch()
     return base
+
+
+def test_the_emulated_pre_2_13_stager_fails_the_second_stage_as_torch_2_11_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulation below is faithful: through it, DCP's own DefaultStager fails its second
+    stage with the error an H200 run under torch 2.11 met at its second FSDP save."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    monkeypatch.setattr(DefaultStager, "_stage", DefaultStager._stage)  # undone after the test
+    stager_closes_after_every_stage()
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    model, opt, _ = make(seed=0)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    stager.stage(state)
+    with pytest.raises(KeyError, match="<class 'type'>"):
+        stager.stage(state)
+
+
+def test_two_sharded_saves_succeed_and_restore_where_torchs_stager_closes_after_every_stage(tmp_path: Path) -> None:
+    """World size 2 over gloo (DTensor shards), two saves with the pre-2.13 stager behaviour in
+    every rank: both succeed, and each step restores exactly."""
+    out = tmp_path / "out"
+    out.mkdir()
+    launch(2, "save", env={"SHARDED_TEST_STAGER_CLOSES": "1"}, run_dir=tmp_path / "run", out=out)
+    r, loaded = load_here(tmp_path / "run")
+    assert r is not None and r.step == 4
+    assert_same_state(loaded, torch.load(out / "full-4.pt", weights_only=False))
+    shutil.rmtree(tmp_path / "run" / step_name(4))
+    r, loaded = load_here(tmp_path / "run")
+    assert r is not None and r.step == 2
+    assert_same_state(loaded, torch.load(out / "full-2.pt", weights_only=False))
 
 
 def test_saved_layout_is_sharded_and_verified(saved_ws2: Path) -> None:
