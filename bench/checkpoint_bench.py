@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import SnapshotBuffer, step_name, write_dir
-from trainer.checkpoint_key import CheckpointKey
-from trainer.checkpointer import Checkpointer, TierPolicy
+from trainer.checkpoint.format import SnapshotBuffer, step_name, write_dir
+from trainer.checkpoint.key import CheckpointKey
+from trainer.checkpoint.checkpointer import Checkpointer, TierPolicy
 
 #: Checkpoints are signed as in a real run (an HMAC over the manifest: negligible next to sha256).
 KEY = CheckpointKey(os.urandom(32), "bench")

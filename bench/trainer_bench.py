@@ -45,7 +45,7 @@ class _NeverDue:
         return 0.0  # the final save at the end of the run: outside the timed loop, skipped here
 
     def durable(self, step: int, *, deadline: float) -> Any:
-        from trainer.checkpointer import Durability
+        from trainer.checkpoint.checkpointer import Durability
 
         return Durability(step, {"persistent": "ok"})
 

@@ -394,7 +394,7 @@ class Deployment:
         access 1 --secret S --out-file F` would; none when the scripts use no secret."""
         if not self.key_secret:
             return []
-        from trainer.checkpoint_key import fetch
+        from trainer.checkpoint.key import fetch
         from trainer.gce import Client
 
         path = self.root / "operator-checkpoint.key"

@@ -3,7 +3,7 @@
 ``export`` writes a run's trained weights as a plain state dict in safetensors (trainer.export).
 
 ``stage`` copies a ``gs://`` prefix onto a local disk before training, verified and resumable
-(``trainer.staging``; its exit codes: 0 staged, 1 failed, run it again to resume, 2 bad input).
+(``trainer.data.staging``; its exit codes: 0 staged, 1 failed, run it again to resume, 2 bad input).
 
 ``rendezvous`` hosts the c10d rendezvous store of a multi-node job on a coordinator that does not
 train (when it trains, its torchrun agent hosts the store itself).
@@ -66,7 +66,7 @@ def record_bad_input(lines: list[str]) -> None:
 
 def _stopped_before_loading(reason: str) -> int:
     """A notice before the trainer loaded: nothing trained or written yet, nothing to save."""
-    from trainer.progress import setup_logging  # light: no torch
+    from trainer.observe.progress import setup_logging  # light: no torch
 
     setup_logging(int(os.environ.get("RANK", "0"))).warning(
         "event=preempted step=none detail=notice during start-up (%s before the trainer loaded torch); "
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_main(ecfg)
     if args.command == "stage":
-        from trainer.staging import main as stage_main
+        from trainer.data.staging import main as stage_main
 
         return stage_main(args)
     if args.command == "rendezvous":

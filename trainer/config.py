@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
                       ValidationInfo, field_validator)
 
-from trainer.sampler import ORDER_VERSION
+from trainer.data.sampler import ORDER_VERSION
 
 DEFAULT_TASK = "trainer.tasks.gpt:build"
 DEFAULT_HEALTH_PORT = 8471
@@ -226,15 +226,15 @@ class RunConfig(BaseModel):
     """Seconds between uploads of this session's TensorBoard event file to the durable tier
     (each upload replaces the object; the last one is made when the session ends)."""
     checkpoint_key_file: Path | None = None
-    """The run's checkpoint key (``trainer.checkpoint_key``): every manifest is signed with it, and
+    """The run's checkpoint key (``trainer.checkpoint.key``): every manifest is signed with it, and
     only checkpoints whose HMAC verifies under it are loaded. Must exist when set. None: the
     environment's ``SPOTTRAIN_CHECKPOINT_KEY_FILE``, else the per-user
     ``~/.config/spottrain/checkpoint.key``, created on first use. On a VM the stack passes the
     experiment's key. Not part of the fingerprint."""
 
     def checkpoint_key(self) -> Any:
-        """The :class:`~trainer.checkpoint_key.CheckpointKey` of this run (``KeyProblem``: exit 2)."""
-        from trainer.checkpoint_key import resolve
+        """The :class:`~trainer.checkpoint.key.CheckpointKey` of this run (``KeyProblem``: exit 2)."""
+        from trainer.checkpoint.key import resolve
 
         return resolve(self.checkpoint_key_file, create_default=True)
 
@@ -250,7 +250,7 @@ class RunConfig(BaseModel):
     @classmethod
     def _init_from(cls, v: str | None) -> str | None:
         if v is not None and v.startswith("gs://"):
-            from trainer.storage import parse_gcs_uri
+            from trainer.checkpoint.stores import parse_gcs_uri
 
             try:
                 parse_gcs_uri(v)
@@ -295,9 +295,9 @@ class RunConfig(BaseModel):
         return v
 
     def tier_policies(self) -> dict[str, Any]:
-        """Each tier's :class:`~trainer.checkpointer.TierPolicy`: its own cadence if it has one,
+        """Each tier's :class:`~trainer.checkpoint.checkpointer.TierPolicy`: its own cadence if it has one,
         else the run-wide flags (both unset: automatic); its own ``keep``, else the run's."""
-        from trainer.checkpointer import TIERS, TierPolicy
+        from trainer.checkpoint.checkpointer import TIERS, TierPolicy
 
         policies = {}
         for tier in TIERS:

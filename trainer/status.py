@@ -5,7 +5,7 @@ anything a tier holds: whole-model checkpoints are JSON and raw tensors, and a s
 DCP only after its manifest's HMAC verified under the run's checkpoint key
 (``--checkpoint-key-file``, as for ``run``; exit 2 without one for a sharded run). Checkpoints
 that do not authenticate are listed as invalid with the reason. ``--plot FILE.png`` also draws
-the job's timeline (``trainer.timeline``).
+the job's timeline (``trainer.observe.timeline``).
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
 (the checkpointer's per-tier description), ``failing`` (the checkpoint tiers whose writes the
@@ -29,18 +29,18 @@ from pathlib import Path
 from typing import Any
 
 from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
-from trainer.checkpointer import describe_failing
+from trainer.checkpoint.checkpointer import describe_failing
 from trainer.config import StatusConfig
-from trainer.goodput import merge, read_events, read_store_events, report
-from trainer.goodput import LEDGER_DIR, LEDGER_FILE
+from trainer.observe.goodput import merge, read_events, read_store_events, report
+from trainer.observe.goodput import LEDGER_DIR, LEDGER_FILE
 
 
 def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The report; ``events_out`` (if given) receives the job's ledger events. ``KeyProblem`` when
     the key cannot be read (or a sharded run has none)."""
-    from trainer.checkpoint_key import resolve
-    from trainer.checkpointer import Checkpointer
-    from trainer.state import ResumeMismatch, model_digest
+    from trainer.checkpoint.key import resolve
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.loop.state import ResumeMismatch, model_digest
 
     log = logging.getLogger("trainer.status")
     key = resolve(cfg.checkpoint_key_file, create_default=False)
@@ -125,7 +125,7 @@ def _unknown(tiers: dict[str, Any]) -> dict[str, str]:
 
 
 def _sharded(tiers: dict[str, Any]) -> bool:
-    from trainer.checkpoint import OTHER_LAYOUT
+    from trainer.checkpoint.format import OTHER_LAYOUT
 
     return any(c["reason"].startswith(OTHER_LAYOUT + "a sharded")
                for t in tiers.values() for c in t.get("checkpoints", []))
@@ -134,9 +134,9 @@ def _sharded(tiers: dict[str, Any]) -> bool:
 def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger,
                      events_out: list[dict[str, Any]] | None, key: Any) -> dict[str, Any]:
     """The same report for a run with ``parallelism = "fsdp"`` (sharded checkpoints)."""
-    from trainer import sharded
+    from trainer.checkpoint import sharded
     from trainer.distributed import World
-    from trainer.state import model_digest
+    from trainer.loop.state import model_digest
 
     whole.close()
     ckpt = sharded.ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
@@ -251,7 +251,7 @@ def main(cfg: StatusConfig) -> int:
     if cfg.run_dir is not None and not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
         print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from trainer.checkpoint_key import KeyProblem
+    from trainer.checkpoint.key import KeyProblem
 
     events: list[dict[str, Any]] = []
     try:
@@ -268,7 +268,7 @@ def main(cfg: StatusConfig) -> int:
         return EXIT_BAD_INPUT
     print(json.dumps(s, default=str, sort_keys=True) if cfg.json_output else _human(s))
     if cfg.plot is not None:
-        from trainer.timeline import PlotUnavailable, draw
+        from trainer.observe.timeline import PlotUnavailable, draw
 
         try:
             draw(events, cfg.plot)

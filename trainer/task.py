@@ -68,7 +68,7 @@ class Task:
     tokens_per_sample: int = 0  # for the tokens/s figure in the logs; 0 reports samples/s
     info: dict[str, Any] = field(default_factory=dict)  # free-form, logged once at start-up
     #: Optional held-out set, map-style like ``dataset``; evaluated with the same loss every
-    #: ``eval_every_steps`` (see ``trainer.evaluation``).
+    #: ``eval_every_steps`` (see ``trainer.loop.evaluation``).
     eval_dataset: Sequence[Any] | Dataset | None = None
     #: Or a callable ``evaluate(model) -> loss`` (a float, or a dict of named floats) run on every
     #: rank in its place; the trainer restores every RNG and module mode it could touch.

@@ -29,22 +29,27 @@ from typing import Any, Callable
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED, EXIT_UNAVAILABLE
-from trainer import distributed, gpu, host_copy, placement, plain, precision, startup_notice, state, tier_wait
+from trainer import distributed, gpu, placement, startup_notice
+from trainer.checkpoint import host_copy
+from trainer.checkpoint import state_codec as plain
+from trainer.loop import precision
+from trainer.loop import state
+from trainer.checkpoint import tier_wait
 from trainer import task as tasks
-from trainer.checkpoint_key import KeyProblem
-from trainer.checkpointer import describe_failing
+from trainer.checkpoint.key import KeyProblem
+from trainer.checkpoint.checkpointer import describe_failing
 from trainer.config import RunConfig
 from trainer.artifacts import Artifacts
-from trainer.data import Batches
-from trainer.evaluation import Evaluator
-from trainer.goodput import Ledger, node_name, read_events, report, session_start_fields
-from trainer.health import Health, HealthServer, PortInUse
-from trainer.init_from import InitFromError
-from trainer.lease import FollowerLease, Lease, LeaseHeld, RunDirBusy, RunDirLock, holder_id
-from trainer.metrics import Metrics, NoMetrics
-from trainer.preemption import Preemption
-from trainer.progress import Progress, setup_logging
-from trainer.sampler import DataOrder
+from trainer.data.batches import Batches
+from trainer.loop.evaluation import Evaluator
+from trainer.observe.goodput import Ledger, node_name, read_events, report, session_start_fields
+from trainer.observe.health import Health, HealthServer, PortInUse
+from trainer.loop.init_from import InitFromError
+from trainer.checkpoint.lease import FollowerLease, Lease, LeaseHeld, RunDirBusy, RunDirLock, holder_id
+from trainer.observe.tensorboard import Metrics, NoMetrics
+from trainer.loop.preemption import Preemption
+from trainer.observe.progress import Progress, setup_logging
+from trainer.data.sampler import DataOrder
 
 
 @dataclass
@@ -170,7 +175,7 @@ class _Session:
                 if where is not None:
                     self.ledger.append("placement", **where)
         # The job's writer lease first: nothing writes the job's GCS prefix without it, and a GCS
-        # this trainer cannot read yet is waited for (trainer.tier_wait), not skipped.
+        # this trainer cannot read yet is waited for (trainer.checkpoint.tier_wait), not skipped.
         self._until_known(self._take_lease)
         if world.is_node_leader:
             # The task's artifacts come back first: a task may read them while it builds.
@@ -189,7 +194,7 @@ class _Session:
         _seed((cfg.seed + 1_000_003 * world.rank) % 2**63)
         model = task.model
         if self.sharded:
-            from trainer.sharded import shard
+            from trainer.checkpoint.sharded import shard
 
             model = shard(model, world, optimizer=task.optimizer)
         elif world.distributed:
@@ -352,7 +357,7 @@ class _Session:
         return change is not None
 
     def _init_from(self, model: Any, optimizer: Any) -> dict:
-        from trainer import init_from
+        from trainer.loop import init_from
 
         prov = init_from.apply(self.cfg, self.world, model, optimizer,
                                sharded_run=self.ckpt if self.sharded else None, log=self.log.getChild("init_from"))
@@ -437,7 +442,7 @@ class _Session:
 
     def _until_known(self, attempt: Callable[[], Any]) -> Any:
         """``attempt()`` (collective) once every configured tier it reads answers: the lease, then
-        the restore, within one ``wait_for_tiers_s`` between them. See ``trainer.tier_wait``."""
+        the restore, within one ``wait_for_tiers_s`` between them. See ``trainer.checkpoint.tier_wait``."""
         if self.ckpt is not None:
             self.ckpt.LIST_TIMEOUT_S = min(self.ckpt.LIST_TIMEOUT_S, self._probe_s())
         t0 = time.monotonic()
@@ -807,7 +812,7 @@ def _device(cfg: RunConfig, world: distributed.World) -> torch.device:
 
 
 def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:
-    from trainer.sharded import ShardedCheckpointer
+    from trainer.checkpoint.sharded import ShardedCheckpointer
 
     why = host_copy.unavailable()
     if why is not None:  # every rank has the same PyTorch: every rank refuses, before any collective
@@ -821,7 +826,7 @@ def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:
 
 
 def _default_checkpointer(cfg: RunConfig) -> Any:
-    from trainer.checkpointer import Checkpointer
+    from trainer.checkpoint.checkpointer import Checkpointer
 
     return Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
                         policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s,

@@ -215,7 +215,7 @@ class LogWatch(logging.Handler):
 @pytest.fixture
 def logwatch() -> Iterator[LogWatch]:
     h = LogWatch()
-    loggers = [logging.getLogger(n) for n in ("spottrain.checkpoint", "trainer.storage", "trainer.checkpoint")]
+    loggers = [logging.getLogger(n) for n in ("spottrain.checkpoint", "trainer.checkpoint")]
     old = [(lg.level, lg.propagate) for lg in loggers]
     for lg in loggers:
         lg.addHandler(h)

@@ -39,8 +39,8 @@ progress_every_s = 0.5
 
 
 def run_key() -> Any:
-    """The suite's checkpoint key (tests/conftest.py), as a ``trainer.checkpoint_key.CheckpointKey``."""
-    from trainer.checkpoint_key import ENV, load
+    """The suite's checkpoint key (tests/conftest.py), as a ``trainer.checkpoint.key.CheckpointKey``."""
+    from trainer.checkpoint.key import ENV, load
 
     return load(Path(os.environ[ENV]))
 
@@ -186,7 +186,7 @@ def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: b
 ZYGOTE_SRC = r"""
 import json, os, select, sys
 import torch, torch._dynamo  # noqa: F401  (what every trainer process would import)
-import trainer.cli, trainer.train, trainer.checkpointer, trainer.tasks.gpt  # noqa: F401
+import trainer.cli, trainer.train, trainer.checkpoint.checkpointer, trainer.tasks.gpt  # noqa: F401
 out = os.fdopen(os.dup(1), "w", buffering=1)
 children = set()
 print(json.dumps({"ready": os.getpid()}), file=out)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.checkpoint import tensor_digest
-from trainer.checkpointer import Checkpointer
+from trainer.checkpoint.format import tensor_digest
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.cli import main
 from trainer.export import plain_state_dict
 from tests.trainer.support import REPO, run_key, trainer_env

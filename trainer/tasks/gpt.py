@@ -6,7 +6,7 @@ everything the trainer restores: AdamW moments, a warmup+cosine LR schedule, dro
 
 By default it trains on the shipped corpus, character-level, holding out its last
 ``eval_fraction`` for evaluation. With ``data`` it trains on nanoGPT-format token shards
-(``trainer.token_shards``) instead: ``data = "train.bin"`` and ``eval_data = "val.bin"`` (a
+(``trainer.data.token_shards``) instead: ``data = "train.bin"`` and ``eval_data = "val.bin"`` (a
 file, a directory of ``.bin`` files or a glob, relative to the staged ``ctx.data_dir`` unless
 absolute), ``token_dtype`` (``uint16`` or ``uint32``), ``vocab_size`` (default 50304, GPT-2's
 vocabulary padded) and ``stride``.
@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from trainer.task import Task, TaskContext, TaskError
-from trainer.token_shards import TokenShardError, TokenShards, find_shards
+from trainer.data.token_shards import TokenShardError, TokenShards, find_shards
 
 
 class CharDataset:

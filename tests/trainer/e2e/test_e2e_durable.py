@@ -7,9 +7,9 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from trainer.checkpoint import MANIFEST, list_checkpoints, step_name
-from trainer.health import ask
-from trainer.storage import GcsStore
+from trainer.checkpoint.format import MANIFEST, list_checkpoints, step_name
+from trainer.observe.health import ask
+from trainer.checkpoint.stores import GcsStore
 from tests.trainer.support import TIMEOUT, start, status, trainer_env, write_config
 
 STEPS = 6
@@ -126,7 +126,7 @@ def test_fsdp_final_checkpoint_refused_by_gcs_is_not_finished_until_a_rerun(tmp_
     p = start(run_dir, STEPS, config, *args, env=env)
     assert p.wait() == 0, p.output[-3000:]
     p.seen(rf"event=finished step={STEPS} \(already complete\)")
-    from trainer.sharded import list_sharded
+    from trainer.checkpoint.sharded import list_sharded
 
     assert [i.step for i in list_sharded(GcsStore(gcs_proxy.uri, client=gcs_proxy.client(direct=True)))
             if i.valid] == [STEPS]

@@ -22,7 +22,7 @@ STEPS = 40  # the reference run's (e2e conftest)
 
 
 def test_a_forged_checkpoint_in_the_bucket_is_never_loaded(tmp_path: Path, gcs_emulator, reference: dict) -> None:
-    from trainer.checkpoint import STATE
+    from trainer.checkpoint.format import STATE
 
     config, run_dir = write_config(tmp_path), tmp_path / "run"
     env = trainer_env(**gcs_emulator.env)
@@ -58,7 +58,7 @@ def test_a_forged_checkpoint_in_the_bucket_is_never_loaded(tmp_path: Path, gcs_e
 
 @pytest.mark.xdist_group("torchrun")
 def test_a_forged_sharded_checkpoint_is_never_read(tmp_path: Path, gcs_emulator) -> None:
-    from trainer.sharded import DCP_METADATA, EXTRAS
+    from trainer.checkpoint.sharded import DCP_METADATA, EXTRAS
 
     config, run_dir = write_config(tmp_path, 'parallelism = "fsdp"\n'), tmp_path / "run"
     env = trainer_env(**gcs_emulator.env)

@@ -1,0 +1,2 @@
+"""The training loop's parts: the exact-resume state, mixed precision, evaluation, preemption
+notices and ``init_from``; ``trainer.train`` drives them."""
