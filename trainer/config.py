@@ -294,21 +294,31 @@ class RunConfig(BaseModel):
             raise ValueError("[tiers.gcs] is set but there is no gcs_uri (the GCS tier)")
         return v
 
-    def tier_policies(self) -> dict[str, Any]:
-        """Each tier's :class:`~trainer.checkpoint.checkpointer.TierPolicy`: its own cadence if it has one,
-        else the run-wide flags (both unset: automatic); its own ``keep``, else the run's."""
-        from trainer.checkpoint.checkpointer import TIERS, TierPolicy
+    def tier_cadence(self) -> dict[str, Any]:
+        """Each tier's :class:`~trainer.checkpoint.tiers.Cadence`: its own if it has one, else the
+        run-wide flags (both unset: automatic)."""
+        from trainer.checkpoint.tiers import TIER_NAMES, Cadence
 
-        policies = {}
-        for tier in TIERS:
+        out = {}
+        for tier in TIER_NAMES:
             own = self.tiers.get(tier, TierCadence())
             fixed = own.every_steps is not None or own.every_seconds is not None
-            policies[tier] = TierPolicy(
-                every_steps=own.every_steps if fixed else self.checkpoint_every_steps,
-                every_seconds=own.every_seconds if fixed else self.checkpoint_every_seconds,
-                keep=own.keep if own.keep is not None else self.keep,
-            )
-        return policies
+            out[tier] = Cadence(every_steps=own.every_steps if fixed else self.checkpoint_every_steps,
+                                every_seconds=own.every_seconds if fixed else self.checkpoint_every_seconds)
+        return out
+
+    def tier_keep(self) -> dict[str, int]:
+        """How many checkpoints each tier keeps: its own ``keep``, else the run's."""
+        from trainer.checkpoint.tiers import TIER_NAMES
+
+        return {t: k if (k := self.tiers.get(t, TierCadence()).keep) is not None else self.keep for t in TIER_NAMES}
+
+    def tier_table(self, *, gcs_client: Any = None) -> Any:
+        """This run's :class:`~trainer.checkpoint.tiers.Tiers` (``trainer.checkpoint.tiers.tier_table``)."""
+        from trainer.checkpoint.tiers import tier_table
+
+        return tier_table(self.run_dir, local_dir=self.local_dir, gcs_uri=self.gcs_uri, cadence=self.tier_cadence(),
+                          keep=self.tier_keep(), gcs_client=gcs_client)
 
     def accum_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step at ``world_size``; ValueError if

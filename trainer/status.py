@@ -31,15 +31,19 @@ from typing import Any
 from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
 from trainer.checkpoint.checkpointer import describe_failing
 from trainer.config import StatusConfig
-from trainer.observe.goodput import merge, read_events, read_store_events, report
-from trainer.observe.goodput import LEDGER_DIR, LEDGER_FILE
+from trainer.observe.goodput import report
+from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, merge, read_events, read_store_events
 
 
-def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None, *,
+            stand_in: bool = False) -> dict[str, Any]:
     """The report; ``events_out`` (if given) receives the job's ledger events. ``KeyProblem`` when
-    the key cannot be read (or a sharded run has none)."""
-    from trainer.checkpoint.key import resolve
+    the key cannot be read (or a sharded run has none). ``stand_in``: ``cfg.run_dir`` only stands
+    in for the run dir of a run known by its bucket (left out of the report)."""
     from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.key import resolve
+    from trainer.checkpoint.sharded import Sharded
+    from trainer.checkpoint.tiers import tier_table
     from trainer.loop.state import ResumeMismatch, model_digest
 
     log = logging.getLogger("trainer.status")
@@ -47,24 +51,29 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -
     if key is None:
         log.warning("no checkpoint key (--checkpoint-key-file): whole-model checkpoints are shown without "
                     "authentication, sharded ones not at all")
-    ckpt = Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, log=log, key=key)
+    table = tier_table(cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri)
+    ckpt = Checkpointer(table, key=key, log=log)
+    tiers = ckpt.describe().get("tiers", {})
+    sharded = _sharded(tiers)
+    if sharded:  # the same look with the sharded layout (KeyProblem without a key)
+        ckpt.close()
+        ckpt = Checkpointer(table, Sharded(), key=key, log=log)
+        tiers = ckpt.describe().get("tiers", {})
     error = None
     try:
-        tiers = ckpt.describe().get("tiers", {})
-        if _sharded(tiers):
-            return _collect_sharded(cfg, ckpt, log, events_out, key)
         try:
             restored = ckpt.restore(download=False)
         except ResumeMismatch as e:  # the newest verified checkpoint cannot be decoded
             restored, error = None, str(e)
-        events, skipped = _events(cfg, ckpt.gcs, log)
+        mirror = table.role("mirror")
+        events, skipped = _events(cfg, mirror.store if mirror is not None else None, log)
     finally:
         ckpt.close()
     if events_out is not None:
         events_out.extend(events)
     out: dict[str, Any] = {
         "latest_step": restored.step if restored else None,
-        "model_digest": model_digest(restored.state["model"]) if restored else None,
+        "model_digest": model_digest(restored.model) if restored and restored.model is not None else None,
         "tier": restored.tier if restored else None,
         "path": restored.path if restored else None,
         "tiers": tiers,
@@ -73,6 +82,10 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -
         "goodput": _goodput(events, skipped),
         **_story(events),
     }
+    if stand_in:  # the run dir is a stand-in (a run known by its bucket): not part of the report
+        out["tiers"].pop(table.roles.home, None)
+    if sharded:
+        out["sharded"] = True
     if error is not None:
         out["error"] = error
     if restored is not None and isinstance(restored.state, dict):
@@ -125,40 +138,10 @@ def _unknown(tiers: dict[str, Any]) -> dict[str, str]:
 
 
 def _sharded(tiers: dict[str, Any]) -> bool:
-    from trainer.checkpoint.format import OTHER_LAYOUT
+    from trainer.checkpoint.manifest import OTHER_LAYOUT
 
     return any(c["reason"].startswith(OTHER_LAYOUT + "a sharded")
                for t in tiers.values() for c in t.get("checkpoints", []))
-
-
-def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger,
-                     events_out: list[dict[str, Any]] | None, key: Any) -> dict[str, Any]:
-    """The same report for a run with ``parallelism = "fsdp"`` (sharded checkpoints)."""
-    from trainer.checkpoint import sharded
-    from trainer.distributed import World
-    from trainer.loop.state import model_digest
-
-    whole.close()
-    ckpt = sharded.ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
-                                       world=World(), log=log, key=key)  # KeyProblem without a key
-    try:
-        tiers = ckpt.describe().get("tiers", {})
-        found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()}, key=key)
-        events, skipped = _events(cfg, ckpt.gcs, log)
-    finally:
-        ckpt.close()
-    if events_out is not None:
-        events_out.extend(events)
-    step, tier, path, model, extras = found if found else (None, None, None, None, {})
-    out: dict[str, Any] = {
-        "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
-        "tier": tier, "path": path, "tiers": tiers, "failing": failing_tiers(events),
-        "unknown_tiers": _unknown(tiers), "goodput": _goodput(events, skipped), "sharded": True,
-        **_story(events),
-    }
-    if isinstance(extras, dict):
-        out["data"], out["fingerprint"] = extras.get("data"), extras.get("fingerprint")
-    return out
 
 
 def _story(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -259,8 +242,7 @@ def main(cfg: StatusConfig) -> int:
             # A run known only by its bucket (a deployed run, seen from a laptop): an empty stand-in
             # for its disk, never written, and left out of the report.
             with tempfile.TemporaryDirectory(prefix="spottrain-status-") as tmp:
-                s = collect(cfg.model_copy(update={"run_dir": Path(tmp) / "no-run-dir"}), events)
-            s["tiers"].pop("persistent", None)
+                s = collect(cfg.model_copy(update={"run_dir": Path(tmp) / "no-run-dir"}), events, stand_in=True)
         else:
             s = collect(cfg, events)
     except KeyProblem as e:

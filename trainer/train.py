@@ -32,7 +32,7 @@ from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE
 from trainer import distributed, gpu, placement, startup_notice
 from trainer.checkpoint import host_copy
 from trainer.checkpoint import state_codec as plain
-from trainer.loop import precision
+from trainer.loop import parallel, precision
 from trainer.loop import state
 from trainer.checkpoint import tier_wait
 from trainer import task as tasks
@@ -42,7 +42,9 @@ from trainer.config import RunConfig
 from trainer.artifacts import Artifacts
 from trainer.data.batches import Batches
 from trainer.loop.evaluation import Evaluator
-from trainer.observe.goodput import Ledger, node_name, read_events, report, session_start_fields
+from trainer.distributed import node_name
+from trainer.observe.goodput import report
+from trainer.observe.ledger import Ledger, read_events, session_start_fields
 from trainer.observe.health import Health, HealthServer, PortInUse
 from trainer.loop.init_from import InitFromError
 from trainer.checkpoint.lease import FollowerLease, Lease, LeaseHeld, RunDirBusy, RunDirLock, holder_id
@@ -179,7 +181,7 @@ class _Session:
         self._until_known(self._take_lease)
         if world.is_node_leader:
             # The task's artifacts come back first: a task may read them while it builds.
-            self.artifacts = Artifacts(cfg.run_dir / "artifacts", self.ckpt.gcs, staging=cfg.run_dir,
+            self.artifacts = Artifacts(cfg.run_dir / "artifacts", self._mirror(), staging=cfg.run_dir,
                                        log=log.getChild("artifacts"))
             self.artifacts.restore()
         world.barrier()
@@ -192,14 +194,9 @@ class _Session:
                                 data_dir=cfg.data_dir)
         task = tasks.build(cfg.task, ctx, cfg.task_args)
         _seed((cfg.seed + 1_000_003 * world.rank) % 2**63)
-        model = task.model
-        if self.sharded:
-            from trainer.checkpoint.sharded import shard
-
-            model = shard(model, world, optimizer=task.optimizer)
-        elif world.distributed:
-            model = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = parallel.wrap(task.model, world, parallelism=cfg.parallelism, device=device, optimizer=task.optimizer)
+        if self.ckpt is not None:
+            self.ckpt.bind(model, task.optimizer)  # the sharded layout saves and loads them in place
         data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size,
                          rank=world.rank, world_size=world.size)
         self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
@@ -258,7 +255,7 @@ class _Session:
         evaluator = Evaluator(task, cfg, step_fn, world, sharded=self.sharded,
                               interrupted=lambda: self.preempt.requested)
         if world.is_main and cfg.tensorboard:
-            self.metrics = Metrics(cfg.run_dir, start_step=start, store=self.ckpt.gcs, session=self.ledger.session,
+            self.metrics = Metrics(cfg.run_dir, start_step=start, store=self._mirror(), session=self.ledger.session,
                                    upload_every_s=cfg.metrics_upload_every_s, log=log.getChild("metrics"))
         progress = Progress(log, total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
                             tokens_per_step=task.tokens_per_sample * cfg.batch_size * accum * world.size,
@@ -389,18 +386,26 @@ class _Session:
         if self.world.any_flags(busy is not None)[0]:
             raise busy or RunDirBusy("run_dir: another node's run dir is in use by another trainer (see its log)")
 
+    def _mirror(self) -> Any:
+        """The store the ledger, TensorBoard and the artifacts are mirrored to (the ``mirror``
+        tier's), or None."""
+        tier = self.ckpt.tiers.role("mirror") if self.ckpt is not None else None
+        return tier.store if tier is not None else None
+
     def _install_lease(self) -> None:
-        """Every GCS store of this process asks the lease before it writes (refused until held)."""
-        store = self.ckpt.gcs if self.ckpt is not None else None
-        if store is None or self.lease is not None:
+        """Every remote store of this process asks the lease before it writes (refused until held);
+        the lease lives on the ``lease`` tier."""
+        tier = self.ckpt.tiers.role("lease") if self.ckpt is not None else None
+        if tier is None or self.lease is not None:
             return
         if self.world.is_main:
-            self.lease = Lease(store, holder=holder_id(self.cfg.run_dir), started=self.process_start,
+            self.lease = Lease(tier.store, holder=holder_id(self.cfg.run_dir), started=self.process_start,
                                ttl_s=self.cfg.lease_ttl_s, log=self.log.getChild("lease"),
                                op_timeout_s=self._probe_s())
         else:
             self.lease = FollowerLease()
-        store.guard = self.lease.check
+        for remote in self.ckpt.tiers.remotes:
+            remote.store.guard = self.lease.check
 
     def _probe_s(self) -> float:
         """How long one look at a tier may take while start-up waits (a share of the wait)."""
@@ -437,8 +442,8 @@ class _Session:
             self.lease.granted = True
         if isinstance(self.lease, Lease):
             self.lease.start()
-        if self.ledger is not None and self.ckpt is not None and self.ckpt.gcs is not None:
-            self.ledger.mirror_to(self.ckpt.gcs)
+        if self.ledger is not None and self._mirror() is not None:
+            self.ledger.mirror_to(self._mirror())
 
     def _until_known(self, attempt: Callable[[], Any]) -> Any:
         """``attempt()`` (collective) once every configured tier it reads answers: the lease, then
@@ -482,10 +487,7 @@ class _Session:
         newest restores and broadcasts (rank 0 on a tie). Sharded: the sharded checkpointer loads
         every rank's shards in place (resharding) and hands out the replicated rest."""
         world = self.world
-        if self.sharded:
-            restored = self.ckpt.restore(model, optimizer)
-            return (restored.state, (restored.tier, restored.path)) if restored else (None, ("", ""))
-        if not world.distributed:
+        if self.sharded or not world.distributed:  # the checkpointer restores (every rank, sharded)
             restored = self.ckpt.restore()
             return (restored.state, (restored.tier, restored.path)) if restored else (None, ("", ""))
         # Each leader offers its newest step, or the tiers it cannot read: then every rank waits.
@@ -527,9 +529,7 @@ class _Session:
 
     def _write(self, step: int, snapshot: dict | None, args: tuple, **kw: Any) -> float:
         """Hand ``snapshot`` to the checkpointer: rank 0 alone, or every rank (sharded)."""
-        if self.sharded:
-            return self.ckpt.save(step, args[0], args[1].optimizer, extras=snapshot, meta=self._meta(args[-1]), **kw)
-        if self.world.is_main:
+        if self.sharded or self.world.is_main:
             return self.ckpt.save(step, snapshot, meta=self._meta(args[-1]), **kw)
         return 0.0
 
@@ -642,10 +642,7 @@ class _Session:
         verdict = "saved"
         if self.world.is_node_leader:
             self.ledger.append("preemption_notice", step=step, reason=self.preempt.reason or "another node")
-        if self.sharded:  # every rank writes its shard
-            report = self.ckpt.emergency_save(step, args[0], args[1].optimizer, extras=snapshot,
-                                              deadline=deadline, meta=self._meta(args[-1]))
-        elif self.world.is_main:
+        if self.sharded or self.world.is_main:  # sharded: every rank writes its shard
             report = self.ckpt.emergency_save(step, snapshot, deadline=deadline, meta=self._meta(args[-1]))
         if self.world.is_main:
             verdict = "complete" if report.complete else "saved" if report.saved else "failed"
@@ -812,22 +809,25 @@ def _device(cfg: RunConfig, world: distributed.World) -> torch.device:
 
 
 def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:
-    from trainer.checkpoint.sharded import ShardedCheckpointer
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.sharded import Sharded
 
     why = host_copy.unavailable()
     if why is not None:  # every rank has the same PyTorch: every rank refuses, before any collective
         raise host_copy.Unsupported(f"{cfg.source_of('parallelism')}: parallelism: 'fsdp' cannot run here: "
                                     f"{why}; allowed: 'ddp', or an image with a newer PyTorch")
+    key = cfg.checkpoint_key()
+    if key is None:
+        from trainer.checkpoint.sharded import NEEDS_KEY
 
-    return ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
-                               policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s, world=world,
-                               log=logging.getLogger("trainer.checkpoint"),
-                               collective_timeout_s=cfg.collective_timeout_s, key=cfg.checkpoint_key())
+        raise KeyProblem(NEEDS_KEY)  # before the collective that builds the layout's groups
+    return Checkpointer(cfg.tier_table(), Sharded(world, run_dir=cfg.run_dir,
+                                                  collective_timeout_s=cfg.collective_timeout_s),
+                        key=key, mtbf_s=cfg.mtbf_s, log=logging.getLogger("trainer.checkpoint"))
 
 
 def _default_checkpointer(cfg: RunConfig) -> Any:
     from trainer.checkpoint.checkpointer import Checkpointer
 
-    return Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
-                        policies=cfg.tier_policies(), mtbf_s=cfg.mtbf_s,
-                        log=logging.getLogger("trainer.checkpoint"), key=cfg.checkpoint_key())
+    return Checkpointer(cfg.tier_table(), key=cfg.checkpoint_key(), mtbf_s=cfg.mtbf_s,
+                        log=logging.getLogger("trainer.checkpoint"))

@@ -4,6 +4,7 @@ a fork server for the many restarts. The fake GCE metadata server is the drill's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -43,6 +44,28 @@ def run_key() -> Any:
     from trainer.checkpoint.key import ENV, load
 
     return load(Path(os.environ[ENV]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """One tier's cadence and retention, as the checkpoint tests write them."""
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    keep: int = 3
+
+
+def checkpointer(*, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None, gcs_client: Any = None,
+                 policies: dict[str, Policy] | None = None, layout: Any = None, **kw: Any) -> Any:
+    """A ``Checkpointer`` over the tier table of these places (``trainer.checkpoint.tiers.tier_table``)."""
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.tiers import Cadence, tier_table
+
+    policies = policies or {}
+    table = tier_table(run_dir, local_dir=local_dir, gcs_uri=gcs_uri, gcs_client=gcs_client,
+                       cadence={k: Cadence(p.every_steps, p.every_seconds) for k, p in policies.items()},
+                       keep={k: p.keep for k, p in policies.items()})
+    return Checkpointer(table, layout, **kw)
 
 
 def closed_metadata_host() -> str:

@@ -1,72 +1,73 @@
 """The ``Checkpointer``: when to save, where to, in the background; what to restore from; when a
-checkpoint counts as durable.
-
-Tiers, fastest first: ``local`` (a local-SSD dir, optional; lost with the VM), ``persistent``
-(the run dir on the stateful PD; survives preemption and repair in the same zone) and ``gcs``
-(optional; survives everything, including a restart in another zone with a fresh disk). The
-*durable* tiers are ``persistent`` and ``gcs``: they outlive the VM. The local SSD is a cache.
+checkpoint counts as durable. One checkpointer drives either layout
+(``trainer.checkpoint.layout``); every tier is a record (``trainer.checkpoint.tiers``) and the
+checkpointer asks its fields, never its name.
 
 Saving (CheckFreq's snapshot/persist split), every tier failing on its own:
 
-* ``save()`` blocks the loop only while the state is copied into a host buffer (pinned when CUDA
-  is involved) and its plain Python objects are pickled; that is the time it returns.
-* The *disk writer* (a thread per save) then writes the due disk tiers straight from the buffer
-  (``checkpoint.write_dir``: temporary folder, fsync, manifest last, atomic rename). It never
-  touches the network.
-* The *uploader* (one long-lived thread) uploads a save that GCS is due for: from its committed
-  disk folder (persistent, else local), which frees the buffer for the next save at once; or,
-  when no disk tier could take the save (a full or read-only disk), straight from the host buffer
-  (``checkpoint.upload_snapshot``), which that upload then owns until it ends. Then it applies
-  GCS retention. Every request it makes is bounded (``GcsStore.request_timeout_s``) and each
-  upload has its own abort flag, checked between requests and chunks.
-* One disk write at a time: ``due()`` answers False while the disk writer runs (the due tier
-  stays due and is saved at the first step after it finished; counted in
-  ``stats["deferred_steps"]``). An upload never holds a disk save back: while one is in flight,
-  the next save's upload waits in a queue of one, where a newer save's replaces it (only the
-  newest matters). An explicit ``save()`` while the disk writer runs waits for it (counted in
-  ``stats["waited"]``): the caller asked for that exact step to be saved.
-* Host memory: at most two buffers while training. The second is allocated only while an upload
-  from memory holds the first; a queued upload from memory is dropped when its buffer is needed,
-  and ``due()`` answers False when neither buffer is free. An explicit save (final, pause,
-  emergency) never waits for the network: it takes another buffer if both are held by uploads.
-* Background failures (disk full, GCS unreachable after retries) are logged and counted; they never
-  raise into the loop and never leave anything a restore would choose. A tier whose writes keep
-  failing is reported by ``failing()`` (the health answer, the ledger, ``status``) until one
+* ``save()`` blocks the loop only while the layout stages the state into host memory (pinned when
+  CUDA is involved); that is the time it returns.
+* The *disk writer* (a thread per save) then has the layout write the due disk tiers
+  (temporary folder, fsync, manifest last, atomic rename). It never touches the network.
+* The *uploader* (one long-lived thread) uploads a save that a remote tier is due for: from its
+  committed disk folder (the home tier's, else another disk's), which frees host memory for the
+  next save at once; else from the layout's staging folder; else, when no disk could take the
+  save (a full or read-only disk), straight from host memory, which that upload then owns until it
+  ends. Then it applies retention there. Every request it makes is bounded and each upload has its
+  own abort flag, checked between requests and chunks.
+* One disk write at a time: ``due()`` answers False while the disk writer runs (the due tier stays
+  due and is saved at the first step after it finished; counted in ``stats["deferred_steps"]``).
+  An upload never holds a disk save back: while one is in flight, the next save's upload to the
+  same tier waits in a queue of one, where a newer save's replaces it (only the newest matters;
+  across nodes every rank uploads its own shards, so uploads queue in order instead). An explicit
+  ``save()`` while the disk writer runs waits for it (``stats["waited"]``): the caller asked for
+  that exact step.
+* Host memory is the layout's (``Layout.can_stage``): the whole-model layout keeps at most two
+  buffers while training and drops a queued upload from memory when its buffer is needed.
+* Background failures (disk full, a bucket unreachable after retries) are logged and counted; they
+  never raise into the loop and never leave anything a restore would choose. A tier whose writes
+  keep failing is reported by ``failing()`` (the health answer, the ledger, ``status``) until one
   succeeds.
 
 Durable: ``durable(step, deadline=...)`` waits for the saves in flight (until the deadline) and
-reads ``step`` back from every durable tier: its manifest parses and checks out, and every file it
-lists is there with the listed size. The final checkpoint and a pause's count only then.
+reads ``step`` back from every durable tier (``Tiers.complete``: across nodes only the remote ones):
+its manifest parses and checks out, and every file it lists is there with the listed size. The
+final checkpoint and a pause's count only then.
 
 Restoring: the newest checkpoint that verifies (manifest self-check and HMAC under the run's key,
-sizes, sha256 of every file) across all tiers, preferring the fastest tier for equal steps. A GCS
-checkpoint newer than anything on disk is downloaded into the persistent tier (atomically) and
-loaded from there; when the run dir cannot take it (full, read-only) through a temporary folder
-instead, and when nothing can, the run dir is unknown (start-up waits): a disk's failure never
-makes a checkpoint unusable. Any invalid candidate is logged with the reason and the next older one is
-tried. A tier that cannot be listed or read is unknown, not empty: a trainer's restore raises
-``TierUnknown`` rather than choose without it (``trainer.checkpoint.tier_wait`` waits); ``status``
-(``download=False``) only notes it. What is never a reason to fall back or start afresh (a
-``ResumeMismatch``, exit 2, nothing deleted): a checkpoint that verified but cannot be decoded,
-checkpoints of the other layout or another format version, and unauthenticated checkpoints when
-nothing authentic is left.
+sizes, sha256 of every file) across all tiers, preferring the fastest tier for equal steps. A
+remote copy newer than anything on disk is downloaded into the home tier (atomically) and loaded
+from there; when the run dir cannot take it (full, read-only) through a temporary folder instead,
+and when nothing can, the run dir is unknown (start-up waits): a disk's failure never makes a
+checkpoint unusable. Any invalid copy is logged with the reason and the next one tried (the same
+step on a slower tier, then older steps). A tier that cannot be listed or read is unknown, not
+empty: a trainer's restore raises ``TierUnknown`` rather than choose without it
+(``trainer.checkpoint.tier_wait`` waits); a read-only look (``download=False``: ``status``,
+``export``) only notes it. What is never a reason to fall back or start afresh (a
+``ResumeMismatch``, exit 2, nothing deleted): a checkpoint that verified but cannot be decoded or
+does not fit the model, checkpoints of the other layout or another format version, and
+unauthenticated checkpoints when nothing authentic is left.
 
 Same step twice: a save that finds a folder of its step already on a tier keeps it when the same
 session wrote it (the manifest's ``writer``: same session and step, same state), replaces it
 atomically when it holds other state (an abandoned trajectory: the live run is the one a restart
-must continue) or is invalid, and never touches a kept one (unauthenticated, another format or
-layout): that tier then skips this step.
-A process's own state at a step is also what the checkpoint it restored from holds: after a
-restore, copies of that step by its writer are kept too (a re-run of a finished job writes only
-the copies that are missing).
+must continue) or is invalid, and never touches a quarantined one (unauthenticated, another
+format or layout): that tier then skips this step. A process's own state at a step is also what
+the checkpoint it restored from holds: after a restore, copies of that step by its writer are
+kept too (a re-run of a finished job writes only the copies that are missing).
 
 Emergency (``emergency_save``, on a preemption notice): it never waits on the network. It drops
-the queued upload and aborts the one in flight, leaving its thread behind; waits only for a disk
-writer still running (disk I/O); writes the local SSD and the persistent disk at the same time from
-the buffer; then uploads to GCS from the persistent copy (else the local one, else host memory)
-until the deadline. *Saved* means on a tier that outlives the VM (persistent or GCS): a save only
-the local SSD got serves a restart of the trainer on this VM (systemd, a reboot) but is lost with
-the VM (a preemption, a recreation), so it does not count as saved.
+the queued uploads and aborts the one in flight, leaving its thread behind; waits only for a disk
+writer still running (disk I/O); has the layout write the disk tiers (the whole model: every disk
+tier at once from host memory); then uploads to every remote tier from the home tier's copy (else
+another disk's, the staging folder, host memory) until the deadline. *Saved* means on a tier that
+outlives the VM: a save only the local SSD got serves a restart of the trainer on this VM (systemd,
+a reboot) but is lost with the VM (a preemption, a recreation), so it does not count as saved.
+
+Ranks: with the sharded layout every public method but ``due()``, ``describe()`` and
+``durable()`` is a collective of the layout's group (every rank calls it, in the same order, with
+the same step); rank 0 decides which tiers a save writes and reads the tiers for the others. With
+the whole-model layout the group is this process alone.
 """
 
 from __future__ import annotations
@@ -83,77 +84,50 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.checkpoint.format import (OTHER_FORMAT, OTHER_LAYOUT, CheckpointInfo, CheckpointInvalid,
-                                CheckpointUnloadable, Snapshot, SnapshotBuffer, StepOccupied, check_checkpoint,
-                                delete_checkpoint, download_dir, kept, kept_mismatch, layout_mismatch,
-                                list_checkpoints, load_dir, other_layout, parse_manifest, read_manifest, step_name,
-                                upload_dir, upload_snapshot, verify_dir, write_dir)
-from trainer.checkpoint.key import CheckpointKey
+from trainer.checkpoint.format import (CheckpointInfo, check_checkpoint, delete_checkpoint, download_dir,
+                                       list_checkpoints, read_manifest)
 from trainer.checkpoint.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
-from trainer.checkpoint.stores import DirStore, GcsStore, Store, UploadAborted, is_unreachable
+from trainer.checkpoint.key import CheckpointKey
+from trainer.checkpoint.layout import Layout, Refs, Staged, Written
+from trainer.checkpoint.manifest import (MANIFEST, OTHER_FORMAT, OTHER_LAYOUT, CheckpointInvalid, CheckpointUnloadable,
+                                         ResumeMismatch, StepOccupied, layout_mismatch, other_layout,
+                                         quarantine_mismatch, quarantined, step_name)
+from trainer.checkpoint.stores import UploadAborted, is_unreachable
 from trainer.checkpoint.tier_wait import TierUnknown
-
-TIERS = ("local", "persistent", "gcs")
-#: The tiers that outlive the VM: a checkpoint on one of them is saved.
-DURABLE_TIERS = ("persistent", "gcs")
-#: Buffers a training run keeps at most (see the module docstring).
-MAX_BUFFERS = 2
-
-
-class _CannotStore(Exception):
-    """A download that the folder it goes to cannot take (full, read-only, failing): the disk's
-    problem, not the checkpoint's."""
-
-    def __init__(self, error: OSError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-@dataclasses.dataclass(frozen=True)
-class TierPolicy:
-    """When to save to one tier and how many checkpoints to keep there."""
-
-    every_steps: int | None = None      # save every K steps
-    every_seconds: float | None = None  # and/or every T seconds
-    keep: int = 3                       # retention: last K valid checkpoints on this tier
-    # both None => automatic (Young/Daly from measured cost and mtbf_s)
-
-    def __post_init__(self) -> None:
-        if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
-            raise ValueError(f"every_steps must be a positive integer, got {self.every_steps!r}")
-        if self.every_seconds is not None and not self.every_seconds > 0:
-            raise ValueError(f"every_seconds must be > 0, got {self.every_seconds!r}")
-        if not isinstance(self.keep, int) or self.keep < 1:
-            raise ValueError(f"keep must be an integer >= 1, got {self.keep!r}")
-
-    @property
-    def automatic(self) -> bool:
-        return self.every_steps is None and self.every_seconds is None
+from trainer.checkpoint.tiers import Tier, Tiers
 
 
 @dataclasses.dataclass
 class Restored:
     step: int
-    state: dict          # exactly what was passed to save(), tensors on CPU
+    state: Any           # what was saved: the whole state, or (sharded) the replicated rest
     tier: str            # where it was read from
     path: str            # folder/URI, for logs
     seconds: float       # restore wall time
+    model: dict | None = None  # a read-only look: the full model state dict (on CPU)
 
 
 @dataclasses.dataclass
 class EmergencyReport:
+    """What an emergency save got: ``ok[tier]`` True/False for each tier of the run."""
+
     step: int
-    persistent_ok: bool
-    gcs_ok: bool | None   # None when no GCS tier
+    ok: dict[str, bool]
     seconds: float        # notice -> durable
     detail: str           # one human line: what was saved and what was not
-    local_ok: bool | None = None  # None when no local tier (or not attempted)
+    saved: bool = False   # on a tier that outlives the VM (see the module docstring)
     complete: bool = False  # on every durable tier this run has (a final checkpoint then counts)
 
-    @property
-    def saved(self) -> bool:
-        """On a tier that outlives the VM (see the module docstring)."""
-        return self.persistent_ok or bool(self.gcs_ok)
+    def __getattr__(self, name: str) -> Any:
+        # ``report.gcs_ok``: the tier's ``ok``, None where the run has no such tier (the log line's
+        # and the ledger's fields).
+        if name.endswith("_ok") and not name.startswith("_"):
+            return self.__dict__.get("ok", {}).get(name[:-3])
+        raise AttributeError(name)
+
+    def fields(self, order: list[str]) -> dict[str, bool | None]:
+        """``{tier}_ok`` for each tier in ``order`` (the ledger's and the log line's fields)."""
+        return {f"{n}_ok": self.ok.get(n) for n in order}
 
 
 @dataclasses.dataclass
@@ -177,79 +151,80 @@ class Durability:
 
 
 @dataclasses.dataclass
-class _Tier:
-    name: str
-    store: Store
-    policy: TierPolicy
+class _Schedule:
+    """When a tier was last saved to, and its automatic interval."""
+
     auto: YoungDalyPolicy | None
     last_step: int = 0
     last_time: float | None = None
     logged_interval: float | None = None
 
-    @property
-    def is_disk(self) -> bool:
-        return isinstance(self.store, DirStore)
+
+@dataclasses.dataclass(eq=False)
+class _Source:
+    """What an upload reads: a folder (committed on ``pin``'s disk tier, or a staging folder),
+    or a staged state in host memory; shared by the uploads of one save (``refs``)."""
+
+    step: int
+    folder: Path | None = None
+    memory: Staged | None = None
+    manifest: bytes | None = None
+    pin: str | None = None        # the disk tier whose committed folder this is (kept from retention)
+    refs: Refs | None = None
 
 
 @dataclasses.dataclass(eq=False)
 class _Upload:
-    """One upload the uploader owes: a committed folder, or a snapshot still in host memory."""
+    """One upload the uploader owes: ``source`` to the remote ``tier``."""
 
-    step: int
-    folder: Path | None = None            # a committed copy (or a staged one, see cleanup)
-    tier: str | None = None               # the disk tier holding ``folder`` (kept from retention)
-    snap: Snapshot | None = None          # else the host snapshot ...
-    buffer: SnapshotBuffer | None = None  # ... whose buffer this upload owns until it ends
-    manifest: bytes | None = None         # sharded layouts: the manifest to commit
-    collective: bool = False              # sharded across nodes: every rank uploads its part
-    cleanup: Callable[[], None] | None = None  # run once the upload ended (a staging folder)
+    tier: Tier
+    source: _Source
+    collective: bool = False      # across nodes: every rank uploads its own files
     abort: threading.Event = dataclasses.field(default_factory=threading.Event)
     deadline: float | None = None
+    released: bool = False
+
+    @property
+    def step(self) -> int:
+        return self.source.step
 
 
 class Checkpointer:
-    """Asynchronous multi-tier checkpointing; see the module docstring."""
+    """Asynchronous multi-tier checkpointing of one layout; see the module docstring."""
 
-    #: This checkpointer's layout: how its listings and retention read a manifest.
-    parse_manifest = staticmethod(parse_manifest)
+    #: Listing a tier gives up after this long (a bucket unreachable at start-up must not stall
+    #: the restore for the full upload retry budget; the disk tiers are still tried).
+    LIST_TIMEOUT_S = 60.0
 
-    def __init__(self, *, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None,
-                 policies: dict[str, TierPolicy] | None = None,
-                 mtbf_s: float = DEFAULT_MTBF_S, log: logging.Logger | None = None,
-                 gcs_client: Any = None, key: CheckpointKey | None = None) -> None:
+    def __init__(self, tiers: Tiers, layout: Layout | None = None, *, key: CheckpointKey | None = None,
+                 mtbf_s: float = DEFAULT_MTBF_S, log: logging.Logger | None = None) -> None:
         """``key``: sign every manifest and load only checkpoints whose HMAC verifies under it
         (``trainer.checkpoint.key``); None trusts the sha256 alone (nothing is unpickled either
-        way, but anyone who can write a tier can then make a checkpoint this run loads)."""
+        way, but anyone who can write a tier can then make a checkpoint this run loads).
+        ``layout``: default the whole-model layout."""
+        if layout is None:
+            from trainer.checkpoint.whole_model import WholeModel
+
+            layout = WholeModel()
+        if key is None and layout.needs_key is not None:
+            from trainer.checkpoint.key import KeyProblem
+
+            raise KeyProblem(layout.needs_key)
         self.log = log or logging.getLogger("spottrain.checkpoint")
-        self.key = key
+        self.tiers, self.layout, self.key = tiers, layout, key
+        self.group = layout.group
         #: This checkpointer's saves, in manifests as ``writer``: a save id (see the module docstring).
-        self.session = uuid.uuid4().hex
-        #: Kept checkpoints the last survey met that are not of the other layout: "format" and
-        #: "unauthenticated" lines (the restore decides what they block).
-        self._survey_kept: dict[str, list[str]] = {"format": [], "unauthenticated": []}
-        policies = dict(policies or {})
-        unknown = set(policies) - set(TIERS)
-        if unknown:
-            raise ValueError(f"unknown checkpoint tier(s) {sorted(unknown)}; expected {list(TIERS)}")
-        self.run_dir = Path(run_dir)
-        stores: list[Store] = []
-        if local_dir is not None:
-            stores.append(DirStore(Path(local_dir), "local"))
-        stores.append(DirStore(self.run_dir, "persistent"))
-        if gcs_uri:
-            stores.append(GcsStore(gcs_uri, client=gcs_client))
-        self._tiers: dict[str, _Tier] = {}
-        for st in stores:
-            pol = policies.get(st.name, TierPolicy())
-            auto = YoungDalyPolicy(mtbf_s=mtbf_s) if pol.automatic else None
-            self._tiers[st.name] = _Tier(st.name, st, pol, auto)
-        self._buffer = SnapshotBuffer()  # the first buffer; see ``_acquire_buffer`` for the others
-        self._buffers: list[SnapshotBuffer] = [self._buffer]
-        self._held: set[int] = set()  # ids of buffers owned by uploads from memory
+        self.session = self.group.bcast(uuid.uuid4().hex)
+        self._schedule = {t.name: _Schedule(YoungDalyPolicy(mtbf_s=mtbf_s) if t.cadence.automatic else None)
+                          for t in tiers}
+        #: What the last survey met: the quick-checked copies (rank 0) and the quarantined
+        #: checkpoints that are not of the other layout ("format", "unauthenticated").
+        self._infos: dict[tuple[str, int], CheckpointInfo] = {}
+        self._quarantined: dict[str, list[str]] = {"format": [], "unauthenticated": []}
         self._thread: threading.Thread | None = None  # the disk writer of the newest save
         self._reserver: threading.Thread | None = None
-        # The uploader: its thread, the upload it runs, the queue (one entry, or FIFO when
-        # collective), and a condition over all of it and the buffers, pins and tier health.
+        # The uploader: its thread, the upload it runs, the queue, and a condition over all of it,
+        # the pins and tier health.
         self._cv = threading.Condition(threading.RLock())
         self._uploader: threading.Thread | None = None
         self._active: _Upload | None = None
@@ -261,33 +236,34 @@ class Checkpointer:
         self._verified: set[tuple[str, int]] = set()
         self._restored: dict[int, str] = {}  # step -> writer of the checkpoint this process restored
         self._failing: dict[str, dict[str, Any]] = {}
-        #: Called with (tier, failure record or None when it works again) on each change; the
-        #: session puts it into the goodput ledger. Must not raise (errors are logged).
+        #: Called with (tier, failure record or None when it works again) on each change (rank 0).
+        #: Must not raise (errors are logged).
         self.on_tier_health: Callable[[str, dict | None], None] | None = None
-        # Retention never deletes while a restore runs: one lock per tier (retention on GCS, which
-        # may sit in a stalled request, must never hold a disk tier's retention up), all of them
-        # for a restore.
-        self._tier_locks = {name: threading.Lock() for name in self._tiers}
+        #: Called with (tier, step) once a periodic save is durable on a tier (rank 0); must not block.
+        self.on_durable: Callable[[str, int], None] | None = None
+        # Retention never deletes while a restore runs: one lock per tier (a remote tier's
+        # retention, which may sit in a stalled request, must never hold a disk tier's up), all of
+        # them for a restore.
+        self._tier_locks = {t.name: threading.Lock() for t in tiers}
         self._restore_lock = _Locks(list(self._tier_locks.values()))
         self._started = time.monotonic()
-        #: Called with (tier, step) once a periodic save is durable on a tier (the goodput ledger's
-        #: record of checkpoints per tier); it must not block.
-        self.on_durable: Callable[[str, int], None] | None = None
         self.stats: dict[str, Any] = {
             "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
             "waited": 0, "blocked_s_total": 0.0, "last_blocked_s": None, "last_error": None,
             "uploads_superseded": 0,
         }
+        if self.group.nodes > 1 and self.group.rank == 0:
+            self.log.info("%s checkpoints: %d ranks on %d nodes; each node's disk holds only its own ranks' "
+                          "files, so the complete copy is the remote one", layout.name, self.group.size,
+                          self.group.nodes)
+            if not tiers.remotes:
+                self.log.warning("%s checkpoints across %d nodes without a remote tier: no tier will hold a "
+                                 "complete checkpoint, so no restore is possible", layout.name, self.group.nodes)
 
     # ------------------------------------------------------------------------------ properties
-    @property
-    def gcs(self) -> Store | None:
-        t = self._tiers.get("gcs")
-        return t.store if t else None
-
-    @property
-    def tiers(self) -> tuple[str, ...]:
-        return tuple(self._tiers)
+    def bind(self, model: Any, optimizer: Any) -> None:
+        """The model and optimizer a layout that saves them in place reads and loads (sharded)."""
+        self.layout.bind(model, optimizer)
 
     def _busy(self) -> bool:
         """A disk writer is running (the uploader is not counted: it never holds saves back)."""
@@ -298,124 +274,79 @@ class Checkpointer:
         with self._cv:
             return self._active is not None or bool(self._pending)
 
-    def _durable_tiers(self) -> list[str]:
-        """The tiers a checkpoint must be on to count as durable (see the module docstring)."""
-        return [n for n in DURABLE_TIERS if n in self._tiers]
+    def _parse(self, data: bytes, step: int | None = None, *, key: Any = None) -> dict:
+        return self.layout.parse_manifest(data, step, key=key)
 
     # ------------------------------------------------------------------------------ scheduling
     def interval_s(self, tier: str) -> float | None:
-        """The automatic interval currently in force for ``tier`` (None for fixed policies)."""
-        t = self._tiers[tier]
-        return t.auto.decide().seconds if t.auto else None
+        """The automatic interval currently in force for ``tier`` (None for fixed cadences)."""
+        auto = self._schedule[tier].auto
+        return auto.decide().seconds if auto else None
 
-    def _tier_due(self, t: _Tier, step: int, now: float) -> bool:
-        base = t.last_time if t.last_time is not None else self._started
-        if t.auto is not None:
-            d = t.auto.decide()
-            if changed_materially(t.logged_interval, d.seconds):
+    def _tier_due(self, t: Tier, step: int, now: float) -> bool:
+        s = self._schedule[t.name]
+        base = s.last_time if s.last_time is not None else self._started
+        if s.auto is not None:
+            d = s.auto.decide()
+            if changed_materially(s.logged_interval, d.seconds):
                 self.log.info("checkpoint interval for %s: %.0fs (%s)", t.name, d.seconds, d.reason)
-                t.logged_interval = d.seconds
+                s.logged_interval = d.seconds
             return now - base >= d.seconds
-        p = t.policy
-        if p.every_steps is not None and step >= (t.last_step // p.every_steps + 1) * p.every_steps:
+        c = t.cadence
+        if c.every_steps is not None and step >= (s.last_step // c.every_steps + 1) * c.every_steps:
             return True
-        return p.every_seconds is not None and now - base >= p.every_seconds
+        return c.every_seconds is not None and now - base >= c.every_seconds
 
-    def _due_tiers(self, step: int) -> list[str]:
+    def _due_tiers(self, step: int) -> list[Tier]:
         now = time.monotonic()
-        return [n for n, t in self._tiers.items() if self._tier_due(t, step, now)]
+        return [t for t in self.tiers if self._tier_due(t, step, now)]
 
     def due(self, step: int) -> bool:
-        """Whether to call ``save(step, ...)`` now; cheap, call it every step.
+        """Whether to call ``save(step, ...)`` now; cheap, call it every step (rank 0 decides).
 
-        False while a disk write is in flight, or while both host buffers are held by uploads
-        from memory (the due tier stays due and is saved once that is over).
+        False while a disk write is in flight, or while the layout has no host memory free for
+        another save (the due tier stays due and is saved once that is over).
         """
         if not self._due_tiers(step):
             return False
-        if self._busy() or not self._buffer_free():
+        if self._busy() or not self.layout.can_stage(self._droppable()):
             self.stats["deferred_steps"] += 1
             return False
         return True
 
-    # ------------------------------------------------------------------------------ buffers
-    def _buffer_free(self) -> bool:
-        with self._cv:
-            return (any(id(b) not in self._held for b in self._buffers) or len(self._buffers) < MAX_BUFFERS
-                    or any(j.buffer is not None for j in self._pending))
+    def _saved(self, tiers: list[Tier], step: int) -> None:
+        now = time.monotonic()
+        for t in tiers:
+            self._schedule[t.name].last_step, self._schedule[t.name].last_time = step, now
 
-    def _acquire_buffer(self) -> SnapshotBuffer:
-        """A buffer no upload owns (the disk writer is idle when this is called)."""
-        with self._cv:
-            free = [b for b in self._buffers if id(b) not in self._held]
-            if not free:
-                for job in [j for j in self._pending if j.buffer is not None][:1]:
-                    self._pending.remove(job)
-                    self._superseded(job, "its host buffer is needed by a newer save")
-                free = [b for b in self._buffers if id(b) not in self._held]
-            if free:
-                return free[0]
-            # A second buffer while an upload from memory holds the first; a third only for an
-            # explicit save while both are held (it is dropped again when released).
-            buf = SnapshotBuffer()
-            self._buffers.append(buf)
-            return buf
-
-    def _release(self, job: _Upload) -> None:
-        """The upload ``job`` ended (or never started): give back its buffer, pin and folder."""
-        with self._cv:
-            if job.buffer is not None:
-                self._held.discard(id(job.buffer))
-                if len(self._buffers) > MAX_BUFFERS and job.buffer is not self._buffer:
-                    self._buffers = [b for b in self._buffers if b is not job.buffer]
-                job.buffer = None
-            job.snap = None
-            if job.tier is not None:
-                key = (job.tier, job.step)
-                self._pins[key] -= 1
-                if not self._pins[key]:
-                    del self._pins[key]
-                job.tier = None
-            cleanup, job.cleanup = job.cleanup, None
-            self._cv.notify_all()
-        if cleanup is not None:
-            try:
-                cleanup()
-            except Exception as e:  # noqa: BLE001 - a leftover staging folder is removed at restore
-                self.log.warning("cleaning up after the upload of step %d failed: %s", job.step, e)
-
-    def _pin(self, tier: str, step: int) -> None:
-        with self._cv:
-            self._pins[(tier, step)] = self._pins.get((tier, step), 0) + 1
-
-    def _pinned(self, tier: str) -> set[int]:
-        with self._cv:
-            return {s for (t, s) in self._pins if t == tier}
+    def mark_restored(self, step: int) -> None:
+        """Another node restored ``step`` for the job: count the tiers' intervals from there."""
+        self._saved(list(self.tiers), step)
 
     # ------------------------------------------------------------------------------ saving
-    def save(self, step: int, state: dict, *, meta: dict | None = None, every_tier: bool = False) -> float:
-        """Snapshot ``state`` and write it in the background; returns the seconds the caller was
+    def save(self, step: int, state: Any = None, *, meta: dict | None = None, every_tier: bool = False) -> float:
+        """Stage ``state`` and write it in the background; returns the seconds the caller was
         blocked. Saves to the tiers that are due, or to every tier when none is (explicit save)
-        or when ``every_tier`` (the final checkpoint, a pause)."""
+        or when ``every_tier`` (the final checkpoint, a pause). ``state``: the whole state (whole
+        model), or rank 0's replicated rest beside the bound model's shards (sharded; the other
+        ranks may pass None)."""
         t0 = time.perf_counter()
         meta = _check_meta(meta)
         if self._busy():
             self.stats["waited"] += 1
             self._thread.join()  # type: ignore[union-attr]
-        names = list(self._tiers) if every_tier else (self._due_tiers(step) or list(self._tiers))
-        if "gcs" in names and not any(self._tiers[n].is_disk for n in names):
-            names.append("persistent")  # GCS uploads from the persistent folder (the buffer is freed)
-        names = [n for n in TIERS if n in names]
-        buffer = self._acquire_buffer()
-        t_snap = time.perf_counter()
-        snap = buffer.take(step, state, meta)
-        # The cost C for the interval policy excludes the one-off buffer allocation.
-        snap_s = time.perf_counter() - t_snap - buffer.last_alloc_s
-        now = time.monotonic()
-        for n in names:
-            self._tiers[n].last_step, self._tiers[n].last_time = step, now
+        tiers = self._plan(step, every_tier)
+        t_stage = time.perf_counter()
+        staged = self.layout.stage(step, state, meta, make_room=self._drop_memory_upload)
+        # The cost C for the interval policy excludes a one-off buffer allocation.
+        stage_s = time.perf_counter() - t_stage - staged.alloc_s
+        self._saved(tiers, step)
+        for t in tiers:
+            auto = self._schedule[t.name].auto
+            if auto is not None:
+                auto.observe(blocked_s=stage_s)
         self.stats["saves"] += 1
-        self._thread = threading.Thread(target=self._persist, args=(snap, buffer, names, snap_s),
+        self._thread = threading.Thread(target=self._persist, args=(staged, tiers),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
         blocked = time.perf_counter() - t0
@@ -423,47 +354,101 @@ class Checkpointer:
         self.stats["last_blocked_s"] = blocked
         return blocked
 
-    def _persist(self, snap: Snapshot, buffer: SnapshotBuffer, names: list[str], snap_s: float) -> None:
-        """The disk writer: the due disk tiers from the buffer, then hand the upload over; never
-        raises, never touches the network."""
+    def _plan(self, step: int, every_tier: bool) -> list[Tier]:
+        """The tiers a save writes (rank 0 decides for every rank), in table order."""
+        names: list[str] | None = None
+        if self.group.rank == 0:
+            tiers = list(self.tiers) if every_tier else (self._due_tiers(step) or list(self.tiers))
+            if self.group.nodes > 1 and self.uploading() and not every_tier:
+                tiers = [t for t in tiers if not t.remote]  # uploads across nodes queue in order: remote stays due
+            if any(t.remote for t in tiers) and not any(not t.remote for t in tiers):
+                tiers.append(self.tiers.home)  # an upload reads a disk copy (host memory is freed)
+            names = [t.name for t in self.tiers if t in tiers]
+        return [self.tiers[n] for n in self.group.bcast(names)]
+
+    def _persist(self, staged: Staged, tiers: list[Tier]) -> None:
+        """The disk writer: the due disk tiers, then hand the uploads over; never raises, never
+        touches the network."""
         try:
-            for n in names:
-                t = self._tiers[n]
-                if t.auto is not None:
-                    t.auto.observe(blocked_s=snap_s)
-            written: dict[str, Path] = {}
-            for n in names:
-                t = self._tiers[n]
-                if not t.is_disk:
-                    continue
-                t0 = time.monotonic()
-                try:
-                    written[n] = self._write_disk(t, snap)
-                except Exception as e:  # noqa: BLE001 - background: log, count, carry on
-                    self._failed(n, snap.step, e)
-                    continue
-                self._succeeded(t, snap.step, time.monotonic() - t0)
-            if "gcs" in names:
-                self._enqueue(self._upload_of(snap, buffer, written))
+            written = self._write(staged, tiers, emergency=False)
+            if self.group.rank == 0:
+                for line in written.detail:
+                    self.log.warning("checkpoint step %d: %s", staged.step, line)
+            remotes = [t for t in tiers if t.remote]
+            source = self._source(staged, written, remotes) if remotes and self._uploads_here(written) else None
+            if source is not None:
+                for t in remotes:
+                    self._enqueue(_Upload(t, source, collective=written.collective), hold=True)
+                source.refs.release()  # type: ignore[union-attr]
+            else:
+                self._discard(written)
+                if remotes and self.group.rank == 0:
+                    for t in remotes:
+                        self._failed(t.name, staged.step, RuntimeError(written.failure or "nothing to upload from"))
         except BaseException as e:  # noqa: BLE001 - a background thread must not die silently
-            self._failed("?", snap.step, e)
+            self._failed("?", staged.step, e)
 
-    def _upload_of(self, snap: Snapshot, buffer: SnapshotBuffer, written: dict[str, Path]) -> _Upload:
-        """The upload of a save: from its committed disk copy, else from the host buffer."""
-        tier = next((n for n in ("persistent", "local") if n in written), None)
-        if tier is not None:
-            self._pin(tier, snap.step)
-            return _Upload(snap.step, folder=written[tier], tier=tier)
-        self.log.warning("checkpoint step %d: no disk tier took it; uploading it to gcs from host memory",
-                         snap.step)
-        with self._cv:
-            self._held.add(id(buffer))
-        return _Upload(snap.step, snap=snap, buffer=buffer)
+    def _write(self, staged: Staged, tiers: list[Tier], *, emergency: bool) -> Written:
+        """Have the layout write the disk tiers of ``tiers`` (a collective): a periodic save
+        records each tier's success (retention, the ledger), an emergency save only its health."""
+        disks = [t for t in tiers if not t.remote]
+        plan = {t.name: self._same_step(t, staged.step) for t in disks} if self.group.is_leader else {}
 
-    def _succeeded(self, t: _Tier, step: int, write_s: float) -> None:
+        def on_tier(t: Tier, error: BaseException | None, seconds: float, folder: Path | None) -> None:
+            if error is None:
+                self._verified.add((t.name, staged.step))
+                if emergency:
+                    self._saved([t], staged.step)
+                    self._note(t.name, None)
+                else:
+                    self._succeeded(t, staged.step, seconds)
+            elif self.group.nodes > 1:
+                self.log.info("checkpoint step %d: no complete copy on %s (%d nodes, each disk holds its own "
+                              "files)", staged.step, t.name, self.group.nodes)
+            elif emergency:
+                self._note(t.name, f"{type(error).__name__}: {error}"[:300])
+            else:
+                self._failed(t.name, staged.step, error)
+
+        return self.layout.write(staged, disks, plan, for_upload=any(t.remote for t in tiers), parallel=emergency,
+                                 on_tier=on_tier, key=self.key, writer=self.session)
+
+    def _uploads_here(self, written: Written) -> bool:
+        """This rank uploads the save: every rank across nodes (each its own files), else rank 0."""
+        return written.collective or self.group.rank == 0
+
+    def _discard(self, written: Written) -> None:
+        """Nothing uploads what ``written`` left for an upload: give it back."""
+        if written.staging is not None and self.group.is_leader:
+            shutil.rmtree(written.staging, ignore_errors=True)
+        if written.memory is not None:
+            written.memory.release()
+
+    def _source(self, staged: Staged, written: Written, remotes: list[Tier]) -> _Source | None:
+        """What the uploads of a save read: this node's committed copy (the home tier's first),
+        else the staging folder, else host memory. The caller holds one reference (``refs``)."""
+        step = staged.step
+        committed = sorted(written.folders, key=lambda n: n != self.tiers.roles.home)
+        if committed and not written.collective:
+            tier = committed[0]
+            self._pin(tier, step)
+            return _Source(step, folder=written.folders[tier], pin=tier, refs=Refs(lambda: self._unpin(tier, step)))
+        if written.staging is not None:
+            stage, leader = written.staging, self.group.is_leader
+            return _Source(step, folder=stage, manifest=written.manifest,
+                           refs=Refs(lambda: shutil.rmtree(stage, ignore_errors=True) if leader else None))
+        if written.memory is not None:
+            self.log.warning("checkpoint step %d: no disk tier took it; uploading it to %s from host memory", step,
+                             ", ".join(t.name for t in remotes))
+            memory = written.memory
+            return _Source(step, memory=memory, refs=Refs(memory.release))
+        return None
+
+    def _succeeded(self, t: Tier, step: int, write_s: float) -> None:
         self.stats["tier_writes_ok"] += 1
-        if t.auto is not None:
-            t.auto.observe(write_s=write_s)
+        auto = self._schedule[t.name].auto
+        if auto is not None:
+            auto.observe(write_s=write_s)
         self.log.info("checkpoint step %d durable on %s in %.2fs", step, t.name, write_s)
         self._note(t.name, None)
         if self.on_durable is not None:
@@ -479,7 +464,7 @@ class Checkpointer:
         self.stats["last_error"] = f"{tier} step {step}: {type(e).__name__}: {e}"
         self.log.error("checkpoint step %d on %s failed (training continues; nothing partial is "
                        "visible): %s: %s", step, tier, type(e).__name__, e)
-        if tier in self._tiers:
+        if tier in self.tiers:
             self._note(tier, f"{type(e).__name__}: {e}"[:300])
 
     def _note(self, tier: str, error: str | None) -> None:
@@ -508,67 +493,102 @@ class Checkpointer:
         with self._cv:
             return {k: dict(v) for k, v in self._failing.items()}
 
-    def _write_disk(self, t: _Tier, snap: Snapshot) -> Path:
-        store = t.store
-        assert isinstance(store, DirStore)
-        folder = store.root / step_name(snap.step)
-        replace = folder.exists()
-        if replace and ((t.name, snap.step) in self._verified or self._keep_same_step(t.name, folder, snap.step)):
-            return folder
-        folder, _ = write_dir(snap, store.root, key=self.key, writer=self.session, replace=replace)
-        self._verified.add((t.name, snap.step))
-        return folder
-
     def _same_state(self, step: int, writer: str | None = None) -> set[str]:
         """The writers whose copy of ``step`` holds the state this process saves for it: this
         session, the one whose checkpoint of that step it restored, and ``writer``."""
         return {w for w in (self.session, self._restored.get(step), writer) if w}
 
-    def _keep_same_step(self, tier: str, folder: Path, step: int, writer: str | None = None) -> bool:
-        """A folder of this step is already on a disk tier (a save right after another of the same
-        step, e.g. an emergency save of a step just saved, the final save of a re-run): True to
-        keep it (written by ``_same_state``'s writers: the same state), False to replace it;
-        StepOccupied when it is a kept checkpoint."""
+    def _same_step(self, t: Tier, step: int) -> str:
+        """The plan for a disk tier that may hold a folder of this step already (a save right after
+        another of the same step, e.g. an emergency save of a step just saved, the final save of a
+        re-run): ``write`` (none there), ``keep`` (this state, see ``_same_state``), ``replace``
+        (other state, or invalid) or ``occupied: why`` (quarantined: never overwritten)."""
+        folder = t.store.folder(step_name(step))
+        if folder is None or not folder.exists():
+            return "write"
+        if (t.name, step) in self._verified:
+            return "keep"
         try:
-            m = self._verify_folder(folder)
+            m = self.layout.verify(folder, key=self.key)
         except CheckpointInvalid as e:
-            if kept(str(e)):
-                raise StepOccupied(f"{folder} holds a checkpoint that is never overwritten ({e}); this tier "
-                                   f"skips step {step}") from None
+            if quarantined(str(e)):
+                return (f"occupied: {folder} holds a checkpoint that is never overwritten ({e}); this tier "
+                        f"skips step {step}")
             self.log.warning("replacing invalid %s (%s)", folder, e)
-            return False
-        if m.get("writer") in self._same_state(step, writer):
-            return True
+            return "replace"
+        if m.get("writer") in self._same_state(step):
+            return "keep"
         self.log.warning("%s step %d at %s verifies but holds other state (written by session %s, not this "
                          "one: an abandoned trajectory); replacing it atomically with this run's step %d",
-                         tier, step, folder, m.get("writer", "unknown"), step)
-        return False
-
-    def _verify_folder(self, folder: Path) -> dict:
-        """Full verification of a folder of this checkpointer's layout (the sharded one overrides)."""
-        return verify_dir(folder, key=self.key)
+                         t.name, step, folder, m.get("writer", "unknown"), step)
+        return "replace"
 
     # ------------------------------------------------------------------------------ uploading
-    def _enqueue(self, job: _Upload) -> None:
-        """Queue ``job`` for the uploader: it replaces a queued one (FIFO when collective)."""
+    def _pin(self, tier: str, step: int) -> None:
+        with self._cv:
+            self._pins[(tier, step)] = self._pins.get((tier, step), 0) + 1
+
+    def _unpin(self, tier: str, step: int) -> None:
+        with self._cv:
+            self._pins[(tier, step)] -= 1
+            if not self._pins[(tier, step)]:
+                del self._pins[(tier, step)]
+            self._cv.notify_all()
+
+    def _pinned(self, tier: str) -> set[int]:
+        with self._cv:
+            return {s for (t, s) in self._pins if t == tier}
+
+    def _droppable(self) -> bool:
+        """A queued upload reads host memory that a newer save could take instead."""
+        with self._cv:
+            return any(j.source.memory is not None for j in self._pending)
+
+    def _drop_memory_upload(self) -> bool:
+        """Drop one queued upload from host memory (its buffer is needed by a newer save)."""
+        with self._cv:
+            job = next((j for j in self._pending if j.source.memory is not None), None)
+            if job is None:
+                return False
+            self._pending.remove(job)
+        self._superseded(job, "its host memory is needed by a newer save")
+        return True
+
+    def _enqueue(self, job: _Upload, *, hold: bool = False) -> None:
+        """Queue ``job`` for the uploader: it replaces a queued one to the same tier (in order when
+        collective). ``hold``: take a reference on its source first."""
+        if hold:
+            job.source.refs.hold()  # type: ignore[union-attr]
         with self._cv:
             if self._closing:
-                self._superseded(job, "the checkpointer is closing")
-                return
-            if not job.collective:
-                for old in self._pending:
-                    self._superseded(old, f"step {job.step} is newer")
-                self._pending = []
-            self._pending.append(job)
-            if self._uploader is None:
-                self._uploader = threading.Thread(target=self._upload_loop, name="checkpoint-uploader", daemon=True)
-                self._uploader.start()
-            self._cv.notify_all()
+                dropped = [job]
+            else:
+                dropped = [] if job.collective else [j for j in self._pending if j.tier is job.tier]
+                self._pending = [j for j in self._pending if j not in dropped] + [job]
+                if self._uploader is None:
+                    self._uploader = threading.Thread(target=self._upload_loop, name="checkpoint-uploader",
+                                                      daemon=True)
+                    self._uploader.start()
+                self._cv.notify_all()
+        for old in dropped:
+            self._superseded(old, "the checkpointer is closing" if old is job else f"step {job.step} is newer")
 
     def _superseded(self, job: _Upload, why: str) -> None:
         self.stats["uploads_superseded"] += 1
-        self.log.info("upload of step %d to gcs dropped: %s", job.step, why)
+        self.log.info("upload of step %d to %s dropped: %s", job.step, job.tier.name, why)
         self._release(job)
+
+    def _release(self, job: _Upload) -> None:
+        """The upload ``job`` ended (or never started): give its source back."""
+        if job.released or job.source.refs is None:
+            return
+        job.released = True
+        try:
+            job.source.refs.release()
+        except Exception as e:  # noqa: BLE001 - a leftover staging folder is removed at restore
+            self.log.warning("cleaning up after the upload of step %d failed: %s", job.step, e)
+        with self._cv:
+            self._cv.notify_all()
 
     def _upload_loop(self) -> None:
         me = threading.current_thread()
@@ -580,95 +600,154 @@ class Checkpointer:
                     return  # replaced: this thread's upload was abandoned
                 job = self._active = self._pending.pop(0)
             try:
-                self._run_upload(job)
+                t0 = time.monotonic()
+                with job.tier.store.aborting(job.abort):  # retention too: an abandoned upload stops at its next request
+                    try:
+                        self._upload(job, lane="upload")
+                    except Exception as e:  # noqa: BLE001
+                        if self.group.rank == 0:
+                            self._failed(job.tier.name, job.step, e)
+                    else:
+                        if self.group.rank == 0:
+                            self._succeeded(job.tier, job.step, time.monotonic() - t0)
             except BaseException as e:  # noqa: BLE001 - this thread must not die silently
-                self._failed("gcs", job.step, e)
+                self._failed(job.tier.name, job.step, e)
             finally:
                 with self._cv:
                     if self._active is job:
                         self._active = None
-                    self._release(job)
+                self._release(job)
 
-    def _run_upload(self, job: _Upload) -> None:
-        t = self._tiers["gcs"]
-        store = t.store
-        assert isinstance(store, GcsStore)
-        t0 = time.monotonic()
-        with store.aborting(job.abort):  # retention too: an abandoned upload stops at its next request
+    def _upload(self, job: _Upload, *, lane: str) -> None:
+        """Every checkpoint upload goes through here (the writer lease guards the store). Rank 0
+        looks at what the tier holds at this step first; then every rank that holds files of it
+        uploads its own (one rank alone unless ``job.collective``), and rank 0 uploads the manifest
+        last, once every part is there (before the deadline), so nothing partial is ever valid.
+        Raises when the upload did not complete."""
+        g, store, step, src = self.group, job.tier.store, job.step, job.source
+
+        def agree(obj: Any) -> Any:
+            return g.bcast(obj, lane=lane) if job.collective else obj
+
+        decision: Any = None
+        if g.rank == 0:
             try:
-                self._upload(t, job.folder if job.folder is not None else job.snap, job.step,
-                             deadline=job.deadline, abort=job.abort)
-            except Exception as e:  # noqa: BLE001
-                self._failed("gcs", job.step, e)
-            else:
-                self._succeeded(t, job.step, time.monotonic() - t0)
+                with store.deadline(job.deadline), store.aborting(job.abort):
+                    decision = self._remote_plan(job)
+            except Exception as e:  # noqa: BLE001 - said on every rank below
+                decision = e if not job.collective else f"{type(e).__name__}: {e}"
+        decision = agree(decision)
+        if decision == "skip":
+            return
+        if decision != "upload":
+            raise decision if isinstance(decision, BaseException) else RuntimeError(decision)
+        manifest = src.manifest
+        if manifest is None:
+            manifest = (self.layout.memory_manifest(src.memory, key=self.key, writer=self.session)
+                        if src.memory is not None else (src.folder / MANIFEST).read_bytes())  # type: ignore[operator]
+        names = self.layout.uploads(sorted(self._parse(manifest)["files"]), collective=job.collective)
+        prefix = step_name(step)
 
-    def _upload(self, t: _Tier, src: Path | Snapshot | None, step: int, *, deadline: float | None,
-                abort: threading.Event | None = None) -> None:
-        """Every checkpoint upload goes through here (the writer lease guards the store): ``src``
-        is a committed folder, or a snapshot in host memory."""
-        store = t.store
-        assert isinstance(store, GcsStore) and src is not None
-        with store.deadline(deadline), store.aborting(abort):
-            info = check_checkpoint(store, step, self.parse_manifest, key=self.key)
-            if info is not None:
-                mine = (read_manifest(src, self.parse_manifest, key=self.key).get("writer")
-                        if isinstance(src, Path) else None)
-                if info.valid and (info.manifest or {}).get("writer") in self._same_state(step, mine):
-                    return  # this very state is there already
-                if kept(info.reason):
-                    raise StepOccupied(f"gcs holds a checkpoint at step {step} that is never overwritten "
-                                       f"({info.reason}); this tier skips step {step}")
-                if info.valid:
-                    self.log.warning("gcs step %d verifies but holds other state (written by session %s, not "
-                                     "this one); replacing it with this run's", step,
-                                     (info.manifest or {}).get("writer", "unknown"))
-                else:
-                    # A leftover partial upload of this step: its objects are create-only, so remove
-                    # them first; they were never visible as a checkpoint.
-                    self.log.info("removing partial upload of step %d on gcs (%s)", step, info.reason)
-                delete_checkpoint(store, step)
-            if isinstance(src, Snapshot):
-                upload_snapshot(src, store, deadline=deadline, key=self.key, writer=self.session)
+        def upload_mine() -> None:
+            with store.deadline(job.deadline), store.aborting(job.abort):
+                for name in names:
+                    if src.memory is not None:
+                        store.put_memory(f"{prefix}/{name}", self.layout.memory_file(src.memory, name))
+                    else:
+                        store.put_file(src.folder / name, f"{prefix}/{name}")  # type: ignore[operator]
+
+        error: BaseException | None = None
+        try:
+            upload_mine()
+        except Exception as e:  # noqa: BLE001 - travels to rank 0
+            error = e
+        errors = g.all(None if error is None else f"{type(error).__name__}: {error}", lane=lane) \
+            if job.collective else [error]
+        result: Any = None
+        if g.rank == 0:
+            bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+            if bad:
+                result = bad[0][1] if not job.collective else RuntimeError(
+                    "; ".join(f"rank {r}: {e}" for r, e in bad) + " (no manifest uploaded: nothing partial is visible)")
             else:
-                upload_dir(src, store, step, deadline=deadline, parse=self.parse_manifest)
+                try:
+                    with store.deadline(job.deadline), store.aborting(job.abort):
+                        if job.deadline is not None and time.monotonic() > job.deadline:
+                            raise UploadAborted("deadline passed before the manifest upload")
+                        store.put_bytes(f"{prefix}/{MANIFEST}", manifest)
+                except Exception as e:  # noqa: BLE001
+                    result = e
+            if job.collective and result is not None:
+                result = f"{type(result).__name__}: {result}" if not isinstance(result, RuntimeError) else str(result)
+        result = agree(result)
+        if result is not None:
+            raise result if isinstance(result, BaseException) else RuntimeError(result)
+
+    def _remote_plan(self, job: _Upload) -> str:
+        """What to do with the copy of ``job.step`` the remote tier may hold already: ``skip`` (this
+        very state), ``upload`` (after removing a partial upload or other state); raises
+        ``StepOccupied`` for a quarantined one."""
+        store, step, src = job.tier.store, job.step, job.source
+        info = check_checkpoint(store, step, self._parse, key=self.key)
+        if info is None:
+            return "upload"
+        mine = None
+        if src.manifest is not None:
+            mine = json.loads(src.manifest).get("writer")
+        elif src.folder is not None:
+            mine = read_manifest(src.folder, self._parse, key=self.key).get("writer")
+        if info.valid and (info.manifest or {}).get("writer") in self._same_state(step, mine):
+            return "skip"
+        if quarantined(info.reason):
+            raise StepOccupied(f"{job.tier.name} holds a checkpoint at step {step} that is never overwritten "
+                               f"({info.reason}); this tier skips step {step}")
+        if info.valid:
+            self.log.warning("%s step %d verifies but holds other state (written by session %s, not this one); "
+                             "replacing it with this run's", job.tier.name, step,
+                             (info.manifest or {}).get("writer", "unknown"))
+        else:
+            # A leftover partial upload of this step: its objects are create-only, so remove them
+            # first; they were never visible as a checkpoint.
+            self.log.info("removing partial upload of step %d on %s (%s)", step, job.tier.name, info.reason)
+        delete_checkpoint(store, step)
+        return "upload"
 
     def _stop_uploads(self, why: str) -> None:
         """Drop the queued uploads and abort the one in flight, without waiting for it: its thread
         is left to end by itself (at its next request, or when a request times out)."""
         with self._cv:
-            for job in self._pending:
-                self._superseded(job, why)
-            self._pending = []
+            dropped, self._pending = self._pending, []
             job = self._active
             if job is not None:
                 job.abort.set()
                 self._active = None
                 self._uploader = None  # a later upload gets a fresh thread
                 self.abandoned += 1
-                self.log.warning("upload of step %d to gcs abandoned: %s", job.step, why)
+                self.log.warning("upload of step %d to %s abandoned: %s", job.step, job.tier.name, why)
             self._cv.notify_all()
+        for old in dropped:
+            self._superseded(old, why)
 
     # ------------------------------------------------------------------------------ durability
     def durable(self, step: int, *, deadline: float) -> Durability:
         """Wait for the saves in flight (at most until ``deadline``, time.monotonic), then read
-        ``step`` back from every durable tier (see the module docstring). An upload still running
-        at the deadline is aborted: it does not count."""
+        ``step`` back from every tier it must be on (see the module docstring; rank 0 reads, the
+        others get an empty verdict: the caller takes rank 0's). An upload still running at the
+        deadline is aborted: it does not count. Not a collective."""
         if not self.wait(timeout=max(0.0, deadline - time.monotonic())):
             self._stop_uploads(f"step {step} was due durable by the deadline")
-        return Durability(step, {n: self._check(n, step, deadline) for n in self._durable_tiers()})
+        if self.group.rank != 0:
+            return Durability(step, {})
+        complete = self.tiers.complete(self.group.nodes)
+        if not complete:
+            return Durability(step, {"remote": "not configured: no tier of this run can hold a complete copy"})
+        return Durability(step, {t.name: self._check(t, step, deadline) for t in complete})
 
-    def _check(self, tier: str, step: int, deadline: float) -> str:
-        t = self._tiers.get(tier)
-        if t is None:
-            return "not configured: no tier of this run can hold a complete copy"
+    def _check(self, t: Tier, step: int, deadline: float) -> str:
         try:
-            if isinstance(t.store, GcsStore):
-                # After the deadline the check still gets a short while of its own.
-                with t.store.deadline(max(deadline, time.monotonic() + 10.0)):
-                    info = check_checkpoint(t.store, step, self.parse_manifest)
-            else:
-                info = check_checkpoint(t.store, step, self.parse_manifest)
+            # After the deadline the check still gets a short while of its own.
+            with t.store.deadline(max(deadline, time.monotonic() + 10.0)):
+                info = check_checkpoint(t.store, step, self._parse)
         except Exception as e:  # noqa: BLE001 - the tier cannot be read: not durable as far as we know
             return f"cannot check it ({type(e).__name__}: {str(e)[:200]})"
         if info is None:
@@ -676,28 +755,30 @@ class Checkpointer:
         return "ok" if info.valid else info.reason
 
     # ------------------------------------------------------------------------------ retention
-    def _retain(self, t: _Tier, newest_step: int) -> None:
+    def _retain(self, t: Tier, newest_step: int) -> None:
         """Keep the checkpoint just written plus the newest ``keep - 1`` valid older ones.
 
         Only checkpoints older than the one just written (and verified while writing) are ever
         deleted. Newer folders are left alone: they may be valid checkpoints a restore skipped
         because of a transient error, or corrupt ones that look valid to the quick check (which
         must not make us delete the good checkpoint we just wrote). A folder an upload is reading
-        is kept until that upload ended.
+        is kept until that upload ended. Across nodes the disks hold no committed checkpoints
+        to prune.
         """
-        keep = t.policy.keep
+        if not t.remote and self.group.nodes > 1:
+            return
         with self._tier_locks[t.name]:
-            older = [i for i in list_checkpoints(t.store, self.parse_manifest, key=self.key) if i.step < newest_step]
-            keep_older = {i.step for i in [x for x in older if x.valid][: keep - 1]}
+            older = [i for i in list_checkpoints(t.store, self._parse, key=self.key) if i.step < newest_step]
+            keep_older = {i.step for i in [x for x in older if x.valid][: t.keep - 1]}
             pinned = self._pinned(t.name)
             for i in older:
-                # Kept ones are never deleted: an unauthenticated checkpoint may be this run's own
-                # work under a lost or rotated key, and garbage in the bucket must never cost a
+                # Quarantined ones are never deleted: an unauthenticated checkpoint may be this run's
+                # own work under a lost or rotated key, and garbage in the bucket must never cost a
                 # good checkpoint (retention counts only valid ones). Nor is a folder an upload reads.
-                if i.step in keep_older or i.step in pinned or kept(i.reason):
+                if i.step in keep_older or i.step in pinned or quarantined(i.reason):
                     continue
                 self.log.info("retention: deleting %s step %d (%s)", t.name, i.step,
-                              f"beyond the newest {keep} valid" if i.valid else f"invalid: {i.reason}")
+                              f"beyond the newest {t.keep} valid" if i.valid else f"invalid: {i.reason}")
                 delete_checkpoint(t.store, i.step)
                 self._verified.discard((t.name, i.step))
 
@@ -712,18 +793,22 @@ class Checkpointer:
         candidates, _ = self._survey()
         return candidates[0][0] if candidates else None
 
-    def _survey(self, *, tolerate_unknown: bool = False
-                ) -> tuple[list[tuple[int, int, _Tier, CheckpointInfo]], list[str]]:
-        """Every tier listed for a restore: the valid checkpoints as (step, tier rank, tier,
-        info), newest first and fastest tier first for equal steps, and a line per checkpoint of
-        the other layout. Invalid ones are logged with the reason. A tier that cannot be listed
-        raises ``TierUnknown`` (after every tier was tried), or with ``tolerate_unknown`` (a
-        read-only look) is logged and skipped."""
-        candidates: list[tuple[int, int, _Tier, CheckpointInfo]] = []
+    def _list(self, t: Tier) -> list[CheckpointInfo]:
+        with t.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):
+            return list_checkpoints(t.store, self._parse, key=self.key)
+
+    def _survey(self, *, tolerate_unknown: bool = False) -> tuple[list[tuple[int, str]], list[str]]:
+        """Every tier listed for a restore: the valid copies as (step, tier), newest first and
+        fastest tier first for equal steps, and a line per checkpoint of the other layout.
+        Invalid ones are logged with the reason. A tier that cannot be listed raises
+        ``TierUnknown`` (after every tier was tried), or with ``tolerate_unknown`` (a read-only
+        look) is logged and skipped."""
+        candidates: list[tuple[int, int, str]] = []
         other: list[str] = []
         unknown: dict[str, str] = {}
-        self._survey_kept = {"format": [], "unauthenticated": []}
-        for rank, t in enumerate(self._tiers.values()):
+        self._infos = {}
+        self._quarantined = {"format": [], "unauthenticated": []}
+        for rank, t in enumerate(self.tiers):
             try:
                 infos = self._list(t)
             except Exception as e:  # noqa: BLE001 - a tier being down: unknown, never empty
@@ -733,12 +818,13 @@ class Checkpointer:
                 continue
             for i in infos:
                 if i.valid:
-                    candidates.append((i.step, rank, t, i))
+                    candidates.append((i.step, rank, t.name))
+                    self._infos[(t.name, i.step)] = i
                 elif other_layout(i.reason):
                     other.append(f"{t.name} step {i.step}: {i.reason[len(OTHER_LAYOUT):]}")
-                elif kept(i.reason):
+                elif quarantined(i.reason):
                     what = "format" if i.reason.startswith(OTHER_FORMAT) else "unauthenticated"
-                    self._survey_kept[what].append(f"{t.name} step {i.step} at {i.location}: {i.reason}")
+                    self._quarantined[what].append(f"{t.name} step {i.step} at {i.location}: {i.reason}")
                     self.log.warning("refusing %s checkpoint step %d at %s: %s", t.name, i.step, i.location, i.reason)
                 else:
                     self.log.warning("ignoring %s checkpoint step %d at %s: %s",
@@ -746,142 +832,197 @@ class Checkpointer:
         if unknown and not tolerate_unknown:
             raise TierUnknown(unknown)
         candidates.sort(key=lambda c: (-c[0], c[1]))
-        return candidates, other
-
-    def mark_restored(self, step: int) -> None:
-        """Another node restored ``step`` for the job: count the tiers' intervals from there."""
-        now = time.monotonic()
-        for t in self._tiers.values():
-            t.last_step, t.last_time = step, now
+        return [(s, n) for s, _, n in candidates], other
 
     def restore(self, *, download: bool = True, step: int | None = None) -> Restored | None:
-        """Load the newest valid checkpoint across all tiers (see the module docstring), or the
-        valid checkpoint of ``step`` (a read-only look at another run: ``download=False``)."""
-        wanted = step
+        """Load the newest checkpoint that verifies across all tiers (see the module docstring),
+        or the one of ``step``. A trainer restores with ``download`` (a remote copy is placed in
+        the home tier; every rank gets the state, a sharded layout loads the bound model in place);
+        ``download=False`` is a read-only look of one process (``status``, ``export``): it changes
+        nothing on any tier and gives the full model state dict."""
         t_start = time.monotonic()
+        g = self.group
         self.wait()  # outside the lock: the background thread takes it for retention
         with self._restore_lock:
-            if download:
-                for t in self._tiers.values():
-                    if isinstance(t.store, DirStore):
-                        removed = t.store.clean_temporaries()
-                        if removed:
-                            self.log.info("removed leftovers of interrupted writes on %s: %s",
-                                          t.name, ", ".join(removed))
-            from trainer.loop.state import ResumeMismatch
-
-            candidates, other = self._survey(tolerate_unknown=not download)
-            if other and download:  # a trainer starting; status (download=False) only looks
-                raise ResumeMismatch(layout_mismatch("ddp", other))
-            if self._survey_kept["format"] and download:
-                raise ResumeMismatch(kept_mismatch(self._survey_kept["format"], None))
-            for step, _, t, info in candidates:
-                if wanted is not None and step != wanted:
-                    continue
+            if download and g.is_leader:
+                for t in self.tiers:
+                    removed = t.store.clean_temporaries()
+                    if removed:
+                        self.log.info("removed leftovers of interrupted writes on %s: %s", t.name, ", ".join(removed))
+            survey: Any = None
+            if g.rank == 0:
                 try:
-                    state, path, tier = self._load(t, step, info, download=download)
-                except TierUnknown:
-                    raise
-                except CheckpointUnloadable as e:
-                    raise ResumeMismatch(f"cannot resume from step {step} on {t.name} ({info.location}): {e}; "
-                                         "use the spottrain version that wrote it, or a new --run-dir/--gcs-uri "
-                                         "for a new run (nothing was deleted)") from None
-                except (CheckpointInvalid, Exception) as e:  # noqa: BLE001
-                    self.log.warning("checkpoint step %d on %s at %s is unusable: %s; falling back "
-                                     "to the next older one", step, t.name, info.location,
-                                     e if isinstance(e, CheckpointInvalid) else f"{type(e).__name__}: {e}")
+                    survey = self._survey(tolerate_unknown=not download)
+                except TierUnknown as e:  # every rank raises it together, below
+                    survey = e.tiers
+            survey, self._quarantined = g.bcast((survey, self._quarantined))
+            if isinstance(survey, dict):
+                raise TierUnknown(survey)
+            candidates, other = survey
+            if other and download:  # a trainer starting; a read-only look only looks
+                raise ResumeMismatch(layout_mismatch(self.layout.parallelism, other))
+            if self._quarantined["format"] and download:
+                raise ResumeMismatch(quarantine_mismatch(self._quarantined["format"], None))
+            for found in sorted({s for s, _ in candidates}, reverse=True):
+                if step is not None and found != step:
                     continue
-                if download:  # a trainer starting (download=False is a read-only look)
-                    self._reserve_in_background(state)
-                    if (info.manifest or {}).get("writer"):  # its copies hold this process's state
-                        self._restored[step] = info.manifest["writer"]  # type: ignore[index]
-                seconds = time.monotonic() - t_start
-                self.log.info("restored step %d from %s (%s) in %.2fs", step, tier, path, seconds)
-                now = time.monotonic()
-                for x in self._tiers.values():
-                    x.last_step, x.last_time = step, now
-                return Restored(step=step, state=state, tier=tier, path=path, seconds=seconds)
-            if self._survey_kept["unauthenticated"] and download:
+                restored = self._restore_step(found, [n for s, n in candidates if s == found], download, t_start)
+                if restored is not None:
+                    return restored
+            if self._quarantined["unauthenticated"] and download:
                 # Never a fresh start over them: they may be this run's work under a lost key.
-                raise ResumeMismatch(kept_mismatch(self._survey_kept["unauthenticated"], self.key))
-            self.log.info("no valid checkpoint on any tier; starting from scratch")
+                raise ResumeMismatch(quarantine_mismatch(self._quarantined["unauthenticated"], self.key))
+            if g.rank == 0:
+                self.log.info("no valid checkpoint on any tier; starting from scratch")
             return None
 
-    def _reserve_in_background(self, state: Any) -> None:
-        """Allocate the snapshot buffer while the loop starts, rather than during the first save
-        (training time). Best effort: a failure only moves the cost to the first save."""
-        buf = self._buffer
-
-        def reserve() -> None:
+    def _restore_step(self, step: int, valid_on: list[str], download: bool, t_start: float) -> Restored | None:
+        """Load a copy of ``step`` (every node leader finds or downloads its own), trying the next
+        copy when one does not verify; None when no copy of it is usable."""
+        g = self.group
+        tried: set[str] = set()
+        while True:
+            got = self._obtain(step, valid_on, tried, download) if g.is_leader else None
+            copies = g.all(got)
+            unreachable = {f"{c[2]}" + (f" (node of rank {r})" if g.nodes > 1 else ""): c[1]
+                           for r, c in enumerate(copies) if c is not None and c[0] == "unreachable"}
+            if unreachable:
+                raise TierUnknown(unreachable)
+            bad = [(r, c[1]) for r, c in enumerate(copies) if g.leader_of[r] == r and c[0] != "ok"]
+            if bad:
+                if g.rank == 0:
+                    why = "; ".join(f"node of rank {r}: {w}" if g.nodes > 1 else w for r, w in bad)
+                    self.log.warning("checkpoint step %d is unusable: %s; falling back to the next older one",
+                                     step, why)
+                return None
+            _, folder, tier, location, tmp, placed = copies[g.leader_of[g.rank]]
             try:
-                buf.reserve(state)
+                outcome = self._load(Path(folder), download)
+            finally:
+                if tmp is not None and g.is_leader:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            outcomes = g.all(outcome if outcome[0] != "ok" else ("ok", None))
+            unloadable = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] == "unloadable"]
+            if unloadable:
+                why = unloadable[0][1] if g.size == 1 else "; ".join(f"rank {r}: {w}" for r, w in unloadable)
+                raise ResumeMismatch(f"cannot resume from step {step} on {tier} ({location}): {why}"[:3000])
+            invalid = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] == "invalid"]
+            if invalid:
+                if g.rank == 0:
+                    self.log.warning("checkpoint step %d on %s at %s is unusable: %s; falling back to the next "
+                                     "older one", step, tier, location, "; ".join(w for _, w in invalid))
+                tried.add(tier)
+                continue
+            state, model = outcome[1]
+            if download:  # a trainer starting (a read-only look changes nothing)
+                self._reserve_in_background(state)
+                if placed is not None:  # verified while loading: this process's state now
+                    self._verified.add((placed, step))
+                with contextlib.suppress(Exception):  # its copies hold this process's state
+                    writer = read_manifest(Path(folder), self._parse, key=self.key).get("writer")
+                    if writer:
+                        self._restored[step] = writer
+                self._saved(list(self.tiers), step)
+            seconds = time.monotonic() - t_start
+            if g.rank == 0:
+                self.log.info("restored step %d from %s (%s) in %.2fs", step, tier, location, seconds)
+            return Restored(step=step, state=state, tier=tier, path=location, seconds=seconds, model=model)
+
+    def _obtain(self, step: int, valid_on: list[str], tried: set[str],
+                download: bool) -> tuple[str, str, str, str, str | None, str | None]:
+        """Leader: a copy of ``step`` on this node, fastest tier first: ("ok", folder, tier,
+        location, temporary folder to remove or None, the disk tier the folder is on or None),
+        ("bad", reason, ...) when none is usable,
+        or ("unreachable", error, tier, ...) when a tier that may hold it did not answer (unknown,
+        not invalid: never fall back to an older step then). A disk copy is used in place; a
+        remote one is downloaded into the home tier (``download``) or a temporary folder."""
+        reasons = []
+        for t in self.tiers:
+            if t.name in tried:
+                continue
+            try:
+                if t.remote:
+                    got = self._fetch(t, step, download)
+                    if isinstance(got, str):
+                        reasons.append(f"{t.name}: {got}")
+                        continue
+                    return got
+                folder = t.store.folder(step_name(step))
+                if folder is None or not folder.exists():
+                    continue
+                info = self._infos.get((t.name, step)) if t.name in valid_on else None
+                if info is None:
+                    info = check_checkpoint(t.store, step, self._parse, key=self.key)
+                if info is None or not info.valid:
+                    reasons.append(f"{t.name} copy at {folder}: {info.reason if info else 'not there'}")
+                    continue
+                if self.layout.verify_on_obtain:
+                    self.layout.verify(folder, key=self.key)
+                return ("ok", str(folder), t.name, str(folder), None, t.name)
+            except TierUnknown as e:
+                name, why = next(iter(e.tiers.items()))
+                return ("unreachable", why, name, "", None, None)
+            except CheckpointInvalid as e:
+                reasons.append(f"{t.name} copy: {e}")
+                self.log.warning("checkpoint step %d on %s is unusable: %s", step, t.name, e)
             except Exception as e:  # noqa: BLE001
-                self.log.debug("snapshot buffer not reserved: %s", e)
+                if is_unreachable(e):  # unknown, not invalid: never fall back to an older step
+                    return ("unreachable", f"{type(e).__name__}: {e}", t.name, "", None, None)
+                reasons.append(f"{t.name}: {type(e).__name__}: {e}")
+        return ("bad", "; ".join(reasons) or "no copy on this node", "", "", None, None)
 
-        self._reserver = threading.Thread(target=reserve, name="checkpoint-reserve", daemon=True)
-        self._reserver.start()
-
-    #: Listing a tier gives up after this long (GCS unreachable at start-up must not stall the
-    #: restore for the full upload retry budget; the disk tiers are still tried).
-    LIST_TIMEOUT_S = 60.0
-
-    def _list(self, t: _Tier) -> list[CheckpointInfo]:
-        if isinstance(t.store, GcsStore):
+    def _fetch(self, t: Tier, step: int, download: bool) -> tuple[str, str, str, str, str | None, str | None] | str:
+        """A remote tier's copy of ``step`` downloaded and verified: into the home tier
+        (``download``), else (a read-only look, or a home that cannot take it) a temporary folder.
+        A reason string when the tier holds no valid copy."""
+        info = self._infos.get((t.name, step))
+        if info is None:
             with t.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):
-                return list_checkpoints(t.store, self.parse_manifest, key=self.key)
-        return list_checkpoints(t.store, self.parse_manifest, key=self.key)
-
-    def _load(self, t: _Tier, step: int, info: CheckpointInfo, *, download: bool) -> tuple[Any, str, str]:
-        if isinstance(t.store, DirStore):
-            folder = t.store.root / step_name(step)
-            _, state = load_dir(folder, key=self.key)
-            self._verified.add((t.name, step))
-            return state, str(folder), t.name
-        persistent = self._tiers["persistent"].store
-        assert isinstance(persistent, DirStore)
+                info = check_checkpoint(t.store, step, self._parse, key=self.key)
+        if info is None or not info.valid:
+            return info.reason if info else "not there"
+        home = self.tiers.home
         if download:
-            stale = check_checkpoint(persistent, step, key=self.key)
-            if stale is not None and kept(stale.reason):
-                self.log.warning("the persistent tier's step %d is kept (%s): loading the GCS copy without "
-                                 "storing it there", step, stale.reason)
+            stale = check_checkpoint(home.store, step, self._parse, key=self.key)
+            if stale is not None and quarantined(stale.reason):
+                self.log.warning("the %s tier's step %d is quarantined (%s): loading the %s copy without storing "
+                                 "it there", home.name, step, stale.reason, t.name)
                 download = False
             elif stale is not None:
-                # The persistent copy of this step failed verification (or it would have been
-                # chosen first): replace it with the good one from GCS.
-                self.log.warning("replacing invalid persistent copy of step %d with the GCS one", step)
-                delete_checkpoint(persistent, step)
+                # The home copy of this step failed verification (or it would have been chosen
+                # first): replace it with the good one.
+                self.log.warning("replacing invalid %s copy of step %d with the %s one", home.name, step, t.name)
+                delete_checkpoint(home.store, step)
         if download:
             try:
-                folder = self._download(t, step, persistent.root)
+                folder = self._download(t, step, home.store.folder())  # type: ignore[arg-type]
             except _CannotStore as e:  # a full or read-only run dir: load it from elsewhere all the same
                 self.log.warning("the run dir cannot take the download of step %d (%s): loading it through a "
                                  "temporary folder; the run dir gets checkpoints again once it takes writes",
                                  step, e.error)
             else:
                 self.log.info("downloaded step %d from %s into %s", step, info.location, folder)
-                _, state = load_dir(folder, key=self.key)
-                self._verified.add(("persistent", step))
-                return state, info.location, t.name
+                return ("ok", str(folder), t.name, info.location, None, home.name)
         try:
             tmp = Path(tempfile.mkdtemp(prefix="spottrain-restore-"))
         except OSError as e:
             raise self._nowhere(step, e) from e
         try:
-            try:
-                folder = self._download(t, step, tmp)
-            except _CannotStore as e:
-                raise self._nowhere(step, e.error) from e
-            _, state = load_dir(folder, key=self.key)
-        finally:
+            folder = self._download(t, step, tmp)
+        except _CannotStore as e:
             shutil.rmtree(tmp, ignore_errors=True)
-        return state, info.location, t.name
+            raise self._nowhere(step, e.error) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return ("ok", str(folder), t.name, info.location, str(tmp), None)
 
-    def _download(self, t: _Tier, step: int, root: Path) -> Path:
+    def _download(self, t: Tier, step: int, root: Path) -> Path:
         """``download_dir``; a tier that stops answering midway is unknown, and a folder that cannot
         take the files is ``_CannotStore`` (the checkpoint is not thereby invalid: never fall back
         to an older one for either)."""
         try:
-            return download_dir(t.store, step, root, key=self.key)
+            return download_dir(t.store, step, root, self._parse, key=self.key)
         except Exception as e:
             if is_unreachable(e):
                 raise TierUnknown({t.name: f"{type(e).__name__}: {e}"}) from e
@@ -892,25 +1033,57 @@ class Checkpointer:
     def _nowhere(self, step: int, e: OSError) -> TierUnknown:
         """Neither the run dir nor a temporary folder takes the download: the run dir cannot be used
         now, so start-up waits for it (trainer.checkpoint.tier_wait), as for any tier it cannot use."""
-        return TierUnknown({"persistent": f"cannot store the download of step {step} in the run dir nor in a "
-                                          f"temporary folder ({type(e).__name__}: {e})"})
+        home = self.tiers.home.name
+        return TierUnknown({home: f"cannot store the download of step {step} in the run dir nor in a "
+                                  f"temporary folder ({type(e).__name__}: {e})"})
+
+    def _load(self, folder: Path, download: bool) -> tuple[Any, Any]:
+        """("ok", (state, full model or None)), or ("invalid", why) for a copy that does not verify
+        (another copy may), or ("unloadable", why) for one that verified but cannot be loaded
+        here (a resume mismatch: no fallback)."""
+        try:
+            if download:
+                return "ok", (self.layout.load(folder, key=self.key), None)
+            model, state = self.layout.look(folder, key=self.key)
+            return "ok", (state, model)
+        except CheckpointUnloadable as e:
+            return "unloadable", str(e)
+        except TierUnknown:
+            raise
+        except CheckpointInvalid as e:
+            return "invalid", str(e)
+        except Exception as e:  # noqa: BLE001 - a copy that cannot be read: the next one may
+            return "invalid", f"{type(e).__name__}: {e}"
+
+    def _reserve_in_background(self, state: Any) -> None:
+        """Allocate host memory for the first save while the loop starts, rather than during
+        that save (training time). Best effort: a failure only moves the cost to the first save."""
+        def reserve() -> None:
+            try:
+                self.layout.reserve(state)
+            except Exception as e:  # noqa: BLE001
+                self.log.debug("snapshot buffer not reserved: %s", e)
+
+        self._reserver = threading.Thread(target=reserve, name="checkpoint-reserve", daemon=True)
+        self._reserver.start()
 
     # ------------------------------------------------------------------------------ emergency
-    def emergency_save(self, step: int, state: dict, *, deadline: float,
+    def emergency_save(self, step: int, state: Any = None, *, deadline: float,
                        meta: dict | None = None) -> EmergencyReport:
-        """Save now, on a preemption notice (see the module docstring): the disk tiers
-        synchronously (they always complete), then GCS until ``deadline`` (time.monotonic). A
-        second signal (Ctrl-C) does not abort it."""
+        """Save now, on a preemption notice (see the module docstring): the disk tiers (they
+        always complete), then every remote tier until ``deadline`` (time.monotonic). A second
+        signal (Ctrl-C) does not abort it."""
         t0 = time.monotonic()
         meta = _check_meta(meta)
         report = self._uninterrupted(step, t0, lambda: self._emergency(step, state, deadline, meta, t0))
-        (self.log.info if report.saved else self.log.error)("emergency save: %s", report.detail)
+        if self.group.rank == 0:
+            (self.log.info if report.saved else self.log.error)("emergency save: %s", report.detail)
         return report
 
     def _uninterrupted(self, step: int, t0: float, save: Callable[[], EmergencyReport]) -> EmergencyReport:
         """Run an emergency ``save`` in a thread and wait for it, ignoring Ctrl-C meanwhile: a
-        second signal must not break off the save (or, sharded, a collective) midway. A save
-        that raises is reported as failed, never raised."""
+        second signal must not break off the save (or a collective) midway. A save that raises is
+        reported as failed, never raised."""
         result: list[EmergencyReport] = []
         done = threading.Event()
 
@@ -918,8 +1091,7 @@ class Checkpointer:
             try:
                 result.append(save())
             except BaseException as e:  # noqa: BLE001
-                result.append(EmergencyReport(step, False, None if self.gcs is None else False,
-                                              time.monotonic() - t0,
+                result.append(EmergencyReport(step, {t.name: False for t in self.tiers}, time.monotonic() - t0,
                                               f"step {step}: emergency save failed: {type(e).__name__}: {e}"))
             finally:
                 done.set()
@@ -932,83 +1104,129 @@ class Checkpointer:
             except KeyboardInterrupt:
                 self.log.warning("interrupt ignored: emergency checkpoint of step %d in progress", step)
 
-    def _emergency(self, step: int, state: dict, deadline: float, meta: dict, t0: float) -> EmergencyReport:
-        # Nothing on the network is waited for: older uploads are dropped or left behind.
+    def _emergency(self, step: int, state: Any, deadline: float, meta: dict, t0: float) -> EmergencyReport:
+        # Nothing on the network is waited for: older uploads are dropped or left behind (across
+        # nodes that one runs on the uploader's own group). Then every tier, disks first.
         self._stop_uploads(f"emergency save of step {step}")
         if self._busy():
             self._thread.join()  # type: ignore[union-attr]  # the disk writer: disk I/O only
-        snap = self._acquire_buffer().take(step, state, meta)
+        staged = self.layout.stage(step, state, meta, make_room=self._drop_memory_upload)
+        tiers = list(self.tiers)
+        written = self._write(staged, tiers, emergency=True)
         ok: dict[str, bool] = {}
-        parts: list[str] = []
-        folders: dict[str, Path] = {}
+        parts: list[str] = list(written.detail)
+        for t in self.tiers.disks:
+            error = written.errors.get(t.name)
+            ok[t.name] = t.name in written.errors and error is None
+            if ok[t.name]:
+                folder = written.folders.get(t.name)
+                parts.append(f"{t.name} saved" + (f" ({folder}, {written.seconds.get(t.name, 0.0):.1f}s)"
+                                                    if folder is not None else ""))
+            elif self.group.nodes > 1:
+                parts.append(f"{t.name} not complete")
+            else:
+                parts.append(f"{t.name} FAILED ({type(error).__name__}: {error})")
+        remotes = self.tiers.remotes
+        source = self._source(staged, written, remotes) if remotes and self._uploads_here(written) else None
+        if source is None:
+            self._discard(written)
+        if remotes:
+            ok.update(self._emergency_uploads(remotes, source, written, deadline, parts))
+        if source is not None:
+            source.refs.release()  # type: ignore[union-attr]
+        cache = [t.name for t in self.tiers if not t.durable and ok.get(t.name)]
+        if cache and not any(ok.get(t.name) for t in self.tiers if t.durable):
+            parts.append(f"step {step} is only on {', '.join(cache)}, lost with the VM: a restart of the trainer on "
+                         "this VM resumes from it, but it does not count as saved")
+        complete = self.tiers.complete(self.group.nodes)
+        return EmergencyReport(step=step, ok=ok, seconds=time.monotonic() - t0, detail=f"step {step}: " + "; ".join(parts),
+                               saved=any(ok.get(t.name) for t in self.tiers if t.durable),
+                               complete=bool(complete) and all(ok.get(t.name) for t in complete))
 
-        def write(name: str) -> None:
-            t = self._tiers[name]
-            try:
-                folders[name] = self._write_disk(t, snap)
-                ok[name] = True
-                parts.append(f"{name} saved ({folders[name]}, {time.monotonic() - t0:.1f}s)")
-                t.last_step, t.last_time = step, time.monotonic()
-                self._note(name, None)
-            except Exception as e:  # noqa: BLE001
-                ok[name] = False
-                parts.append(f"{name} FAILED ({type(e).__name__}: {e})")
-                self._note(name, f"{type(e).__name__}: {e}"[:300])
+    def _emergency_uploads(self, remotes: list[Tier], source: _Source | None, written: Written, deadline: float,
+                           parts: list[str]) -> dict[str, bool]:
+        """Upload to every remote tier until ``deadline``: across nodes together, in order (a
+        collective cannot be left behind on one rank); else on rank 0, each on a thread of its own,
+        a request still running at the deadline abandoned there. Rank 0's outcome on every rank."""
+        g = self.group
+        out: dict[str, bool] = {}
+        if source is None:
+            if g.rank == 0 or written.collective:
+                for t in remotes:
+                    out[t.name] = False
+                    parts.append(f"{t.name} not done ({written.failure or 'nothing to upload from'})")
+            if not written.collective and g.size > 1:
+                out, more = g.bcast((out, parts))
+                parts[:] = more
+            return out
+        if written.collective:
+            for t in remotes:
+                t1 = time.monotonic()
+                job = _Upload(t, source, collective=True, deadline=deadline)
+                try:
+                    self._upload(job, lane="save")
+                except Exception as e:  # noqa: BLE001
+                    out[t.name] = False
+                    parts.append(f"{t.name} not done ({e})")
+                    if g.rank == 0:
+                        self._failed(t.name, source.step, e)
+                else:
+                    out[t.name] = True
+                    parts.append(f"{t.name} uploaded ({t.store.location(step_name(source.step))})")
+                    if g.rank == 0:
+                        self._succeeded(t, source.step, time.monotonic() - t1)
+            return out
+        if g.rank == 0:
+            threads = {}
+            for t in remotes:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    out[t.name] = False
+                    parts.append(f"{t.name} not done (no time left before the deadline)")
+                    continue
+                threads[t.name] = self._upload_thread(t, source, deadline)
+            for t in remotes:
+                if t.name in threads:
+                    out[t.name] = self._upload_joined(t, source, threads[t.name], deadline, parts)
+        if g.size > 1:
+            out, more = g.bcast((out, parts))
+            parts[:] = more
+        return out
 
-        # The disk tiers at once: the local SSD (fastest) never delays the persistent disk.
-        writers = [threading.Thread(target=write, args=(n,), name=f"checkpoint-emergency-{n}", daemon=True)
-                   for n in ("local", "persistent") if n in self._tiers]
-        for th in writers:
-            th.start()
-        for th in writers:
-            th.join()
-        gcs = self._tiers.get("gcs")
-        if gcs is not None:
-            src = folders.get("persistent") or folders.get("local") or snap
-            ok["gcs"] = self._emergency_upload(gcs, step, src, deadline, parts)
-        if ok.get("local") and not any(ok.get(n) for n in DURABLE_TIERS):
-            parts.append(f"step {step} is only on the local SSD: a restart of the trainer on this VM "
-                         "resumes from it, but it is lost with the VM, so it does not count as saved")
-        return EmergencyReport(step=step, persistent_ok=bool(ok.get("persistent")), gcs_ok=ok.get("gcs"),
-                               seconds=time.monotonic() - t0, detail=f"step {step}: " + "; ".join(parts),
-                               local_ok=ok.get("local"), complete=all(ok.get(n) for n in self._durable_tiers()))
-
-    def _emergency_upload(self, gcs: _Tier, step: int, src: Path | Snapshot, deadline: float,
-                          parts: list[str]) -> bool:
-        """Upload ``step`` from ``src`` (its persistent copy, else the local one, else host
-        memory) until ``deadline``; a request still running then is abandoned on its thread."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            parts.append("GCS not done (no time left before the deadline)")
-            return False
-        abort = threading.Event()
+    def _upload_thread(self, t: Tier, source: _Source, deadline: float) -> tuple[threading.Thread, _Upload, list, float]:
+        job = _Upload(t, source, deadline=deadline)
         result: list[BaseException | None] = []
 
         def upload() -> None:
             try:
-                self._upload(gcs, src, step, deadline=deadline, abort=abort)
+                with t.store.aborting(job.abort):
+                    self._upload(job, lane="save")
                 result.append(None)
             except BaseException as e:  # noqa: BLE001
                 result.append(e)
 
-        th = threading.Thread(target=upload, name="checkpoint-emergency-upload", daemon=True)
+        th = threading.Thread(target=upload, name=f"checkpoint-emergency-upload-{t.name}", daemon=True)
         th.start()
+        return th, job, result, deadline - time.monotonic()
+
+    def _upload_joined(self, t: Tier, source: _Source, started: tuple, deadline: float, parts: list[str]) -> bool:
+        th, job, result, remaining = started
         th.join(max(0.0, deadline - time.monotonic()))
         if th.is_alive():
-            abort.set()
-            parts.append(f"GCS not done by the deadline ({remaining:.1f}s were left; the manifest will not "
+            job.abort.set()
+            parts.append(f"{t.name} not done by the deadline ({remaining:.1f}s were left; the manifest will not "
                          "be uploaded, so nothing partial is visible)")
-            self._note("gcs", "the emergency upload did not finish by the deadline")
+            self._note(t.name, "the emergency upload did not finish by the deadline")
             return False
         if result and result[0] is None:
-            parts.append(f"GCS uploaded ({gcs.store.location(step_name(step))})"  # type: ignore[attr-defined]
-                         + ("" if isinstance(src, Path) else " from host memory"))
-            gcs.last_step, gcs.last_time = step, time.monotonic()
-            self._note("gcs", None)
+            parts.append(f"{t.name} uploaded ({t.store.location(step_name(source.step))})"
+                         + ("" if source.memory is None else " from host memory"))
+            self._saved([t], source.step)
+            self._note(t.name, None)
             return True
         e = result[0] if result else None
-        parts.append(f"GCS not done ({type(e).__name__}: {e})")
-        self._note("gcs", f"{type(e).__name__}: {e}"[:300])
+        parts.append(f"{t.name} not done ({type(e).__name__}: {e})")
+        self._note(t.name, f"{type(e).__name__}: {e}"[:300])
         return False
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -1033,9 +1251,9 @@ class Checkpointer:
         return True
 
     def close(self, timeout: float | None = None) -> bool:
-        """Finish background work and release the host buffers: the disk writer always (disk
-        I/O; sharded, a collective), the uploads for at most ``timeout`` seconds (then they are
-        abandoned). True if nothing was left unfinished."""
+        """Finish background work and release host memory: the disk writer always (disk I/O; a
+        collective for a sharded layout), the uploads for at most ``timeout`` seconds (then they
+        are abandoned). True if nothing was left unfinished."""
         if self._thread is not None:
             self._thread.join()
         done = self.wait(timeout)
@@ -1048,24 +1266,26 @@ class Checkpointer:
             self._cv.notify_all()
         if self._reserver is not None:
             self._reserver.join()
-        self._buffer = SnapshotBuffer()
-        self._buffers = [self._buffer]
+        self.layout.close()
+        # An abandoned upload may still sit in a collective of the uploader's lane: leave that to
+        # the process's exit.
+        self.group.close(abandoned=bool(self.abandoned))
         return done
 
     # ------------------------------------------------------------------------------ status
     def describe(self, *, deep: bool = False) -> dict:
-        """Per tier: checkpoints (valid or not, with the reason), the newest valid, the policy.
+        """Per tier: checkpoints (valid or not, with the reason), the newest valid, the cadence.
+        Not a collective: this node's view.
 
-        ``deep`` also hashes every file of disk checkpoints (slow for big states); by default the
+        ``deep`` also verifies every file of disk checkpoints (slow for big states); by default the
         check is the manifest self-checksum plus file presence and sizes.
         """
         out: dict[str, Any] = {"tiers": {}, "stats": dict(self.stats)}
-        for name, t in self._tiers.items():
-            loc = str(t.store.root) if isinstance(t.store, DirStore) else getattr(t.store, "uri", name)
+        for t in self.tiers:
             entry: dict[str, Any] = {
-                "location": loc,
-                "policy": dataclasses.asdict(t.policy) | {"automatic": t.policy.automatic},
-                "interval_s": t.auto.decide().seconds if t.auto else None,
+                "location": t.store.location(),
+                "policy": dataclasses.asdict(t.cadence) | {"keep": t.keep, "automatic": t.cadence.automatic},
+                "interval_s": self.interval_s(t.name),
                 "checkpoints": [], "newest_valid": None,
             }
             try:
@@ -1075,9 +1295,10 @@ class Checkpointer:
                 infos = []
             for i in infos:
                 valid, reason = i.valid, i.reason
-                if deep and valid and isinstance(t.store, DirStore):
+                folder = t.store.folder(step_name(i.step))
+                if deep and valid and folder is not None:
                     try:
-                        verify_dir(t.store.root / step_name(i.step), key=self.key)
+                        self.layout.verify(folder, key=self.key)
                     except CheckpointInvalid as e:
                         valid, reason = False, str(e)
                 entry["checkpoints"].append({"step": i.step, "valid": valid, "reason": reason,
@@ -1085,8 +1306,17 @@ class Checkpointer:
                                              "location": i.location})
                 if valid and entry["newest_valid"] is None:
                     entry["newest_valid"] = i.step
-            out["tiers"][name] = entry
+            out["tiers"][t.name] = entry
         return out
+
+
+class _CannotStore(Exception):
+    """A download that the folder it goes to cannot take (full, read-only, failing): the disk's
+    problem, not the checkpoint's."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _Locks:
@@ -1124,5 +1354,4 @@ def _check_meta(meta: dict | None) -> dict:
     return meta
 
 
-__all__ = ["Checkpointer", "Durability", "EmergencyReport", "Restored", "TierPolicy", "UploadAborted",
-           "describe_failing"]
+__all__ = ["Checkpointer", "Durability", "EmergencyReport", "Restored", "describe_failing"]

@@ -130,7 +130,7 @@ def holder_id(run_dir: Path) -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id:
         return f"torchrun job {run_id}"
-    from trainer.observe.goodput import node_name
+    from trainer.distributed import node_name
 
     return f"{node_name()}:{Path(run_dir).resolve()}"
 
@@ -268,9 +268,10 @@ class Lease:
             if updated is not None:
                 left = min(left, ttl - (self.wall() - updated))
             left = max(0.0, left)
+            # The health answer first: whoever reads the line below may ask it at once.
+            on_wait(f"for the writer lease held by {doc.get('holder', '?')} (expires in {left:.0f}s)")
             self.log.warning("event=waiting_for_lease holder=%s expires_in_s=%.0f (taking it over if it is "
                              "not renewed)", describe_holder(doc), left)
-            on_wait(f"for the writer lease held by {doc.get('holder', '?')} (expires in {left:.0f}s)")
             if sleep(min(max(0.2, left), max(0.5, ttl / 8))):
                 raise InterruptedError("a preemption notice came while waiting for the writer lease")
 

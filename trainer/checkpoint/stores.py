@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Any, BinaryIO, Callable, ContextManager, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +74,30 @@ def _isolate_client_randomness() -> None:
 
 @runtime_checkable
 class Store(Protocol):
-    """One tier's blob store. Keys use ``/`` separators and never start with ``/``."""
+    """One tier's blob store. Keys use ``/`` separators and never start with ``/``.
+
+    Whatever a tier asks of its store goes through this interface, never through the store's
+    type: where a key is (``location``), whether keys are files on this machine (``folder``: a
+    directory store's path, None for a bucket), how long calls may take in this block of this
+    thread (``deadline``) and when they stop (``aborting``), and what an interrupted write left
+    behind (``clean_temporaries``; nothing on a bucket, where uploads are create-only)."""
 
     name: str
 
+    def location(self, key: str = "") -> str: ...
+    def folder(self, key: str = "") -> Path | None: ...
     def put_file(self, src: Path, key: str) -> None: ...
+    def put_memory(self, key: str, data: memoryview | bytes) -> None: ...
     def put_bytes(self, key: str, data: bytes, *, overwrite: bool = False) -> None: ...
     def get_bytes(self, key: str) -> bytes: ...
     def get_file(self, key: str, dst: Path) -> None: ...
     def list(self, prefix: str) -> list[str]: ...
+    def sizes(self, prefix: str) -> dict[str, int]: ...
+    def delete(self, key: str) -> None: ...
     def delete_prefix(self, prefix: str) -> None: ...
+    def deadline(self, deadline: float | None) -> ContextManager[None]: ...
+    def aborting(self, event: threading.Event | None) -> ContextManager[None]: ...
+    def clean_temporaries(self) -> list[str]: ...
 
 
 class ObjectInfo(NamedTuple):
@@ -151,6 +165,37 @@ class DirStore:
 
     def path(self, key: str) -> Path:
         return self.root / _check_key(key)
+
+    def folder(self, key: str = "") -> Path:
+        """Where ``key`` is on this machine (the root for "")."""
+        return self.root / _check_key(key) if key else self.root
+
+    def location(self, key: str = "") -> str:
+        return str(self.folder(key))
+
+    @contextlib.contextmanager
+    def deadline(self, deadline: float | None) -> Iterator[None]:
+        """Disk calls are not bounded here (a disk that hangs hangs the process anyway)."""
+        yield
+
+    @contextlib.contextmanager
+    def aborting(self, event: threading.Event | None) -> Iterator[None]:
+        yield
+
+    def put_memory(self, key: str, data: memoryview | bytes) -> None:
+        """``put_file`` from host memory (create-only, fsynced, atomic)."""
+        dst = self.path(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.exists():
+            raise FileExistsError(f"{dst} exists")
+        tmp = self._tmp_sibling(dst)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, memoryview(data).cast("B"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._publish(tmp, dst, overwrite=False)
 
     def _tmp_sibling(self, dst: Path) -> Path:
         return dst.parent / f"{TMP_PREFIX}{dst.name}-{uuid.uuid4().hex[:8]}"
@@ -511,6 +556,14 @@ class GcsStore:
 
     def location(self, key: str = "") -> str:
         return f"gs://{self.bucket_name}/{self._object(key)}" if key else self.uri
+
+    def folder(self, key: str = "") -> None:
+        """Objects are not files on this machine: a restore downloads them."""
+        return None
+
+    def clean_temporaries(self) -> list[str]:
+        """Nothing to clean: uploads are create-only and only a manifest makes a checkpoint."""
+        return []
 
     def _timeout(self) -> float:
         dl = self._deadline()

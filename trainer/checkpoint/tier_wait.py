@@ -90,11 +90,12 @@ def until_known(attempt: Callable[[], T], *, wait_s: float, log: logging.Logger,
                 "while a configured tier cannot be read. Fix access to it (IAM, network) or wait: "
                 "the next start tries again")
         pause = min(delay, max(0.0, wait_s - waited))
+        # The health answer first: whoever reads the line below may ask it at once.
+        on_wait(f"for {what} (unknown for {waited:.0f}s, giving up at {_iso(end_wall)})")
         for tier, why in sorted(unknown.tiers.items()):
             log.warning("event=waiting_for_tier tier=%s error=%s waited_s=%.0f until=%s next_try_s=%.0f "
                         "(not deciding where to resume while %s cannot be read: it may hold the newest "
                         "checkpoint)", tier, _one_line(why), waited, _iso(end_wall), pause, tier)
-        on_wait(f"for {what} (unknown for {waited:.0f}s, giving up at {_iso(end_wall)})")
         if sleep(pause):
             raise Stopped(f"a preemption notice came while waiting for {what}")
         delay = min(delay * 2, MAX_BACKOFF_S)

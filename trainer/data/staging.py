@@ -657,8 +657,8 @@ class _ShortRead(ConnectionError):
 # --- the command -------------------------------------------------------------------------------
 def record(run_dir: Path, source: str, started: float, result: Result | None, ok: bool,
            error: str | None = None) -> None:
-    """The ``staging`` event in the run's goodput ledger (see trainer.observe.goodput)."""
-    from trainer.observe.goodput import Ledger, node_name
+    """The ``staging`` event in the run's goodput ledger (see trainer.observe.ledger)."""
+    from trainer.observe.ledger import Ledger, node_name
 
     ledger = Ledger(run_dir)
     r = result or Result()

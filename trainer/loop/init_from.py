@@ -146,8 +146,8 @@ def provenance(cfg: Any, found: Any, digest: str) -> dict[str, Any]:
 def apply(cfg: Any, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
           sharded_run: Any = None, log: logging.Logger) -> dict[str, Any]:
     """Load the source's weights (and optimizer state) into ``model`` (``optimizer``) on every
-    rank; the provenance. ``sharded_run``: this run's ``ShardedCheckpointer`` when it is an FSDP
-    run (its model is sharded), else None. A collective."""
+    rank; the provenance. ``sharded_run``: this run's checkpointer when it is an FSDP run (its
+    model is sharded: the sharded layout loads it), else None. A collective."""
     from trainer.checkpoint.format import tensor_digest
 
     if sharded_run is not None:
@@ -243,14 +243,15 @@ def _apply_sharded(cfg: Any, world: World, model: torch.nn.Module, optimizer: to
     if prov["layout"] in ("whole-model", "weights-file"):
         _scatter_weights(model, kept.get("weights", {}))
         return prov
-    folder, tmp = _sharded_folder(cfg, ckpt, prov) if ckpt.is_leader else (None, None)
+    group = ckpt.layout.group
+    folder, tmp = _sharded_folder(cfg, prov) if group.is_leader else (None, None)
     try:
-        folders = ckpt._all(folder)
-        mine = folders[ckpt._leader_of[ckpt._rank]]
-        if any(f is None or f.startswith("error: ") for r, f in enumerate(folders) if ckpt._leader_of[r] == r):
+        folders = group.all(folder)
+        mine = folders[group.leader_of[group.rank]]
+        if any(f is None or f.startswith("error: ") for r, f in enumerate(folders) if group.leader_of[r] == r):
             why = "; ".join(f for f in folders if f and f.startswith("error: "))
             raise RuntimeError(f"init_from: no verified copy of {prov['location']} on every node: {why}")
-        errs = ckpt._all(_try_load(ckpt, Path(mine), model, optimizer if cfg.init_from_optimizer else None))
+        errs = group.all(_try_load(ckpt.layout, Path(mine), model, optimizer if cfg.init_from_optimizer else None))
         bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
         if bad:
             raise InitFromError(f"init_from: the checkpoint {prov['location']} does not fit this task's model"
@@ -274,31 +275,33 @@ def _check_shapes(model: torch.nn.Module, shapes: dict, prov: dict) -> None:
                 + ([f"size mismatch {', '.join(wrong[:10])}"] if wrong else [])))
 
 
-def _sharded_folder(cfg: Any, ckpt: Any, prov: dict) -> tuple[str, Path | None]:
-    """Leader: a verified folder of the source's step on this node, (path or "error: ...", temp
-    dir to remove)."""
-    from trainer.checkpoint.format import step_name
+def _sharded_folder(cfg: Any, prov: dict) -> tuple[str, Path | None]:
+    """Leader: a folder of the source's step on this node that verifies under this run's key
+    (what DCP then reads, so it is verified here again, not trusted from the reader's look),
+    (path or "error: ...", temp dir to remove)."""
+    from trainer.checkpoint.manifest import step_name
     from trainer.checkpoint.sharded import download_sharded, verify_sharded_dir
     from trainer.checkpoint.stores import GcsStore
 
     run_dir, gcs_uri = _source(cfg)
     step = int(prov["step"])
+    key = cfg.checkpoint_key()
     try:
         if run_dir is not None and (run_dir / step_name(step)).is_dir():
-            verify_sharded_dir(run_dir / step_name(step))
+            verify_sharded_dir(run_dir / step_name(step), key=key)
             return str(run_dir / step_name(step)), None
         if gcs_uri is None:
             return f"error: {run_dir / step_name(step)} is not on this node", None
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-init-from-", dir=cfg.run_dir))
-        return str(download_sharded(GcsStore(gcs_uri), step, tmp)), tmp
+        return str(download_sharded(GcsStore(gcs_uri), step, tmp, key=key)), tmp
     except Exception as e:  # noqa: BLE001 - travels to every rank
         return f"error: {type(e).__name__}: {e}", None
 
 
-def _try_load(ckpt: Any, folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str | None:
+def _try_load(layout: Any, folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str | None:
     try:
         with _keeping_settings(optimizer) if optimizer is not None else contextlib.nullcontext():
-            ckpt.load_into(folder, model, optimizer)
+            layout.load_into(folder, model, optimizer)
         return None
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         lines = [x.strip() for x in str(e).splitlines() if x.strip()]

@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 
-from trainer.distributed import World
+# ResumeMismatch: a checkpoint written with other settings is the same refusal as one of another
+# layout, which the checkpointer raises; both are the manifest's.
+from trainer.checkpoint.manifest import ResumeMismatch
 from trainer.data.sampler import DataOrder
+from trainer.distributed import World
 
 FORMAT = 1
-
-
-class ResumeMismatch(Exception):
-    """The checkpoint was written with other settings; resuming would not continue that run."""
 
 
 def rng_state() -> dict[str, Any]:

@@ -19,11 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint.tiers import TIER_NAMES
 from trainer.observe.goodput import report
 
 OUTCOME_COLOURS = {"finished": "#2e7d32", "preempted": "#ef6c00", "crashed": "#c62828", "failed": "#6a1b9a",
                    "paused": "#757575", "running": "#1565c0"}
-TIER_ROWS = ("local", "persistent", "gcs")
+TIER_ROWS = TIER_NAMES  # the tier table's, fastest first
 
 
 class PlotUnavailable(Exception):
@@ -55,8 +56,7 @@ def sessions(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "notices": [float(e["t"]) for e in evs if e["event"] == "preemption_notice"],
                     "durable": [(float(e["t"]), str(e["tier"])) for e in evs if e["event"] == "durable"],
                     "emergency": [(float(e["t"]), tier) for e in evs if e["event"] == "preempted"
-                                  for tier, ok in (("persistent", e.get("persistent_ok")), ("gcs", e.get("gcs_ok")))
-                                  if ok]})
+                                  for tier in TIER_ROWS if e.get(f"{tier}_ok") is True]})
     out.sort(key=lambda s: s["t0"])
     mains = [s for s in out if s["main"]]
     for i, s in enumerate(out):
@@ -142,7 +142,8 @@ def draw(events: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
             if tier in TIER_ROWS:
                 ax_c.plot(x(t), TIER_ROWS.index(tier), marker="|", color="#37474f", markersize=12)
         for t, tier in s["emergency"]:
-            ax_c.plot(x(t), TIER_ROWS.index(tier), marker="*", color="#ef6c00", markersize=11)
+            if tier in TIER_ROWS:
+                ax_c.plot(x(t), TIER_ROWS.index(tier), marker="*", color="#ef6c00", markersize=11)
     ax_c.set_yticks(range(len(TIER_ROWS)), TIER_ROWS)
     ax_c.set_ylim(-0.6, len(TIER_ROWS) - 0.4)
     ax_c.invert_yaxis()

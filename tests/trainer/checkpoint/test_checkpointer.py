@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.support import bucket_names, code_running_pickle, forge_in_bucket, run_key
-from trainer.checkpoint.format import MANIFEST, STATE, TENSORS, list_checkpoints, step_name, verify_dir
+from tests.trainer.support import Policy, bucket_names, checkpointer, code_running_pickle, forge_in_bucket, run_key
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.key import CheckpointKey
-from trainer.checkpoint.checkpointer import Checkpointer, TierPolicy
-from trainer.loop.state import ResumeMismatch
+from trainer.checkpoint.manifest import MANIFEST, ResumeMismatch, step_name
 from trainer.checkpoint.tier_wait import TierUnknown
+from trainer.checkpoint.whole_model import STATE, TENSORS, verify_dir
+from trainer.checkpoint.whole_model import list_whole as list_checkpoints
 
 GUARD = 60.0  # failure guard for waits; never reached when the code is right
 
@@ -33,7 +34,7 @@ def same(a: dict, b: dict) -> bool:
             and torch.equal(a["rng"], b["rng"]) and a["data"] == b["data"] and a["step"] == b["step"])
 
 
-EVERY = TierPolicy(every_steps=1, keep=10)
+EVERY = Policy(every_steps=1, keep=10)
 
 
 KEY = run_key()
@@ -43,9 +44,13 @@ def ckpt(tmp_path: Path, emu=None, *, client=None, with_local=True, key: Checkpo
          **policies) -> Checkpointer:
     pol = {"local": EVERY, "persistent": EVERY, "gcs": EVERY}
     pol.update(policies)
-    return Checkpointer(run_dir=tmp_path / "run", local_dir=(tmp_path / "local") if with_local else None,
+    return checkpointer(run_dir=tmp_path / "run", local_dir=(tmp_path / "local") if with_local else None,
                         gcs_uri=emu.uri if emu else None, gcs_client=client or (emu.client if emu else None),
                         policies={k: v for k, v in pol.items() if v is not None}, key=key)
+
+
+def due(c: Checkpointer, step: int) -> list[str]:
+    return [t.name for t in c._due_tiers(step)]
 
 
 def save_steps(c: Checkpointer, steps) -> None:
@@ -68,7 +73,7 @@ def test_roundtrip_from_each_tier(gcs_emulator, tmp_path: Path, tier: str) -> No
     if tier != "persistent":
         shutil.rmtree(tmp_path / "run" / step_name(3))
     if tier != "gcs":
-        c.gcs.delete_prefix(step_name(3) + "/")
+        c.tiers["gcs"].store.delete_prefix(step_name(3) + "/")
     r = ckpt(tmp_path, gcs_emulator).restore(download=False)
     assert r is not None and r.step == 3 and r.tier == tier and same(r.state, make_state(3))
     if tier == "gcs":  # download=False leaves the persistent tier alone
@@ -193,7 +198,7 @@ def test_partial_gcs_uploads_are_never_chosen(gcs_emulator, tmp_path: Path, logw
     save_steps(c, [1, 2, 3, 4])
     c.close()
     shutil.rmtree(tmp_path / "run")
-    gcs = c.gcs
+    gcs = c.tiers["gcs"].store
     gcs.delete(f"{step_name(4)}/{MANIFEST}")                  # payload without manifest
     gcs.delete(f"{step_name(3)}/{TENSORS}")                   # manifest -> missing object
     data = gcs.get_bytes(f"{step_name(2)}/{TENSORS}")
@@ -211,10 +216,10 @@ def test_corrupt_payload_on_gcs_with_right_sizes_falls_back(gcs_emulator, tmp_pa
     c = ckpt(tmp_path, gcs_emulator, with_local=False)
     save_steps(c, [1, 2])
     shutil.rmtree(tmp_path / "run")
-    data = bytearray(c.gcs.get_bytes(f"{step_name(2)}/{TENSORS}"))
+    data = bytearray(c.tiers["gcs"].store.get_bytes(f"{step_name(2)}/{TENSORS}"))
     data[5] ^= 0xFF
-    c.gcs.delete(f"{step_name(2)}/{TENSORS}")
-    c.gcs.put_bytes(f"{step_name(2)}/{TENSORS}", bytes(data))
+    c.tiers["gcs"].store.delete(f"{step_name(2)}/{TENSORS}")
+    c.tiers["gcs"].store.put_bytes(f"{step_name(2)}/{TENSORS}", bytes(data))
     r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
     assert r.step == 1
     assert "sha256 mismatch" in logwatch.text()
@@ -227,8 +232,8 @@ def test_corrupt_payload_on_gcs_with_right_sizes_falls_back(gcs_emulator, tmp_pa
 def test_emulator_down_mid_upload_then_back(gcs_emulator, faulty_gcs, tmp_path: Path, logwatch) -> None:
     emu = gcs_emulator.emulator
     c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, with_local=False)
-    c.gcs.initial_backoff_s = 0.05
-    c.gcs.max_backoff_s = 0.2
+    c.tiers["gcs"].store.initial_backoff_s = 0.05
+    c.tiers["gcs"].store.max_backoff_s = 0.2
     # The first payload upload finds the emulator gone.
     faulty_gcs.plan.add("upload", f"*{step_name(5)}/{STATE}", "hook", hook=emu.stop)
     c.save(5, make_state(5))
@@ -238,7 +243,7 @@ def test_emulator_down_mid_upload_then_back(gcs_emulator, faulty_gcs, tmp_path: 
     emu.start()
     c.wait()
     assert c.stats["tier_writes_failed"] == 0
-    infos = {i.step: i for i in list_checkpoints(c.gcs)}
+    infos = {i.step: i for i in list_checkpoints(c.tiers["gcs"].store)}
     assert infos[5].valid
     shutil.rmtree(tmp_path / "run")
     r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
@@ -249,8 +254,8 @@ def test_emulator_down_upload_fails_cleanly(gcs_emulator, faulty_gcs, tmp_path: 
     emu = gcs_emulator.emulator
     c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, with_local=False)
     save_steps(c, [1])
-    c.gcs.retry_timeout_s = 0.5
-    c.gcs.initial_backoff_s = 0.05
+    c.tiers["gcs"].store.retry_timeout_s = 0.5
+    c.tiers["gcs"].store.initial_backoff_s = 0.05
     # Outage right before the manifest: payload is up, the manifest never makes it.
     faulty_gcs.plan.add("upload", f"*{step_name(2)}/{MANIFEST}", "hook", hook=emu.stop)
     c.save(2, make_state(2))
@@ -267,7 +272,7 @@ def test_manifest_without_payload_after_outage_is_not_chosen(gcs_emulator, fault
     # and references objects that are gone. Restore must see that and skip it.
     emu = gcs_emulator.emulator
     c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, with_local=False)
-    c.gcs.initial_backoff_s = 0.05
+    c.tiers["gcs"].store.initial_backoff_s = 0.05
 
     def bounce() -> None:
         emu.stop()
@@ -275,7 +280,7 @@ def test_manifest_without_payload_after_outage_is_not_chosen(gcs_emulator, fault
 
     faulty_gcs.plan.add("upload", f"*{step_name(2)}/{MANIFEST}", "hook", hook=bounce)
     save_steps(c, [2])
-    infos = {i.step: i for i in list_checkpoints(c.gcs)}
+    infos = {i.step: i for i in list_checkpoints(c.tiers["gcs"].store)}
     assert not infos[2].valid and "missing" in infos[2].reason
     shutil.rmtree(tmp_path / "run")
     assert ckpt(tmp_path, gcs_emulator, with_local=False).restore() is None
@@ -313,13 +318,13 @@ def test_save_does_not_wait_for_the_upload_and_newer_uploads_replace_queued_ones
     i1 = next(i for i, x in enumerate(text) if "step 1 durable on gcs" in x)
     i3 = next(i for i, x in enumerate(text) if "step 3 durable on gcs" in x)
     assert i1 < i3
-    assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {1, 3}
-    assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {1, 2, 3}
+    assert {i.step for i in list_checkpoints(c.tiers["gcs"].store) if i.valid} == {1, 3}
+    assert {i.step for i in list_checkpoints(c.tiers["persistent"].store) if i.valid} == {1, 2, 3}
 
 
 def test_background_error_never_raises_into_the_loop(tmp_path: Path, logwatch) -> None:
     (tmp_path / "file").write_text("not a directory")
-    c = Checkpointer(run_dir=tmp_path / "file" / "run", policies={"persistent": EVERY})
+    c = checkpointer(run_dir=tmp_path / "file" / "run", policies={"persistent": EVERY})
     c.save(1, make_state(1))  # returns; the failure happens in the background
     c.wait()
     assert c.stats["tier_writes_failed"] == 1 and "persistent step 1" in c.stats["last_error"]
@@ -333,44 +338,48 @@ def test_meta_must_be_json(tmp_path: Path) -> None:
 
 def test_unknown_tier_policy_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown checkpoint tier"):
-        Checkpointer(run_dir=tmp_path, policies={"ram": TierPolicy()})
-    for bad in ({"every_steps": 0}, {"every_seconds": -1.0}, {"keep": 0}):
+        checkpointer(run_dir=tmp_path, policies={"ram": Policy()})
+    from trainer.checkpoint.tiers import Cadence, tier_table
+
+    for bad in ({"every_steps": 0}, {"every_seconds": -1.0}):
         with pytest.raises(ValueError):
-            TierPolicy(**bad)
+            Cadence(**bad)
+    with pytest.raises(ValueError, match="keep"):
+        tier_table(tmp_path, keep={"persistent": 0})
 
 
 # ----------------------------------------------------------------------------- schedules
 
 
 def test_due_by_steps_per_tier(tmp_path: Path) -> None:
-    c = Checkpointer(run_dir=tmp_path / "run", local_dir=tmp_path / "local",
-                     policies={"local": TierPolicy(every_steps=2), "persistent": TierPolicy(every_steps=5)})
+    c = checkpointer(run_dir=tmp_path / "run", local_dir=tmp_path / "local",
+                     policies={"local": Policy(every_steps=2), "persistent": Policy(every_steps=5)})
     assert [s for s in range(1, 7) if c._due_tiers(s)] == [2, 3, 4, 5, 6]  # nothing saved yet: stays due
     c.save(2, make_state(2))
     c.wait()
     assert sorted(p.name for p in (tmp_path / "local").iterdir()) == [step_name(2)]
     assert not (tmp_path / "run").exists()  # persistent was not due at step 2
-    assert c._due_tiers(3) == [] and c._due_tiers(4) == ["local"] and c._due_tiers(5) == ["local", "persistent"]
+    assert due(c, 3) == [] and due(c, 4) == ["local"] and due(c, 5) == ["local", "persistent"]
 
 
 def test_due_after_restore_counts_from_the_restored_step(tmp_path: Path) -> None:
-    c = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=10))
+    c = ckpt(tmp_path, with_local=False, persistent=Policy(every_steps=10))
     c.save(13, make_state(13))
     c.wait()
-    c2 = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=10))
+    c2 = ckpt(tmp_path, with_local=False, persistent=Policy(every_steps=10))
     assert c2.restore().step == 13
     assert not c2.due(14) and not c2.due(19) and c2.due(20)
 
 
 def test_due_by_seconds(tmp_path: Path) -> None:
-    c = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_seconds=3600))
+    c = ckpt(tmp_path, with_local=False, persistent=Policy(every_seconds=3600))
     assert not c.due(1)
-    c2 = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_seconds=1e-9))
+    c2 = ckpt(tmp_path, with_local=False, persistent=Policy(every_seconds=1e-9))
     assert c2.due(1)
 
 
 def test_automatic_interval_uses_measured_cost(tmp_path: Path, logwatch) -> None:
-    c = Checkpointer(run_dir=tmp_path / "run", mtbf_s=3600)
+    c = checkpointer(run_dir=tmp_path / "run", mtbf_s=3600)
     assert c.interval_s("persistent") == 60.0 and not c.due(1)  # first save after 60 s
     for s in range(2, 50):
         c.due(s)
@@ -378,7 +387,7 @@ def test_automatic_interval_uses_measured_cost(tmp_path: Path, logwatch) -> None
     assert len(first) == 1 and "no cost measured yet" in first[0]  # logged once, not per step
     c.save(50, make_state(50))
     c.wait()
-    auto = c._tiers["persistent"].auto
+    auto = c._schedule["persistent"].auto
     assert auto.blocked_s is not None and auto.write_s is not None
     assert c.interval_s("persistent") == auto.decide().seconds
     c.due(51)
@@ -389,19 +398,19 @@ def test_automatic_interval_uses_measured_cost(tmp_path: Path, logwatch) -> None
 
 
 def test_retention_keeps_last_k_per_tier(gcs_emulator, tmp_path: Path) -> None:
-    c = ckpt(tmp_path, gcs_emulator, local=TierPolicy(every_steps=1, keep=1),
-             persistent=TierPolicy(every_steps=1, keep=2), gcs=TierPolicy(every_steps=1, keep=3))
+    c = ckpt(tmp_path, gcs_emulator, local=Policy(every_steps=1, keep=1),
+             persistent=Policy(every_steps=1, keep=2), gcs=Policy(every_steps=1, keep=3))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / step_name(0)).mkdir()  # an old invalid leftover
     save_steps(c, range(1, 6))
-    steps = lambda tier: [i.step for i in list_checkpoints(c._tiers[tier].store)]  # noqa: E731
+    steps = lambda tier: [i.step for i in list_checkpoints(c.tiers[tier].store)]  # noqa: E731
     assert steps("local") == [5]
     assert steps("persistent") == [5, 4]
     assert steps("gcs") == [5, 4, 3]
 
 
 def test_retention_never_deletes_the_newest_valid(tmp_path: Path) -> None:
-    c = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=1, keep=1))
+    c = ckpt(tmp_path, with_local=False, persistent=Policy(every_steps=1, keep=1))
     save_steps(c, [1])
     # A newer, corrupt checkpoint appears (e.g. bit rot on an old disk); then a save of an older
     # step (after resuming from step 1). The valid newest is the one just written; the corrupt
@@ -419,9 +428,9 @@ def test_emergency_save_within_deadline(gcs_emulator, tmp_path: Path) -> None:
     c = ckpt(tmp_path, gcs_emulator)
     rep = c.emergency_save(7, make_state(7), deadline=time.monotonic() + 120, meta={"world_size": 1})
     assert rep.step == 7 and rep.persistent_ok and rep.gcs_ok is True
-    assert "persistent saved" in rep.detail and "GCS uploaded" in rep.detail and "\n" not in rep.detail
+    assert "persistent saved" in rep.detail and "gcs uploaded" in rep.detail and "\n" not in rep.detail
     verify_dir(tmp_path / "run" / step_name(7))
-    assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {7}
+    assert {i.step for i in list_checkpoints(c.tiers["gcs"].store) if i.valid} == {7}
     # The local SSD got it too: it dies with the VM, but serves a restart of the trainer in place.
     assert rep.local_ok and rep.complete and rep.saved
     verify_dir(tmp_path / "local" / step_name(7))
@@ -435,8 +444,8 @@ def test_emergency_save_without_gcs(tmp_path: Path) -> None:
 def test_emergency_deadline_too_short_for_gcs(gcs_emulator, tmp_path: Path) -> None:
     c = ckpt(tmp_path, gcs_emulator)
     rep = c.emergency_save(8, make_state(8), deadline=time.monotonic() - 1)
-    assert rep.persistent_ok and rep.gcs_ok is False and "GCS not done" in rep.detail
-    assert not [i for i in list_checkpoints(c.gcs) if i.valid]
+    assert rep.persistent_ok and rep.gcs_ok is False and "gcs not done" in rep.detail
+    assert not [i for i in list_checkpoints(c.tiers["gcs"].store) if i.valid]
     assert rep.saved and not rep.complete
     r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
     assert (r.step, r.tier) == (8, "persistent")
@@ -449,13 +458,13 @@ def test_emergency_upload_running_past_deadline_leaves_nothing_valid(gcs_emulato
     c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs)
     # The upload is held until after emergency_save has returned, i.e. past the deadline.
     rep = c.emergency_save(9, make_state(9), deadline=time.monotonic() + 1.0)
-    assert rep.persistent_ok and rep.gcs_ok is False and "GCS not done" in rep.detail
+    assert rep.persistent_ok and rep.gcs_ok is False and "gcs not done" in rep.detail
     release.set()
     for th in threading.enumerate():
         if th.name == "checkpoint-emergency-upload":
             th.join(GUARD)
-    assert not [i for i in list_checkpoints(c.gcs) if i.valid]
-    assert not any(name.endswith(MANIFEST) for name in c.gcs.list(""))
+    assert not [i for i in list_checkpoints(c.tiers["gcs"].store) if i.valid]
+    assert not any(name.endswith(MANIFEST) for name in c.tiers["gcs"].store.list(""))
     assert ckpt(tmp_path, gcs_emulator, with_local=False).restore().tier == "persistent"
 
 
@@ -472,7 +481,7 @@ def test_emergency_cuts_short_an_in_flight_upload(gcs_emulator, faulty_gcs, tmp_
         # Meanwhile the store still works for others sharing it (the goodput ledger mirror).
         def put() -> None:
             try:
-                other.append(c.gcs.put_bytes("ledger/e1", b"{}"))
+                other.append(c.tiers["gcs"].store.put_bytes("ledger/e1", b"{}"))
             except Exception as e:  # noqa: BLE001
                 other.append(e)
 
@@ -486,12 +495,12 @@ def test_emergency_cuts_short_an_in_flight_upload(gcs_emulator, faulty_gcs, tmp_
     assert entered.wait(GUARD)  # the upload of step 4 is in flight
     rep = c.emergency_save(5, make_state(5), deadline=time.monotonic() + 120)
     assert rep.persistent_ok and rep.gcs_ok is True
-    valid = {i.step for i in list_checkpoints(c.gcs) if i.valid}
+    valid = {i.step for i in list_checkpoints(c.tiers["gcs"].store) if i.valid}
     assert valid == {5}
     # The emergency save did not wait for it: the abandoned upload stops by itself afterwards.
     logwatch.wait_for("step 4 on gcs failed", GUARD)
-    assert other == [None] and c.gcs.get_bytes("ledger/e1") == b"{}"
-    assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {4, 5}
+    assert other == [None] and c.tiers["gcs"].store.get_bytes("ledger/e1") == b"{}"
+    assert {i.step for i in list_checkpoints(c.tiers["persistent"].store) if i.valid} == {4, 5}
 
 
 def test_emergency_save_of_an_already_saved_step(gcs_emulator, tmp_path: Path) -> None:
@@ -524,7 +533,7 @@ def test_describe(gcs_emulator, tmp_path: Path) -> None:
 def test_restore_waits_for_an_in_flight_save_without_deadlock(gcs_emulator, faulty_gcs, tmp_path: Path) -> None:
     release = threading.Event()
     faulty_gcs.plan.add("upload", f"*{step_name(2)}/{TENSORS}", "hook", hook=lambda: release.wait(GUARD))
-    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, gcs=TierPolicy(every_steps=1, keep=1))
+    c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, gcs=Policy(every_steps=1, keep=1))
     save_steps(c, [1])
     c.save(2, make_state(2))
     got: list = []
@@ -534,7 +543,7 @@ def test_restore_waits_for_an_in_flight_save_without_deadlock(gcs_emulator, faul
     th.join(GUARD)
     assert not th.is_alive() and got[0].step == 2
     # Retention of the finished save ran: GCS keeps only step 2.
-    assert [i.step for i in list_checkpoints(c.gcs)] == [2]
+    assert [i.step for i in list_checkpoints(c.tiers["gcs"].store)] == [2]
 
 
 def test_restore_with_gcs_unreachable_is_unknown_not_empty(gcs_emulator, tmp_path: Path, logwatch) -> None:
@@ -545,7 +554,7 @@ def test_restore_with_gcs_unreachable_is_unknown_not_empty(gcs_emulator, tmp_pat
     gcs_emulator.emulator.stop()
     c2 = ckpt(tmp_path, gcs_emulator, with_local=False)
     c2.LIST_TIMEOUT_S = 0.5
-    c2.gcs.initial_backoff_s = 0.05
+    c2.tiers["gcs"].store.initial_backoff_s = 0.05
     with pytest.raises(TierUnknown) as e:
         c2.restore()
     assert list(e.value.tiers) == ["gcs"]
@@ -560,10 +569,10 @@ def test_restore_with_gcs_unreachable_is_unknown_not_empty(gcs_emulator, tmp_pat
 
 
 def test_retention_after_falling_back_keeps_what_was_just_written(tmp_path: Path) -> None:
-    c = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=1, keep=2))
+    c = ckpt(tmp_path, with_local=False, persistent=Policy(every_steps=1, keep=2))
     save_steps(c, [2, 9])
     _flip(tmp_path / "run" / step_name(9) / TENSORS)  # sizes still right: passes the quick check
-    c2 = ckpt(tmp_path, with_local=False, persistent=TierPolicy(every_steps=1, keep=1))
+    c2 = ckpt(tmp_path, with_local=False, persistent=Policy(every_steps=1, keep=1))
     assert c2.restore().step == 2
     save_steps(c2, [3])
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
@@ -574,16 +583,16 @@ def test_retention_after_falling_back_keeps_what_was_just_written(tmp_path: Path
 def test_reupload_replaces_a_partial_upload_of_the_same_step(gcs_emulator, faulty_gcs, tmp_path: Path,
                                                              logwatch) -> None:
     c = ckpt(tmp_path, gcs_emulator, client=faulty_gcs, with_local=False)
-    c.gcs.retry_timeout_s = 0.0  # fail at once
+    c.tiers["gcs"].store.retry_timeout_s = 0.0  # fail at once
     faulty_gcs.plan.add("upload", f"*{step_name(4)}/{MANIFEST}", "503")
     save_steps(c, [4])
     assert c.stats["tier_writes_failed"] == 1
-    info = {i.step: i for i in list_checkpoints(c.gcs)}[4]
+    info = {i.step: i for i in list_checkpoints(c.tiers["gcs"].store)}[4]
     assert not info.valid
     # Resumed from an older step, trained to step 4 again (different bytes): uploads cleanly,
     # although the leftover objects are create-only.
     shutil.rmtree(tmp_path / "run" / step_name(4))
-    c.gcs.retry_timeout_s = 30.0
+    c.tiers["gcs"].store.retry_timeout_s = 30.0
     c.save(4, make_state(40))
     c.wait()
     assert "removing partial upload of step 4" in logwatch.text()
@@ -610,7 +619,7 @@ def test_second_interrupt_does_not_abort_the_emergency_save(gcs_emulator, faulty
     finally:
         signal.signal(signal.SIGINT, old)
     assert rep.persistent_ok and rep.gcs_ok is True
-    assert {i.step for i in list_checkpoints(c.gcs) if i.valid} == {3}
+    assert {i.step for i in list_checkpoints(c.tiers["gcs"].store) if i.valid} == {3}
 
 
 def test_restore_reserves_the_snapshot_buffer(tmp_path: Path) -> None:
@@ -619,10 +628,10 @@ def test_restore_reserves_the_snapshot_buffer(tmp_path: Path) -> None:
     c2 = ckpt(tmp_path, with_local=False)
     c2.restore()
     c2._reserver.join(GUARD)
-    assert c2._buffer.allocations == 1
+    assert c2.layout.buffers[0].allocations == 1
     c2.save(2, make_state(2))
     c2.wait()
-    assert c2._buffer.allocations == 1 and c2._buffer.last_alloc_s == 0.0
+    assert c2.layout.buffers[0].allocations == 1 and c2.layout.buffers[0].last_alloc_s == 0.0
     c3 = ckpt(tmp_path, with_local=False)
     c3.restore(download=False)
     assert c3._reserver is None  # read-only look (status): no buffer
@@ -631,17 +640,16 @@ def test_restore_reserves_the_snapshot_buffer(tmp_path: Path) -> None:
 def test_the_other_layout_is_never_deleted_and_blocks_a_fresh_start(tmp_path: Path) -> None:
     """A run dir with sharded (fsdp) checkpoints: a whole-model checkpointer's retention keeps
     them, and its restore refuses to start afresh over them (exit 2 upstream)."""
-    from trainer.distributed import World
-    from trainer.checkpoint.sharded import ShardedCheckpointer
-    from trainer.loop.state import ResumeMismatch
+    from trainer.checkpoint.sharded import Sharded
 
     run_dir = tmp_path / "run"
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sharded = ShardedCheckpointer(run_dir=run_dir, world=World(), key=KEY)
-    sharded.save(2, model, opt, extras={"step": 2})
+    sharded = checkpointer(run_dir=run_dir, layout=Sharded(), key=KEY)
+    sharded.bind(model, opt)
+    sharded.save(2, {"step": 2})
     sharded.close()
-    plain = Checkpointer(run_dir=run_dir, policies={"persistent": TierPolicy(keep=1)}, key=KEY)
+    plain = checkpointer(run_dir=run_dir, policies={"persistent": Policy(keep=1)}, key=KEY)
     for s in (4, 6):
         plain.save(s, make_state(s))
         plain.wait()
@@ -657,7 +665,7 @@ def test_the_other_layout_is_never_deleted_and_blocks_a_fresh_start(tmp_path: Pa
 
 def test_forged_newer_checkpoints_on_gcs_are_refused_kept_and_the_newest_authentic_restored(
         gcs_emulator, tmp_path: Path, logwatch) -> None:
-    c = ckpt(tmp_path, gcs_emulator, with_local=False, gcs=TierPolicy(every_steps=1, keep=2))
+    c = ckpt(tmp_path, gcs_emulator, with_local=False, gcs=Policy(every_steps=1, keep=2))
     save_steps(c, [1, 2])
     current, legacy = tmp_path / "ran-current-format", tmp_path / "ran-legacy"
     forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 2, 9, {STATE: code_running_pickle(current)})
@@ -696,7 +704,8 @@ def test_only_unauthenticated_checkpoints_block_a_fresh_start_and_are_kept(tmp_p
 def test_a_verified_checkpoint_this_version_cannot_decode_is_a_resume_mismatch(tmp_path: Path) -> None:
     import json
 
-    from trainer.checkpoint.format import build_manifest, chunked_sha256
+    from trainer.checkpoint.format import chunked_sha256
+    from trainer.checkpoint.manifest import build_manifest
 
     save_steps(ckpt(tmp_path, with_local=False), [1, 2])
     folder = tmp_path / "run" / step_name(2)
@@ -729,14 +738,14 @@ def test_the_same_step_again_keeps_this_sessions_copy_and_replaces_other_state(t
 
 
 def test_a_download_that_fails_is_unknown_not_a_reason_to_fall_back(gcs_proxy, tmp_path: Path, logwatch) -> None:
-    c = Checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(),
+    c = checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(),
                      policies={"persistent": EVERY, "gcs": EVERY})
     save_steps(c, [1, 2])
     c.close()
     shutil.rmtree(tmp_path / "run")  # a blank disk: the checkpoints are only in GCS
     # The listing and the manifests answer; step 2's payload does not (403).
     gcs_proxy.proxy.add("GET", r"alt=media.* object=.*step-00000002/(?!manifest)", "status", status=403, times=None)
-    c2 = Checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client())
+    c2 = checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client())
     with pytest.raises(TierUnknown, match="gcs: Forbidden"):
         c2.restore()  # not step 1 (older), not "nothing": step 2 exists
     assert "falling back" not in logwatch.text()
@@ -753,12 +762,12 @@ def proxied(tmp_path: Path, gcs_proxy, *, run_dir: Path | None = None, with_loca
             **policies) -> Checkpointer:
     pol = {"local": EVERY, "persistent": EVERY, "gcs": EVERY}
     pol.update(policies)
-    c = Checkpointer(run_dir=run_dir or tmp_path / "run", local_dir=(tmp_path / "local") if with_local else None,
+    c = checkpointer(run_dir=run_dir or tmp_path / "run", local_dir=(tmp_path / "local") if with_local else None,
                      gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(),
                      policies={k: v for k, v in pol.items() if v is not None})
-    c.gcs.initial_backoff_s, c.gcs.max_backoff_s = 0.05, 0.2
+    c.tiers["gcs"].store.initial_backoff_s, c.tiers["gcs"].store.max_backoff_s = 0.05, 0.2
     # A stalled request is held until the test releases it: the client must never be what ends it.
-    c.gcs.request_timeout_s = 3600
+    c.tiers["gcs"].store.request_timeout_s = 3600
     return c
 
 
@@ -779,7 +788,7 @@ def in_thread(fn) -> list:
 
 
 def gcs_steps(c: Checkpointer) -> set[int]:
-    return {i.step for i in list_checkpoints(c.gcs) if i.valid}
+    return {i.step for i in list_checkpoints(c.tiers["gcs"].store) if i.valid}
 
 
 def test_a_403_on_the_final_manifest_is_not_durable_until_saved_again(gcs_proxy, tmp_path: Path) -> None:
@@ -849,7 +858,7 @@ def test_an_emergency_save_only_the_local_ssd_got_is_not_saved(gcs_proxy, small_
     gcs_proxy.proxy.down()
     rep = c.emergency_save(2, make_state(2), deadline=time.monotonic() + 1.0)
     assert (rep.local_ok, rep.persistent_ok, rep.gcs_ok) == (True, False, False), rep.detail
-    assert not rep.saved and "only on the local SSD" in rep.detail and "lost with the VM" in rep.detail
+    assert not rep.saved and "only on local" in rep.detail and "lost with the VM" in rep.detail
     verify_dir(tmp_path / "local" / step_name(2))  # a restart of the trainer on this VM resumes from it
 
 
@@ -866,7 +875,7 @@ def test_a_stalled_upload_never_holds_the_emergency_save(gcs_proxy, tmp_path: Pa
 
 
 def test_a_stalled_retention_listing_never_holds_the_emergency_save(gcs_proxy, tmp_path: Path, logwatch) -> None:
-    c = proxied(tmp_path, gcs_proxy, gcs=TierPolicy(every_steps=1, keep=1))
+    c = proxied(tmp_path, gcs_proxy, gcs=Policy(every_steps=1, keep=1))
     save_steps(c, [1])
     prefix = gcs_proxy.uri.split("/", 3)[3].replace("/", "%2F")
     # Retention lists every checkpoint (prefix "step-"); a check of one step lists "step-N/".
@@ -882,7 +891,7 @@ def test_a_stalled_retention_listing_never_holds_the_emergency_save(gcs_proxy, t
     assert got and got[0].complete, got[0].detail if got else "the emergency save waited for retention"
     assert stall.held == 1
     assert gcs_steps(c) == {1, 2, 4}  # retention was cut short: nothing it would delete is gone yet
-    assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {1, 2, 3, 4}
+    assert {i.step for i in list_checkpoints(c.tiers["persistent"].store) if i.valid} == {1, 2, 3, 4}
 
 
 def test_a_stalled_upload_never_holds_the_disk_saves_hostage(gcs_proxy, tmp_path: Path, logwatch) -> None:
@@ -895,7 +904,7 @@ def test_a_stalled_upload_never_holds_the_disk_saves_hostage(gcs_proxy, tmp_path
         assert c.due(step)
         c.save(step, make_state(step))
     c._thread.join(GUARD)
-    assert {i.step for i in list_checkpoints(c._tiers["persistent"].store) if i.valid} == {1, 2, 3, 4}
+    assert {i.step for i in list_checkpoints(c.tiers["persistent"].store) if i.valid} == {1, 2, 3, 4}
     assert stall.held == 1 and c.stats["uploads_superseded"] == 2  # 2 and 3 gave way to 4
     gcs_proxy.proxy.release(stall)
     c.wait()
@@ -914,9 +923,41 @@ def test_host_buffers_stay_at_two_while_uploads_from_memory_are_stalled(gcs_prox
         assert c.due(step)  # a second buffer; then the queued upload of 2 gives its buffer to 3
         c.save(step, make_state(step))
     c._thread.join(GUARD)
-    assert len(c._buffers) == 2 and c.stats["uploads_superseded"] == 1
+    assert len(c.layout.buffers) == 2 and c.stats["uploads_superseded"] == 1
     gcs_proxy.proxy.release(stall)
     c.wait()
-    assert gcs_steps(c) == {1, 3} and not c._held
+    assert gcs_steps(c) == {1, 3} and not c.layout._buffers.held
     r = proxied(tmp_path, gcs_proxy, run_dir=tmp_path / "fresh").restore()
     assert r.step == 3 and same(r.state, make_state(3))
+
+
+# ----------------------------------------------------------------------------- a tier is a record
+
+
+def test_a_second_remote_tier_is_one_more_row_of_the_table(gcs_emulator, tmp_path: Path) -> None:
+    """A second bucket (another region) needs a store and a row, nothing in the checkpointer:
+    saves and the emergency save reach it, durability asks it, a restore takes it."""
+    from trainer.checkpoint.stores import DirStore, GcsStore
+    from trainer.checkpoint.tiers import Cadence, Roles, Tier, Tiers
+
+    def table(run: Path) -> Tiers:
+        every = Cadence(every_steps=1)
+        return Tiers([Tier("persistent", DirStore(run, "persistent"), durable=True, remote=False, cadence=every),
+                      Tier("gcs", GcsStore(gcs_emulator.uri, client=gcs_emulator.client), durable=True, remote=True,
+                           cadence=every),
+                      Tier("gcs-eu", GcsStore(gcs_emulator.uri + "-eu", client=gcs_emulator.client), durable=True,
+                           remote=True, cadence=every)],
+                     Roles(home="persistent", lease="gcs", mirror="gcs"))
+
+    c = Checkpointer(table(tmp_path / "run"), key=KEY)
+    save_steps(c, [1, 2])
+    for name in ("gcs", "gcs-eu"):
+        assert [i.step for i in list_checkpoints(c.tiers[name].store) if i.valid] == [2, 1]
+    assert c.durable(2, deadline=time.monotonic() + GUARD).tiers == {"persistent": "ok", "gcs": "ok", "gcs-eu": "ok"}
+    rep = c.emergency_save(3, make_state(3), deadline=time.monotonic() + GUARD)
+    assert rep.ok == {"persistent": True, "gcs": True, "gcs-eu": True} and rep.complete, rep.detail
+    c.close()
+    # Only the second bucket still has step 3 (a lost disk, the first region down for good).
+    c.tiers["gcs"].store.delete_prefix(step_name(3) + "/")
+    r = Checkpointer(table(tmp_path / "blank"), key=KEY).restore()
+    assert r is not None and (r.step, r.tier) == (3, "gcs-eu") and same(r.state, make_state(3))

@@ -1,4 +1,5 @@
-"""trainer.checkpoint.format: the on-disk/on-GCS format, verification and listing."""
+"""trainer.checkpoint.format, .manifest and .whole_model: the on-disk/on-GCS format, verification
+and listing, with whole-model checkpoints."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint.format import (MANIFEST, STATE, TENSORS, CheckpointInvalid, CheckpointUnloadable, SnapshotBuffer,
-                                build_manifest, delete_checkpoint, download_dir, kept, list_checkpoints, load_dir,
-                                parse_step, step_name, tensor_digest, upload_dir, verify_dir, write_dir)
+from trainer.checkpoint.format import delete_checkpoint, download_dir, tensor_digest
+from trainer.checkpoint.manifest import (MANIFEST, CheckpointInvalid, CheckpointUnloadable, build_manifest, parse_step,
+                                         quarantined, step_name)
+from trainer.checkpoint.whole_model import (STATE, TENSORS, SnapshotBuffer, load_dir, parse_manifest, verify_dir,
+                                            write_dir)
+from trainer.checkpoint.whole_model import list_whole as list_checkpoints
 from trainer.checkpoint.key import CheckpointKey
 from trainer.checkpoint.state_codec import NotPlainData
 from trainer.checkpoint.stores import DirStore, GcsStore
@@ -172,7 +176,7 @@ def test_corruption_is_detected(tmp_path: Path, damage, reason: str) -> None:
         load_dir(folder, key=KEY)
     with pytest.raises(CheckpointInvalid) as e:
         verify_dir(folder, key=KEY)
-    assert not kept(str(e.value))  # corruption, not a checkpoint to keep
+    assert not quarantined(str(e.value))  # corruption, not a checkpoint to keep
 
 
 def test_listing_quick_check(tmp_path: Path) -> None:
@@ -201,7 +205,8 @@ def test_gcs_upload_download_and_partial_uploads(gcs_emulator, tmp_path: Path) -
     gcs = GcsStore(gcs_emulator.uri, client=gcs_emulator.client)
     state = nested_state()
     folder = write(tmp_path / "src", 10, state)
-    upload_dir(folder, gcs, 10)
+    for name in (TENSORS, STATE, MANIFEST):  # what an upload does: the payload, the manifest last
+        gcs.put_file(folder / name, f"{step_name(10)}/{name}")
     # Partial upload: payload without a manifest.
     f11 = write(tmp_path / "src", 11)
     gcs.put_file(f11 / TENSORS, f"{step_name(11)}/{TENSORS}")
@@ -220,25 +225,13 @@ def test_gcs_upload_download_and_partial_uploads(gcs_emulator, tmp_path: Path) -
     assert not infos[11].valid and "no manifest" in infos[11].reason
     assert not infos[12].valid and "missing" in infos[12].reason
     assert not infos[13].valid and "truncated or partial" in infos[13].reason
-    got = download_dir(gcs, 10, tmp_path / "dst", key=KEY)
+    got = download_dir(gcs, 10, tmp_path / "dst", parse_manifest, key=KEY)
     assert got == tmp_path / "dst" / step_name(10)
     _, loaded = load_dir(got, key=KEY)
     assert_same(state, loaded)
     with pytest.raises(CheckpointInvalid):
-        download_dir(gcs, 13, tmp_path / "dst")
+        download_dir(gcs, 13, tmp_path / "dst", parse_manifest)
     assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == [step_name(10)]
-
-
-def test_upload_after_deadline_leaves_no_manifest(gcs_emulator, tmp_path: Path) -> None:
-    import time
-
-    from trainer.checkpoint.stores import UploadAborted
-
-    gcs = GcsStore(gcs_emulator.uri, client=gcs_emulator.client)
-    folder = write(tmp_path, 3)
-    with pytest.raises(UploadAborted):
-        upload_dir(folder, gcs, 3, deadline=time.monotonic() - 1)
-    assert all(not i.valid for i in list_checkpoints(gcs))
 
 
 def test_tensor_digest() -> None:
@@ -300,7 +293,7 @@ def test_the_hmac_authenticates_the_manifest(tmp_path: Path) -> None:
     def refused(f: Path, key: CheckpointKey | None = KEY) -> str:
         with pytest.raises(CheckpointInvalid) as e:
             load_dir(f, key=key)
-        assert kept(str(e.value))  # never deleted, never overwritten
+        assert quarantined(str(e.value))  # never deleted, never overwritten
         return str(e.value)
 
     assert f"names checkpoint key {KEY.id}, this run's key is {OTHER_KEY.id}" in refused(folder, OTHER_KEY)

@@ -1,4 +1,5 @@
-"""trainer.checkpoint.sharded: FSDP2 checkpoints through DCP; resharding, async saves, fallback, GCS, emergency.
+"""trainer.checkpoint.sharded: FSDP2 checkpoints through DCP, driven by the one checkpointer;
+resharding, async saves, fallback, GCS, emergency.
 
 Multi-rank cases run real ranks: this file is also the worker script, started once per rank with
 torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE) and joined over gloo on loopback. Single-process cases (world size 1: no process group,
@@ -27,14 +28,15 @@ REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:  # as a torchrun worker script
     sys.path.insert(0, str(REPO))
 
-from trainer.checkpoint.format import MANIFEST, step_name  # noqa: E402
-from trainer.checkpoint.checkpointer import TierPolicy  # noqa: E402
+from tests.trainer.support import Policy, checkpointer  # noqa: E402
+from trainer.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from trainer.checkpoint.manifest import MANIFEST, step_name  # noqa: E402
+from trainer.checkpoint.sharded import EXTRAS, Sharded, list_sharded, verify_sharded_dir  # noqa: E402
 from trainer.distributed import World  # noqa: E402
-from trainer.checkpoint.sharded import (EXTRAS, ShardedCheckpointer, list_sharded, shard,  # noqa: E402
-                             verify_sharded_dir)
+from trainer.loop.parallel import shard  # noqa: E402
 
 GUARD = 120.0  # failure guard for waits; never reached when the code is right
-EVERY = {"persistent": TierPolicy(every_steps=1, keep=10), "gcs": TierPolicy(every_steps=1, keep=10)}
+EVERY = {"persistent": Policy(every_steps=1, keep=10), "gcs": Policy(every_steps=1, keep=10)}
 
 
 # ----------------------------------------------------------------------------- shared by both sides
@@ -81,10 +83,16 @@ def key() -> Any:
     return resolve(None, create_default=False)
 
 
-def ckpt(run_dir: Path, world: World, gcs_uri: str | None = None, **kw: Any) -> ShardedCheckpointer:
+def ckpt(run_dir: Path, world: World, gcs_uri: str | None = None, *, model: Any = None, opt: Any = None,
+         policies: dict | None = None, **kw: Any) -> Checkpointer:
+    """A checkpointer of the sharded layout over these ranks, bound to ``model`` and ``opt``."""
     kw.setdefault("key", key())
-    return ShardedCheckpointer(run_dir=run_dir, gcs_uri=gcs_uri, world=world,
-                               policies={k: v for k, v in EVERY.items() if gcs_uri or k != "gcs"}, **kw)
+    c = checkpointer(run_dir=run_dir, gcs_uri=gcs_uri, layout=Sharded(world, run_dir=run_dir),
+                     policies=policies if policies is not None else
+                     {k: v for k, v in EVERY.items() if gcs_uri or k != "gcs"}, **kw)
+    if model is not None:
+        c.bind(model, opt)
+    return c
 
 
 def stager_closes_after_every_stage() -> None:
@@ -127,7 +135,7 @@ def worker(mode: str, args: dict) -> None:
     run_dir = Path(args["run_dir"])
     if "node_size" in args:  # ranks with different run dirs stand for different VMs
         run_dir = run_dir / f"node{world.rank // int(args['node_size'])}"
-    c = ckpt(run_dir, world, args.get("gcs_uri"))
+    c = ckpt(run_dir, world, args.get("gcs_uri"), model=model, opt=opt)
     rngs = world.gather(torch.get_rng_state())
 
     def record(name: str) -> None:
@@ -138,29 +146,29 @@ def worker(mode: str, args: dict) -> None:
     if mode in ("save", "gcs-save"):
         train(model, opt, sched, 2, world.rank)
         record("full-2.pt")
-        c.save(2, model, opt, extras=extras_for(2, sched, rngs) if world.is_main else None,
+        c.save(2, extras_for(2, sched, rngs) if world.is_main else None,
                meta={"world_size": world.size})
         # Training goes on while step 2 is written: what is written must be step 2's state.
         train(model, opt, sched, 2, world.rank)
         record("full-4.pt")
         extras = extras_for(4, sched, rngs) if world.is_main else None
         if mode == "save":
-            c.save(4, model, opt, extras=extras, meta={"world_size": world.size})
+            c.save(4, extras, meta={"world_size": world.size})
         else:
-            report = c.emergency_save(4, model, opt, extras=extras, deadline=time.monotonic() + GUARD,
+            report = c.emergency_save(4, extras, deadline=time.monotonic() + GUARD,
                                       meta={"world_size": world.size})
-            (out / f"report-{world.rank}.json").write_text(json.dumps(report.__dict__))
+            (out / f"report-{world.rank}.json").write_text(json.dumps({**report.__dict__, **report.fields(["persistent", "gcs"])}))
         c.wait()
     elif mode == "durable":  # every rank its own node: GCS holds the only complete copy
         train(model, opt, sched, 2, world.rank)
-        c.save(2, model, opt, extras=extras_for(2, sched, rngs) if world.is_main else None, meta={})
+        c.save(2, extras_for(2, sched, rngs) if world.is_main else None, meta={})
         first = c.durable(2, deadline=time.monotonic() + GUARD)  # the upload ran on the uploader's group
         train(model, opt, sched, 2, world.rank)
-        c.save(4, model, opt, extras=extras_for(4, sched, rngs) if world.is_main else None, meta={}, every_tier=True)
+        c.save(4, extras_for(4, sched, rngs) if world.is_main else None, meta={}, every_tier=True)
         second = c.durable(4, deadline=time.monotonic() + GUARD)  # its manifest upload gets 403
         (out / f"durable-{world.rank}.json").write_text(json.dumps([first.tiers, second.tiers]))
     elif mode == "load":
-        r = c.restore(model, opt)
+        r = c.restore()
         record("loaded.pt")
         torch.save({"step": r.step, "tier": r.tier, "state": r.state} if r else None, out / f"restored-{world.rank}.pt")
         train(model, opt, sched, 1, world.rank)  # the resharded model and optimizer still train
@@ -219,9 +227,9 @@ def assert_extras(state: dict, step: int, saved_rngs_ranks: int) -> None:
 def load_here(run_dir: Path, **kw: Any) -> tuple[Any, dict]:
     """Restore at world size 1 in this process: no process group, a plain (unsharded) model."""
     model, opt, _ = make(seed=99)
-    c = ckpt(run_dir, World(), **kw)
+    c = ckpt(run_dir, World(), model=model, opt=opt, **kw)
     try:
-        r = c.restore(model, opt)
+        r = c.restore()
         return r, full_state(model, opt)
     finally:
         c.close()
@@ -348,21 +356,21 @@ def test_save_returns_before_the_checkpoint_exists_and_manifest_commits(tmp_path
                                                                        faulty_gcs) -> None:
     model, opt, sched = make(seed=0)
     train(model, opt, sched, 1, 0)
-    c = ckpt(tmp_path / "run", World(), gcs_emulator.uri, gcs_client=faulty_gcs)
+    c = ckpt(tmp_path / "run", World(), gcs_emulator.uri, gcs_client=faulty_gcs, model=model, opt=opt)
     disk_held, gcs_held = threading.Event(), threading.Event()
     release_disk, release_gcs = threading.Event(), threading.Event()
-    real_dcp_save = c._dcp_save
+    real_dcp_save = c.layout._dcp_save
 
     def held_dcp_save(staged: dict, stage: Path) -> None:  # a pause point, the real write follows
         disk_held.set()
         assert release_disk.wait(GUARD)
         real_dcp_save(staged, stage)
 
-    c._dcp_save = held_dcp_save  # type: ignore[method-assign]
+    c.layout._dcp_save = held_dcp_save  # type: ignore[method-assign]
     faulty_gcs.plan.add("upload", f"*/{step_name(1)}/{MANIFEST}", "hook",
                         hook=lambda: (gcs_held.set(), release_gcs.wait(GUARD)))
     expected = copy.deepcopy(full_state(model, opt))  # the live tensors move on below
-    c.save(1, model, opt, extras={"step": 1}, meta={})
+    c.save(1, {"step": 1}, meta={})
     assert disk_held.wait(GUARD)
     # save() returned; nothing of step 1 exists yet, and the loop may change the weights now.
     assert not (tmp_path / "run" / step_name(1)).exists()
@@ -370,14 +378,14 @@ def test_save_returns_before_the_checkpoint_exists_and_manifest_commits(tmp_path
     release_disk.set()
     assert gcs_held.wait(GUARD)
     # Every payload object is on GCS but the manifest is not: no valid checkpoint there yet.
-    infos = list_sharded(c.gcs)
+    infos = list_sharded(c.tiers["gcs"].store)
     assert [(i.step, i.valid, i.reason) for i in infos] == [(1, False, "no manifest (incomplete write or upload)")]
-    assert {k.rsplit("/", 1)[-1] for k in c.gcs.list(step_name(1) + "/")} == {"__0_0.distcp", ".metadata", EXTRAS}
+    assert {k.rsplit("/", 1)[-1] for k in c.tiers["gcs"].store.list(step_name(1) + "/")} == {"__0_0.distcp", ".metadata", EXTRAS}
     # The disk copy was committed (manifest last, then the rename) before the upload began.
     assert verify_sharded_dir(tmp_path / "run" / step_name(1))["step"] == 1
     release_gcs.set()
     c.wait()
-    assert [i.step for i in list_sharded(c.gcs) if i.valid] == [1]
+    assert [i.step for i in list_sharded(c.tiers["gcs"].store) if i.valid] == [1]
     c.close()
     shutil.rmtree(tmp_path / "run")
     r, loaded = load_here(tmp_path / "run", gcs_uri=gcs_emulator.uri)
@@ -397,7 +405,7 @@ def test_gcs_save_on_two_nodes_at_ws2_restores_at_ws3(tmp_path: Path, gcs_emulat
     for rank in range(2):  # the emergency save of step 4: no disk is complete, GCS is
         report = json.loads((out / f"report-{rank}.json").read_text())
         assert (report["step"], report["persistent_ok"], report["gcs_ok"]) == (4, False, True), report
-        assert "persistent not complete" in report["detail"] and "GCS uploaded" in report["detail"]
+        assert "persistent not complete" in report["detail"] and "gcs uploaded" in report["detail"]
     for node in ("node0", "node1"):  # no partial folder left behind, none posing as a checkpoint
         assert [p.name for p in (tmp_path / "run" / node).iterdir() if p.name.startswith(("step-", ".tmp-"))] == []
     from trainer.checkpoint.stores import GcsStore
@@ -424,15 +432,15 @@ def test_gcs_save_on_two_nodes_at_ws2_restores_at_ws3(tmp_path: Path, gcs_emulat
 def test_emergency_save_writes_disk_then_gcs_and_reports_both(tmp_path: Path, gcs_emulator) -> None:
     model, opt, sched = make(seed=0)
     train(model, opt, sched, 1, 0)
-    c = ckpt(tmp_path / "run", World(), gcs_emulator.uri)
-    c.save(1, model, opt, extras={"step": 1}, meta={})
+    c = ckpt(tmp_path / "run", World(), gcs_emulator.uri, model=model, opt=opt)
+    c.save(1, {"step": 1}, meta={})
     train(model, opt, sched, 1, 0)
     expected = copy.deepcopy(full_state(model, opt))
-    report = c.emergency_save(2, model, opt, extras={"step": 2}, deadline=time.monotonic() + GUARD, meta={})
+    report = c.emergency_save(2, {"step": 2}, deadline=time.monotonic() + GUARD, meta={})
     assert (report.step, report.persistent_ok, report.gcs_ok) == (2, True, True), report
-    assert report.detail.index("persistent saved") < report.detail.index("GCS uploaded")
+    assert report.detail.index("persistent saved") < report.detail.index("gcs uploaded")
     assert verify_sharded_dir(tmp_path / "run" / step_name(2))["step"] == 2
-    assert [i.step for i in list_sharded(c.gcs) if i.valid][0] == 2
+    assert [i.step for i in list_sharded(c.tiers["gcs"].store) if i.valid][0] == 2
     c.close()
     shutil.rmtree(tmp_path / "run")
     r, loaded = load_here(tmp_path / "run", gcs_uri=gcs_emulator.uri)
@@ -442,25 +450,25 @@ def test_emergency_save_writes_disk_then_gcs_and_reports_both(tmp_path: Path, gc
 
 def test_save_writes_the_due_tiers_or_every_tier(tmp_path: Path, gcs_emulator) -> None:
     model, opt, sched = make(seed=0)
-    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_emulator.uri, world=World(), key=key(),
-                            policies={"persistent": TierPolicy(every_steps=1), "gcs": TierPolicy(every_steps=1000)})
+    c = ckpt(tmp_path / "run", World(), gcs_emulator.uri, model=model, opt=opt,
+             policies={"persistent": Policy(every_steps=1), "gcs": Policy(every_steps=1000)})
     train(model, opt, sched, 1, 0)
     assert c.due(1)
-    c.save(1, model, opt, extras={"step": 1})
+    c.save(1, {"step": 1})
     c.wait()
     train(model, opt, sched, 1, 0)
-    c.save(2, model, opt, extras={"step": 2}, every_tier=True)  # the final checkpoint: everywhere
+    c.save(2, {"step": 2}, every_tier=True)  # the final checkpoint: everywhere
     c.wait()
     assert [i.step for i in list_sharded(_dir_store(tmp_path / "run")) if i.valid] == [2, 1]
-    assert [i.step for i in list_sharded(c.gcs) if i.valid] == [2]  # step 1 was not due there
+    assert [i.step for i in list_sharded(c.tiers["gcs"].store) if i.valid] == [2]  # step 1 was not due there
     c.close()
 
 
 def test_fresh_run_restores_nothing(tmp_path: Path, logwatch) -> None:
     model, opt, _ = make(seed=0)
     before = copy.deepcopy(model.state_dict())
-    c = ckpt(tmp_path / "run", World(), log=_logger())
-    assert c.restore(model, opt) is None and "starting from scratch" in logwatch.text()
+    c = ckpt(tmp_path / "run", World(), log=_logger(), model=model, opt=opt)
+    assert c.restore() is None and "starting from scratch" in logwatch.text()
     # Nothing was touched: no optimizer state appeared (a fresh Adam counts its steps from 0).
     assert not opt.state and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     c.close()
@@ -473,9 +481,9 @@ def test_checkpoint_of_another_model_is_a_resume_mismatch(saved_ws2: Path, tmp_p
     shutil.copytree(saved_ws2 / "run", run)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    c = ckpt(run, World())
+    c = ckpt(run, World(), model=model, opt=opt)
     with pytest.raises(ResumeMismatch, match=r"cannot resume from step 4 .*Size mismatch .*model\.0\.weight"):
-        c.restore(model, opt)  # not a fallback to step 2, nor a fresh start: the run would be lost
+        c.restore()  # not a fallback to step 2, nor a fresh start: the run would be lost
     c.close()
 
 
@@ -493,7 +501,7 @@ def _forge_on_disk(run: Path, src: int, step: int, replace: dict[str, bytes]) ->
 
 def test_forged_dcp_index_or_extras_are_never_read(saved_ws2: Path, tmp_path: Path, logwatch) -> None:
     from tests.trainer.support import code_running_pickle
-    from trainer.checkpoint.sharded import DCP_METADATA, inspect
+    from trainer.checkpoint.sharded import DCP_METADATA
 
     run = tmp_path / "run"
     shutil.copytree(saved_ws2 / "run", run)
@@ -504,19 +512,20 @@ def test_forged_dcp_index_or_extras_are_never_read(saved_ws2: Path, tmp_path: Pa
     assert r.step == 4 and not meta.exists() and not extras.exists()
     assert_same_state(loaded, torch.load(saved_ws2 / "out" / "full-4.pt", weights_only=False))
     assert "refusing persistent checkpoint step 6" in logwatch.text()
-    found = inspect({"persistent": _dir_store(run)}, key=key())  # `status`
-    assert found is not None and found[0] == 4 and not meta.exists() and not extras.exists()
+    look = checkpointer(run_dir=run, layout=Sharded(), key=key())  # `status`
+    found = look.restore(download=False)
+    look.close()
+    assert found is not None and found.step == 4 and not meta.exists() and not extras.exists()
     assert (run / step_name(6) / MANIFEST).exists() and (run / step_name(5) / MANIFEST).exists()
 
 
 def test_no_key_no_sharded_checkpointer(tmp_path: Path) -> None:
     from trainer.checkpoint.key import KeyProblem
-    from trainer.checkpoint.sharded import inspect
 
     with pytest.raises(KeyProblem, match=r"sharded checkpoints \(parallelism = \"fsdp\"\) need a checkpoint key"):
         ckpt(tmp_path / "run", World(), key=None)
-    with pytest.raises(KeyProblem, match="inspected only with the run's checkpoint key"):
-        inspect({"persistent": _dir_store(tmp_path)})
+    with pytest.raises(KeyProblem, match=r"sharded checkpoints \(parallelism = \"fsdp\"\) need a checkpoint key"):
+        checkpointer(run_dir=tmp_path, layout=Sharded())  # a read-only look (`status`) too
 
 
 def test_on_two_nodes_only_gcs_counts_and_a_403_on_the_manifest_is_not_durable(tmp_path: Path, gcs_proxy) -> None:
@@ -530,9 +539,9 @@ def test_on_two_nodes_only_gcs_counts_and_a_403_on_the_manifest_is_not_durable(t
     assert json.loads((tmp_path / "durable-1.json").read_text()) == [{}, {}]  # rank 0 speaks for the job
 
 
-def _proxied(run_dir: Path, gcs_proxy, **kw: Any) -> ShardedCheckpointer:
+def _proxied(run_dir: Path, gcs_proxy, **kw: Any) -> Checkpointer:
     c = ckpt(run_dir, World(), gcs_proxy.uri, gcs_client=gcs_proxy.client(), **kw)
-    c.gcs.request_timeout_s = 3600  # a stalled request is held until the test releases it
+    c.tiers["gcs"].store.request_timeout_s = 3600  # a stalled request is held until the test releases it
     return c
 
 
@@ -543,11 +552,11 @@ def test_a_full_run_dir_stages_the_shards_in_host_memory_for_gcs(tmp_path: Path,
     pd = small_fs("pd", 1 << 20)
     (pd.path / "run").mkdir()
     pd.fill()
-    c = _proxied(pd.path / "run", gcs_proxy, log=_logger())
-    c.save(1, model, opt, extras={"step": 1}, meta={})
+    c = _proxied(pd.path / "run", gcs_proxy, log=_logger(), model=model, opt=opt)
+    c.save(1, {"step": 1}, meta={})
     c.wait()
     assert "step 1 on persistent failed" in logwatch.text() and "shards staged in" in logwatch.text()
-    assert [i.step for i in list_sharded(c.gcs) if i.valid] == [1]
+    assert [i.step for i in list_sharded(c.tiers["gcs"].store) if i.valid] == [1]
     assert c.durable(1, deadline=time.monotonic() + GUARD).tiers == {"persistent": "step 1 is not there", "gcs": "ok"}
     c.close()
     assert not [p for root in ("/dev/shm", tempfile.gettempdir()) for p in Path(root).glob(f".tmp-{step_name(1)}-*")]
@@ -559,14 +568,14 @@ def test_a_full_run_dir_stages_the_shards_in_host_memory_for_gcs(tmp_path: Path,
 def test_a_stalled_upload_never_holds_the_sharded_emergency_save(tmp_path: Path, gcs_proxy) -> None:
     model, opt, sched = make(seed=0)
     train(model, opt, sched, 1, 0)
-    c = _proxied(tmp_path / "run", gcs_proxy)
+    c = _proxied(tmp_path / "run", gcs_proxy, model=model, opt=opt)
     prefix = gcs_proxy.uri.split("/", 3)[3]
     stall = gcs_proxy.proxy.add("POST", rf"object={prefix}/{step_name(1)}/__0_0[.]distcp$", "stall")
-    c.save(1, model, opt, extras={"step": 1}, meta={})
+    c.save(1, {"step": 1}, meta={})
     assert gcs_proxy.proxy.wait_stalled(stall, timeout=GUARD)
     train(model, opt, sched, 1, 0)
     got: list = []
-    th = threading.Thread(target=lambda: got.append(c.emergency_save(2, model, opt, extras={"step": 2},
+    th = threading.Thread(target=lambda: got.append(c.emergency_save(2, {"step": 2},
                                                                      deadline=time.monotonic() + GUARD, meta={})),
                           daemon=True)
     th.start()
@@ -574,7 +583,7 @@ def test_a_stalled_upload_never_holds_the_sharded_emergency_save(tmp_path: Path,
     assert got, "the emergency save waited for the stalled upload"
     assert (got[0].persistent_ok, got[0].gcs_ok, got[0].complete) == (True, True, True), got[0].detail
     assert stall.held == 1
-    assert [i.step for i in list_sharded(c.gcs) if i.valid] == [2]
+    assert [i.step for i in list_sharded(c.tiers["gcs"].store) if i.valid] == [2]
 
 
 def _dir_store(root: Path) -> Any:
@@ -597,10 +606,10 @@ def test_a_gcs_that_cannot_be_read_is_unknown_in_the_sharded_layout_too(tmp_path
     from trainer.checkpoint.tier_wait import TierUnknown
 
     model, opt, sched = make(seed=0)
-    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(), key=key(),
-                            gcs_client=gcs_proxy.client(), policies={"gcs": TierPolicy(every_steps=1)})
+    c = ckpt(tmp_path / "run", World(), gcs_proxy.uri, gcs_client=gcs_proxy.client(), model=model, opt=opt,
+             policies={"gcs": Policy(every_steps=1)})
     train(model, opt, sched, 1, 0)
-    c.save(1, model, opt, extras={"step": 1}, every_tier=True)
+    c.save(1, {"step": 1}, every_tier=True)
     c.wait()
     c.close()
     shutil.rmtree(tmp_path / "run")  # a blank disk: the checkpoint is only in GCS
@@ -608,13 +617,14 @@ def test_a_gcs_that_cannot_be_read_is_unknown_in_the_sharded_layout_too(tmp_path
         gcs_proxy.proxy.clear()
         gcs_proxy.proxy.add("GET", rule[0], "status", status=403, times=None)
         fresh, fresh_opt, _ = make(seed=1)
-        c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(), key=key(),
-                                gcs_client=gcs_proxy.client())
+        c = ckpt(tmp_path / "run", World(), gcs_proxy.uri, gcs_client=gcs_proxy.client(), model=fresh,
+                 opt=fresh_opt, policies={})
         with pytest.raises(TierUnknown, match="gcs"):  # never "no checkpoint: start from scratch"
-            c.restore(fresh, fresh_opt)
+            c.restore()
         c.close()
     gcs_proxy.proxy.clear()
-    c = ShardedCheckpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, world=World(), key=key(),
-                            gcs_client=gcs_proxy.client())
-    assert c.restore(*make(seed=1)[:2]).step == 1
+    fresh, fresh_opt, _ = make(seed=1)
+    c = ckpt(tmp_path / "run", World(), gcs_proxy.uri, gcs_client=gcs_proxy.client(), model=fresh, opt=fresh_opt,
+             policies={})
+    assert c.restore().step == 1
     c.close()

@@ -14,7 +14,8 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from trainer.observe.goodput import LEDGER_DIR, LEDGER_FILE, read_events, report
+from trainer.observe.goodput import report
+from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
 from trainer.observe.health import ask
 from trainer.data.staging import (MANIFEST, STATE_DIR, Stager, StagingError, StagingHealth, StagingInputError,
                              crc32c_b64, crc32c_combine)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from trainer.checkpoint.format import MANIFEST, list_checkpoints, step_name
+from trainer.checkpoint.manifest import MANIFEST, step_name
+from trainer.checkpoint.whole_model import list_whole as list_checkpoints
 from trainer.observe.health import ask
 from trainer.checkpoint.stores import GcsStore
 from tests.trainer.support import TIMEOUT, start, status, trainer_env, write_config

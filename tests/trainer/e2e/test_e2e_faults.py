@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from trainer.checkpoint.format import list_checkpoints
+from trainer.checkpoint.whole_model import list_whole as list_checkpoints
 from trainer.observe.health import ask
 from trainer.checkpoint.lease import LEASE_KEY
 from trainer.checkpoint.stores import GcsStore

@@ -22,7 +22,7 @@ STEPS = 40  # the reference run's (e2e conftest)
 
 
 def test_a_forged_checkpoint_in_the_bucket_is_never_loaded(tmp_path: Path, gcs_emulator, reference: dict) -> None:
-    from trainer.checkpoint.format import STATE
+    from trainer.checkpoint.whole_model import STATE
 
     config, run_dir = write_config(tmp_path), tmp_path / "run"
     env = trainer_env(**gcs_emulator.env)

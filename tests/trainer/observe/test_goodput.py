@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.observe.goodput import LEDGER_DIR, LEDGER_FILE, Ledger, read_events, read_store_events, report
+from trainer.observe.goodput import report
+from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, Ledger, read_events, read_store_events
 
 
 def ev(session: str, seq: int, t: float, event: str, **kw: object) -> dict:

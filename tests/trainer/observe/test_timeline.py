@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import StatusConfig
-from trainer.observe.goodput import LEDGER_DIR, LEDGER_FILE
+from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE
 from trainer.status import main as status_main
 from trainer.observe.timeline import sessions
 from tests.trainer.support import restore_logging  # noqa: F401  (fixture)
@@ -46,7 +46,7 @@ def _ledger(run_dir: Path) -> None:
 
 def test_sessions_outcomes_and_lost_work(tmp_path: Path) -> None:
     _ledger(tmp_path)
-    from trainer.observe.goodput import read_events
+    from trainer.observe.ledger import read_events
 
     ss = sessions(read_events(tmp_path / LEDGER_DIR / LEDGER_FILE))
     assert [(s["node"], s["outcome"]) for s in ss] == [("a", "crashed"), ("a", "preempted"), ("b", "finished")]
@@ -77,7 +77,7 @@ def test_without_matplotlib_the_message_says_what_to_install(tmp_path: Path, mon
 @pytest.mark.usefixtures("restore_logging")
 def test_a_real_run_records_its_checkpoints_per_tier(tmp_path: Path) -> None:
     from trainer.config import RunConfig
-    from trainer.observe.goodput import read_events
+    from trainer.observe.ledger import read_events
     from trainer.train import run
 
     cfg = RunConfig(run_dir=tmp_path / "run", local_dir=tmp_path / "local", steps=10, batch_size=4,
