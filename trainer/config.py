@@ -222,6 +222,11 @@ class RunConfig(BaseModel):
     """Write TensorBoard scalars (``train/loss``, ``lr``, throughput, ``eval/loss``, goodput)
     under ``RUN_DIR/tensorboard/`` and mirror them to ``GCS_URI/tensorboard/``. Not part of
     the fingerprint."""
+    sinks: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """More sinks of the run's events, one table each, config file only: e.g. ``[sinks.jsonl]
+    path = "/var/log/run-events.jsonl"`` writes every event as a JSON line (``trainer.observe.sinks``
+    lists them; a sink is one module there). The log line, the goodput ledger and TensorBoard are
+    sinks too and need no table. Not part of the fingerprint."""
     metrics_upload_every_s: float = Field(default=60.0, gt=0)
     """Seconds between uploads of this session's TensorBoard event file to the durable tier
     (each upload replaces the object; the last one is made when the session ends)."""
@@ -266,6 +271,13 @@ class RunConfig(BaseModel):
         if v not in (None, False) and info.data.get("init_from") is None:
             raise ValueError("is set but there is no init_from (the run to start from)")
         return v
+
+    @field_validator("sinks")
+    @classmethod
+    def _sinks(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        from trainer.observe.sinks import validate
+
+        return validate(v)
 
     @field_validator("task_args")
     @classmethod

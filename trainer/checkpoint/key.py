@@ -229,7 +229,7 @@ def fetch(secret: str, out: Path, *, client: Any = None, forbidden_retry_s: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.checkpoint.key",
+    p = argparse.ArgumentParser(prog="python -m trainer.checkpoint_key",
                                 description="Fetch an experiment's checkpoint key from Secret Manager.")
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="version 1 of the secret (created when missing) into a 0600 file")

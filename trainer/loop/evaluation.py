@@ -21,6 +21,7 @@ import torch
 
 from trainer.loop import state
 from trainer.data.batches import fetch
+from trainer.task import loss_and_metrics
 
 
 @contextlib.contextmanager
@@ -75,8 +76,11 @@ class Evaluator:
         return mean, n, time.monotonic() - t0
 
     def _dataset_loss(self) -> tuple[dict[str, float], int, bool]:
+        """The loss, and the task's own metrics (``loss_fn``'s ``(loss, {name: value})``), over the
+        eval prefix."""
         size, world = len(self.dataset), self.world
-        total, n = torch.zeros((), device=self.device, dtype=torch.float64), 0
+        sums: dict[str, Any] = {"loss": torch.zeros((), device=self.device, dtype=torch.float64)}
+        n = 0
         for b in range(self.batches):
             if not self.sharded and self.interrupted():
                 return {"loss": float("nan")}, n, True
@@ -84,6 +88,10 @@ class Evaluator:
             batch = fetch(self.dataset, [(first + i) % size for i in range(self.batch_size)])
             batch = tuple(x.to(self.device, non_blocking=True) if torch.is_tensor(x) else x for x in batch)
             with self.autocast():
-                total += self.loss_fn(self.model, batch).detach().double()
+                loss, metrics = loss_and_metrics(self.loss_fn(self.model, batch))
+                sums["loss"] += loss.detach().double()
+                for name, value in metrics.items():
+                    value = value.detach().double().reshape(()) if torch.is_tensor(value) else float(value)
+                    sums[name] = sums.get(name, 0.0) + value
             n += 1
-        return {"loss": float(total) / max(1, n)}, n, False
+        return {name: float(total) / max(1, n) for name, total in sums.items()}, n, False

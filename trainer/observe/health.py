@@ -67,7 +67,11 @@ def holder(port: int) -> str:
 
 
 class Health:
-    """The state the server reports; the loop calls ``beat()`` after every step."""
+    """The state the server reports; the loop calls ``beat()`` after every step.
+
+    ``on_stalled(step, seconds)`` is told once when steps stop (``check``, which ``watch`` runs on a
+    thread of its own: the loop itself is what hangs), so that the run's ``Stalled`` event is
+    emitted whether or not the group's check asks."""
 
     def __init__(self, stall_timeout_s: float, clock: Callable[[], float] = time.monotonic,
                  degraded: Callable[[], str] | None = None, startup_grace_s: float = 0.0):
@@ -80,10 +84,47 @@ class Health:
         self._phase = "starting"
         self._finishing = ""
         self._last_beat = clock()
+        self._step = 0
+        self._stall_told = False
+        self.on_stalled: Callable[[int, float], None] | None = None
+        self._stop = threading.Event()
 
-    def beat(self) -> None:
+    def beat(self, step: int = 0) -> None:
         self._last_beat = self.clock()
         self._phase = "running"
+        self._step = step
+        self._stall_told = False
+
+    def stalled(self) -> float | None:
+        """Seconds since the last step while steps should be completing and none has for the stall
+        timeout; None otherwise."""
+        since = self.clock() - self._last_beat
+        return since if self._phase == "running" and since > self.stall_timeout_s else None
+
+    def check(self) -> None:
+        """Tell ``on_stalled`` once about a stall (again after the next step, should it stall again)."""
+        since = self.stalled()
+        if since is not None and not self._stall_told:
+            self._stall_told = True
+            if self.on_stalled is not None:
+                self.on_stalled(self._step, since)
+
+    def watch(self) -> "Health":
+        """``check`` on a daemon thread, often enough to tell a stall soon after the timeout."""
+        every = max(0.05, min(30.0, self.stall_timeout_s / 4))
+
+        def loop() -> None:
+            while not self._stop.wait(every):
+                try:
+                    self.check()
+                except Exception:  # noqa: BLE001 - telling must never take the watcher down
+                    pass
+
+        threading.Thread(target=loop, name="health-stall-watch", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
 
     def finishing(self, step: int) -> None:
         self._phase = "finishing"
@@ -107,7 +148,7 @@ class Health:
 
     def answer(self) -> str:
         if self._phase == "running":
-            if self.clock() - self._last_beat > self.stall_timeout_s:
+            if self.stalled() is not None:
                 return "stalled"
             why = self._degraded()
             return f"ok degraded: {why}" if why else "ok"

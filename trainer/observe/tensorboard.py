@@ -306,13 +306,3 @@ class Metrics:
         self._wake.set()
         self._thread.join(max(0.0, timeout))
         return not self._thread.is_alive() and self._final_ok
-
-
-class NoMetrics:
-    """Metrics switched off (``tensorboard = false``), or a rank other than 0."""
-
-    def scalars(self, step: int, values: dict[str, float] | None) -> None:
-        pass
-
-    def close(self, timeout: float = 0.0) -> bool:
-        return True

@@ -1,4 +1,5 @@
-"""trainer/progress.py: one structured line per interval; a live line only on a terminal."""
+"""trainer.observe.progress and the log sink: one structured line per interval, the task's own
+metrics in it; a live line only on a terminal."""
 from __future__ import annotations
 
 import io
@@ -7,8 +8,27 @@ import re
 
 import pytest
 
-from trainer.observe.progress import Progress, setup_logging
 from tests.trainer.support import restore_logging  # noqa: F401  (fixture)
+from trainer.observe.events import Step
+from trainer.observe.progress import StepWindow, setup_logging
+from trainer.observe.sinks.log import LogSink
+
+
+class Progress:
+    """The loop's side (the window each Step event carries) and the log sink's, together."""
+
+    def __init__(self, log, *, total_steps: int, start_step: int, every: int, tokens_per_step: int,
+                 samples_per_step: int = 1, stream=None) -> None:
+        self.total = total_steps
+        self.window = StepWindow(total_steps=total_steps, start_step=start_step, every=every,
+                                 tokens_per_step=tokens_per_step, samples_per_step=samples_per_step)
+        self.sink = LogSink(log, main=True, stream=stream)
+
+    def update(self, step: int, loss: float, lr: float, metrics: dict | None = None) -> None:
+        self.sink.handle(Step(step, self.total, loss, lr, metrics or {}, self.window.add(step, loss, lr, metrics)))
+
+    def close(self) -> None:
+        self.sink.close(0.0)
 
 
 class Tty(io.StringIO):
@@ -70,3 +90,17 @@ def test_samples_per_s_counts_the_samples_of_a_step(restore_logging) -> None:
         m = re.search(r"steps_per_s=(\S+) samples_per_s=(\S+) ", line)
         assert m, line
         assert float(m.group(2)) == pytest.approx(32 * float(m.group(1)), abs=1.0)
+
+
+def test_the_tasks_metrics_are_averaged_over_the_interval_and_logged_after_the_figures(restore_logging) -> None:
+    out = io.StringIO()
+    log = setup_logging(stream=out)
+    p = Progress(log, total_steps=4, start_step=0, every=2, tokens_per_step=0, stream=out)
+    for step, acc in zip(range(1, 5), (0.5, 0.7, 0.8, 1.0)):
+        p.update(step, loss=1.0, lr=0.1, metrics={"acc": acc, "top5": 1.0})
+    p.close()
+    lines = [x for x in out.getvalue().splitlines() if "event=step" in x]
+    assert len(lines) == 2
+    assert re.search(r"event=step step=2/4 loss=1\.0000 lr=\S+ steps_per_s=\S+ samples_per_s=\S+ eta_s=\S+ "
+                     r"acc=0\.6 top5=1$", lines[0]), lines[0]
+    assert lines[1].endswith(" acc=0.9 top5=1")
