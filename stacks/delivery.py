@@ -3,7 +3,10 @@
 
 `build_archive` packs a source tree into a byte-for-byte deterministic `.tar.gz` (sorted
 entries, fixed mtime/owner/mode, gzip header without time or name; no `__pycache__`, `*.pyc`,
-`tests` or hidden entries), named by its sha256. `CodeDelivery` uploads each archive to the
+`tests` or hidden entries), named by its sha256. The tar format is POSIX.1-2001 (pax): a member
+name over ustar's 100 characters (wheel file names reach 101 and more) gets a pax `path` record,
+and nothing else does (no times, no owners: those are fixed ustar fields), so short names pack
+exactly as ustar would and long ones as deterministically. `CodeDelivery` uploads each archive to the
 checkpoint bucket as `code/<kind>-<sha256[:16]>.tar.gz` through a `TerraformAsset`, and the boot
 script receives the object name and the full sha256 (`Release`). So a one-byte change in the
 tree renames the object and changes the instance template (the group rolls), while an unchanged
@@ -24,6 +27,7 @@ from cdktn import AssetType, TerraformAsset, TerraformResourceLifecycle
 from constructs import Construct
 
 from stacks.boot import Release
+from stacks.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER_SOURCE = REPO / "trainer"
@@ -32,6 +36,10 @@ BUILD_DIR = REPO / "build" / "code"
 OBJECT_PREFIX = "code/"
 EXCLUDED_DIRS = frozenset({"__pycache__", "tests", "test"})
 EXCLUDED_SUFFIXES = (".pyc", ".pyo")
+
+
+class DeliveryError(InputError):
+    """A tree that cannot be packed (missing, unreadable, a name tar cannot hold); one line each."""
 
 
 @dataclass(frozen=True)
@@ -65,19 +73,22 @@ _PACKED: dict[tuple, bytes] = {}
 def archive_bytes(src: Path, prefix: str = "") -> bytes:
     """The deterministic tar.gz of `src`; entries are `prefix/<relative path>` (or bare)."""
     if not src.is_dir():
-        raise FileNotFoundError(f"{src}: not a directory")
-    entries = _entries(src)
-    # Any edit changes a file's size or mtime, so a changed tree is packed again.
-    key = (str(src.resolve()), prefix, tuple(
-        (rel, st.st_size, st.st_mtime_ns, st.st_mode) for rel, path in entries for st in [path.stat()]))
-    if key not in _PACKED:
-        _PACKED[key] = _pack(src, prefix, entries)
+        raise DeliveryError([f"{src}: not a directory, so nothing can be shipped from it"])
+    try:
+        entries = _entries(src)
+        # Any edit changes a file's size or mtime, so a changed tree is packed again.
+        key = (str(src.resolve()), prefix, tuple(
+            (rel, st.st_size, st.st_mtime_ns, st.st_mode) for rel, path in entries for st in [path.stat()]))
+        if key not in _PACKED:
+            _PACKED[key] = _pack(src, prefix, entries)
+    except (OSError, ValueError, tarfile.TarError) as err:
+        raise DeliveryError([f"{src}: cannot pack it for the VM: {err}"]) from None
     return _PACKED[key]
 
 
 def _pack(src: Path, prefix: str, entries: list[tuple[str, Path]]) -> bytes:
     raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8") as tar:
         if prefix:
             entries = [(prefix, src)] + [(f"{prefix}/{rel}", p) for rel, p in entries]
         for name, path in entries:
@@ -104,12 +115,15 @@ def build_archive(src: Path, kind: str, *, prefix: str, out_dir: Path) -> Archiv
     data = archive_bytes(src, prefix)
     sha = hashlib.sha256(data).hexdigest()
     name = f"{kind}-{sha[:16]}.tar.gz"
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
-    if not path.exists() or path.read_bytes() != data:
-        tmp = out_dir / f".{name}.{os.getpid()}.tmp"
-        tmp.write_bytes(data)
-        tmp.replace(path)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_bytes() != data:
+            tmp = out_dir / f".{name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            tmp.replace(path)
+    except OSError as err:
+        raise DeliveryError([f"{path}: cannot write the {kind} archive: {err}"]) from None
     return Archive(Release(kind, OBJECT_PREFIX + name, sha), path)
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stacks import gcp_rules as R
+from stacks.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_ENV = "SPOTTRAIN_WHEEL_CACHE"
@@ -52,12 +53,8 @@ TORCH_STUB = "spottrain.image"
 _SPECIFIER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,\s-]+\])?\s*[^;]*(;.+)?$")
 
 
-class WheelsError(Exception):
+class WheelsError(InputError):
     """The wheels cannot be resolved (exit 2); `lines` say which requirement and why."""
-
-    def __init__(self, lines: list[str]) -> None:
-        super().__init__("\n".join(lines))
-        self.lines = lines
 
 
 @dataclass(frozen=True)
