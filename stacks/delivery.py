@@ -22,6 +22,7 @@ import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from cdktn import AssetType, TerraformAsset, TerraformResourceLifecycle
 from constructs import Construct
@@ -48,8 +49,9 @@ class Archive:
     path: Path  # the local file the asset uploads
 
 
-def _entries(src: Path) -> list[tuple[str, Path]]:
-    """(relative posix path, file) of every shipped entry, directories included, sorted."""
+def _entries(src: Path, skip_top: Callable[[Path], bool] | None = None) -> list[tuple[str, Path]]:
+    """(relative posix path, file) of every shipped entry, directories included, sorted;
+    `skip_top` leaves out files at the top of `src`."""
     out: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(src):
         dirnames[:] = sorted(d for d in dirnames
@@ -59,6 +61,8 @@ def _entries(src: Path) -> list[tuple[str, Path]]:
             out.append(((here / d).relative_to(src).as_posix(), here / d))
         for f in sorted(filenames):
             if f.startswith(".") or f.endswith(EXCLUDED_SUFFIXES):
+                continue
+            if skip_top is not None and here == src and skip_top(here / f):
                 continue
             if not (here / f).is_file():
                 continue  # a dangling link or a socket: nothing to ship
@@ -70,12 +74,12 @@ def _entries(src: Path) -> list[tuple[str, Path]]:
 _PACKED: dict[tuple, bytes] = {}
 
 
-def archive_bytes(src: Path, prefix: str = "") -> bytes:
+def archive_bytes(src: Path, prefix: str = "", skip_top: Callable[[Path], bool] | None = None) -> bytes:
     """The deterministic tar.gz of `src`; entries are `prefix/<relative path>` (or bare)."""
     if not src.is_dir():
         raise DeliveryError([f"{src}: not a directory, so nothing can be shipped from it"])
     try:
-        entries = _entries(src)
+        entries = _entries(src, skip_top)
         # Any edit changes a file's size or mtime, so a changed tree is packed again.
         key = (str(src.resolve()), prefix, tuple(
             (rel, st.st_size, st.st_mtime_ns, st.st_mode) for rel, path in entries for st in [path.stat()]))
@@ -109,10 +113,11 @@ def _pack(src: Path, prefix: str, entries: list[tuple[str, Path]]) -> bytes:
     return out.getvalue()
 
 
-def build_archive(src: Path, kind: str, *, prefix: str, out_dir: Path) -> Archive:
+def build_archive(src: Path, kind: str, *, prefix: str, out_dir: Path,
+                  skip_top: Callable[[Path], bool] | None = None) -> Archive:
     """Pack `src` and write it to `out_dir` under its content name (atomically: parallel
     syntheses of the same tree write the same bytes to the same name)."""
-    data = archive_bytes(src, prefix)
+    data = archive_bytes(src, prefix, skip_top)
     sha = hashlib.sha256(data).hexdigest()
     name = f"{kind}-{sha[:16]}.tar.gz"
     path = out_dir / name
@@ -135,13 +140,17 @@ def trainer_archive(source: Path | None = None, out_dir: Path | None = None) -> 
 
 
 def wheels_archive(wheels_dir: Path, out_dir: Path | None = None) -> Archive:
-    """The resolved wheels (`stacks.wheels.resolve`); they unpack to `<release>/*.whl`."""
+    """The locked wheels (`stacks.wheels.locked_wheels`); they unpack to `<release>/*.whl`."""
     return build_archive(wheels_dir, "wheels", prefix="", out_dir=out_dir or BUILD_DIR)
 
 
 def user_archive(code_dir: Path, out_dir: Path | None = None) -> Archive:
-    """The user's code directory; its contents unpack to `<release>/` (put on PYTHONPATH)."""
-    return build_archive(code_dir, "user", prefix="", out_dir=out_dir or BUILD_DIR)
+    """The user's code directory; its contents unpack to `<release>/` (put on PYTHONPATH). Its
+    dependency locks stay behind: what they name ships as the wheels archive, and a lock for
+    another Python (the drill's) changes nothing a VM runs."""
+    from stacks.wheels import is_lock_file
+
+    return build_archive(code_dir, "user", prefix="", out_dir=out_dir or BUILD_DIR, skip_top=is_lock_file)
 
 
 @dataclass(frozen=True)

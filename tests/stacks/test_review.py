@@ -19,7 +19,7 @@ from stack_support import EXAMPLE, ROOT
 
 from stacks import review
 
-APP = ["main.py", "cdktf.json", "stacks", "templates", "trainer"]
+APP = ["main.py", "cdktf.json", "stacks", "templates", "trainer", "locks"]
 TEMPLATE = "google_compute_instance_template"
 
 
