@@ -101,3 +101,64 @@ def test_the_report_explains_a_short_runs_low_goodput() -> None:
     assert "goodput 22.0% of 100.0 s wall over 3 session(s)" in text
     assert ("(why so low: this run trains for only 22.0 s, while each of its 3 VM boots pays about 12.0 s of "
             "trainer start-up and restore, plus 40.0 s without a trainer in all") in text
+
+
+PROBE_TASK = '''\
+import spottrain_drill_probe  # the requirement of this code_dir: the host's venv does not have it
+
+from trainer.tasks.gpt import build as gpt
+
+
+def build(ctx, **task_args):
+    assert spottrain_drill_probe.ANSWER == 42
+    return gpt(ctx, **task_args)
+'''
+
+
+@needs_root
+def test_the_drill_installs_the_code_dirs_locked_requirements_as_a_deploy_does(tmp_path: Path, monkeypatch) -> None:
+    """A code_dir whose requirements.txt names a package the host's venv lacks: the drill's VM
+    gets what a deploy ships (the trainer, the code and the locked wheels, installed offline by the
+    startup script), so the task imports it. The trainer's own wheels are the committed lock's
+    real ones; the probe package comes from a local index."""
+    import importlib.util
+    import os
+
+    from stacks.lock import lock, this_python
+    from stacks.load import load_file
+    from stacks.wheels import CACHE_ENV, INDEX_ENV, build_wheel, for_python, lock_path, locked_wheels, read_lock, wheel_set
+
+    assert importlib.util.find_spec("spottrain_drill_probe") is None
+    repo = Path(__file__).resolve().parents[2]
+    index = tmp_path / "index"
+    index.mkdir()
+    trainer_lock = read_lock(repo / "locks" / f"py{this_python()}-glibc2.35.lock")
+    for wheel in locked_wheels(trainer_lock).glob("*.whl"):
+        os.link(wheel, index / wheel.name)
+    build_wheel(index, "spottrain-drill-probe", "1.0", files={"spottrain_drill_probe/__init__.py": "ANSWER = 42\n"})
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "probetask.py").write_text(PROBE_TASK)
+    (code / "requirements.txt").write_text("spottrain-drill-probe\n")
+    exp = tmp_path / "probe.toml"
+    exp.write_text((repo / "experiments" / "example.toml").read_text()
+                   .replace('task = "trainer.tasks.gpt:build"', f'code_dir = "{code}"\ntask = "probetask:build"')
+                   + "\n[trainer.config]\nthreads = 1\n[trainer.config.task_args]\nn_layer = 1\nn_embd = 32\n"
+                   "block_size = 32\nstride = 32\n")
+    monkeypatch.setenv(INDEX_ENV, str(index))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    # `make lock EXPERIMENT=...`: the drill's lock, for the Python its VM stand-in runs.
+    spec = for_python(load_file(exp).spec, this_python())
+    ws = wheel_set(spec, code)
+    made = lock(ws, lock_path(ws, code), index=str(index))
+    assert made.path == code / f"requirements.py{this_python()}-glibc2.35.lock"
+    assert "spottrain-drill-probe" in read_lock(made.path).versions()
+
+    lines: list[str] = []
+    cfg = DrillConfig(experiment=exp, steps=30, preemptions=0, seed=1, window_s=10.0,
+                      checkpoint_every_steps=10, disk_mb=64, workdir=tmp_path / "drill")
+    result = run_drill(cfg, say=lines.append)
+    assert result.ok and result.status["latest_step"] == cfg.steps, "\n".join(lines)
+    journal = (tmp_path / "drill" / "drill" / "vm" / "journal.log").read_text()
+    assert "wheels, offline)" in journal  # the startup script installed them, as on a VM
+    assert "event=step" in journal
