@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 import shutil
 import sys
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from stacks.errors import InputError, report
 from stacks.wheels import (
-    REPO, TORCH_STUB, Lock, Pin, WheelSet, WheelsError, build_wheel, cache_root, check, for_python,
+    INDEX_ENV, REPO, TORCH_STUB, Lock, Pin, WheelSet, WheelsError, build_wheel, cache_root, check, for_python,
     index_env, lock_path, normalize, read_lock, render_lock, run_tool, seal, stale, wheel_set,
 )
 
@@ -122,7 +123,9 @@ def resolve(ws: WheelSet, work: Path, index: str | None = None, previous: Lock |
 def lock(ws: WheelSet, path: Path, *, index: str | None = None, upgrade: bool = False,
          cache: Path | None = None) -> Outcome:
     """Make (or keep) the lock of `ws` at `path` (`stacks.wheels.lock_path` says where it
-    belongs); its wheels go into the cache."""
+    belongs) against `index` (default: $SPOTTRAIN_WHEEL_INDEX, else the index pip is configured
+    with); its wheels go into the cache."""
+    index = index if index is not None else os.environ.get(INDEX_ENV)
     previous = None
     if path.is_file():
         try:
@@ -215,10 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         files = [e for s in sources for e in load_all(s)]
         for path, (ws, users) in sorted(targets(files, not args.no_drill).items()):
             out = lock(ws, path, upgrade=args.upgrade)
-            what = (f"written, {out.packages} packages" + (f": {', '.join(out.changes)}" if out.changes else
-                                                           ", the same versions")
-                    if out.written else f"up to date, {out.packages} packages")
-            print(f"{display(path)} ({ws.describe()}; {', '.join(users)}): {what}")
+            what = "written" if out.written else "up to date"
+            if out.written and not out.changes:
+                what += ", the same versions"
+            print(f"{display(path)}: {what}, {out.packages} packages ({ws.describe()}; for "
+                  f"{', '.join(users)})")
+            for change in out.changes:  # one a line: what a reviewer of the lock's diff reads
+                print(f"  {change}")
     except InputError as err:
         return report(err)
     return 0

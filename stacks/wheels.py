@@ -383,7 +383,10 @@ def _pip_config() -> dict[str, str]:
 
 def run_tool(cmd: list[str], env: dict[str, str], what: str) -> None:
     """Run pip or uv; WheelsError with its last words (one line) when it fails."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    except OSError as err:  # no uv next to this Python (make setup installs it), no pip
+        raise WheelsError([f"{what}: cannot run {cmd[0]}: {err.strerror or err}"]) from None
     if proc.returncode != 0:
         said = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()][-12:]
         raise WheelsError([f"{what}: {' | '.join(said) or f'exit status {proc.returncode}'}"])

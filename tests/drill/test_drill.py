@@ -154,11 +154,15 @@ def test_the_drill_installs_the_code_dirs_locked_requirements_as_a_deploy_does(t
     assert made.path == code / f"requirements.py{this_python()}-glibc2.35.lock"
     assert "spottrain-drill-probe" in read_lock(made.path).versions()
 
-    lines: list[str] = []
-    cfg = DrillConfig(experiment=exp, steps=30, preemptions=0, seed=1, window_s=10.0,
-                      checkpoint_every_steps=10, disk_mb=64, workdir=tmp_path / "drill")
-    result = run_drill(cfg, say=lines.append)
-    assert result.ok and result.status["latest_step"] == cfg.steps, "\n".join(lines)
-    journal = (tmp_path / "drill" / "drill" / "vm" / "journal.log").read_text()
+    # One VM, as `make drill` boots it (the reference run of a drill), trained to the end.
+    from drill.drill import Deployment, render
+    from drill.net import free_port
+
+    cfg = DrillConfig(experiment=exp, steps=30, preemptions=0, checkpoint_every_steps=10, disk_mb=64)
+    rendered = render(cfg, free_port(), trainer_source=repo / "trainer", code_dir=tmp_path / "archives")
+    assert any(name.startswith("code/wheels-") for name, _ in rendered.uploads)
+    with Deployment(tmp_path / "vm", rendered, cfg, lambda line: None, repo) as dep:
+        dep.run_to_end()  # DrillFailure (with the journal) if the task cannot import its requirement
+        journal = dep.vm.journal()
     assert "wheels, offline)" in journal  # the startup script installed them, as on a VM
-    assert "event=step" in journal
+    assert f"event=step step={cfg.steps}/{cfg.steps}" in journal

@@ -235,24 +235,52 @@ def test_synthesis_ships_the_lock_and_a_requirements_change_needs_a_new_one(tmp_
     assert again == two
 
 
+def test_make_lock_writes_each_lock_once_and_says_what_moved(tmp_path, monkeypatch, capsys):
+    from stacks.lock import main
+
+    idx = real_index(tmp_path)
+    build_wheel(idx, "tinydep", "1.0")
+    monkeypatch.setenv(INDEX_ENV, str(idx))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    code = code_dir(tmp_path, "tinydep\n")
+    exp = tmp_path / "mine.toml"
+    exp.write_text(EXAMPLE.read_text().replace("[trainer]\n", f"[trainer]\ncode_dir = {json.dumps(str(code))}\n"))
+    assert main([str(exp), "--no-drill"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"{code}/requirements.py3.10-glibc2.35.lock: written, {len(read_lock(EXAMPLE_LOCK).pins) + 1} "
+                      f"packages (Python 3.10, glibc 2.35, image torch 2.9.0; for {exp})")
+    assert "  +tinydep 1.0" in out and all(line.startswith("  +") for line in out[1:])
+    assert main([str(exp), "--no-drill"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(": up to date, "
+                                                            f"{len(read_lock(EXAMPLE_LOCK).pins) + 1} packages "
+                                                            f"(Python 3.10, glibc 2.35, image torch 2.9.0; for {exp})")
+    exp.write_text("labels = 3\n")
+    assert main([str(exp)]) == 2
+    assert "labels: Input should be a valid dictionary" in capsys.readouterr().err
+
+
 #: A wheel file name as long as the index serves (charset_normalizer 3.5.3's is 101 characters).
 LONG_TAG = "cp310-cp310-manylinux1_x86_64.manylinux_2_28_x86_64.manylinux_2_5_x86_64"
 
 
 @pytest.mark.xdist_group("stacks")
-def test_a_wheel_name_over_100_characters_synthesizes_and_reaches_the_vm_intact(tmp_path):
+def test_a_wheel_name_over_100_characters_synthesizes_and_reaches_the_vm_intact(tmp_path, monkeypatch):
+    from test_delivery import synth, template_and_objects
+
+    from stacks.delivery import BUILD_DIR
+
     idx, cache = real_index(tmp_path), tmp_path / "cache"
     probe = build_wheel(idx, "spottrain-long-name-probe", "1.0", tag=LONG_TAG)
     assert len(probe.name) > 100
     code = code_dir(tmp_path, "spottrain-long-name-probe\n")
     lock_code(code, idx, cache)
-    exp = tmp_path / "long.toml"
-    exp.write_text(EXAMPLE.read_text().replace("[trainer]\n", f"[trainer]\ncode_dir = {json.dumps(str(code))}\n"))
-    proc = run_main(tmp_path, exp, {INDEX_ENV: str(idx), CACHE_ENV: str(cache)})
-    assert proc.returncode == 0, proc.stderr
-    (archive,) = (tmp_path / "out").glob("stacks/long/assets/code_wheels-archive_*/*/*")
+    monkeypatch.setenv(INDEX_ENV, str(idx))
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    _, objects = template_and_objects(synth("example", {"trainer": {"code_dir": str(code)}}))
+    (wheels,) = [o for o in objects.values() if o["name"].startswith("code/wheels-")]
     out = tmp_path / "vm"
     out.mkdir()
+    archive = BUILD_DIR / wheels["name"].removeprefix("code/")  # what the stack uploads
     subprocess.run(["tar", "-xzf", str(archive), "-C", str(out)], check=True)  # as the VM unpacks it
     assert (out / probe.name).read_bytes() == probe.read_bytes()
 
@@ -263,23 +291,33 @@ def run_main(tmp_path: Path, exp: Path, env: dict[str, str]) -> subprocess.Compl
                                             "CDKTF_OUTDIR": str(tmp_path / "out"), **env})
 
 
-def test_a_missing_or_stale_lock_exits_2_from_main_py_in_one_line(tmp_path, index):
+def test_a_missing_lock_exits_2_from_main_py_in_one_line(tmp_path, index):
     code = code_dir(tmp_path, "tinydep\n")
     exp = tmp_path / "x.toml"
     exp.write_text(EXAMPLE.read_text().replace("[trainer]\n", f"[trainer]\ncode_dir = {json.dumps(str(code))}\n"))
-    env = {INDEX_ENV: str(index), CACHE_ENV: str(tmp_path / "cache")}
-    proc = run_main(tmp_path, exp, env)
+    proc = run_main(tmp_path, exp, {INDEX_ENV: str(index), CACHE_ENV: str(tmp_path / "cache")})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
         f"{code}/requirements.py3.10-glibc2.35.lock: no lock of the VM's dependencies for Python 3.10, "
         "glibc 2.35, image torch 2.9.0 (synthesis installs exactly a committed lock, it never resolves): "
         "run `make lock EXPERIMENT=x` and commit the lock"]
+
+
+def test_a_lock_not_written_by_make_lock_or_for_another_python_is_refused(tmp_path):
+    code = code_dir(tmp_path, "tinydep\n")
+    ws = WheelSet(TRAINER_REQUIREMENTS + ("tinydep",), IMAGE)
     (code / "requirements.py3.10-glibc2.35.lock").write_text("not a lock\n")
-    proc = run_main(tmp_path, exp, env)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.splitlines() == [
-        f"{code}/requirements.py3.10-glibc2.35.lock: not a lock that `make lock` wrote (line 1: "
-        "'not a lock'); run `make lock` again"]
+    with pytest.raises(WheelsError) as err:
+        W.locked(ws, code)
+    assert err.value.lines == [f"{code}/requirements.py3.10-glibc2.35.lock: not a lock that `make lock` wrote "
+                               "(line 1: 'not a lock'); run `make lock` again"]
+    # The committed trainer lock for 3.10, read as if it were the lock of a 3.11 image.
+    lock = read_lock(EXAMPLE_LOCK)
+    assert W.stale(WheelSet(TRAINER_REQUIREMENTS, IMAGE), lock) == []
+    other = WheelSet(TRAINER_REQUIREMENTS, R.ImagePython("3.11", (2, 35), "2.9.0"))
+    assert W.stale(other, lock) == ["it is for Python 3.10, glibc 2.35"]
+    # No locked package needs torch: any image torch fits.
+    assert W.stale(WheelSet(TRAINER_REQUIREMENTS, R.ImagePython("3.10", (2, 35), "2.8.0")), lock) == []
 
 
 @pytest.mark.xdist_group("stacks")
