@@ -6,8 +6,8 @@ entries, fixed mtime/owner/mode, gzip header without time or name; no `__pycache
 `tests` or hidden entries), named by its sha256. The tar format is POSIX.1-2001 (pax): a member
 name over ustar's 100 characters (wheel file names reach 101 and more) gets a pax `path` record,
 and nothing else does (no times, no owners: those are fixed ustar fields), so short names pack
-exactly as ustar would and long ones as deterministically. `CodeDelivery` uploads each archive to the
-checkpoint bucket as `code/<kind>-<sha256[:16]>.tar.gz` through a `TerraformAsset`, and the boot
+exactly as ustar would and long ones as deterministically. `CodeDelivery` uploads each archive to
+the checkpoint bucket as `code/<kind>-<sha256[:16]>.tar.gz` through a `TerraformAsset`, and the boot
 script receives the object name and the full sha256 (`Release`). So a one-byte change in the
 tree renames the object and changes the instance template (the group rolls), while an unchanged
 tree synthesizes identical JSON (`diff` shows nothing).

@@ -20,7 +20,7 @@ image's Python and glibc (`WheelSet`).
 3. **Ship**: the wheels folder (the wheels and their pins as `requirements.lock`) is packed like
    the code (`stacks.delivery`, kind "wheels") as `code/wheels-<sha256[:16]>.tar.gz`.
 4. **Install** (the startup script): once per archive digest, offline (`pip install --no-index
-   --no-deps --target`), into `/mnt/spottrain/deps/<sha256>` on the checkpoint disk.
+   --no-deps --no-compile --target`), into `/mnt/spottrain/deps/<sha256>` on the checkpoint disk.
 
 The index is the one pip is configured with (`pip config list`: the same for uv, `uv_options`)
 unless `SPOTTRAIN_WHEEL_INDEX` names a directory of wheels or an index URL (then nothing else is
