@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     wheels into the cache now (before going offline). Resolves nothing: that is `make lock`."""
     from stacks.errors import report
     from stacks.experiment import code_path
-    from stacks.load import argument, load_all
+    from stacks.load import argument, display, load_all
 
     args = sys.argv[1:] if argv is None else argv
     try:
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             lock = locked(wheel_set(e.spec, code), code, e.name)
             was = cached(lock) is not None
             d = locked_wheels(lock)
-            print(f"{e.path}: {len(lock.pins)} wheels of {_display(lock.path)} in {d.parent}"
+            print(f"{display(e.path)}: {len(lock.pins)} wheels of {_display(lock.path)} in {d.parent}"
                   f"{' (cached)' if was else ''}")
     except InputError as err:
         return report(err)
