@@ -40,6 +40,7 @@ from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
 from drill.metadata_server import MetadataServer
 from drill.sandbox import REPO, Disk, Sandbox, disk_status
+from stacks.lock import this_python
 
 DEVICE_NAME = "spottrain-checkpoints"
 MOUNT_DIR = "/mnt/spottrain"
@@ -175,22 +176,30 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
     from stacks.boot import boot_props, render as render_boot
     from stacks.load import load_file
 
+    from stacks.wheels import for_python
+
     ef = load_file(cfg.experiment)
     exp = ef.spec if pool is None else ef.spec.model_copy(update={"pool": pool})
+    # The VM stand-in's Python is this one (drill.sandbox), not the image's: its wheels are the
+    # lock for this Python (`make lock` writes it beside the image's), and the startup script's
+    # check of the Python they were locked for holds.
+    exp = for_python(exp, this_python())
     every = cfg.checkpoint_every_steps or max(1, cfg.steps // 6)
     args = _replace_flag(list(exp.trainer.args), "--checkpoint-every-steps", str(every)) + list(trainer_args)
     uploads: list[tuple[str, Path]] = []
     releases: tuple = ()
     if trainer_source is not None:
-        from stacks.delivery import trainer_archive
+        from stacks.delivery import trainer_archive, user_archive, wheels_archive
+        from stacks.experiment import code_path
+        from stacks.wheels import shipped_wheels
 
         archives = [trainer_archive(trainer_source, out_dir=code_dir)]
-        user_code = exp.trainer.code_dir
+        user_code = code_path(exp.trainer.code_dir) if exp.trainer.code_dir is not None else None
         if user_code is not None:  # the user's own code, shipped beside the trainer
-            from stacks.delivery import user_archive
-            from stacks.experiment import code_path
-
-            archives.append(user_archive(code_path(user_code), out_dir=code_dir))
+            archives.append(user_archive(user_code, out_dir=code_dir))
+        # What a deploy ships besides the code: the locked wheels, installed offline by the
+        # startup script; the VM's Python finds its dependencies there, not in the host's venv.
+        archives.append(wheels_archive(shipped_wheels(exp, user_code, ef.name), out_dir=code_dir))
         releases = tuple(a.release for a in archives)
         uploads += [(a.release.object_name, a.path) for a in archives]
     # The stack's own props, with the drill's step count, health port and checkpoint cadence.
@@ -199,6 +208,18 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
     scripts = render_boot(props)
     return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri,
                     exp.disk.local_ssd_count, health_port, tuple(uploads), props)
+
+
+def drill_wheels(cfg: DrillConfig) -> Path:
+    """The wheels the drill's VMs install: the experiment's lock for this Python, fetched (or
+    cached); InputError (exit 2) when it is missing or stale."""
+    from stacks.experiment import code_path
+    from stacks.load import load_file
+    from stacks.wheels import for_python, shipped_wheels
+
+    ef = load_file(cfg.experiment)
+    code = code_path(ef.spec.trainer.code_dir) if ef.spec.trainer.code_dir is not None else None
+    return shipped_wheels(for_python(ef.spec, this_python()), code, ef.name)
 
 
 def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:

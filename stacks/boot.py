@@ -145,7 +145,7 @@ class BootProps:
     "wheels" of the dependencies (`stacks.wheels`). Empty: the image carries the trainer package
     in `workdir` and its dependencies (the drill's preinstalled image)."""
     python_version: str | None = None
-    """The image's Python ("X.Y") the wheels were resolved for; the startup script refuses to
+    """The image's Python ("X.Y") the wheels were locked for; the startup script refuses to
     install them into another."""
     driver_timeout_s: int = DRIVER_TIMEOUT_S
     forbidden_retry_s: int = FORBIDDEN_RETRY_S
@@ -307,7 +307,7 @@ def render(props: BootProps) -> BootScripts:
         raise ValueError("a user code or wheels release needs a trainer release")
     if wheels is not None:
         if props.python_version is None:
-            raise ValueError("a wheels release needs the python_version it was resolved for")
+            raise ValueError("a wheels release needs the python_version it was locked for")
         wheels.update(deps_dir=f"{DEPS_ROOT}/{wheels['sha256']}", python=props.python_version)
     releases = [r for r in (trainer, user) if r is not None]
     # The code first, then the wheels: the shipped dependencies shadow the image's copies.

@@ -119,9 +119,10 @@ class Machine(Section):
     boot_disk_gb: int = Field(default=200, ge=R.BOOT_DISK_MIN_GB, le=R.PD_SSD_MAX_GB)
     """Boot disk size in GB (pd-balanced); the Deep Learning VM images need about 50 GB."""
     python_version: str | None = None
-    """The image's Python as "X.Y", for the wheels the stack resolves at deploy time (see
-    docs/dependencies.md). Default: from `image_family` (stacks/gcp_rules.py names the Python of
-    ubuntu-2204, ubuntu-2404 and debian-12 families); required for a family that names none."""
+    """The image's Python as "X.Y": the wheels the VM installs are those of the lock for this
+    Python (`make lock`, docs/dependencies.md). Default: from `image_family` (stacks/gcp_rules.py
+    names the Python of ubuntu-2204, ubuntu-2404 and debian-12 families); required for a family
+    that names none."""
 
     @field_validator("python_version")
     @classmethod

@@ -160,7 +160,7 @@ class ImagePython:
 # libc6 2.39, Debian 12 (bookworm) python3 3.11 and libc6 2.36 (packages.ubuntu.com,
 # packages.debian.org); the Deep Learning VM PyTorch images train with that interpreter. This is
 # checked where it matters: the startup script compares the image's Python with the one the
-# wheels were resolved for and stops with a clear message on a mismatch. A family whose OS is not
+# wheels were locked for and stops with a clear message on a mismatch. A family whose OS is not
 # named here needs `machine.python_version`.
 IMAGE_OS_PYTHON: dict[str, tuple[str, tuple[int, int]]] = {
     "ubuntu-2204": ("3.10", (2, 35)),

@@ -44,8 +44,7 @@ from stacks.network import (
 )
 from stacks.pool import ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pool_dns import PoolDns, PoolDnsProps
-from stacks.wheels import resolve as resolve_wheels
-from stacks.wheels import wheel_set
+from stacks.wheels import shipped_wheels
 from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
 from trainer import scale as vm_scale
 from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
@@ -137,8 +136,9 @@ class TrainingStack(TerraformStack):
         code = code_path(exp.trainer.code_dir) if exp.trainer.code_dir is not None else None
         if code is not None:
             archives.append(user_archive(code))
-        # The dependencies as wheels for the image's Python: the VM installs them offline.
-        archives.append(wheels_archive(resolve_wheels(wheel_set(exp, code))))
+        # The dependencies as wheels for the image's Python, exactly as the committed lock names
+        # them (never resolved here): the VM installs them offline.
+        archives.append(wheels_archive(shipped_wheels(exp, code, name)))
         delivery = CodeDelivery(self, "code", DeliveryProps(
             bucket=bucket.name, archives=tuple(archives)))
 

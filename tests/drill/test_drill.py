@@ -142,3 +142,68 @@ def test_a_round_without_an_emergency_save_says_why(journal: str, cell: str) -> 
     row = next(line for line in report(DrillResult(DrillConfig(), "d", "d", {}, [round_])).splitlines()
                if line.startswith("| 1 |"))
     assert row.split(" | ")[4] == cell, row
+
+
+PROBE_TASK = '''\
+import spottrain_drill_probe  # the requirement of this code_dir: the host's venv does not have it
+
+from trainer.tasks.gpt import build as gpt
+
+
+def build(ctx, **task_args):
+    assert spottrain_drill_probe.ANSWER == 42
+    return gpt(ctx, **task_args)
+'''
+
+
+@needs_root
+def test_the_drill_installs_the_code_dirs_locked_requirements_as_a_deploy_does(tmp_path: Path, monkeypatch) -> None:
+    """A code_dir whose requirements.txt names a package the host's venv lacks: the drill's VM
+    gets what a deploy ships (the trainer, the code and the locked wheels, installed offline by the
+    startup script), so the task imports it. The trainer's own wheels are the committed lock's
+    real ones; the probe package comes from a local index."""
+    import importlib.util
+    import os
+
+    from stacks.lock import lock, this_python
+    from stacks.load import load_file
+    from stacks.wheels import CACHE_ENV, INDEX_ENV, build_wheel, for_python, lock_path, locked_wheels, read_lock, wheel_set
+
+    assert importlib.util.find_spec("spottrain_drill_probe") is None
+    repo = Path(__file__).resolve().parents[2]
+    index = tmp_path / "index"
+    index.mkdir()
+    trainer_lock = read_lock(repo / "locks" / f"py{this_python()}-glibc2.35.lock")
+    for wheel in locked_wheels(trainer_lock).glob("*.whl"):
+        os.link(wheel, index / wheel.name)
+    build_wheel(index, "spottrain-drill-probe", "1.0", files={"spottrain_drill_probe/__init__.py": "ANSWER = 42\n"})
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "probetask.py").write_text(PROBE_TASK)
+    (code / "requirements.txt").write_text("spottrain-drill-probe\n")
+    exp = tmp_path / "probe.toml"
+    exp.write_text((repo / "experiments" / "example.toml").read_text()
+                   .replace('task = "trainer.tasks.gpt:build"', f'code_dir = "{code}"\ntask = "probetask:build"')
+                   + "\n[trainer.config]\nthreads = 1\n[trainer.config.task_args]\nn_layer = 1\nn_embd = 32\n"
+                   "block_size = 32\nstride = 32\n")
+    monkeypatch.setenv(INDEX_ENV, str(index))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    # `make lock EXPERIMENT=...`: the drill's lock, for the Python its VM stand-in runs.
+    spec = for_python(load_file(exp).spec, this_python())
+    ws = wheel_set(spec, code)
+    made = lock(ws, lock_path(ws, code), index=str(index))
+    assert made.path == code / f"requirements.py{this_python()}-glibc2.35.lock"
+    assert "spottrain-drill-probe" in read_lock(made.path).versions()
+
+    # One VM, as `make drill` boots it (the reference run of a drill), trained to the end.
+    from drill.drill import Deployment, render
+    from drill.net import free_port
+
+    cfg = DrillConfig(experiment=exp, steps=30, preemptions=0, checkpoint_every_steps=10, disk_mb=64)
+    rendered = render(cfg, free_port(), trainer_source=repo / "trainer", code_dir=tmp_path / "archives")
+    assert any(name.startswith("code/wheels-") for name, _ in rendered.uploads)
+    with Deployment(tmp_path / "vm", rendered, cfg, lambda line: None, repo) as dep:
+        dep.run_to_end()  # DrillFailure (with the journal) if the task cannot import its requirement
+        journal = dep.vm.journal()
+    assert "wheels, offline)" in journal  # the startup script installed them, as on a VM
+    assert f"event=step step={cfg.steps}/{cfg.steps}" in journal

@@ -162,17 +162,19 @@ def archives(tmp_path_factory) -> tuple[Archive, ...]:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> Archive:
-    """The shipped wheels: a tiny package the VM's Python lacks, resolved for that Python from a
+    """The shipped wheels: a tiny package the VM's Python lacks, locked for that Python from a
     local index (the trainer's own dependencies are on this "image" already)."""
     from stacks import gcp_rules as R
     from stacks.delivery import wheels_archive
-    from stacks.wheels import WheelSet, build_wheel, resolve
+    from stacks.lock import lock
+    from stacks.wheels import WheelSet, build_wheel, locked_wheels, read_lock
 
     out = tmp_path_factory.mktemp("wheels")
     (out / "index").mkdir()
     build_wheel(out / "index", "spottrain-probe", "1.0", files={"spottrain_probe/__init__.py": "ANSWER = 42\n"})
     ws = WheelSet(("spottrain-probe",), R.ImagePython(PY, (2, 35), None))
-    return wheels_archive(resolve(ws, out / "cache", str(out / "index")), out_dir=out)
+    made = lock(ws, out / "probe.lock", index=str(out / "index"), cache=out / "cache")
+    return wheels_archive(locked_wheels(read_lock(made.path), out / "cache"), out_dir=out)
 
 
 @pytest.fixture
@@ -643,6 +645,6 @@ def test_wheels_for_another_python_are_refused_before_installing(deployment, whe
     for archive in (*deployment.archives, wheels):
         deployment.upload(archive)
     line = _fails_loudly(deployment, deployment.scripts(steps=5, wheels=wheels, python_version="3.9"),
-                         f"is {PY}, but the wheels were resolved for Python 3.9")
+                         f"is {PY}, but the wheels were locked for Python 3.9")
     assert "machine.python_version" in line
     assert not deployment.vm.path(f"/mnt/spottrain/deps/{wheels.release.sha256}").exists()
