@@ -10,7 +10,7 @@ export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup test demo drill chaos soak bench synth cost review preflight docs wheels clean \
-	deploy diff destroy output
+	deploy diff destroy output logs
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
 setup: $(STAMP)
@@ -85,6 +85,11 @@ cost: setup
 ## machine type per zone, image family, Spot obtainability (make preflight EXPERIMENT=name or path).
 preflight: setup
 	$(PY) -m stacks.preflight $(EXPERIMENT)
+
+## logs: a deployed experiment's sessions across VMs and how each ended, from Cloud Logging, with
+## your application-default credentials (make logs EXPERIMENT=name [LOGS_ARGS="--since 2d --lines"]).
+logs: setup
+	$(PY) -m stacks.logs $(EXPERIMENT) $(LOGS_ARGS)
 
 ## review: offline infrastructure review, e.g. make review BASE=origin/main [HEAD=rev].
 review: setup

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from drill.fake_gcp import FakeGcp
+from drill.fake_observability import FakeObservability
 from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
 from drill.metadata_server import MetadataServer
@@ -218,7 +219,8 @@ class Deployment:
                  image: Path, *, preinstall_trainer: bool = True, upload: bool = True,
                  gcs: StorageEmulator | None = None, attributes: dict[str, str] | None = None,
                  hostname: str = "spottrain-drill-vm", image_files: dict[str, Path] | None = None,
-                 unit_environment: dict[str, str] | None = None, compute: FakeGcp | None = None) -> None:
+                 unit_environment: dict[str, str] | None = None, compute: FakeGcp | None = None,
+                 observability: FakeObservability | None = None) -> None:
         """`image`: a directory holding the `trainer` package the VMs run (a snapshot, so that
         every VM and the final `status` run the same code). `preinstall_trainer` puts it on the
         VM image at /opt/spottrain/trainer: the boot scripts do not deliver it yet.
@@ -268,6 +270,9 @@ class Deployment:
                 self.compute.add_group(group, instances=(hostname,), **where)  # type: ignore[arg-type]
         if self.key_secret:
             self.compute.add_secret(self.key_secret.rsplit("/", 1)[1])
+        #: Cloud Logging (and Monitoring), which the VM's log shipper writes to (docs/watch.md).
+        self.owns_observability = observability is None
+        self.observability = observability or FakeObservability(project, token=self.compute.token)
         self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
                                                    "shutdown-script": rendered.shutdown, **(attributes or {})},
                                        instance_name=hostname, zone=zone, project_id=project)
@@ -283,12 +288,15 @@ class Deployment:
             self.gcs.start()
         if self.owns_compute:
             self.compute.start()
+        if self.owns_observability:
+            self.observability.start()
         self.metadata.start()
         for name, path in self.r.uploads if self.upload_code else ():
             self.upload(name, path.read_bytes())
         fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
                  "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_COMPUTE_API": self.compute.compute_api,
-                 "SPOTTRAIN_SECRETMANAGER_API": self.compute.secretmanager_api}
+                 "SPOTTRAIN_SECRETMANAGER_API": self.compute.secretmanager_api,
+                 "SPOTTRAIN_LOGGING_API": self.observability.logging_api}
         # The fakes' addresses are in PID 1's environment: the scripts get them, and units get
         # what they name in PassEnvironment= (on GCE they are unset: the defaults are real).
         image_files: dict[str, str | Path] = dict(self.image_files)
@@ -307,6 +315,8 @@ class Deployment:
             self.gcs.stop()
         if self.owns_compute:
             self.compute.stop()
+        if self.owns_observability:
+            self.observability.stop()
         for disk in (self.disk, *self.local_ssds.values()):
             disk.detach()
 
