@@ -101,7 +101,8 @@ def _rfc3339(t: datetime) -> str:
 
 # --- the Logging query language (the subset we use) -----------------------------------------------
 _TOKEN = re.compile(r'\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<op>>=|<=|!=|=~|!~|[=:<>()])|(?P<word>[^\s=:<>()!"]+))')
-_ROOTS = {"logName", "severity", "timestamp", "insertId", "textPayload", "resource", "labels", "jsonPayload"}
+_ROOTS = {"logName", "severity", "timestamp", "insertId", "textPayload", "resource", "labels", "jsonPayload",
+          "protoPayload"}
 
 
 class FilterError(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from stacks import alert_rules
 from stacks.budget import estimate
 from stacks.load import ExperimentError, ExperimentFile, load_all
 
@@ -28,7 +29,7 @@ def main(target: Path | None = None) -> int:
             print(line, file=sys.stderr)
         return 2
     for e in experiments:
-        for warning in (estimate(e.spec).warning(), e.spec.machine.image_note()):
+        for warning in (estimate(e.spec).warning(), e.spec.machine.image_note(), alert_rules.note(e.spec)):
             if warning:
                 print(f"{e.path}: {warning}", file=sys.stderr)
     from stacks.wheels import WheelsError

@@ -700,6 +700,9 @@ class Alerts(Section):
     and their thresholds (docs/watch.md). With no channel the alerts exist (each is an incident in
     Cloud Monitoring) and notify nobody; synthesis says so."""
 
+    enabled: bool = True
+    """The alert policies (Cloud Monitoring charges $1.50 a month for each one's condition;
+    `make cost` shows it). false: none; the logs, the metrics and the dashboard stay."""
     email: list[str] = []
     """Email addresses to notify (one Cloud Monitoring email channel each)."""
     webhook_url: str | None = None
