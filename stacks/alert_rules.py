@@ -16,9 +16,6 @@ from stacks.experiment import Experiment
 
 #: How long an incident stays open once its condition no longer holds (it closes by itself).
 AUTO_CLOSE_S = 1800
-#: Cloud Monitoring's price of one alert condition (cloud.google.com/stackdriver/pricing, "Pricing
-#: for alerting"; cloud.google.com/monitoring/alerts/cost-control), USD a month.
-CONDITION_USD_MONTH = 1.50
 
 
 @dataclass(frozen=True)
