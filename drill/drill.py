@@ -130,6 +130,8 @@ class DrillResult:
     """One more boot after the run finished: {"unit_started": bool, "guest_state": str|None}."""
     group_sizes: list[int] = field(default_factory=list)
     """The group's target size after every change the fake Compute API saw (scale to zero)."""
+    logs: list[str] = field(default_factory=list)
+    """`python -m trainer logs` over what the drill's VMs shipped to (the loopback) Cloud Logging."""
 
     @property
     def ok(self) -> bool:
@@ -405,6 +407,20 @@ class Deployment:
               api=self.compute.secretmanager_api, say=lambda m: None)
         return ["--checkpoint-key-file", str(path)]
 
+    def logs(self) -> list[str]:
+        """`python -m trainer logs` over what this deployment's VMs shipped to the loopback Cloud
+        Logging (docs/watch.md): every session across the recreated VMs, and how each ended."""
+        from datetime import datetime, timedelta, timezone
+
+        from trainer.gce import Client
+        from trainer.logs import describe, list_entries, log_filter, report
+
+        project = self.observability.project
+        entries = list_entries(Client(token=lambda: (DRILL_TOKEN, 3600.0)), project,
+                               log_filter(project, self.r.name, since=datetime.now(timezone.utc) - timedelta(days=1)),
+                               api=self.observability.logging_api)
+        return describe(report(entries), title=f"experiment {self.r.name}, from the drill's Cloud Logging")
+
     def status(self) -> dict[str, Any]:
         """`python -m trainer status --json` over the disk (mounted read-only) and the bucket."""
         out = disk_status(self.disk, [sys.executable, "-m", "trainer", "status", "--run-dir", f"{MOUNT_DIR}/run",
@@ -515,8 +531,9 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
                 f"guest attribute spottrain/state={after['guest_state']}; health answer {after['health']!r}; "
                 f"group size afterwards {after['group_size']}")
             sizes = [size for _, size in dep.compute.group(dep.group).history] if dep.group else []
+            logs = dep.logs()
         result = DrillResult(cfg, ref_status.get("model_digest"), status.get("model_digest"), status,
-                             preemptions, reference_s, drill_s, resumed, workdir, after, sizes)
+                             preemptions, reference_s, drill_s, resumed, workdir, after, sizes, logs)
         say(report(result))
         return result
     finally:
@@ -600,6 +617,8 @@ def report(r: DrillResult) -> str:
                            ("lost_s", "badput: work lost"), ("downtime_s", "badput: down (no trainer)")):
             v = float(g.get(key) or 0.0)
             lines.append(f"| {label} | {v:.2f} | {100 * v / wall if wall else 0:.1f}% |")
+    if r.logs:
+        lines += ["", "## The VMs' logs (`python -m trainer logs`, from the loopback Cloud Logging)", "", *r.logs]
     lines += ["", f"reference digest {r.reference_digest}", f"drill digest     {r.digest}",
               f"digest {'MATCHES' if r.ok else 'DIFFERS'}: reference run {r.reference_s:.1f} s, drill {r.drill_s:.1f} s"]
     return "\n".join(lines)
