@@ -129,9 +129,10 @@ def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
 
 #: The log shipper's source (`trainer.log_shipper`): written verbatim by the startup script.
 LOG_SHIPPER = Path(__file__).resolve().parent.parent / "trainer" / "log_shipper.py"
-#: The trainer's unit, and every unit whose output the shipper sends.
+#: The trainer's unit, and the units whose output the shipper sends (flex-start adds its deadline's).
 TRAINER_UNIT = "spottrain.service"
-LOG_UNITS = (TRAINER_UNIT, "spottrain-finished.service", "spottrain-deadline.service")
+LOG_UNITS = (TRAINER_UNIT, "spottrain-finished.service")
+DEADLINE_UNIT = "spottrain-deadline.service"
 #: On the boot disk, beside the journal it points into.
 LOG_CURSOR_FILE = "/var/lib/spottrain/logs.cursor"
 
@@ -313,7 +314,8 @@ def log_config(props: BootProps) -> str:
     assert props.logs is not None
     return json.dumps({
         "project": props.logs.project, "experiment": props.name, "run": f"runs/{props.name}",
-        "log_id": "spottrain", "trainer_unit": TRAINER_UNIT, "units": list(LOG_UNITS),
+        "log_id": "spottrain", "trainer_unit": TRAINER_UNIT,
+        "units": [*LOG_UNITS, *([DEADLINE_UNIT] if props.scale and props.scale.run_duration_s else [])],
         "identifiers": ["google_metadata_script_runner"], "stall_s": props.logs.stall_s,
         "drain_s": props.logs.drain_s, "cursor_file": LOG_CURSOR_FILE}, sort_keys=True)
 

@@ -55,8 +55,7 @@ def dashboard(exp: Experiment, name: str) -> dict[str, Any]:
     log = {n: M.metric_type(name, n) for n in M.by_name(p, name)}
     custom = {k.removeprefix(M.CUSTOM_PREFIX): k for k in M.CUSTOM_METRICS}
     job = f'metric.labels.experiment="{name}"'
-    text = (f"**Experiment `{name}`**, run `runs/{name}` in project `{p}`: one spottrain training job on "
-            f"{exp.machine.machine_type} ({exp.machine.provisioning}). {see_more(exp, name)} Checkpoints, "
+    text = (f"**Experiment `{name}`**, run `runs/{name}` in project `{p}`. {see_more(exp, name)} Checkpoints, "
             f"goodput and cost so far: `python -m trainer status --gcs-uri gs://{exp.bucket_name(name)}/runs/{name}`.")
     tiles = [
         _tile(0, 0, 48, 6, {"title": f"spottrain {name}", "text": {"content": text, "format": "MARKDOWN"}}),
