@@ -10,7 +10,7 @@ export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup test demo drill chaos soak bench synth cost review preflight docs lock wheels clean \
-	deploy diff destroy output
+	deploy diff destroy output logs prices
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
 setup: $(STAMP)
@@ -89,10 +89,20 @@ deploy diff destroy output: setup
 cost: setup
 	$(PY) -m stacks.cost $(EXPERIMENT)
 
+## prices: regenerate stacks/prices.json from the Cloud Billing Catalog API with your
+## application-default credentials (make prices [PRICE_REGIONS="us-central1 europe-west4"]).
+prices: setup
+	$(PY) -m stacks.price_catalog $(PRICE_REGIONS)
+
 ## preflight: before a deploy, with your application-default credentials: APIs enabled, GPU quota,
 ## machine type per zone, image family, Spot obtainability (make preflight EXPERIMENT=name or path).
 preflight: setup
 	$(PY) -m stacks.preflight $(EXPERIMENT)
+
+## logs: a deployed experiment's sessions across VMs and how each ended, from Cloud Logging, with
+## your application-default credentials (make logs EXPERIMENT=name [LOGS_ARGS="--since 2d --lines"]).
+logs: setup
+	$(PY) -m stacks.logs $(EXPERIMENT) $(LOGS_ARGS)
 
 ## review: offline infrastructure review, e.g. make review BASE=origin/main [HEAD=rev].
 review: setup

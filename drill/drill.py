@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from drill.fake_gcp import FakeGcp
+from drill.fake_observability import FakeObservability
 from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
 from drill.metadata_server import MetadataServer
@@ -137,6 +138,8 @@ class DrillResult:
     """One more boot after the run finished: {"unit_started": bool, "guest_state": str|None}."""
     group_sizes: list[int] = field(default_factory=list)
     """The group's target size after every change the fake Compute API saw (scale to zero)."""
+    logs: list[str] = field(default_factory=list)
+    """`python -m trainer logs` over what the drill's VMs shipped to (the loopback) Cloud Logging."""
 
     @property
     def ok(self) -> bool:
@@ -246,7 +249,8 @@ class Deployment:
                  image: Path, *, preinstall_trainer: bool = True, upload: bool = True,
                  gcs: StorageEmulator | None = None, attributes: dict[str, str] | None = None,
                  hostname: str = "spottrain-drill-vm", image_files: dict[str, Path] | None = None,
-                 unit_environment: dict[str, str] | None = None, compute: FakeGcp | None = None) -> None:
+                 unit_environment: dict[str, str] | None = None, compute: FakeGcp | None = None,
+                 observability: FakeObservability | None = None) -> None:
         """`image`: a directory holding the `trainer` package the VMs run (a snapshot, so that
         every VM and the final `status` run the same code). `preinstall_trainer` puts it on the
         VM image at /opt/spottrain/trainer: the boot scripts do not deliver it yet.
@@ -296,6 +300,9 @@ class Deployment:
                 self.compute.add_group(group, instances=(hostname,), **where)  # type: ignore[arg-type]
         if self.key_secret:
             self.compute.add_secret(self.key_secret.rsplit("/", 1)[1])
+        #: Cloud Logging (and Monitoring), which the VM's log shipper writes to (docs/watch.md).
+        self.owns_observability = observability is None
+        self.observability = observability or FakeObservability(project, token=self.compute.token)
         self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
                                                    "shutdown-script": rendered.shutdown, **(attributes or {})},
                                        instance_name=hostname, zone=zone, project_id=project)
@@ -311,12 +318,15 @@ class Deployment:
             self.gcs.start()
         if self.owns_compute:
             self.compute.start()
+        if self.owns_observability:
+            self.observability.start()
         self.metadata.start()
         for name, path in self.r.uploads if self.upload_code else ():
             self.upload(name, path.read_bytes())
         fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
                  "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_COMPUTE_API": self.compute.compute_api,
-                 "SPOTTRAIN_SECRETMANAGER_API": self.compute.secretmanager_api}
+                 "SPOTTRAIN_SECRETMANAGER_API": self.compute.secretmanager_api,
+                 "SPOTTRAIN_LOGGING_API": self.observability.logging_api}
         # The fakes' addresses are in PID 1's environment: the scripts get them, and units get
         # what they name in PassEnvironment= (on GCE they are unset: the defaults are real).
         image_files: dict[str, str | Path] = dict(self.image_files)
@@ -335,6 +345,8 @@ class Deployment:
             self.gcs.stop()
         if self.owns_compute:
             self.compute.stop()
+        if self.owns_observability:
+            self.observability.stop()
         for disk in (self.disk, *self.local_ssds.values()):
             disk.detach()
 
@@ -422,6 +434,20 @@ class Deployment:
         fetch(self.key_secret, path, client=Client(token=lambda: (DRILL_TOKEN, 3600.0)), create=False,
               api=self.compute.secretmanager_api, say=lambda m: None)
         return ["--checkpoint-key-file", str(path)]
+
+    def logs(self) -> list[str]:
+        """`python -m trainer logs` over what this deployment's VMs shipped to the loopback Cloud
+        Logging (docs/watch.md): every session across the recreated VMs, and how each ended."""
+        from datetime import datetime, timedelta, timezone
+
+        from trainer.gce import Client
+        from trainer.logs import describe, list_entries, log_filter, report
+
+        project = self.observability.project
+        entries = list_entries(Client(token=lambda: (DRILL_TOKEN, 3600.0)), project,
+                               log_filter(project, self.r.name, since=datetime.now(timezone.utc) - timedelta(days=1)),
+                               api=self.observability.logging_api)
+        return describe(report(entries), title=f"experiment {self.r.name}, from the drill's Cloud Logging")
 
     def status(self) -> dict[str, Any]:
         """`python -m trainer status --json` over the disk (mounted read-only) and the bucket."""
@@ -533,8 +559,9 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
                 f"guest attribute spottrain/state={after['guest_state']}; health answer {after['health']!r}; "
                 f"group size afterwards {after['group_size']}")
             sizes = [size for _, size in dep.compute.group(dep.group).history] if dep.group else []
+            logs = dep.logs()
         result = DrillResult(cfg, ref_status.get("model_digest"), status.get("model_digest"), status,
-                             preemptions, reference_s, drill_s, resumed, workdir, after, sizes)
+                             preemptions, reference_s, drill_s, resumed, workdir, after, sizes, logs)
         say(report(result))
         return result
     finally:
@@ -634,6 +661,8 @@ def report(r: DrillResult) -> str:
                            ("lost_s", "badput: work lost"), ("downtime_s", "badput: down (no trainer)")):
             v = float(g.get(key) or 0.0)
             lines.append(f"| {label} | {v:.2f} | {100 * v / wall if wall else 0:.1f}% |")
+    if r.logs:
+        lines += ["", "## The VMs' logs (`python -m trainer logs`, from the loopback Cloud Logging)", "", *r.logs]
     lines += ["", f"reference digest {r.reference_digest}", f"drill digest     {r.digest}",
               f"digest {'MATCHES' if r.ok else 'DIFFERS'}: reference run {r.reference_s:.1f} s, drill {r.drill_s:.1f} s"]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from stacks import alert_rules
 from stacks.budget import estimate
 from stacks.errors import InputError, report
 from stacks.load import ExperimentFile, load_all
@@ -25,7 +26,7 @@ def main(target: Path | None = None) -> int:
     try:
         experiments = load_all(target)
         for e in experiments:
-            for warning in (estimate(e.spec).warning(), e.spec.machine.image_note()):
+            for warning in (estimate(e.spec).warning(), e.spec.machine.image_note(), alert_rules.note(e.spec)):
                 if warning:
                     print(f"{e.path}: {warning}", file=sys.stderr)
         # Building packs the code and the locked wheels: an unlocked requirement, a wheel that

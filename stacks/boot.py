@@ -127,6 +127,28 @@ def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
     )
 
 
+#: The log shipper's source (`trainer.log_shipper`): written verbatim by the startup script.
+LOG_SHIPPER = Path(__file__).resolve().parent.parent / "trainer" / "log_shipper.py"
+#: The trainer's unit, and the units whose output the shipper sends (flex-start adds its deadline's).
+TRAINER_UNIT = "spottrain.service"
+LOG_UNITS = (TRAINER_UNIT, "spottrain-finished.service")
+DEADLINE_UNIT = "spottrain-deadline.service"
+#: On the boot disk, beside the journal it points into.
+LOG_CURSOR_FILE = "/var/lib/spottrain/logs.cursor"
+
+
+@dataclass(frozen=True)
+class LogShipping:
+    """The VM's log shipper (`trainer.log_shipper`, docs/watch.md): where its entries go and when
+    it says the trainer stalled."""
+
+    project: str
+    stall_s: int = 1800
+    """Seconds the trainer unit may be active without a step line before `event=stalled`."""
+    drain_s: int = 10
+    """At power-off: how long it keeps shipping once the trainer stopped (inside the window)."""
+
+
 @dataclass(frozen=True)
 class BootProps:
     """Everything the scripts need; all already validated."""
@@ -182,6 +204,9 @@ class BootProps:
     """`projects/P/secrets/S`: the experiment's checkpoint key (`stacks.checkpoint_key`), which the
     boot fetches into `CHECKPOINT_KEY_FILE` and the trainer signs and authenticates checkpoints
     with; None: the trainer's own default key (tests of other boot paths)."""
+    logs: LogShipping | None = None
+    """The log shipper (`LogShipping`); None: the journal stays on the VM (tests of other boot
+    paths, which have no Logging API to ship to)."""
 
     @property
     def gcs_uri(self) -> str:
@@ -233,6 +258,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         python_version=_image_python(exp),
         checkpoint_key_secret=secret_name(exp.gcp.project, name),
         startup_grace_s=exp.group.initial_delay_sec,
+        logs=LogShipping(project=exp.gcp.project, stall_s=exp.alerts.stall_minutes * 60),
     )
     fields.update(overrides)
     return BootProps(**fields)
@@ -281,6 +307,17 @@ def scale_settings(props: BootProps) -> str:
                 "run_dir": RUN_DIR, "coordinator": t.coordinator, "run_duration_s": t.run_duration_s,
                 "stop_before_s": t.stop_before_s}
     return json.dumps(settings, sort_keys=True)
+
+
+def log_config(props: BootProps) -> str:
+    """/etc/spottrain/logs.json, the shipper's settings (deterministic: part of the script)."""
+    assert props.logs is not None
+    return json.dumps({
+        "project": props.logs.project, "experiment": props.name, "run": f"runs/{props.name}",
+        "log_id": "spottrain", "trainer_unit": TRAINER_UNIT,
+        "units": [*LOG_UNITS, *([DEADLINE_UNIT] if props.scale and props.scale.run_duration_s else [])],
+        "identifiers": ["google_metadata_script_runner"], "stall_s": props.logs.stall_s,
+        "drain_s": props.logs.drain_s, "cursor_file": LOG_CURSOR_FILE}, sort_keys=True)
 
 
 def _release(props: BootProps, kind: str) -> dict[str, str] | None:
@@ -366,6 +403,12 @@ def render(props: BootProps) -> BootScripts:
         "checkpoint_key_secret": props.checkpoint_key_secret,
         "checkpoint_key_file": CHECKPOINT_KEY_FILE,
     }
+    if props.logs is not None:
+        logs = {"drain_s": props.logs.drain_s}
+        ctx["logs"] = {**logs, "config": log_config(props), "shipper": LOG_SHIPPER.read_text().rstrip("\n"),
+                       "unit": env.get_template("spottrain-logs.service.j2").render(ctx, logs=logs).rstrip("\n")}
+    else:
+        ctx["logs"] = None
     trainer_sh = env.get_template("trainer.sh.j2").render(ctx).rstrip("\n")
     unit = env.get_template("spottrain.service.j2").render(ctx).rstrip("\n")
     finished_health = env.get_template("finished_health.py.j2").render(ctx).rstrip("\n")

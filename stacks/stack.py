@@ -266,6 +266,7 @@ class TrainingStack(TerraformStack):
             if stop is not None:
                 stop.grant_coordinator(gcp.zones[0], coordinator.instance.name)
 
+        self._watch(name, exp, labels)
         self._outputs(name, exp, bucket.name, group, identity.email, regional)
         if stop is not None:
             TerraformOutput(self, "stop_markers", value=" ".join(
@@ -307,6 +308,21 @@ class TrainingStack(TerraformStack):
             f"gcloud logging read 'resource.type=\"cloud_run_job\" AND resource.labels.job_name=\""
             f"{check.job.name}\"' --project {exp.gcp.project} --limit 20"),
             description="What the on-demand fallback check decided, newest first")
+
+    def _watch(self, name: str, exp: Experiment, labels: dict[str, str]) -> None:
+        """Log-based metrics, alerts, the dashboard and the budget (docs/watch.md)."""
+        from stacks.alerts import AlertsProps, RunAlerts
+        from stacks.billing_budget import BudgetProps, RunBudget
+        from stacks.dashboard import DashboardProps, RunDashboard
+
+        alerts = RunAlerts(self, "alerts", AlertsProps(project=exp.gcp.project, name=name, exp=exp, labels=labels))
+        RunDashboard(self, "dashboard", DashboardProps(project=exp.gcp.project, name=name, exp=exp))
+        if exp.budget is not None:
+            RunBudget(self, "budget", BudgetProps(project=exp.gcp.project, name=name, budget=exp.budget,
+                                                  channels=[c.name for c in alerts.channels]))
+        TerraformOutput(self, "logs_command", value=f"make logs EXPERIMENT={name}",
+                        description="Every session of the run across recreated VMs, and how each ended "
+                        "(python -m trainer logs; docs/watch.md)")
 
     def _pool_outputs(self, exp: Experiment, pool: PoolLayout, coordinator: Coordinator) -> None:
         where = f"--project {exp.gcp.project} --zone {exp.gcp.zones[0]}"

@@ -47,6 +47,11 @@ def test_drill_two_preemptions_one_wiped_disk(tmp_path: Path) -> None:
     assert result.after_finish["unit_started"] is False
     report = "\n".join(lines)
     assert "digest MATCHES" in report and "| 2 |" in report and "goodput" in report
+    # Every session outlived its VM: the VMs shipped their logs, and `trainer logs` reads them back
+    # in order, each with how it ended (the fourth boot, after the finish, started no trainer).
+    logs = "\n".join(result.logs)
+    assert "4 boot(s) of 1 VM(s), 3 trainer session(s)" in logs, logs
+    assert logs.count("ended: preempted: emergency save of step") == 2 and "ended: finished at step 120" in logs
 
 
 def test_cli_rejects_a_wipe_round_beyond_the_preemptions(capsys: pytest.CaptureFixture[str]) -> None:

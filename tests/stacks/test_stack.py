@@ -119,7 +119,9 @@ def _apis(s: Synthesized) -> dict[str, dict]:
 
 
 BASE_APIS = {"compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com",
-             "cloudresourcemanager.googleapis.com", "secretmanager.googleapis.com"}
+             "cloudresourcemanager.googleapis.com", "secretmanager.googleapis.com",
+             # the run's log-based metrics, alerts and dashboard (docs/watch.md)
+             "logging.googleapis.com", "monitoring.googleapis.com"}
 ALL_STACKS = [*VARIANTS, "l4-pool", "a3-regional", "n1-v100-standard", "cnn"]
 
 
@@ -141,6 +143,7 @@ def test_every_resource_type_in_the_stack_has_its_api_enabled(synthesized, name)
     ("example", set()),
     ("l4-pool", {"dns.googleapis.com"}),  # the pool's private zone and query logging
     ("od-fallback", {"run.googleapis.com", "cloudscheduler.googleapis.com"}),  # the capacity check
+    ("watch", {"pubsub.googleapis.com", "billingbudgets.googleapis.com"}),  # a topic's grant, the budget
 ])
 def test_the_apis_are_exactly_those_of_the_resources(synthesized, name, more):
     assert {a["service"] for a in _apis(synthesized[name]).values()} == BASE_APIS | more
