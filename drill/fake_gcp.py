@@ -224,9 +224,13 @@ class FakeGcp:
         self._thread.start()
         return self
 
+    def join_jobs(self, timeout: float = 600.0) -> None:
+        """Wait until every job execution started so far has ended."""
+        for runner in list(self._runners):
+            runner.join(timeout=timeout)
+
     def stop(self) -> None:
-        for runner in self._runners:
-            runner.join(timeout=600)
+        self.join_jobs()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()

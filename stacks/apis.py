@@ -22,6 +22,7 @@ from cdktn import IAspect, TerraformDataSource, TerraformResource
 from cdktn_provider_google.project_service import ProjectService
 from constructs import Construct, IConstruct
 
+from stacks.boot import needs_control
 from stacks.experiment import Experiment
 
 #: Every stack: API -> what of the stack uses it.
@@ -41,6 +42,9 @@ def required(exp: Experiment) -> dict[str, str]:
         apis["storage.googleapis.com"] += "; the [data] bucket's read grant and the staging reads"
     if exp.pool is not None or exp.dns_query_logging:
         apis["dns.googleapis.com"] = "the pool's private zone and the DNS query-logging policy"
+    if needs_control(exp):
+        apis["run.googleapis.com"] = "the experiment's control job (stacks.control)"
+        apis["cloudscheduler.googleapis.com"] = "the control job's schedule"
     return apis
 
 
