@@ -482,6 +482,34 @@ class FakeGcp:
         return 0.9 if self.capacity(zone, model) else 0.1
 
     # --- IAM -------------------------------------------------------------------------------
+    def storage_gate(self, proxy: Any, buckets: dict[str, str]) -> None:
+        """Make `proxy` (a `drill.fault_proxy.FaultProxy` in front of gcp-storage-emulator) check
+        every request against this project's policy, for the principal of its bearer token, as
+        Cloud Storage does; `buckets`: bucket name -> its project."""
+        from drill.iam import PolicyError, storage_checks
+
+        def exists(bucket: str, name: str) -> bool:
+            return proxy._generation(bucket, name) is not None
+
+        def authorize(method: str, path: str, headers: dict[str, str], body: bytes) -> str | None:
+            auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+            principal = self.identities.get(auth[len("Bearer "):]) if auth.startswith("Bearer ") else None
+            if principal is None:
+                return "Anonymous caller does not have storage access (no token this project knows)."
+            try:
+                checks = storage_checks(method, path, body, exists, lambda b: buckets.get(b, "unknown-project"))
+            except PolicyError as e:
+                return str(e)
+            for permission, resource in checks:
+                if not self.policy.allows(principal, permission, resource):
+                    with self._lock:
+                        self.refusals.append((principal, permission, resource.name))
+                    who = principal.split(":", 1)[-1]
+                    return f"{who} does not have {permission} access to the Google Cloud Storage object or bucket."
+            return None
+
+        proxy.authorize = authorize
+
     def _authorize(self, principal: str, permission: str, resource: Resource, message: str) -> None:
         if not self.policy.allows(principal, permission, resource):
             self.refusals.append((principal, permission, resource.name))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 #: Who `FakeGcp` is when a test says nothing else: the human who deploys (a project Owner).
 DEPLOYER = "user:deployer@example.com"
@@ -353,6 +353,57 @@ def _eval(node: Any, r: Resource) -> Any:
     if kind == "startsWith":
         return value.startswith(node[2])
     return value.endswith(node[2])
+
+
+def storage_checks(method: str, path: str, body: bytes, exists: Callable[[str, str], bool],
+                   project: Callable[[str], str]) -> list[tuple[str, Resource]]:
+    """What Cloud Storage checks for one JSON API request (storage/docs/json_api, and
+    storage/docs/access-control/iam-json): reads `storage.objects.get`, listing
+    `storage.objects.list` on the bucket, an upload `storage.objects.create` and, when it replaces
+    an object, `storage.objects.delete` too; deletes and metadata updates their own. A request
+    this model does not know is an error, never allowed by default."""
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    u = urlsplit(path)
+    q = parse_qs(u.query)
+    parts = [unquote(x) for x in u.path.strip("/").split("/")]
+
+    def bucket(b: str) -> Resource:
+        return Resource("storage.googleapis.com", "storage.googleapis.com/Bucket", f"projects/_/buckets/{b}",
+                        (f"projects/{project(b)}",))
+
+    def obj(b: str, name: str) -> Resource:
+        return Resource("storage.googleapis.com", "storage.googleapis.com/Object",
+                        f"projects/_/buckets/{b}/objects/{name}", (f"projects/{project(b)}", f"projects/_/buckets/{b}"))
+
+    if parts[:3] == ["upload", "storage", "v1"] and parts[3:4] == ["b"] and parts[5:] == ["o"]:
+        b = parts[4]
+        if method == "PUT" or q.get("upload_id"):
+            return []  # a resumable upload's data: checked when the session was started
+        name = q.get("name", [None])[0]
+        if name is None:
+            m = re.search(rb'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body[:65536])
+            name = json.loads(b'"' + m.group(1) + b'"') if m else None
+        if method != "POST" or name is None:
+            raise PolicyError(f"storage request not modelled: {method} {path}")
+        checks = [("storage.objects.create", obj(b, name))]
+        if q.get("ifGenerationMatch", [None])[0] != "0" and exists(b, name):
+            checks.append(("storage.objects.delete", obj(b, name)))  # an overwrite replaces it
+        return checks
+    if parts[:1] == ["download"]:
+        parts = parts[1:]
+    if parts[:3] == ["storage", "v1", "b"] and len(parts) >= 4:
+        b, rest = parts[3], parts[4:]
+        if not rest and method == "GET":
+            return [("storage.buckets.get", bucket(b))]
+        if rest == ["o"] and method == "GET":
+            return [("storage.objects.list", bucket(b))]
+        if rest[:1] == ["o"] and len(rest) >= 2:
+            name = "/".join(rest[1:])
+            verb = {"GET": "get", "DELETE": "delete", "PATCH": "update", "PUT": "update"}.get(method)
+            if verb is not None:
+                return [(f"storage.objects.{verb}", obj(b, name))]
+    raise PolicyError(f"storage request not modelled: {method} {path}")
 
 
 def service_account(email: str) -> str:

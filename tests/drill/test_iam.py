@@ -83,3 +83,25 @@ def test_a_policy_read_from_stack_json_resolves_references():
     stack["resource"]["google_project_iam_member"]["m"]["role"] = "roles/editor"
     with pytest.raises(PolicyError, match="roles/editor"):
         Policy.from_stack(stack)
+
+
+def test_what_cloud_storage_checks_for_each_request():
+    from drill.iam import storage_checks
+
+    exists = {("b", "runs/exp/control/outcome.json")}
+
+    def checks(method: str, path: str, body: bytes = b"") -> list[tuple[str, str]]:
+        return [(p, r.name) for p, r in storage_checks(method, path, body, lambda b, n: (b, n) in exists,
+                                                        lambda b: P)]
+
+    o = "projects/_/buckets/b/objects/runs/exp/control/outcome.json"
+    assert checks("GET", "/storage/v1/b/b/o/runs%2Fexp%2Fcontrol%2Foutcome.json?alt=media") == [("storage.objects.get", o)]
+    assert checks("GET", "/storage/v1/b/b/o?prefix=runs/exp/") == [("storage.objects.list", "projects/_/buckets/b")]
+    # An upload that replaces an object needs delete as well; a create-only one does not.
+    assert checks("POST", "/upload/storage/v1/b/b/o?uploadType=media&name=runs/exp/control/outcome.json") == [
+        ("storage.objects.create", o), ("storage.objects.delete", o)]
+    assert checks("POST", "/upload/storage/v1/b/b/o?uploadType=media&name=runs/exp/control/outcome.json"
+                          "&ifGenerationMatch=0") == [("storage.objects.create", o)]
+    assert checks("DELETE", "/storage/v1/b/b/o/runs%2Fexp%2Fcontrol%2Foutcome.json") == [("storage.objects.delete", o)]
+    with pytest.raises(PolicyError):
+        checks("POST", "/storage/v1/b/b/o/x/compose")

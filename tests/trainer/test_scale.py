@@ -2,7 +2,8 @@
 (`trainer.control`), against fakes that are no kinder than Google: the fake Google APIs
 (drill.fake_gcp) enforce the IAM of the experiment's **synthesized stack** for each caller and
 answer pending operations; the fake metadata server gives the VM its own token; the bucket is
-gcp-storage-emulator. A grant the stack lacks, or one Google would not honour, fails here."""
+gcp-storage-emulator behind a proxy that checks the same grants for every object request. A grant
+the stack lacks, or one Google would not honour, fails here."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,8 @@ import pytest
 
 from drill.control_job import ControlJob
 from drill.fake_gcp import FakeGcp
+from drill.fault_proxy import FaultProxy
+from drill.gcs_emulator import StorageEmulator
 from drill.iam import Policy
 from drill.metadata_server import MetadataServer
 from stacks.control import control_settings
@@ -36,14 +39,16 @@ FLEX = {"machine": {"provisioning": "flex-start", "termination_action": None}, "
 
 class World:
     """One experiment `exp` deployed on the fakes: its stack's grants, its groups (and pool
-    coordinator), this VM in the group with its own metadata server and token, the bucket, the
-    VM's settings file, and the control job the VM may start."""
+    coordinator), this VM in the group with its own metadata server and token, its bucket (the
+    stack's name, behind an IAM-checking proxy), the VM's settings file, and the control job the
+    VM may start. The test itself reads and writes the bucket directly, as the deployer."""
 
-    def __init__(self, stack: dict, gcs: Any, tmp: Path, *, instance: str = "exp-abcd",
+    def __init__(self, stack: dict, tmp: Path, *, instance: str = "exp-abcd",
                  coordinator: bool = False, flex: bool = False) -> None:
-        self.gcs, self.tmp, self.instance = gcs, tmp, instance
-        self.bucket_name, self.prefix = gcs.uri[len("gs://"):].split("/", 1)
-        self.bucket = gcs.client.bucket(self.bucket_name)
+        self.tmp, self.instance = tmp, instance
+        (self.bucket_name,) = [b["name"] for b in stack["resource"]["google_storage_bucket"].values()]
+        self.prefix = "runs/exp"
+        self.emulator = StorageEmulator(self.bucket_name, quiet=True)
         self.gcp = FakeGcp(PROJECT, policy=Policy.from_stack(stack))
         self.gcp.add_identity("vm-token", f"serviceAccount:{VM}")
         self.md = MetadataServer(attributes={"startup-script": SCRIPT}, instance_name=instance, zone=ZONE,
@@ -63,22 +68,32 @@ class World:
                                        answer_s=120.0, forbidden_retry_s=0.0, poll_s=0.05)
 
     def __enter__(self) -> "World":
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        self.emulator.start()
+        self.proxy = FaultProxy(self.emulator.host).start()
         self.gcp.start()
+        self.gcp.storage_gate(self.proxy, {self.bucket_name: PROJECT})
+        self.bucket = storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
+                                     client_options={"api_endpoint": self.emulator.host}).bucket(self.bucket_name)
         self.md.start()
         self.gcp.add_group("exp-group", zone=ZONE, instances=(self.instance, "exp-efgh"), target_size=2)
         if self.coordinator_path:
             self.gcp.add_instance(ZONE, "exp-coordinator")
         self.job = ControlJob(self.gcp, self.control_settings, account=CONTROL, name="exp-control",
-                              storage=self.gcs.emulator.host)
+                              storage=self.proxy.host)
         self.job.__enter__()
         self.env = {"GCE_METADATA_HOST": self.md.host, "SPOTTRAIN_RUN_API": self.gcp.run_api,
-                    "STORAGE_EMULATOR_HOST": self.gcs.emulator.host}
+                    "STORAGE_EMULATOR_HOST": self.proxy.host}
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.gcp.stop()  # waits for the job's executions
         self.job.__exit__()
         self.md.stop()
+        self.proxy.stop()
+        self.emulator.stop()
 
     def config(self, **changes: Any) -> Path:
         path = self.tmp / "scale.json"
@@ -104,11 +119,11 @@ class World:
 
 
 @pytest.fixture
-def world(gcs_emulator, stack_json, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., World]]:
+def world(stack_json, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., World]]:
     made: list[World] = []
 
     def make(overrides: dict | None = None, base: str = "experiments/example.toml", **kw: Any) -> World:
-        w = World(stack_json("exp", overrides, base), gcs_emulator, tmp_path, **kw).__enter__()
+        w = World(stack_json("exp", overrides, base), tmp_path, **kw).__enter__()
         made.append(w)
         for k, v in w.env.items():
             monkeypatch.setenv(k, v)
@@ -133,7 +148,10 @@ def test_a_finished_vm_has_its_group_scaled_to_zero_by_the_control_job(world) ->
     assert len(w.by(VM, "POST", "/jobs/exp-control:run")) == 1 and not w.by(VM, "POST", "/compute/")
     assert [c.query for c in w.by(CONTROL, "POST", "/instanceGroupManagers/exp-group/resize")] == [{"size": ["0"]}]
     assert w.gcp.calls_to("GET", "/operations/") == [] and w.gcp.calls_to("POST", "/operations/") == []
+    # Every call, object requests included, was within the synthesized stack's grants.
+    w.gcp.join_jobs()
     assert w.gcp.refusals == [] and w.job.failed() == []
+    assert not [r for r in w.proxy.seen() if r.outcome == "iam 403"]
     record = json.loads(w.bucket.blob(w.markers["finished"]).download_as_bytes())
     assert record["reason"] == "finished" and record["instance"] == "exp-abcd" and record["steps"] == 200
     outcome = json.loads(w.bucket.blob(f"{w.prefix}/control/outcome.json").download_as_bytes())
@@ -149,6 +167,21 @@ def test_the_vm_itself_may_not_touch_its_group(world) -> None:
         vm.compute_call("POST", f"{GROUP}/resize", query={"size": 0})
     assert e.value.code == 403 and "compute.instanceGroupManagers.update" in e.value.message
     assert w.gcp.group("exp-group").target_size == 2
+
+
+def test_a_bucket_grant_the_stack_lacks_fails_the_stop_as_it_would_on_google(world, capsys) -> None:
+    """Object requests are checked too: without its write grant on runs/exp/control/ the job
+    resizes the group but cannot report it, and the VM says it got no answer."""
+    w = world()
+    w.gcp.policy.bindings = [b for b in w.gcp.policy.bindings
+                             if not (b.member == f"serviceAccount:{CONTROL}" and b.role == "roles/storage.objectUser")]
+    w.put_checkpoint(200)
+    assert w.main("stop", "finished", answer_s=3.0) == scale.EXIT_API
+    assert "event=stop_unconfirmed" in capsys.readouterr().err
+    w.gcp.join_jobs()
+    assert (f"serviceAccount:{CONTROL}", "storage.objects.create",
+            f"projects/_/buckets/{w.bucket_name}/objects/runs/exp/control/outcome.json") in w.gcp.refusals
+    assert [r.returncode for r in w.job.runs] == [1]
 
 
 def test_finished_without_the_final_checkpoint_in_the_bucket_is_refused(world) -> None:
