@@ -139,15 +139,18 @@ class Control:
         self.say("control_stop", markers=markers)
         coordinator_asked = False
         if s.coordinator:  # it hosts the rendezvous; its workers are going anyway
+            path = f"projects/{s.project}/{s.coordinator}"
             try:
-                self.c.compute_call("POST", f"projects/{s.project}/{s.coordinator}/stop")
+                if self.c.compute_call("GET", path).get("status") != "TERMINATED":
+                    self.c.compute_call("POST", f"{path}/stop")
                 coordinator_asked = True
             except ApiError as e:
                 self.fail(f"stop {s.coordinator}", e)
         asked = []
         for group in s.groups:
-            if not resize:  # the capacity check resized them
-                asked.append(group)
+            if not resize:  # the capacity check resized them; confirm what it did not fail at
+                if not any(f.startswith(f"{group}:") for f in self.failures):
+                    asked.append(group)
                 continue
             try:
                 if int(self.c.compute_call("GET", s.group_path(group)).get("targetSize", -1)) != 0:

@@ -194,3 +194,15 @@ def test_the_control_job_refuses_bad_settings_with_status_2(monkeypatch, capsys)
     assert control.ENV in capsys.readouterr().err
     name = control.successor_name("a" * 40 + "-group", "b" * 40)
     assert len(name) <= 63 and name == control.successor_name("a" * 40 + "-group", "b" * 40)
+
+
+def test_a_stopped_job_shrinks_every_group_even_when_one_shrink_fails(fake, gcs_emulator) -> None:
+    gcp, clock = fake
+    gcp.set_target("exp-od-group", 1)
+    gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/stop/finished-steps-10").upload_from_string(b"{}")
+    gcp.deny("POST", r"/instanceGroupManagers/exp-group/resize$")
+    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0])
+    assert check.run().state.mode == "stopped"
+    gcp.tick()
+    assert gcp.group("exp-od-group").target_size == 0 and gcp.group("exp-group").target_size == 1
+    assert [f.split(":")[0] for f in check.failures] == ["exp-group"]
