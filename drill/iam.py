@@ -419,12 +419,19 @@ def accounts(stack: dict[str, Any]) -> dict[str, str]:
 
 def synthesize(name: str, spec: Any) -> dict[str, Any]:
     """The stack of experiment `spec` as `cdktn synth` writes it (`Testing.synth`), as JSON."""
+    import shutil
+
     import stacks  # noqa: F401 - environment defaults before cdktn loads
     from cdktn import Testing
 
     from stacks.stack import TrainingStack
 
-    return json.loads(Testing.synth(TrainingStack(Testing.app(), name, spec)))
+    app = Testing.app()
+    try:
+        return json.loads(Testing.synth(TrainingStack(app, name, spec)))
+    finally:  # Testing.app() leaves a cdktf.outdir.* folder behind otherwise
+        if "cdktf.outdir." in str(app.outdir):
+            shutil.rmtree(app.outdir, ignore_errors=True)
 
 
 def missing(policy: Policy, member: str, checks: Iterable[tuple[str, Resource]]) -> list[str]:
