@@ -90,10 +90,14 @@ def _quote(text: str, allowed: str) -> str:
 
 @dataclass(frozen=True)
 class ScaleTarget:
-    """What the VM's own scale calls (`trainer.scale`) act on; the rest of its settings (bucket,
-    prefix, steps, run dir) come from `BootProps`, so the drill's overrides reach them too."""
+    """What the VM's own scale calls (`trainer.scale`) ask for, and of whom: the experiment's
+    control job (`stacks.control`), which acts on the groups and the coordinator named here. The
+    rest of the VM's settings (bucket, prefix, steps, run dir) come from `BootProps`, so the
+    drill's overrides reach them too."""
 
     project: str
+    region: str
+    job: str  # the control job's name (`stacks.control.job_name`)
     location: str  # "zones/<zone>" or "regions/<region>"
     groups: tuple[str, ...]  # the experiment's group names (Spot first; an on-demand fallback)
     stop_when_done: bool = True  # False: stop_paying.sh only says so
@@ -101,10 +105,26 @@ class ScaleTarget:
     run_duration_s: int | None = None  # flex-start
     stop_before_s: int = 600  # flex-start
 
+    @property
+    def job_path(self) -> str:
+        return f"projects/{self.project}/locations/{self.region}/jobs/{self.job}"
+
 
 def group_name(name: str, kind: str = "") -> str:
     """The managed instance group of an experiment ("" the main one, "od" the on-demand fallback)."""
     return f"{name}-{kind}-group" if kind else f"{name}-group"
+
+
+def control_job_name(name: str) -> str:
+    """The experiment's control job (`stacks.control`), and its service account's id."""
+    return f"{name}-control"
+
+
+def needs_control(exp: Experiment) -> bool:
+    """Whether the experiment's stack has a control job (`stacks.control`): its VMs stop paying by
+    themselves, ask for flex-start successors, or it falls back to on demand."""
+    return (exp.group.stop_when_done or exp.machine.provisioning == "flex-start"
+            or exp.capacity.on_demand_fallback_minutes is not None)
 
 
 def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
@@ -118,6 +138,8 @@ def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
     groups = (group_name(name),) + ((group_name(name, "od"),) if c.on_demand_fallback_minutes else ())
     return ScaleTarget(
         project=exp.gcp.project,
+        region=exp.gcp.region,
+        job=control_job_name(name),
         location=f"regions/{exp.gcp.region}" if regional else f"zones/{exp.gcp.zones[0]}",
         groups=groups,
         stop_when_done=exp.group.stop_when_done,
@@ -191,8 +213,8 @@ class BootProps:
     coordinator_price_args: tuple[str, ...] = ()
     """A pool's coordinator's `price_args` (on demand); trainer.sh picks them by role."""
     scale: ScaleTarget | None = None
-    """The VM's own group, for stopping paying when the job is done and for flex-start successors
-    (`stacks.scale_to_zero`); None: the VM never touches its group."""
+    """What the VM asks its control job for: stopping paying when the job is done, flex-start
+    successors (`stacks.control`, `stacks.scale_to_zero`); None: the VM never asks."""
     data_source: str | None = None
     """`[data] source`: staged before training (`python -m trainer stage`) and passed to the
     trainer as `--data-dir`; None: no dataset."""
@@ -302,9 +324,8 @@ def scale_settings(props: BootProps) -> str:
     t = props.scale
     if t is None:
         return ""
-    settings = {"project": t.project, "location": t.location, "groups": list(t.groups),
-                "bucket": props.bucket, "prefix": f"runs/{props.name}", "steps": props.steps,
-                "run_dir": RUN_DIR, "coordinator": t.coordinator, "run_duration_s": t.run_duration_s,
+    settings = {"job": t.job_path, "bucket": props.bucket, "prefix": f"runs/{props.name}",
+                "steps": props.steps, "run_dir": RUN_DIR, "run_duration_s": t.run_duration_s,
                 "stop_before_s": t.stop_before_s}
     return json.dumps(settings, sort_keys=True)
 

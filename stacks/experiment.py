@@ -396,10 +396,11 @@ class Group(Section):
     cover) gets the same grace: its health answers `ok starting` this long."""
     stop_when_done: bool = True
     """Stop paying by itself: once the final checkpoint is in the bucket (or the job stopped on
-    bad input and the bucket holds its newest checkpoint), the VM scales its own group to zero
-    (and stops a pool's coordinator) through a custom role limited to this group. The next deploy
-    keeps it at zero; see docs/capacity.md. false: the VM idles ("ok finished") until you scale to
-    zero."""
+    bad input and the bucket holds its newest checkpoint), the VM writes a stop marker and starts
+    the experiment's control job, which scales the group to zero (and stops a pool's
+    coordinator). The next deploy keeps it at zero; see docs/capacity.md. false: the VM idles
+    ("ok finished") until you scale to zero, and the stack has no control job unless flex-start
+    or the on-demand fallback needs one."""
 
 
 class Trainer(Section):

@@ -38,10 +38,14 @@ def test_drill_two_preemptions_one_wiped_disk(tmp_path: Path) -> None:
     assert (c["priced_sessions"], c["unpriced_sessions"]) == (3, 0)
     assert c["cost_so_far"] > 0 and c["on_demand_equivalent"] > 0 and c["savings"] is not None
     assert result.status["latest_step"] == cfg.steps
-    # The finished VM stopped paying by itself: it scaled its group to zero through the (fake)
-    # Compute API; a manual resize to 1 later brings a VM that does not train and stops again.
+    # The finished VM stopped paying by itself: it started the experiment's control job, which
+    # scaled its group to zero through the (fake) Compute API; a manual resize to 1 later brings a
+    # VM that does not train and stops again. Every call of the VMs and of the job was within the
+    # grants of the experiment's synthesized stack (the fakes refuse the rest, as Google does).
     assert result.group_sizes == [1, 0, 1, 0], "\n".join(lines)
     assert result.after_finish["group_size"] == 0
+    assert result.refusals == [] and len(result.control_runs) >= 2 and not any(result.control_runs)
+    assert "IAM: every call within the synthesized stack's grants" in "\n".join(lines)
     # A finished run does not train again on the next boot, and says so.
     assert result.after_finish["startup_rc"] == 0
     assert result.after_finish["unit_started"] is False

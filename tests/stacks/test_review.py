@@ -109,8 +109,13 @@ def test_review_reports_exactly_the_edits(reviewed):
             "32 line(s) added, 3 removed",
         ],
         "changed:google_storage_bucket": ['location: "US-CENTRAL1" -> "US-EAST1"'],
+        # The control job knows the stop markers' names, and the bad-input marker is named by the
+        # startup script's digest: the job's settings follow the script (no VM roll from this).
+        "changed:google_cloud_run_v2_job": [
+            "template.template.containers[0].env[3].value: (1 lines of text) -> (1 lines of text), "
+            "1 line(s) added, 1 removed"],
     }
-    assert "### `fixture`: 0 added, 2 changed, 0 removed" in reviewed
+    assert "### `fixture`: 0 added, 3 changed, 0 removed" in reviewed
 
 
 @pytest.mark.xdist_group("review")
