@@ -9,8 +9,8 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo drill chaos soak bench synth cost review preflight docs wheels clean \
-	deploy diff destroy output
+.PHONY: setup test demo drill chaos soak bench synth cost review preflight docs lock wheels clean \
+	deploy diff destroy output logs prices
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
 setup: $(STAMP)
@@ -60,13 +60,21 @@ soak: setup
 bench: setup
 	$(PY) -m bench $(BENCH)
 
-## synth: synthesize every experiment into cdktf.out/ (what `npx cdktn synth` does).
+## synth: synthesize every experiment into cdktf.out/ (what `npx cdktn synth` does), with the
+## wheels its committed lock names (fetched once into build/wheels/, never resolved).
 synth: setup
 	$(VENV)/bin/npx cdktn synth
 
-## wheels: resolve every experiment's dependencies (the trainer's and code_dir/requirements.txt)
-## as wheels for its image's Python into build/wheels/ (synth does it too, once per requirements
-## digest; run this before working offline). EXPERIMENT=path for one. See docs/dependencies.md.
+## lock: resolve the VMs' dependencies (the trainer's and code_dir/requirements.txt) into the lock
+## files you commit: locks/pyX.Y-glibcA.B.lock, or requirements.pyX.Y-glibcA.B.lock next to a
+## requirements.txt; for each image's Python and the drill's. Run it after changing requirements;
+## it keeps locked versions that still fit. EXPERIMENT=name or path for one; UPGRADE=1 takes the
+## newest releases. See docs/dependencies.md.
+lock: setup
+	$(PY) -m stacks.lock $(EXPERIMENT) $(if $(UPGRADE),--upgrade)
+
+## wheels: fetch every experiment's locked wheels into build/wheels/ (synth does it too, once per
+## lock); run it before working offline. Resolves nothing. EXPERIMENT=name or path for one.
 wheels: setup
 	$(PY) -m stacks.wheels $(EXPERIMENT)
 
@@ -81,10 +89,20 @@ deploy diff destroy output: setup
 cost: setup
 	$(PY) -m stacks.cost $(EXPERIMENT)
 
+## prices: regenerate stacks/prices.json from the Cloud Billing Catalog API with your
+## application-default credentials (make prices [PRICE_REGIONS="us-central1 europe-west4"]).
+prices: setup
+	$(PY) -m stacks.price_catalog $(PRICE_REGIONS)
+
 ## preflight: before a deploy, with your application-default credentials: APIs enabled, GPU quota,
 ## machine type per zone, image family, Spot obtainability (make preflight EXPERIMENT=name or path).
 preflight: setup
 	$(PY) -m stacks.preflight $(EXPERIMENT)
+
+## logs: a deployed experiment's sessions across VMs and how each ended, from Cloud Logging, with
+## your application-default credentials (make logs EXPERIMENT=name [LOGS_ARGS="--since 2d --lines"]).
+logs: setup
+	$(PY) -m stacks.logs $(EXPERIMENT) $(LOGS_ARGS)
 
 ## review: offline infrastructure review, e.g. make review BASE=origin/main [HEAD=rev].
 review: setup

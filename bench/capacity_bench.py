@@ -2,9 +2,10 @@
 
 A simulated clock drives the real pieces: the fake Compute API (`drill/fake_gcp.py`) refuses Spot
 for T minutes (and preempts the running Spot VM when the stockout begins), and every
-`fallback_check_minutes` the capacity check (`trainer.capacity.Check`, the code the Cloud Run job
+`fallback_check_minutes` the capacity check (`trainer.capacity.Check`, the code the control job
 runs) reads the groups, asks the capacity advice, resizes, and keeps its state in a real
-gcp-storage-emulator bucket. The job is `HOURS` of training; a new VM trains after
+gcp-storage-emulator bucket. A resize is an operation the fake finishes when the clock moves on
+(the next simulated minute), as Compute schedules it: a new VM appears a minute after its check. The job is `HOURS` of training; a new VM trains after
 `RESTART_MIN` minutes (boot, driver, restore); every stop is a save (nothing lost). Prices: the
 a3-highgpu-8g fixture (8 x H100) from the catalog. Compared: Spot alone (wait the stockout out),
 Spot with the fallback after 15, 30 and 60 minutes, and on demand alone.
@@ -63,7 +64,7 @@ def simulate(stockout_min: int, fallback_min: int | None, prices: tuple[float, f
         settings = cap.Settings(
             project=PROJECT, region=REGION, location=f"regions/{REGION}", spot_group="job-group",
             od_group="job-od-group", machine_type="a3-highgpu-8g", zones=ZONES, bucket=bucket,
-            state_object=f"runs/sim-{policy.replace(' ', '-')}-{stockout_min}/capacity/state.json",
+            state_object=f"runs/sim-{policy.replace(' ', '-')}-{stockout_min}/control/capacity.json",
             stop_markers=(), paused=False, fallback_after_s=(fallback_min or 10**9) * 60,
             min_on_demand_s=30 * 60, back_to_spot=0.7)
         client = Client(token=lambda: (gcp.token, 3600.0), compute=gcp.compute_api, storage=bucket_host)
@@ -93,7 +94,7 @@ def simulate(stockout_min: int, fallback_min: int | None, prices: tuple[float, f
                     trained += 1
             minute += 1
         run.finished_min = minute
-        run.timeline.append((minute, "finished: the VM scales its group to zero"))
+        run.timeline.append((minute, "finished: the control job scales the group to zero"))
     run.cost = run.spot_min / 60 * spot_price + run.od_min / 60 * od_price
     return run
 

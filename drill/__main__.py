@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from drill.drill import DrillConfig, DrillFailure, check, render, run_drill
+from drill.drill import DrillConfig, DrillFailure, check, drill_wheels, render, run_drill
 from drill.pool_drill import check_pool, drill_pool, run_pool_drill
 
 #: `--soak`: a longer run with more preemptions, two of them on a wiped disk.
@@ -46,25 +46,25 @@ def main(argv: list[str] | None = None) -> int:
             base[key] = value
     if a.wipe is not None:
         base["wipe_disk_after"] = tuple(a.wipe)
-    from stacks.load import ExperimentError, resolve
+    from stacks.errors import InputError, report
+    from stacks.load import resolve
 
     try:
         experiment = resolve(a.experiment)
-    except ExperimentError as e:
-        print("\n".join(e.lines), file=sys.stderr)
-        return 2
+    except InputError as e:
+        return report(e)
     cfg = DrillConfig(experiment=experiment, seed=a.seed, window_s=a.window, workdir=a.keep, nodes=a.nodes, **base)
     try:
         check(cfg) if cfg.nodes == 1 else check_pool(cfg)
         render(cfg, health_port=8471)  # the experiment file: validated before anything starts
         if cfg.nodes > 1:
             render(cfg, health_port=8471, pool=drill_pool(cfg))
+        drill_wheels(cfg)  # the lock for the drill's Python, fetched before anything starts
     except ValueError as e:
         print(f"drill: {e}", file=sys.stderr)
         return 2
-    except ExperimentError as e:
-        print("\n".join(e.lines), file=sys.stderr)
-        return 2
+    except InputError as e:  # a bad experiment file, no lock for this Python, a failed fetch
+        return report(e)
     except OSError as e:
         print(f"drill: {a.experiment}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -36,10 +36,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from drill.fake_gcp import FakeGcp
+from drill.fake_observability import FakeObservability
 from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
 from drill.metadata_server import MetadataServer
 from drill.sandbox import REPO, Disk, Sandbox, disk_status
+from stacks.lock import this_python
 
 DEVICE_NAME = "spottrain-checkpoints"
 MOUNT_DIR = "/mnt/spottrain"
@@ -53,8 +55,11 @@ PREEMPTED_RE = re.compile(r"\bevent=preempted step=(\d+)(?:[^\n]*? persistent_ok
 #: A preempted line without a save: its detail says why (a notice during start-up, nothing trained).
 NO_SAVE_RE = re.compile(r"\bevent=preempted step=(?:\d+|none) detail=([^;\n]*)")
 EXIT_PREEMPTED = 75
-#: The access token the fake metadata server hands out, which the fake Compute API accepts.
+#: The access token the VMs' fake metadata server hands out: the fake Google APIs know it as the
+#: trainer's service account, with exactly the grants of the experiment's synthesized stack.
 DRILL_TOKEN = "drill-fake-token"
+#: The operator's (the deployer's, a project Owner): `trainer status` reading the checkpoint key.
+OPERATOR_TOKEN = "drill-operator-token"
 MIN_STEPS_PER_ROUND = 30
 
 
@@ -136,10 +141,18 @@ class DrillResult:
     """One more boot after the run finished: {"unit_started": bool, "guest_state": str|None}."""
     group_sizes: list[int] = field(default_factory=list)
     """The group's target size after every change the fake Compute API saw (scale to zero)."""
+    logs: list[str] = field(default_factory=list)
+    """`python -m trainer logs` over what the drill's VMs shipped to (the loopback) Cloud Logging."""
+    refusals: list[tuple[str, str, str]] = field(default_factory=list)
+    """Every call the stack's grants did not allow (principal, permission, resource): Google would
+    have refused them too. None in a healthy drill."""
+    control_runs: list[int] = field(default_factory=list)
+    """The exit status of each execution of the control job (0: every step done and confirmed)."""
 
     @property
     def ok(self) -> bool:
-        return self.digest is not None and self.digest == self.reference_digest
+        return (self.digest is not None and self.digest == self.reference_digest and not self.refusals
+                and not any(self.control_runs))
 
 
 # --- the boot scripts ------------------------------------------------------------------------
@@ -156,6 +169,9 @@ class Rendered:
     """(object name, local file) the stack would upload to the bucket: the code archives."""
     props: Any = field(default=None, compare=False)
     """The `stacks.boot.BootProps` the scripts were rendered from."""
+    spec: Any = field(default=None, compare=False)
+    """The `stacks.experiment.Experiment` they were rendered for (with the drill's pool, if any):
+    its synthesized stack's grants are what the fake Google APIs allow (`project_fake`)."""
 
     @property
     def delivers_trainer(self) -> bool:
@@ -175,22 +191,30 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
     from stacks.boot import boot_props, render as render_boot
     from stacks.load import load_file
 
+    from stacks.wheels import for_python
+
     ef = load_file(cfg.experiment)
     exp = ef.spec if pool is None else ef.spec.model_copy(update={"pool": pool})
+    # The VM stand-in's Python is this one (drill.sandbox), not the image's: its wheels are the
+    # lock for this Python (`make lock` writes it beside the image's), and the startup script's
+    # check of the Python they were locked for holds.
+    exp = for_python(exp, this_python())
     every = cfg.checkpoint_every_steps or max(1, cfg.steps // 6)
     args = _replace_flag(list(exp.trainer.args), "--checkpoint-every-steps", str(every)) + list(trainer_args)
     uploads: list[tuple[str, Path]] = []
     releases: tuple = ()
     if trainer_source is not None:
-        from stacks.delivery import trainer_archive
+        from stacks.delivery import trainer_archive, user_archive, wheels_archive
+        from stacks.experiment import code_path
+        from stacks.wheels import shipped_wheels
 
         archives = [trainer_archive(trainer_source, out_dir=code_dir)]
-        user_code = exp.trainer.code_dir
+        user_code = code_path(exp.trainer.code_dir) if exp.trainer.code_dir is not None else None
         if user_code is not None:  # the user's own code, shipped beside the trainer
-            from stacks.delivery import user_archive
-            from stacks.experiment import code_path
-
-            archives.append(user_archive(code_path(user_code), out_dir=code_dir))
+            archives.append(user_archive(user_code, out_dir=code_dir))
+        # What a deploy ships besides the code: the locked wheels, installed offline by the
+        # startup script; the VM's Python finds its dependencies there, not in the host's venv.
+        archives.append(wheels_archive(shipped_wheels(exp, user_code, ef.name), out_dir=code_dir))
         releases = tuple(a.release for a in archives)
         uploads += [(a.release.object_name, a.path) for a in archives]
     # The stack's own props, with the drill's step count, health port and checkpoint cadence.
@@ -198,7 +222,19 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
                        args=tuple(args), **(extra or {}))
     scripts = render_boot(props)
     return Rendered(scripts.startup, scripts.shutdown, ef.name, props.bucket, props.gcs_uri,
-                    exp.disk.local_ssd_count, health_port, tuple(uploads), props)
+                    exp.disk.local_ssd_count, health_port, tuple(uploads), props, exp)
+
+
+def drill_wheels(cfg: DrillConfig) -> Path:
+    """The wheels the drill's VMs install: the experiment's lock for this Python, fetched (or
+    cached); InputError (exit 2) when it is missing or stale."""
+    from stacks.experiment import code_path
+    from stacks.load import load_file
+    from stacks.wheels import for_python, shipped_wheels
+
+    ef = load_file(cfg.experiment)
+    code = code_path(ef.spec.trainer.code_dir) if ef.spec.trainer.code_dir is not None else None
+    return shipped_wheels(for_python(ef.spec, this_python()), code, ef.name)
 
 
 def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
@@ -216,6 +252,56 @@ def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
     return out + [flag, value]
 
 
+# --- the project: the fake Google APIs with the stack's IAM, and the control job ------------------
+_POLICIES: dict[tuple[str, str], Any] = {}
+
+
+def stack_policy(r: Rendered) -> Any:
+    """The IAM of the experiment's synthesized stack (`drill.iam`), once per experiment."""
+    from drill.iam import Policy, synthesize
+
+    key = (r.name, r.spec.model_dump_json())
+    if key not in _POLICIES:
+        _POLICIES[key] = Policy.from_stack(synthesize(r.name, r.spec))
+    return _POLICIES[key]
+
+
+def account(r: Rendered, kind: str) -> str:
+    """The email of the stack's `trainer` or `control` service account."""
+    project = r.props.scale.project if r.props.scale is not None else r.spec.gcp.project
+    return f"{r.name}-{kind}@{project}.iam.gserviceaccount.com"
+
+
+def project_fake(r: Rendered) -> FakeGcp:
+    """The fake Google APIs of the experiment's project, enforcing its stack's grants: the VMs'
+    token is the trainer's account, the operator's the deployer (an Owner)."""
+    fake = FakeGcp(r.spec.gcp.project, token=OPERATOR_TOKEN, policy=stack_policy(r))
+    fake.add_identity(DRILL_TOKEN, f"serviceAccount:{account(r, 'trainer')}")
+    return fake
+
+
+def control_job(fake: FakeGcp, rendered: list[Rendered], storage: str, image: Path) -> Any:
+    """The experiment's control job (`trainer.control`, run as its own account by `jobs.run`),
+    with the settings the stack would give it for the drill's scripts; None when the scripts
+    never ask for it. Every node's bad-input marker is included (the drill renders each node
+    with a health port of its own, so with its own startup-script digest)."""
+    from drill.control_job import ControlJob
+    from stacks.control import control_settings
+    from trainer import scale
+
+    r0 = rendered[0]
+    t = r0.props.scale if r0.props is not None else None
+    if t is None:
+        return None
+    prefix = f"runs/{r0.name}"
+    markers = sorted({m for r in rendered for m in scale.markers(prefix, r.props.steps, scale.digest(r.startup)).values()})
+    settings = control_settings(project=t.project, region=t.region, location=t.location, groups=t.groups,
+                                bucket=r0.bucket, prefix=prefix, stop_markers=tuple(markers),
+                                coordinator=t.coordinator, flex_run_duration_s=t.run_duration_s)
+    return ControlJob(fake, settings, account=account(r0, "control"), storage=storage, pythonpath=image,
+                      poll_s=0.5)
+
+
 # --- one experiment deployment: fakes + disk + successive VMs -----------------------------------
 class Deployment:
     """What `cdktn deploy` would have made, faked: a bucket, a metadata server carrying the
@@ -225,7 +311,8 @@ class Deployment:
                  image: Path, *, preinstall_trainer: bool = True, upload: bool = True,
                  gcs: StorageEmulator | None = None, attributes: dict[str, str] | None = None,
                  hostname: str = "spottrain-drill-vm", image_files: dict[str, Path] | None = None,
-                 unit_environment: dict[str, str] | None = None, compute: FakeGcp | None = None) -> None:
+                 unit_environment: dict[str, str] | None = None, compute: FakeGcp | None = None,
+                 observability: FakeObservability | None = None) -> None:
         """`image`: a directory holding the `trainer` package the VMs run (a snapshot, so that
         every VM and the final `status` run the same code). `preinstall_trainer` puts it on the
         VM image at /opt/spottrain/trainer: the boot scripts do not deliver it yet.
@@ -266,8 +353,10 @@ class Deployment:
         zone = target.location.split("/", 1)[1] if target is not None else "europe-west4-a"
         if target is not None and target.location.startswith("regions/"):
             zone += "-a"
+        self.zone = zone
         self.owns_compute = compute is None
-        self.compute = compute if compute is not None else FakeGcp(project, token=DRILL_TOKEN)
+        self.compute = compute if compute is not None else project_fake(rendered)
+        self.control: Any = None
         if self.owns_compute and target is not None:
             for group in target.groups[:1]:
                 where = {"zone": zone} if target.location.startswith("zones/") else \
@@ -275,9 +364,13 @@ class Deployment:
                 self.compute.add_group(group, instances=(hostname,), **where)  # type: ignore[arg-type]
         if self.key_secret:
             self.compute.add_secret(self.key_secret.rsplit("/", 1)[1])
+        #: Cloud Logging (and Monitoring), which the VM's log shipper writes to (docs/watch.md).
+        self.owns_observability = observability is None
+        self.observability = observability or FakeObservability(project, token=self.compute.token)
         self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
                                                    "shutdown-script": rendered.shutdown, **(attributes or {})},
-                                       instance_name=hostname, zone=zone, project_id=project)
+                                       instance_name=hostname, zone=zone, project_id=project, token=DRILL_TOKEN,
+                                       email=account(rendered, "trainer"))
         self.disk = Disk(root / "checkpoint-disk.img", cfg.disk_mb)
         # Local NVMe SSDs: blank on every boot (Spot VMs lose them on preemption).
         self.local_ssds = {f"local-nvme-ssd-{i}": Disk(root / f"local-ssd-{i}.img", cfg.disk_mb)
@@ -290,12 +383,18 @@ class Deployment:
             self.gcs.start()
         if self.owns_compute:
             self.compute.start()
+            self.control = control_job(self.compute, [self.r], self.gcs.host, self.image)
+            if self.control is not None:
+                self.control.__enter__()
+        if self.owns_observability:
+            self.observability.start()
         self.metadata.start()
         for name, path in self.r.uploads if self.upload_code else ():
             self.upload(name, path.read_bytes())
         fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
-                 "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_COMPUTE_API": self.compute.compute_api,
-                 "SPOTTRAIN_SECRETMANAGER_API": self.compute.secretmanager_api}
+                 "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_RUN_API": self.compute.run_api,
+                 "SPOTTRAIN_SECRETMANAGER_API": self.compute.secretmanager_api,
+                 "SPOTTRAIN_LOGGING_API": self.observability.logging_api}
         # The fakes' addresses are in PID 1's environment: the scripts get them, and units get
         # what they name in PassEnvironment= (on GCE they are unset: the defaults are real).
         image_files: dict[str, str | Path] = dict(self.image_files)
@@ -313,7 +412,11 @@ class Deployment:
         if self.owns_gcs:
             self.gcs.stop()
         if self.owns_compute:
-            self.compute.stop()
+            self.compute.stop()  # after the control job's last execution
+            if self.control is not None:
+                self.control.__exit__()
+        if self.owns_observability:
+            self.observability.stop()
         for disk in (self.disk, *self.local_ssds.values()):
             disk.detach()
 
@@ -372,6 +475,13 @@ class Deployment:
         return self.group is not None and self.compute.wait_for(
             lambda gcp: gcp.group(self.group).target_size == size, self.cfg.guard_s)
 
+    def iam_record(self) -> tuple[list[tuple[str, str, str]], list[int]]:
+        """(calls the stack's grants refused, exit status of each control-job execution), once the
+        executions under way have ended."""
+        self.compute.join_jobs()
+        runs = [r.returncode for r in self.control.runs] if self.control is not None else []
+        return list(self.compute.refusals), runs
+
     def boot_after_finish(self) -> dict[str, Any]:
         """Boot once more after the run finished, as if someone had resized the group to 1 by
         hand: the trainer must not start again, and the VM stops paying again. Waits for the
@@ -398,9 +508,23 @@ class Deployment:
         from trainer.gce import Client
 
         path = self.root / "operator-checkpoint.key"
-        fetch(self.key_secret, path, client=Client(token=lambda: (DRILL_TOKEN, 3600.0)), create=False,
+        fetch(self.key_secret, path, client=Client(token=lambda: (self.compute.token, 3600.0)), create=False,
               api=self.compute.secretmanager_api, say=lambda m: None)
         return ["--checkpoint-key-file", str(path)]
+
+    def logs(self) -> list[str]:
+        """`python -m trainer logs` over what this deployment's VMs shipped to the loopback Cloud
+        Logging (docs/watch.md): every session across the recreated VMs, and how each ended."""
+        from datetime import datetime, timedelta, timezone
+
+        from trainer.gce import Client
+        from trainer.logs import describe, list_entries, log_filter, report
+
+        project = self.observability.project
+        entries = list_entries(Client(token=lambda: (DRILL_TOKEN, 3600.0)), project,
+                               log_filter(project, self.r.name, since=datetime.now(timezone.utc) - timedelta(days=1)),
+                               api=self.observability.logging_api)
+        return describe(report(entries), title=f"experiment {self.r.name}, from the drill's Cloud Logging")
 
     def status(self) -> dict[str, Any]:
         """`python -m trainer status --json` over the disk (mounted read-only) and the bucket."""
@@ -478,6 +602,7 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
         with Deployment(workdir / "reference", rendered, cfg, say, image) as ref:
             ref.run_to_end()
             ref_status = ref.status()
+            refusals, control_runs = ref.iam_record()
         reference_s = time.monotonic() - t0
         say(f"reference: step {ref_status['latest_step']}, digest {str(ref_status['model_digest'])[:16]}, {reference_s:.1f} s")
 
@@ -512,8 +637,12 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
                 f"guest attribute spottrain/state={after['guest_state']}; health answer {after['health']!r}; "
                 f"group size afterwards {after['group_size']}")
             sizes = [size for _, size in dep.compute.group(dep.group).history] if dep.group else []
+            logs = dep.logs()
+            more = dep.iam_record()
+            refusals, control_runs = refusals + more[0], control_runs + more[1]
         result = DrillResult(cfg, ref_status.get("model_digest"), status.get("model_digest"), status,
-                             preemptions, reference_s, drill_s, resumed, workdir, after, sizes)
+                             preemptions, reference_s, drill_s, resumed, workdir, after, sizes, logs,
+                             refusals, control_runs)
         say(report(result))
         return result
     finally:
@@ -613,6 +742,21 @@ def report(r: DrillResult) -> str:
                            ("lost_s", "badput: work lost"), ("downtime_s", "badput: down (no trainer)")):
             v = float(g.get(key) or 0.0)
             lines.append(f"| {label} | {v:.2f} | {100 * v / wall if wall else 0:.1f}% |")
+    if r.logs:
+        lines += ["", "## The VMs' logs (`python -m trainer logs`, from the loopback Cloud Logging)", "", *r.logs]
+    same = r.digest is not None and r.digest == r.reference_digest
     lines += ["", f"reference digest {r.reference_digest}", f"drill digest     {r.digest}",
-              f"digest {'MATCHES' if r.ok else 'DIFFERS'}: reference run {r.reference_s:.1f} s, drill {r.drill_s:.1f} s"]
+              f"digest {'MATCHES' if same else 'DIFFERS'}: reference run {r.reference_s:.1f} s, drill {r.drill_s:.1f} s",
+              iam_line(r.refusals, r.control_runs)]
     return "\n".join(lines)
+
+
+def iam_line(refusals: list[tuple[str, str, str]], control_runs: list[int]) -> str:
+    """What Google's IAM would have said of the drill's calls, and what the control job did."""
+    if refusals:
+        first = "; ".join(f"{who} lacks {perm} on {res}" for who, perm, res in refusals[:3])
+        iam = f"IAM: {len(refusals)} call(s) outside the stack's grants, which Google refuses too: {first}"
+    else:
+        iam = "IAM: every call within the synthesized stack's grants"
+    failed = sum(1 for rc in control_runs if rc)
+    return f"{iam}; control job: {len(control_runs)} execution(s)" + (f", {failed} FAILED" if failed else ", all done")

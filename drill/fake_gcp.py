@@ -1,26 +1,46 @@
 """A fake of the Google Cloud REST APIs our own code calls, on loopback, speaking the real protocol.
 
-What cannot exist here is faked, and only that: the Compute Engine API (the part the VM-side
-scale-to-zero call, the capacity check and `make preflight` use), the Service Usage API, Secret
-Manager (the experiment's checkpoint key, `trainer.checkpoint_key`), and the OAuth 2.0 token
-endpoint that application-default credentials refresh against. Clients talk plain HTTP with the
-real paths and JSON bodies, pointed here by their endpoint settings (`SPOTTRAIN_COMPUTE_API`,
-`SPOTTRAIN_SERVICEUSAGE_API`, `SPOTTRAIN_SECRETMANAGER_API`, an ADC file's `token_uri`).
+What cannot exist here is faked, and only that: the Compute Engine API (the part the control job,
+the capacity check and `make preflight` use), Cloud Run's `jobs.run` (how a VM starts its
+experiment's control job), the Service Usage API, Secret Manager (the experiment's checkpoint key,
+`trainer.checkpoint_key`), and the OAuth 2.0 token endpoint that application-default credentials
+refresh against. Clients talk plain HTTP with the real paths and JSON bodies, pointed here by their
+endpoint settings (`SPOTTRAIN_COMPUTE_API`, `SPOTTRAIN_RUN_API`, `SPOTTRAIN_SERVICEUSAGE_API`,
+`SPOTTRAIN_SECRETMANAGER_API`, an ADC file's `token_uri`).
 
-Protocol kept (cloud.google.com/compute/docs/reference/rest/v1, /serviceusage/docs/reference/rest):
-- every call needs `Authorization: Bearer TOKEN` (401 otherwise); errors are Google's JSON error
-  `{"error": {"code", "message", "status", "errors": [{"reason", "message"}]}}`;
+It is never kinder than Google:
+
+- **Identity and IAM on every call.** A bearer token names a principal (`add_identity`; the
+  constructor's `token` is the deployer, a project Owner); an unknown token is 401. Each call is
+  checked against `policy` (`drill.iam.Policy`, read from the synthesized stack) for the permission
+  Google's REST reference names for that method, on the resource IAM sees (an instance group
+  manager, an instance, an operation, a secret version, a Cloud Run job...), with conditions
+  evaluated as IAM does: a condition on an attribute the resource type does not provide never
+  grants. A refusal is Google's 403 body naming the missing permission (`refusals` keeps them).
+- **Operations take time.** A mutation (resize, resize request, instance stop/start) answers an
+  Operation that is `PENDING`; every later request the fake answers moves each unfinished
+  operation one step (`PENDING` -> `RUNNING` -> `DONE`), and `tick()` (a simulated clock moving on)
+  finishes them all. The resource changes only when its operation is `DONE` (a group's
+  `targetSize`, an instance's `TERMINATED`; `STOPPING` while the stop runs), as
+  compute/docs/reference/rest/v1/instanceGroupManagers/resize says: "The resize operation is marked
+  DONE when the resize actions are scheduled". `zoneOperations.wait` returns the operation's
+  current state, done or not ("Be prepared to retry if the operation is not DONE"). So a client
+  must poll something, and only what its grants allow.
+
+Protocol kept (cloud.google.com/compute/docs/reference/rest/v1, /run/docs/reference/rest,
+/serviceusage/docs/reference/rest, /secret-manager/docs/reference/rest):
+- errors are Google's JSON error `{"error": {"code", "message", "status", "errors": [...]}}`;
 - `instanceGroupManagers` and `regionInstanceGroupManagers`: get, resize (`?size=N`),
-  listManagedInstances, resizeRequests insert/list (flex-start), each mutation answering an
-  Operation that is RUNNING when returned and DONE at the next `operations.get`/`wait`;
+  listManagedInstances, resizeRequests insert/list/get (flex-start);
 - `instances` get/stop/start; `zoneOperations`/`regionOperations` get and wait;
-- `regions.get` (status, zones, quotas), `machineTypes.get` per zone, `images.getFromFamily`,
-  `regions/{r}/advice/capacity` (beta and v1 paths; the obtainability score per zone);
+- `regions.get` (status, zones, quotas), `machineTypes.get` per zone, `images.getFromFamily`
+  (public image projects: any authenticated caller), `regions/{r}/advice/capacity` (beta and v1);
+- Cloud Run v2 `POST .../locations/R/jobs/J:run`: an execution of the job (`job_runner`, if set,
+  is called with the job's name and runs it the way the test or drill wants) and its long-running
+  operation;
 - Service Usage `services.get` and `services:batchGet`; `POST /token` (refresh-token and JWT-bearer
-  grants);
-- Secret Manager (cloud.google.com/secret-manager/docs/reference/rest): `secrets.addVersion`
-  (`POST .../secrets/S:addVersion`, `{"payload": {"data": BASE64}}`, versions numbered from 1) and
-  `secrets.versions.access` (`GET .../secrets/S/versions/V:access`, V a number or `latest`; 404
+  grants, both for the deployer);
+- Secret Manager `secrets.addVersion` and `secrets.versions.access` (versions numbered from 1; 404
   for a missing secret or version, 400 FAILED_PRECONDITION for a disabled or destroyed one). The
   secrets themselves come from the "stack": `add_secret`.
 
@@ -37,16 +57,21 @@ import json
 import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
+from drill.iam import DEPLOYER, Policy, Resource
 from drill.quiet_http import QuietHTTPServer
 
 COMPUTE_PREFIXES = ("/compute/v1/", "/compute/beta/")
 SERVICEUSAGE_PREFIX = "/v1/"
+RUN_PREFIX = "/v2/"
+#: Image projects whose images any authenticated caller may read (Google's public images).
+PUBLIC_IMAGE_PROJECTS = ("deeplearning-platform-release", "debian-cloud", "ubuntu-os-cloud", "cos-cloud")
 
 
 class Refused(Exception):
@@ -109,8 +134,21 @@ class Operation:
     kind: str  # e.g. compute.instanceGroupManagers.resize
     location: str  # zones/Z or regions/R
     target: str
-    status: str = "RUNNING"
+    status: str = "PENDING"  # PENDING, RUNNING, DONE
     error: dict[str, Any] | None = None
+    #: What the operation does: `on_running` when it starts, `on_done` when it completes.
+    on_running: Callable[[], None] | None = field(default=None, repr=False)
+    on_done: Callable[[], None] | None = field(default=None, repr=False)
+
+    def step(self) -> None:
+        if self.status == "PENDING":
+            self.status = "RUNNING"
+            if self.on_running is not None:
+                self.on_running()
+        elif self.status == "RUNNING":
+            self.status = "DONE"
+            if self.on_done is not None:
+                self.on_done()
 
 
 @dataclass
@@ -122,15 +160,23 @@ class Call:
     query: dict[str, list[str]]
     body: Any
     status: int = 0
+    principal: str = ""
 
 
 class FakeGcp:
-    """The fake APIs of one project; a context manager. `clock` defaults to wall time."""
+    """The fake APIs of one project; a context manager. `clock` defaults to wall time.
+
+    `token` is the deployer's (a project Owner, as whoever runs `make preflight` or `cdktn deploy`);
+    other callers are added with `add_identity(token, principal)`. `policy` holds every other grant,
+    typically `drill.iam.Policy.from_stack(...)` of the experiment's synthesized stack."""
 
     def __init__(self, project: str = "spottrain-drill", *, clock: Callable[[], float] | None = None,
-                 token: str = "fake-access-token") -> None:
+                 token: str = "fake-access-token", policy: Policy | None = None) -> None:
         self.project = project
         self.clock = clock or time.time
+        self.policy = policy if policy is not None else Policy()
+        self.policy.grant(DEPLOYER, "roles/owner", f"projects/{project}")
+        self.identities: dict[str, str] = {}
         self.token = token
         self._lock = threading.Condition()
         self.groups: dict[str, Group] = {}
@@ -138,6 +184,8 @@ class FakeGcp:
         self.operations: dict[str, Operation] = {}
         self._op_seq = itertools.count(1)
         self.calls: list[Call] = []
+        #: Every 403 the IAM model answered: (principal, permission, resource name)
+        self.refusals: list[tuple[str, str, str]] = []
         #: Capacity: (zone, provisioning model) -> can a VM be created there now?
         self.capacity: Callable[[str, str], bool] = lambda zone, model: True
         #: Capacity advice: (zone, provisioning model, machine type) -> obtainability 0..1; by
@@ -148,15 +196,21 @@ class FakeGcp:
         self.images: dict[tuple[str, str], dict[str, Any]] = {}  # (project, family) -> image
         self.services: dict[str, str] = {}  # service name -> ENABLED | DISABLED
         #: (method, path regex, times left or None for ever) answered 403, as IAM would for a
-        #: missing permission (or one still propagating)
+        #: grant still propagating (the model's own refusals come from `policy`)
         self.denied: list[list[Any]] = []
         #: Secret Manager: secret resource name -> versions (1-based), each {"data", "state"}
         self.secrets: dict[str, list[dict[str, Any]]] = {}
+        #: Cloud Run jobs: "projects/P/locations/R/jobs/J" -> executions started
+        self.jobs: dict[str, list[str]] = {}
+        #: Called (on a thread of its own) with the job's name for every execution `jobs.run`
+        #: starts; None: executions are only recorded.
+        self.job_runner: Callable[[str], None] | None = None
         self.refresh_tokens: set[str] = set()
         self.service_accounts: set[str] = set()  # emails whose signed JWTs the token endpoint accepts
         self.preemptions: list[tuple[float, str, str]] = []  # (time, group, instance) of auto groups
         self._httpd: QuietHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._runners: list[threading.Thread] = []
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> "FakeGcp":
@@ -170,7 +224,13 @@ class FakeGcp:
         self._thread.start()
         return self
 
+    def join_jobs(self, timeout: float = 600.0) -> None:
+        """Wait until every job execution started so far has ended."""
+        for runner in list(self._runners):
+            runner.join(timeout=timeout)
+
     def stop(self) -> None:
+        self.join_jobs()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -196,6 +256,11 @@ class FakeGcp:
         return f"{self.url}/compute/v1"
 
     @property
+    def run_api(self) -> str:
+        """The value for SPOTTRAIN_RUN_API (what https://run.googleapis.com/v2 is)."""
+        return f"{self.url}/v2"
+
+    @property
     def serviceusage_api(self) -> str:
         return f"{self.url}/v1"
 
@@ -208,7 +273,23 @@ class FakeGcp:
     def token_uri(self) -> str:
         return f"{self.url}/token"
 
+    @property
+    def token(self) -> str:
+        """The deployer's token (the Owner's); setting it replaces the deployer's old one."""
+        return self._token
+
+    @token.setter
+    def token(self, value: str) -> None:
+        self.identities = {t: p for t, p in self.identities.items() if p != DEPLOYER}
+        self.identities[value] = DEPLOYER
+        self._token = value
+
     # --- the world -------------------------------------------------------------------------
+    def add_identity(self, token: str, principal: str) -> None:
+        """Calls with this bearer token come from `principal` ("serviceAccount:EMAIL", "user:...")."""
+        with self._lock:
+            self.identities[token] = principal
+
     def add_group(self, name: str, *, zone: str | None = None, region: str | None = None,
                   zones: tuple[str, ...] = (), target_size: int = 1, provisioning: str = "SPOT",
                   machine_type: str = "g2-standard-8", auto: bool = False,
@@ -244,9 +325,16 @@ class FakeGcp:
         self.images[(project, family)] = {"name": name or f"{family}-v20260101", "family": family,
                                           "status": "READY"}
 
+    def add_job(self, region: str, name: str) -> str:
+        """A Cloud Run job of this project (as the stack creates it); its resource name."""
+        job = f"projects/{self.project}/locations/{region}/jobs/{name}"
+        with self._lock:
+            self.jobs.setdefault(job, [])
+        return job
+
     def deny(self, method: str, path_regex: str, times: int | None = None) -> None:
-        """Answer 403 to matching calls (IAM refusing the caller), e.g. deny("POST", "/resize");
-        with `times`, only to that many (a grant that is still propagating)."""
+        """Answer 403 to matching calls whatever the policy says, e.g. deny("POST", "/resize"); with
+        `times`, only to that many (a grant that is still propagating)."""
         self.denied.append([method.upper(), path_regex, times])
 
     def add_secret(self, secret_id: str) -> str:
@@ -271,12 +359,20 @@ class FakeGcp:
         with self._lock:
             return self.groups[name]
 
-    def tick(self) -> None:
-        """Let every auto group converge on its target at the current `clock()` (the simulation
-        calls it as its clock advances; requests also do)."""
+    def instance(self, zone: str, name: str) -> Instance:
         with self._lock:
+            return self._find_instance(zone, name)
+
+    def tick(self) -> None:
+        """Time passes (the simulation's clock moved on): every operation finishes, and every auto
+        group converges on its target at the current `clock()`."""
+        with self._lock:
+            for op in list(self.operations.values()):
+                while op.status != "DONE":
+                    op.step()
             for g in self.groups.values():
                 self._reconcile(g)
+            self._lock.notify_all()
 
     def wait_for(self, pred: Callable[["FakeGcp"], bool], timeout: float) -> bool:
         """Block until `pred(self)` holds (re-checked after every call the fake answers)."""
@@ -317,10 +413,18 @@ class FakeGcp:
             g.instances[name] = Instance(name, zone, g.provisioning, created=self.clock(),
                                          machine_type=g.machine_type)
 
-    def _operation(self, kind: str, location: str, target: str) -> dict[str, Any]:
-        op = Operation(f"operation-{next(self._op_seq):06d}", kind, location, target)
+    def _operation(self, kind: str, location: str, target: str, *, on_running: Callable[[], None] | None = None,
+                   on_done: Callable[[], None] | None = None) -> dict[str, Any]:
+        op = Operation(f"operation-{int(self.clock() * 1000)}-{next(self._op_seq):06d}", kind, location, target,
+                       on_running=on_running, on_done=on_done)
         self.operations[op.name] = op
         return self._op_json(op)
+
+    def _advance(self) -> None:
+        """Time passes by one request: every unfinished operation takes one step."""
+        for op in list(self.operations.values()):
+            if op.status != "DONE":
+                op.step()
 
     def _op_json(self, op: Operation) -> dict[str, Any]:
         where = op.location.split("/", 1)
@@ -377,11 +481,54 @@ class FakeGcp:
             return self.obtainability(zone, model, machine_type)
         return 0.9 if self.capacity(zone, model) else 0.1
 
+    # --- IAM -------------------------------------------------------------------------------
+    def storage_gate(self, proxy: Any, buckets: dict[str, str]) -> None:
+        """Make `proxy` (a `drill.fault_proxy.FaultProxy` in front of gcp-storage-emulator) check
+        every request against this project's policy, for the principal of its bearer token, as
+        Cloud Storage does; `buckets`: bucket name -> its project."""
+        from drill.iam import PolicyError, storage_checks
+
+        def exists(bucket: str, name: str) -> bool:
+            return proxy._generation(bucket, name) is not None
+
+        def authorize(method: str, path: str, headers: dict[str, str], body: bytes) -> str | None:
+            auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+            principal = self.identities.get(auth[len("Bearer "):]) if auth.startswith("Bearer ") else None
+            if principal is None:
+                return "Anonymous caller does not have storage access (no token this project knows)."
+            try:
+                checks = storage_checks(method, path, body, exists, lambda b: buckets.get(b, "unknown-project"))
+            except PolicyError as e:
+                return str(e)
+            for permission, resource in checks:
+                if not self.policy.allows(principal, permission, resource):
+                    with self._lock:
+                        self.refusals.append((principal, permission, resource.name))
+                    who = principal.split(":", 1)[-1]
+                    return f"{who} does not have {permission} access to the Google Cloud Storage object or bucket."
+            return None
+
+        proxy.authorize = authorize
+
+    def _authorize(self, principal: str, permission: str, resource: Resource, message: str) -> None:
+        if not self.policy.allows(principal, permission, resource):
+            self.refusals.append((principal, permission, resource.name))
+            raise Refused(403, "PERMISSION_DENIED", message, "forbidden")
+
+    def _compute_check(self, principal: str, permission: str, kind: str, name: str) -> None:
+        """Compute's own wording: "Required 'PERMISSION' permission for 'RESOURCE'"."""
+        self._authorize(principal, permission,
+                        Resource("compute.googleapis.com", f"compute.googleapis.com/{kind}", name,
+                                 (f"projects/{self.project}",)),
+                        f"Required '{permission}' permission for '{name}'")
+
     # --- request dispatch ------------------------------------------------------------------
-    def handle(self, method: str, path: str, query: dict[str, list[str]], body: Any) -> tuple[int, Any]:
+    def handle(self, method: str, path: str, query: dict[str, list[str]], body: Any,
+               principal: str = DEPLOYER) -> tuple[int, Any]:
         with self._lock:
-            call = Call(method, path, query, body)
+            call = Call(method, path, query, body, principal=principal)
             self.calls.append(call)
+            self._advance()
             try:
                 for entry in self.denied:
                     m, rx, times = entry
@@ -392,7 +539,7 @@ class FakeGcp:
                                       "forbidden")
                 for g in self.groups.values():
                     self._reconcile(g)
-                status, answer = 200, self._dispatch(method, path, query, body)
+                status, answer = 200, self._dispatch(method, path, query, body, principal)
             except Refused as e:
                 status = e.code
                 answer = {"error": {"code": e.code, "message": e.message, "status": e.status,
@@ -401,17 +548,41 @@ class FakeGcp:
             self._lock.notify_all()
             return status, answer
 
-    def _dispatch(self, method: str, path: str, query: dict[str, list[str]], body: Any) -> Any:
+    def _dispatch(self, method: str, path: str, query: dict[str, list[str]], body: Any, principal: str) -> Any:
         prefix = next((p for p in COMPUTE_PREFIXES if path.startswith(p)), None)
         if prefix is not None:
-            return self._compute(method, path[len(prefix):].strip("/").split("/"), query, body)
+            return self._compute(method, path[len(prefix):].strip("/").split("/"), query, body, principal)
+        if path.startswith(RUN_PREFIX):
+            return self._run(method, path[len(RUN_PREFIX):], principal)
         if path.startswith(SERVICEUSAGE_PREFIX) and "/secrets/" in path:
-            return self._secretmanager(method, path[len(SERVICEUSAGE_PREFIX):], body)
+            return self._secretmanager(method, path[len(SERVICEUSAGE_PREFIX):], body, principal)
         if path.startswith(SERVICEUSAGE_PREFIX):
-            return self._serviceusage(method, path[len(SERVICEUSAGE_PREFIX):], query)
+            return self._serviceusage(method, path[len(SERVICEUSAGE_PREFIX):], query, principal)
         raise _not_found(path)
 
-    def _secretmanager(self, method: str, rest: str, body: Any) -> Any:
+    def _run(self, method: str, rest: str, principal: str) -> Any:
+        m = re.fullmatch(r"(projects/([^/]+)/locations/([^/]+)/jobs/([^/:]+)):run", rest)
+        if m is None or method != "POST":
+            raise _not_found(rest)
+        job, project, region = m.group(1), m.group(2), m.group(3)
+        self._authorize(principal, "run.jobs.run",
+                        Resource("run.googleapis.com", "run.googleapis.com/Job", job, (f"projects/{project}",)),
+                        f"Permission 'run.jobs.run' denied on resource '{job}' (or resource may not exist).")
+        if job not in self.jobs:
+            raise Refused(404, "NOT_FOUND", f"Resource '{m.group(4)}' of kind 'JOB' in region '{region}' in "
+                          f"project '{project}' does not exist.", "notFound")
+        execution = f"{m.group(4)}-{uuid.uuid4().hex[:5]}"
+        self.jobs[job].append(execution)
+        if self.job_runner is not None:
+            runner = threading.Thread(target=self.job_runner, args=(job,), name=f"job-{execution}", daemon=True)
+            self._runners.append(runner)
+            runner.start()
+        return {"name": f"projects/{project}/locations/{region}/operations/{uuid.uuid4()}",
+                "metadata": {"@type": "type.googleapis.com/google.cloud.run.v2.Execution",
+                             "name": f"{job}/executions/{execution}", "job": m.group(4)},
+                "done": False}
+
+    def _secretmanager(self, method: str, rest: str, body: Any, principal: str) -> Any:
         import base64
         import binascii
 
@@ -419,6 +590,15 @@ class FakeGcp:
         if m is None:
             raise _not_found(rest)
         name, project, version = m.group(1), m.group(2), m.group(4)
+        if rest.endswith(":addVersion"):
+            permission, target, kind = "secretmanager.versions.add", name, "Secret"
+        else:
+            permission, target, kind = "secretmanager.versions.access", f"{name}/versions/{version}", "SecretVersion"
+        parents = (f"projects/{project}", name) if kind == "SecretVersion" else (f"projects/{project}",)
+        self._authorize(principal, permission,
+                        Resource("secretmanager.googleapis.com", f"secretmanager.googleapis.com/{kind}", target,
+                                 parents),
+                        f"Permission '{permission}' denied for resource '{target}' (or it may not exist).")
         if project != self.project:
             raise Refused(403, "PERMISSION_DENIED", f"Permission denied on resource project {project}.",
                           "forbidden")
@@ -448,14 +628,17 @@ class FakeGcp:
             return {"name": f"{name}/versions/{n}", "payload": {"data": base64.b64encode(v["data"]).decode()}}
         raise _not_found(rest)
 
-    def _compute(self, method: str, p: list[str], query: dict[str, list[str]], body: Any) -> Any:
+    def _compute(self, method: str, p: list[str], query: dict[str, list[str]], body: Any, principal: str) -> Any:
         if len(p) < 2 or p[0] != "projects":
             raise _not_found("/".join(p))
         project, rest = p[1], p[2:]
         if rest[:3] == ["global", "images", "family"] and len(rest) == 4 and method == "GET":
+            name = f"projects/{project}/global/images/family/{rest[3]}"
+            if project not in PUBLIC_IMAGE_PROJECTS:  # a public image: any authenticated caller
+                self._compute_check(principal, "compute.images.getFromFamily", "Image", name)
             image = self.images.get((project, rest[3]))
             if image is None:
-                raise _not_found(f"projects/{project}/global/images/family/{rest[3]}")
+                raise _not_found(name)
             return {"kind": "compute#image", **image,
                     "selfLink": f"{self.compute_api}/projects/{project}/global/images/{image['name']}"}
         if project != self.project:
@@ -464,25 +647,31 @@ class FakeGcp:
             raise _not_found("/".join(p))
         location = f"{rest[0]}/{rest[1]}"
         kind, tail = rest[2:3], rest[3:]
+        where = f"projects/{project}/{location}"
         if not kind:
             if rest[0] == "regions" and method == "GET":
+                self._compute_check(principal, "compute.regions.get", "Region", where)
                 return self._region(rest[1])
             raise _not_found("/".join(p))
         if kind == ["instanceGroupManagers"] and tail:
-            return self._igm(method, location, tail, query, body)
+            return self._igm(method, location, tail, query, body, principal)
         if kind == ["instances"] and tail:
-            return self._instance(method, rest[1], tail)
+            return self._instance(method, rest[1], tail, principal)
         if kind == ["operations"] and tail:
+            family = "zoneOperations" if rest[0] == "zones" else "regionOperations"
+            # get and wait both need .get (compute/docs/reference/rest/v1/zoneOperations/wait)
+            self._compute_check(principal, f"compute.{family}.get", "Operation", f"{where}/operations/{tail[0]}")
             op = self.operations.get(tail[0])
             if op is None or op.location != location:
                 raise _not_found(f"{location}/operations/{tail[0]}")
-            op.status = "DONE"  # RUNNING when it was returned; done by the time anyone asks
             return self._op_json(op)
         if kind == ["machineTypes"] and len(tail) == 1 and rest[0] == "zones" and method == "GET":
+            self._compute_check(principal, "compute.machineTypes.get", "MachineType", f"{where}/machineTypes/{tail[0]}")
             if tail[0] not in self.machine_types.get(rest[1], set()):
                 raise _not_found(f"projects/{project}/zones/{rest[1]}/machineTypes/{tail[0]}")
             return {"kind": "compute#machineType", "name": tail[0], "zone": rest[1]}
         if kind == ["advice"] and tail == ["capacity"] and rest[0] == "regions" and method == "POST":
+            self._compute_check(principal, "compute.advice.capacity", "Region", where)
             return self._advice(rest[1], body or {})
         raise _not_found("/".join(p))
 
@@ -494,12 +683,19 @@ class FakeGcp:
                 "zones": [f"{self.compute_api}/projects/{self.project}/zones/{z}" for z in r["zones"]],
                 "quotas": [{"metric": m, "limit": v, "usage": 0.0} for m, v in sorted(r["quotas"].items())]}
 
-    def _igm(self, method: str, location: str, tail: list[str], query: dict[str, list[str]], body: Any) -> Any:
+    def _igm(self, method: str, location: str, tail: list[str], query: dict[str, list[str]], body: Any,
+             principal: str) -> Any:
+        target = f"{location}/instanceGroupManagers/{tail[0]}"
+        name = f"projects/{self.project}/{target}"
+        verb = tail[1] if len(tail) > 1 else None
+        # The permissions of compute/docs/reference/rest/v1/instanceGroupManagers/* (and region*):
+        # reads need .get, resize and resize requests .update, all on the group.
+        writes = (verb == "resize" and method == "POST") or (verb == "resizeRequests" and method == "POST")
+        kind = "RegionInstanceGroupManager" if location.startswith("regions/") else "InstanceGroupManager"
+        self._compute_check(principal, f"compute.instanceGroupManagers.{'update' if writes else 'get'}", kind, name)
         g = self.groups.get(tail[0])
         if g is None or g.location != location:
-            raise _not_found(f"projects/{self.project}/{location}/instanceGroupManagers/{tail[0]}")
-        target = f"{location}/instanceGroupManagers/{g.name}"
-        verb = tail[1] if len(tail) > 1 else None
+            raise _not_found(name)
         if verb is None and method == "GET":
             return self._group_json(g)
         if verb == "resize" and method == "POST":
@@ -509,35 +705,69 @@ class FakeGcp:
                 raise Refused(400, "INVALID_ARGUMENT", "Required 'size' is missing or invalid", "required")
             if size < 0:
                 raise Refused(400, "INVALID_ARGUMENT", "Invalid value for field 'size'", "invalid")
-            self._set_target(g, size)
-            return self._operation("compute.instanceGroupManagers.resize", location, target)
+            return self._operation("compute.instanceGroupManagers.resize", location, target,
+                                   on_done=lambda: self._set_target(g, size))
         if verb == "listManagedInstances" and method == "POST":
             return self._managed(g)
-        if verb == "resizeRequests" and method == "POST":
+        if verb == "resizeRequests" and method == "POST" and len(tail) == 2:
             req = dict(body or {})
             if not req.get("name") or int(req.get("resizeBy", 0)) < 1:
                 raise Refused(400, "INVALID_ARGUMENT", "A resize request needs a name and resizeBy >= 1", "invalid")
             if any(r["name"] == req["name"] for r in g.resize_requests):
                 raise Refused(409, "ALREADY_EXISTS", f"The resize request '{req['name']}' already exists",
                               "alreadyExists")
-            g.resize_requests.append({**req, "state": "ACCEPTED", "created": self.clock()})
-            self._set_target(g, g.target_size + int(req["resizeBy"]))
-            return self._operation("compute.instanceGroupManagerResizeRequests.insert", location, target)
-        if verb == "resizeRequests" and method == "GET":
-            return {"items": [{k: v for k, v in r.items() if k != "created"} for r in g.resize_requests]}
-        raise _not_found(f"{target}/{'/'.join(tail[1:])}")
 
-    def _instance(self, method: str, zone: str, tail: list[str]) -> Any:
-        inst = self._find_instance(zone, tail[0])
-        target = f"zones/{zone}/instances/{inst.name}"
+            def accepted() -> None:
+                g.resize_requests.append({**req, "state": "ACCEPTED", "created": self.clock()})
+                self._set_target(g, g.target_size + int(req["resizeBy"]))
+
+            return self._operation("compute.instanceGroupManagerResizeRequests.insert", location, target,
+                                   on_done=accepted)
+        if verb == "resizeRequests" and method == "GET" and len(tail) == 2:
+            return {"items": [{k: v for k, v in r.items() if k != "created"} for r in g.resize_requests]}
+        if verb == "resizeRequests" and method == "GET" and len(tail) == 3:
+            found = [r for r in g.resize_requests if r["name"] == tail[2]]
+            if not found:
+                raise _not_found(f"{name}/resizeRequests/{tail[2]}")
+            return {"kind": "compute#instanceGroupManagerResizeRequest",
+                    **{k: v for k, v in found[0].items() if k != "created"}}
+        raise _not_found(f"{name}/{'/'.join(tail[1:])}")
+
+    def _instance(self, method: str, zone: str, tail: list[str], principal: str) -> Any:
+        target = f"zones/{zone}/instances/{tail[0]}"
+        name = f"projects/{self.project}/{target}"
+        verb = tail[1] if len(tail) == 2 else None
         if len(tail) == 1 and method == "GET":
+            permission = "compute.instances.get"
+        elif verb in ("stop", "start") and method == "POST":
+            permission = f"compute.instances.{verb}"
+        else:
+            raise _not_found(f"{name}/{'/'.join(tail[1:])}")
+        # An instance has an allow policy of its own (a binding on the coordinator is one).
+        self._authorize(principal, permission,
+                        Resource("compute.googleapis.com", "compute.googleapis.com/Instance", name,
+                                 (f"projects/{self.project}",)),
+                        f"Required '{permission}' permission for '{name}'")
+        inst = self._find_instance(zone, tail[0])
+        if verb is None:
             return {"kind": "compute#instance", "name": inst.name, "status": inst.status,
                     "zone": f"{self.compute_api}/projects/{self.project}/zones/{zone}",
                     "scheduling": {"provisioningModel": inst.provisioning}}
-        if len(tail) == 2 and tail[1] in ("stop", "start") and method == "POST":
-            inst.status = "TERMINATED" if tail[1] == "stop" else "RUNNING"
-            return self._operation(f"compute.instances.{tail[1]}", f"zones/{zone}", target)
-        raise _not_found(f"projects/{self.project}/{target}/{'/'.join(tail[1:])}")
+        if verb == "stop":
+            def stopping() -> None:
+                if inst.status == "RUNNING":
+                    inst.status = "STOPPING"
+
+            def stopped() -> None:
+                inst.status = "TERMINATED"
+
+            return self._operation("compute.instances.stop", f"zones/{zone}", target,
+                                   on_running=stopping, on_done=stopped)
+
+        def started() -> None:
+            inst.status = "RUNNING"
+
+        return self._operation("compute.instances.start", f"zones/{zone}", target, on_done=started)
 
     def _advice(self, region: str, body: dict[str, Any]) -> dict[str, Any]:
         r = self.regions.get(region)
@@ -558,14 +788,18 @@ class FakeGcp:
             "shards": [{"zone": f"zones/{zone}", "machineType": mt, "instanceCount": int(body.get("size", 1)),
                         "provisioningModel": model}]}]}
 
-    def _serviceusage(self, method: str, rest: str, query: dict[str, list[str]]) -> Any:
-        m = re.fullmatch(r"projects/([^/]+)/services:batchGet", rest)
-        if m and method == "GET":
-            return {"services": [self._service(m.group(1), n.rsplit("/", 1)[-1]) for n in query.get("names", [])]}
-        m = re.fullmatch(r"projects/([^/]+)/services/([^/]+)", rest)
-        if m and method == "GET":
-            return self._service(m.group(1), m.group(2))
-        raise _not_found(rest)
+    def _serviceusage(self, method: str, rest: str, query: dict[str, list[str]], principal: str) -> Any:
+        m = re.fullmatch(r"projects/([^/]+)/services(?::batchGet|/([^/]+))", rest)
+        if m is None or method != "GET":
+            raise _not_found(rest)
+        project = m.group(1)
+        name = f"projects/{self.project if project == '424242' else project}"
+        self._authorize(principal, "serviceusage.services.get",
+                        Resource("serviceusage.googleapis.com", "serviceusage.googleapis.com/Service", name, ()),
+                        f"Permission denied to get service [{rest}]")
+        if m.group(2) is None:
+            return {"services": [self._service(project, n.rsplit("/", 1)[-1]) for n in query.get("names", [])]}
+        return self._service(project, m.group(2))
 
     def _service(self, project: str, name: str) -> dict[str, Any]:
         if project not in (self.project, "424242"):
@@ -575,7 +809,8 @@ class FakeGcp:
 
     def token_grant(self, form: dict[str, list[str]]) -> tuple[int, Any]:
         """OAuth 2.0 token endpoint: a refresh-token grant (user ADC) or a JWT-bearer grant (a
-        service-account key, whose `token_uri` google-auth honours), for a known principal."""
+        service-account key, whose `token_uri` google-auth honours), for a known principal: the
+        deployer's credentials, so the token is the deployer's."""
         with self._lock:
             self.calls.append(Call("POST", "/token", {}, {k: "..." for k in form}))
             grant = form.get("grant_type", [""])[0]
@@ -621,11 +856,14 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path == "/token" and self.command == "POST":
             self._send(*self.gcp.token_grant(parse_qs(raw.decode())))
             return
-        if self.headers.get("Authorization") != f"Bearer {self.gcp.token}":
+        auth = self.headers.get("Authorization") or ""
+        principal = self.gcp.identities.get(auth[len("Bearer "):]) if auth.startswith("Bearer ") else None
+        if principal is None:
             self._send(HTTPStatus.UNAUTHORIZED, {"error": {
                 "code": 401, "status": "UNAUTHENTICATED",
-                "message": "Request is missing required authentication credential.",
-                "errors": [{"reason": "required", "message": "Login Required", "domain": "global"}]}})
+                "message": "Request had invalid authentication credentials. Expected OAuth 2 access token, "
+                           "login cookie or other valid authentication credential.",
+                "errors": [{"reason": "authError", "message": "Invalid Credentials", "domain": "global"}]}})
             return
         try:
             body = json.loads(raw) if raw.strip() else None
@@ -633,6 +871,6 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.BAD_REQUEST, {"error": {"code": 400, "status": "INVALID_ARGUMENT",
                                                           "message": "Invalid JSON payload received."}})
             return
-        self._send(*self.gcp.handle(self.command, url.path, parse_qs(url.query), body))
+        self._send(*self.gcp.handle(self.command, url.path, parse_qs(url.query), body, principal))
 
     do_GET = do_POST = do_PATCH = do_DELETE = _serve

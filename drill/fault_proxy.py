@@ -22,7 +22,9 @@ matches it first. What it can do:
 - **generation preconditions**, which the emulator ignores: `ifGenerationMatch` on uploads,
   metadata patches and deletes is checked against the object's current generation (412 when it
   differs; 0 means "must not exist"), serialised so that two writers racing for one object see
-  what Cloud Storage would show them.
+  what Cloud Storage would show them;
+- **IAM**, which the emulator ignores too: with `authorize` set (e.g. `FakeGcp.storage_gate`),
+  every request is first asked of it, and a refusal is answered 403 as Cloud Storage would.
 
 `requests` records every request seen, `(method, path, outcome)`, for assertions.
 """
@@ -35,7 +37,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from drill.net import free_port
@@ -97,6 +99,8 @@ class FaultProxy:
         self._server: QuietHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._open: set[socket.socket] = set()
+        #: (method, path, headers, body) -> a 403 message, or None to let the request through.
+        self.authorize: Callable[[str, str, dict[str, str], bytes], str | None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -352,6 +356,11 @@ class _Handler(BaseHTTPRequestHandler):
             p._record(method, tgt, "blackholed")
             p._unblock.wait()
             self._drop()
+            return
+        refused = p.authorize(method, path, headers, body) if p.authorize is not None else None
+        if refused is not None:
+            p._record(method, tgt, "iam 403")
+            self._send(403, [("Content-Type", "application/json")], gcs_error(403, refused))
             return
         rule = p._match(method, tgt)
         if rule is not None and rule.action == "stall":

@@ -55,7 +55,8 @@ class MetadataServer:
     """
 
     def __init__(self, *, attributes: dict[str, str] | None = None, instance_name: str = "spottrain-drill-vm",
-                 zone: str = "europe-west4-a", project_id: str = "spottrain-drill", port: int = 0) -> None:
+                 zone: str = "europe-west4-a", project_id: str = "spottrain-drill", port: int = 0,
+                 token: str = "drill-fake-token", email: str | None = None) -> None:
         self._cond = threading.Condition()
         self._closing = False
         self._generation = 0   # bumped by stop(): requests of an earlier run stop waiting
@@ -71,12 +72,14 @@ class MetadataServer:
             "instance/zone": f"projects/424242/zones/{zone}",
             "project/project-id": project_id,
             "project/numeric-project-id": "424242",
-            "instance/service-accounts/default/email": f"trainer@{project_id}.iam.gserviceaccount.com",
+            "instance/service-accounts/default/email": email or f"trainer@{project_id}.iam.gserviceaccount.com",
             "instance/service-accounts/default/scopes": "https://www.googleapis.com/auth/cloud-platform",
         }
         for key, value in (attributes or {}).items():
             self._values[f"instance/attributes/{key}"] = value
         self._guest: dict[str, str] = {}
+        #: The access token of the instance's service account (the fake APIs map it to a principal).
+        self.token = token
         self.waiting = 0   # requests blocked in wait_for_change right now
         self.requests: list[Request] = []   # every request seen, for tests and the drill log
         self._httpd: QuietHTTPServer | None = None
@@ -214,7 +217,7 @@ class MetadataServer:
                        for k in keys]
             return 200, json.dumps({"queryValue": {"items": listing}}), "application/json"
         if path == "instance/service-accounts/default/token":
-            return 200, json.dumps({"access_token": "drill-fake-token", "expires_in": 3599,
+            return 200, json.dumps({"access_token": self.token, "expires_in": 3599,
                                     "token_type": "Bearer"}), "application/json"
         if path in self._values:
             return 200, self._values[path], "application/text"

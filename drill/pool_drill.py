@@ -40,9 +40,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from drill.drill import (DRILL_TOKEN, PREEMPTED_RE, STEP_RE, UNIT, Deployment, DrillConfig, DrillFailure, Rendered, _f,
-                         check, render)
-from drill.fake_gcp import FakeGcp
+from drill.drill import (PREEMPTED_RE, STEP_RE, UNIT, Deployment, DrillConfig, DrillFailure, Rendered, _f, check,
+                         control_job, iam_line, project_fake, render)
 from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
 
@@ -127,10 +126,19 @@ class PoolDrillResult:
     reference_s: float = 0.0
     drill_s: float = 0.0
     workdir: Path | None = None
+    worker_group_sizes: list[int] = field(default_factory=list)
+    """The workers' group's target size after every change (the finish scales it to zero)."""
+    coordinator_status: str | None = None
+    """The coordinator VM's status once the pool finished (the finish stops it: TERMINATED)."""
+    refusals: list[tuple[str, str, str]] = field(default_factory=list)
+    """Calls outside the synthesized stack's grants (Google would refuse them): none when healthy."""
+    control_runs: list[int] = field(default_factory=list)
+    """The exit status of each execution of the control job."""
 
     @property
     def ok(self) -> bool:
-        return self.digest is not None and self.digest == self.reference_digest
+        return (self.digest is not None and self.digest == self.reference_digest and not self.refusals
+                and not any(self.control_runs))
 
 
 # --- the pool ------------------------------------------------------------------------------------
@@ -191,13 +199,16 @@ class Pool:
         if self.workaround:
             say("pool drill: NOTE the rendered trainer.sh does not set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; without it "
                 "a worker coming back hangs the rendezvous (torch 2.13); the drill's VM image sets it for now")
-        # The Compute API the nodes' own calls reach when the job is done (scale to zero): the
-        # workers' group and the coordinator, as the stack creates them.
+        # The project's APIs, with the grants of the pool's synthesized stack: the nodes start the
+        # control job when the job is done, which stops the coordinator and scales the workers'
+        # group (as the stack creates them) to zero.
         target = r0.props.scale
-        self.compute = FakeGcp(target.project if target else "spottrain-drill", token=DRILL_TOKEN)
+        self.compute = project_fake(r0)
+        self.control: Any = None
         if target is not None:
             zone = target.location.split("/", 1)[1]
-            self.compute.add_group(target.groups[0], zone=zone, instances=tuple(names[1:]))
+            self.compute.add_group(target.groups[0], zone=zone, instances=tuple(names[1:]),
+                                   target_size=len(names) - 1)
             self.compute.add_instance(zone, names[0])
         self.nodes: list[Deployment] = []
         for i, (rendered, host) in enumerate(zip(self.rendered, names)):
@@ -223,6 +234,10 @@ class Pool:
         self.gcs.start()
         self._stack.callback(self.gcs.stop)
         self.compute.start()
+        self.control = control_job(self.compute, self.rendered, self.gcs.host, self.nodes[0].image)
+        if self.control is not None:
+            self.control.__enter__()
+            self._stack.callback(self.control.__exit__)
         self._stack.callback(self.compute.stop)
         for node in self.nodes:
             self._stack.enter_context(node)
@@ -353,6 +368,9 @@ def run_pool_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> Pool
             say("the pool trains to the end ...")
             for node in pool.nodes:
                 pool.wait_unit_finished(node)
+            # Every node's trainer.sh stopped paying (stop_paying.sh) before its unit ended: the
+            # control job it started has stopped the coordinator and scaled the workers to zero.
+            pool.compute.join_jobs()
             for node in pool.nodes:
                 node.finished_guest_attributes = node.metadata.guest_attributes()
                 node.vm.power_off(cfg.window_s)
@@ -360,13 +378,20 @@ def run_pool_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> Pool
             sessions = pool.sessions()
             drill_s = time.monotonic() - t0
             props = pool.rendered[0].props
+            target = props.scale
+            sizes = [n for _, n in pool.compute.group(target.groups[0]).history] if target else []
+            coordinator = pool.compute.instance(pool.coordinator.zone, pool.coordinator.hostname).status \
+                if target else None
+            refusals = list(pool.compute.refusals)
+            runs = [r.returncode for r in pool.control.runs] if pool.control is not None else []
+            say(f"the finished pool stopped paying: workers' group sizes {sizes}, coordinator {coordinator}")
         segments = world_size_path(sessions, cfg.steps)
         say("reference: the same world-size path, replayed with torchrun --standalone: "
             + ", ".join(f"{ws} rank(s) {a}->{b}" for ws, a, b in segments))
         t1 = time.monotonic()
         ref_digest = replay(segments, props, workdir / "reference", image, cfg.experiment)
         result = PoolDrillResult(cfg, ref_digest, status.get("model_digest"), status, preemptions, sessions,
-                                 segments, time.monotonic() - t1, drill_s, workdir)
+                                 segments, time.monotonic() - t1, drill_s, workdir, sizes, coordinator, refusals, runs)
         say(report(result))
         return result
     finally:
@@ -493,8 +518,11 @@ def report(r: PoolDrillResult) -> str:
                      f"finished {'yes' if g.get('finished') else 'no'}; per node: "
                      + ", ".join(f"{k}: {v.get('sessions')} session(s), {v.get('preemptions')} preemption(s)"
                                  for k, v in sorted((g.get("nodes") or {}).items())))
+    same = r.digest is not None and r.digest == r.reference_digest
     lines += [f"reference digest {r.reference_digest}", f"drill digest     {r.digest}",
-              f"digest {'MATCHES' if r.ok else 'DIFFERS'}: drill {r.drill_s:.1f} s, reference replay {r.reference_s:.1f} s"]
+              f"digest {'MATCHES' if same else 'DIFFERS'}: drill {r.drill_s:.1f} s, reference replay {r.reference_s:.1f} s",
+              f"stopped paying: workers' group sizes {r.worker_group_sizes}, coordinator {r.coordinator_status}",
+              iam_line(r.refusals, r.control_runs)]
     return "\n".join(lines)
 
 

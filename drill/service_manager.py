@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -51,21 +52,41 @@ def stamp() -> str:
 
 
 class Journal:
-    """The journal (a text file) and the serial console (another), both timestamped lines."""
+    """The journal (a text file, and the same lines as journald's JSON records in another, for
+    `journalctl --output=json`) and the serial console (another), all timestamped lines."""
 
-    def __init__(self, journal: Path, serial: Path, events: Path, hostname: str) -> None:
+    def __init__(self, journal: Path, serial: Path, events: Path, hostname: str,
+                 records: Path | None = None, boot_id: str = "") -> None:
         self._lock = threading.Lock()
         self._journal = open(journal, "a", buffering=1, encoding="utf-8")
         self._serial = open(serial, "a", buffering=1, encoding="utf-8")
         self._events = open(events, "a", buffering=1, encoding="utf-8")
         self.hostname = hostname
+        self.boot_id = boot_id.replace("-", "")
+        # The records file outlives boots, as journald's persistent journal does: its sequence
+        # numbers (the cursors) go on from the last one.
+        self._seq = sum(1 for _ in open(records, encoding="utf-8")) if records and records.exists() else 0
+        self._records = open(records, "a", buffering=1, encoding="utf-8") if records else None
 
-    def log(self, ident: str, line: str, *, console: bool = False) -> None:
+    def log(self, ident: str, line: str, *, console: bool = False, fields: dict[str, str] | None = None) -> None:
+        """One line. `ident` is how syslog shows its sender ("NAME[PID]", "NAME[PID]: PREFIX");
+        `fields` are more journal fields (a unit's _SYSTEMD_UNIT, its invocation id)."""
+        now = time.time()
         text = f"{stamp()} {self.hostname} {ident}: {line.rstrip()}\n"
         with self._lock:
             self._journal.write(text)
             if console:
                 self._serial.write(text)
+            if self._records is not None:
+                self._seq += 1
+                m = re.fullmatch(r"([^\[:]+)(?:\[(\d+)\])?(?:: (.*))?", ident)
+                name, pid, prefix = (m.group(1), m.group(2), m.group(3)) if m else (ident, None, None)
+                record = {"__CURSOR": f"s=drill;i={self._seq:x};b={self.boot_id}",
+                          "__REALTIME_TIMESTAMP": str(int(now * 1e6)), "_BOOT_ID": self.boot_id,
+                          "_HOSTNAME": self.hostname, "PRIORITY": "6", "SYSLOG_IDENTIFIER": name,
+                          "MESSAGE": f"{prefix}: {line.rstrip()}" if prefix else line.rstrip(),
+                          **({"_PID": pid} if pid else {}), **(fields or {})}
+                self._records.write(json.dumps(record) + "\n")
 
     def event(self, name: str, **fields: Any) -> None:
         with self._lock:
@@ -73,11 +94,12 @@ class Journal:
             self._events.flush()
             os.fsync(self._events.fileno())
 
-    def pump(self, stream: IO[bytes], ident: str, *, console: bool = False) -> threading.Thread:
+    def pump(self, stream: IO[bytes], ident: str, *, console: bool = False,
+             fields: dict[str, str] | None = None) -> threading.Thread:
         """Copy a child's output into the journal line by line, in a thread."""
         def run() -> None:
             for raw in iter(stream.readline, b""):
-                self.log(ident, raw.decode("utf-8", "replace"), console=console)
+                self.log(ident, raw.decode("utf-8", "replace"), console=console, fields=fields)
             stream.close()
         t = threading.Thread(target=run, daemon=True)
         t.start()
@@ -228,10 +250,20 @@ class Service:
         self.exec_main_status = 0
         self.exec_main_code = "exited"
         self.n_restarts = 0
+        self.invocation = ""   # this start's INVOCATION_ID (systemd: one per start of the unit)
         self.enabled = False
         self._stopping = False
         self._restart_timer: threading.Timer | None = None
         self._cond = threading.Condition()
+
+    def about(self) -> dict[str, str]:
+        """The journal fields of systemd's own lines about this unit."""
+        return {"UNIT": self.unit.name, "INVOCATION_ID": self.invocation, "SYSLOG_FACILITY": "3"}
+
+    def own(self) -> dict[str, str]:
+        """The journal fields of the unit's output (journald's trusted fields of its cgroup)."""
+        return {"_SYSTEMD_UNIT": self.unit.name, "_SYSTEMD_INVOCATION_ID": self.invocation,
+                "_TRANSPORT": "stdout"}
 
     # Processes of the unit share one process group: our stand-in for its cgroup.
     def _spawn(self, command: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -244,7 +276,7 @@ class Service:
 
     def _env(self) -> dict[str, str]:
         env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "HOME": "/root", "USER": "root",
-               "INVOCATION_ID": os.urandom(16).hex()}
+               "INVOCATION_ID": self.invocation}
         env.update(self.m.default_environment)
         for name in self.unit.pass_environment:
             if name in self.m.manager_env:
@@ -262,32 +294,35 @@ class Service:
                 self._restart_timer.cancel()
                 self._restart_timer = None
             self.state, self._stopping = "activating", False
+            self.invocation = os.urandom(16).hex()
         self.m.journal.event("unit-starting", unit=self.unit.name)
-        self.m.journal.log("systemd[1]", f"Starting {self.unit.name}...")
+        self.m.journal.log("systemd[1]", fields=self.about(), line=f"Starting {self.unit.name}...")
         try:
             env = self._env()
             for pre in self.unit.exec_start_pre:
                 ignore = pre.startswith("-")
                 proc = self._spawn(pre.lstrip("-@+!"), env)
                 assert proc.stdout is not None
-                self.m.journal.pump(proc.stdout, f"{self.unit.name.removesuffix('.service')}[{proc.pid}]").join()
+                self.m.journal.pump(proc.stdout, f"{self.unit.name.removesuffix('.service')}[{proc.pid}]",
+                                    fields=self.own()).join()
                 rc = proc.wait()
                 if rc != 0 and not ignore:
-                    self.m.journal.log("systemd[1]", f"{self.unit.name}: Control process exited, code=exited, status={rc}/FAILURE")
+                    self.m.journal.log("systemd[1]", fields=self.about(), line=f"{self.unit.name}: Control process exited, code=exited, status={rc}/FAILURE")
                     self._exited(rc, "exited", during_start=True)
                     return 1, f"Job for {self.unit.name} failed because the control process exited with error code."
             self.main = self._spawn(self.unit.exec_start.lstrip("-@+!"), env)
         except (OSError, ValueError) as e:
-            self.m.journal.log("systemd[1]", f"{self.unit.name}: Failed to execute: {e}")
+            self.m.journal.log("systemd[1]", fields=self.about(), line=f"{self.unit.name}: Failed to execute: {e}")
             self._exited(203, "exited", during_start=True)
             return 1, f"Job for {self.unit.name} failed: {e}"
         main = self.main
         with self._cond:
             self.state = "active"
         self.m.journal.event("unit-started", unit=self.unit.name, pid=main.pid)
-        self.m.journal.log("systemd[1]", f"Started {self.unit.name}.")
+        self.m.journal.log("systemd[1]", fields=self.about(), line=f"Started {self.unit.name}.")
         assert main.stdout is not None
-        pump = self.m.journal.pump(main.stdout, f"{self.unit.name.removesuffix('.service')}[{main.pid}]")
+        pump = self.m.journal.pump(main.stdout, f"{self.unit.name.removesuffix('.service')}[{main.pid}]",
+                                   fields=self.own())
         threading.Thread(target=self._supervise, args=(main, pump), daemon=True).start()
         if self.unit.type == "oneshot":
             self.wait_inactive(float("inf"))
@@ -327,11 +362,11 @@ class Service:
             self.state = "activating" if restart else ("failed" if self.result != "success" else "inactive")
             self.main = None
             self._cond.notify_all()
-        self.m.journal.log("systemd[1]", f"{self.unit.name}: Main process exited, code={code}, status={shown}")
+        self.m.journal.log("systemd[1]", fields=self.about(), line=f"{self.unit.name}: Main process exited, code={code}, status={shown}")
         self.m.journal.event("unit-exited", unit=self.unit.name, code=code, status=status, clean=clean,
                              restarting=restart, stopping=stopping)
         if restart:
-            self.m.journal.log("systemd[1]", f"{self.unit.name}: Scheduled restart in {self.unit.restart_s:g}s.")
+            self.m.journal.log("systemd[1]", fields=self.about(), line=f"{self.unit.name}: Scheduled restart in {self.unit.restart_s:g}s.")
             timer = threading.Timer(self.unit.restart_s, self._restart)
             timer.daemon = True
             with self._cond:
@@ -365,7 +400,7 @@ class Service:
         if joining:  # the first stop's own timeout (then SIGKILL) bounds this wait
             self.wait_inactive(float("inf"))
             return 0, ""
-        self.m.journal.log("systemd[1]", f"Stopping {self.unit.name}...")
+        self.m.journal.log("systemd[1]", fields=self.about(), line=f"Stopping {self.unit.name}...")
         self.m.journal.event("unit-stopping", unit=self.unit.name, pid=main.pid)
         try:
             if self.unit.kill_mode == "control-group":
@@ -375,14 +410,14 @@ class Service:
         except ProcessLookupError:
             pass
         if not self.wait_inactive(self.unit.timeout_stop_s):
-            self.m.journal.log("systemd[1]", f"{self.unit.name}: State 'stop-sigterm' timed out. Killing.")
+            self.m.journal.log("systemd[1]", fields=self.about(), line=f"{self.unit.name}: State 'stop-sigterm' timed out. Killing.")
             self.m.journal.event("unit-stop-timeout", unit=self.unit.name)
             try:
                 os.killpg(main.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self.wait_inactive(float("inf"))
-        self.m.journal.log("systemd[1]", f"Stopped {self.unit.name}.")
+        self.m.journal.log("systemd[1]", fields=self.about(), line=f"Stopped {self.unit.name}.")
         return 0, ""
 
     def wait_inactive(self, timeout: float) -> bool:
@@ -585,7 +620,9 @@ def main(argv: list[str]) -> int:
     cfg = SandboxConfig.model_validate_json(Path(argv[0]).read_text())
     enter(cfg)   # the VM's mounts, from inside the new mount namespace
     state = Path(cfg.state_dir)
-    journal = Journal(state / "journal.log", state / "serial.log", state / "events.jsonl", cfg.hostname)
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    journal = Journal(state / "journal.log", state / "serial.log", state / "events.jsonl", cfg.hostname,
+                      records=state / "journal.jsonl", boot_id=boot_id)
     env = dict(cfg.env)
     manager = Manager(journal, env, cfg.default_environment)
     manager.serve(SOCKET)

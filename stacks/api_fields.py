@@ -90,6 +90,8 @@ def _field_problems(kind: str, key: str, resource: dict[str, Any]) -> Iterator[s
 
 def _relation_problems(kind: str, key: str, r: dict[str, Any]) -> Iterator[str]:
     where = f"{kind}.{key}"
+    if kind == "google_monitoring_alert_policy":
+        yield from _alert_problems(where, r)
     if kind == "google_compute_health_check":
         if r.get("timeout_sec", 0) > r.get("check_interval_sec", 5):
             yield (f"{where}: timeout_sec {r['timeout_sec']} is longer than check_interval_sec "
@@ -119,6 +121,15 @@ def _relation_problems(kind: str, key: str, r: dict[str, Any]) -> Iterator[str]:
             if disk.get("type") == "SCRATCH" and (disk.get("disk_size_gb") != R.LOCAL_SSD_GB
                                                   or disk.get("disk_type") != "local-ssd"):
                 yield f"{where}: a SCRATCH disk is a {R.LOCAL_SSD_GB} GB local-ssd"
+
+
+def _alert_problems(where: str, r: dict[str, Any]) -> Iterator[str]:
+    """An alert condition's duration is a whole number of minutes (projects.alertPolicies)."""
+    for c in r.get("conditions", []):
+        duration = c.get("condition_threshold", {}).get("duration")
+        m = _DURATION.match(duration) if isinstance(duration, str) else None
+        if m and float(m.group(1)) % 60:
+            yield f"{where}: condition duration {duration} is not a multiple of 60 s; the API refuses it"
 
 
 def problems(stack: dict[str, Any]) -> list[str]:

@@ -30,6 +30,8 @@ from constructs import Construct, IConstruct
 COMPUTE, IAM, CRM = "compute.googleapis.com", "iam.googleapis.com", "cloudresourcemanager.googleapis.com"
 STORAGE, SECRETS, DNS = "storage.googleapis.com", "secretmanager.googleapis.com", "dns.googleapis.com"
 RUN, SCHEDULER = "run.googleapis.com", "cloudscheduler.googleapis.com"
+LOGGING, MONITORING = "logging.googleapis.com", "monitoring.googleapis.com"
+PUBSUB, BUDGETS = "pubsub.googleapis.com", "billingbudgets.googleapis.com"
 #: Enables the others: a stack cannot enable it for itself, and every project has it on.
 PREREQUISITE = "serviceusage.googleapis.com"
 
@@ -63,6 +65,14 @@ SERVICE_OF: dict[str, str] = {
     "google_cloud_run_v2_job": RUN,
     "google_cloud_run_v2_job_iam_member": RUN,
     "google_cloud_scheduler_job": SCHEDULER,
+    # Watching the run (docs/watch.md): log-based metrics, alerts and their channels, the
+    # dashboard; a Pub/Sub channel's grant on your topic; the billing budget.
+    "google_logging_metric": LOGGING,
+    "google_monitoring_alert_policy": MONITORING,
+    "google_monitoring_notification_channel": MONITORING,
+    "google_monitoring_dashboard": MONITORING,
+    "google_pubsub_topic_iam_member": PUBSUB,
+    "google_billing_budget": BUDGETS,
 }
 
 

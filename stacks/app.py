@@ -5,8 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from stacks import alert_rules
 from stacks.budget import estimate
-from stacks.load import ExperimentError, ExperimentFile, load_all
+from stacks.errors import InputError, report
+from stacks.load import ExperimentFile, load_all
 
 
 def build(experiments: list[ExperimentFile], outdir: str | None = None):  # -> cdktn.App
@@ -23,21 +25,14 @@ def build(experiments: list[ExperimentFile], outdir: str | None = None):  # -> c
 def main(target: Path | None = None) -> int:
     try:
         experiments = load_all(target)
-    except ExperimentError as err:
-        for line in err.lines:
-            print(line, file=sys.stderr)
-        return 2
-    for e in experiments:
-        for warning in (estimate(e.spec).warning(), e.spec.machine.image_note()):
-            if warning:
-                print(f"{e.path}: {warning}", file=sys.stderr)
-    from stacks.wheels import WheelsError
-
-    try:
+        for e in experiments:
+            for warning in (estimate(e.spec).warning(), e.spec.machine.image_note(), alert_rules.note(e.spec)):
+                if warning:
+                    print(f"{e.path}: {warning}", file=sys.stderr)
+        # Building packs the code and the locked wheels: an unlocked requirement, a wheel that
+        # cannot be fetched or a tree that cannot be packed is one line each, never a traceback.
         app = build(experiments)
-    except WheelsError as err:  # a requirement that cannot be resolved for the image's Python
-        for line in err.lines:
-            print(line, file=sys.stderr)
-        return 2
+    except InputError as err:
+        return report(err)
     app.synth()
     return 0

@@ -90,10 +90,14 @@ def _quote(text: str, allowed: str) -> str:
 
 @dataclass(frozen=True)
 class ScaleTarget:
-    """What the VM's own scale calls (`trainer.scale`) act on; the rest of its settings (bucket,
-    prefix, steps, run dir) come from `BootProps`, so the drill's overrides reach them too."""
+    """What the VM's own scale calls (`trainer.scale`) ask for, and of whom: the experiment's
+    control job (`stacks.control`), which acts on the groups and the coordinator named here. The
+    rest of the VM's settings (bucket, prefix, steps, run dir) come from `BootProps`, so the
+    drill's overrides reach them too."""
 
     project: str
+    region: str
+    job: str  # the control job's name (`stacks.control.job_name`)
     location: str  # "zones/<zone>" or "regions/<region>"
     groups: tuple[str, ...]  # the experiment's group names (Spot first; an on-demand fallback)
     stop_when_done: bool = True  # False: stop_paying.sh only says so
@@ -101,10 +105,26 @@ class ScaleTarget:
     run_duration_s: int | None = None  # flex-start
     stop_before_s: int = 600  # flex-start
 
+    @property
+    def job_path(self) -> str:
+        return f"projects/{self.project}/locations/{self.region}/jobs/{self.job}"
+
 
 def group_name(name: str, kind: str = "") -> str:
     """The managed instance group of an experiment ("" the main one, "od" the on-demand fallback)."""
     return f"{name}-{kind}-group" if kind else f"{name}-group"
+
+
+def control_job_name(name: str) -> str:
+    """The experiment's control job (`stacks.control`), and its service account's id."""
+    return f"{name}-control"
+
+
+def needs_control(exp: Experiment) -> bool:
+    """Whether the experiment's stack has a control job (`stacks.control`): its VMs stop paying by
+    themselves, ask for flex-start successors, or it falls back to on demand."""
+    return (exp.group.stop_when_done or exp.machine.provisioning == "flex-start"
+            or exp.capacity.on_demand_fallback_minutes is not None)
 
 
 def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
@@ -118,6 +138,8 @@ def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
     groups = (group_name(name),) + ((group_name(name, "od"),) if c.on_demand_fallback_minutes else ())
     return ScaleTarget(
         project=exp.gcp.project,
+        region=exp.gcp.region,
+        job=control_job_name(name),
         location=f"regions/{exp.gcp.region}" if regional else f"zones/{exp.gcp.zones[0]}",
         groups=groups,
         stop_when_done=exp.group.stop_when_done,
@@ -125,6 +147,28 @@ def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
         run_duration_s=c.flex_max_run_hours * 3600 if flex else None,
         stop_before_s=c.flex_stop_before_minutes * 60,
     )
+
+
+#: The log shipper's source (`trainer.log_shipper`): written verbatim by the startup script.
+LOG_SHIPPER = Path(__file__).resolve().parent.parent / "trainer" / "log_shipper.py"
+#: The trainer's unit, and the units whose output the shipper sends (flex-start adds its deadline's).
+TRAINER_UNIT = "spottrain.service"
+LOG_UNITS = (TRAINER_UNIT, "spottrain-finished.service")
+DEADLINE_UNIT = "spottrain-deadline.service"
+#: On the boot disk, beside the journal it points into.
+LOG_CURSOR_FILE = "/var/lib/spottrain/logs.cursor"
+
+
+@dataclass(frozen=True)
+class LogShipping:
+    """The VM's log shipper (`trainer.log_shipper`, docs/watch.md): where its entries go and when
+    it says the trainer stalled."""
+
+    project: str
+    stall_s: int = 1800
+    """Seconds the trainer unit may be active without a step line before `event=stalled`."""
+    drain_s: int = 10
+    """At power-off: how long it keeps shipping once the trainer stopped (inside the window)."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +189,7 @@ class BootProps:
     "wheels" of the dependencies (`stacks.wheels`). Empty: the image carries the trainer package
     in `workdir` and its dependencies (the drill's preinstalled image)."""
     python_version: str | None = None
-    """The image's Python ("X.Y") the wheels were resolved for; the startup script refuses to
+    """The image's Python ("X.Y") the wheels were locked for; the startup script refuses to
     install them into another."""
     driver_timeout_s: int = DRIVER_TIMEOUT_S
     forbidden_retry_s: int = FORBIDDEN_RETRY_S
@@ -169,8 +213,8 @@ class BootProps:
     coordinator_price_args: tuple[str, ...] = ()
     """A pool's coordinator's `price_args` (on demand); trainer.sh picks them by role."""
     scale: ScaleTarget | None = None
-    """The VM's own group, for stopping paying when the job is done and for flex-start successors
-    (`stacks.scale_to_zero`); None: the VM never touches its group."""
+    """What the VM asks its control job for: stopping paying when the job is done, flex-start
+    successors (`stacks.control`, `stacks.scale_to_zero`); None: the VM never asks."""
     data_source: str | None = None
     """`[data] source`: staged before training (`python -m trainer stage`) and passed to the
     trainer as `--data-dir`; None: no dataset."""
@@ -182,6 +226,9 @@ class BootProps:
     """`projects/P/secrets/S`: the experiment's checkpoint key (`stacks.checkpoint_key`), which the
     boot fetches into `CHECKPOINT_KEY_FILE` and the trainer signs and authenticates checkpoints
     with; None: the trainer's own default key (tests of other boot paths)."""
+    logs: LogShipping | None = None
+    """The log shipper (`LogShipping`); None: the journal stays on the VM (tests of other boot
+    paths, which have no Logging API to ship to)."""
 
     @property
     def gcs_uri(self) -> str:
@@ -233,6 +280,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         python_version=_image_python(exp),
         checkpoint_key_secret=secret_name(exp.gcp.project, name),
         startup_grace_s=exp.group.initial_delay_sec,
+        logs=LogShipping(project=exp.gcp.project, stall_s=exp.alerts.stall_minutes * 60),
     )
     fields.update(overrides)
     return BootProps(**fields)
@@ -276,11 +324,21 @@ def scale_settings(props: BootProps) -> str:
     t = props.scale
     if t is None:
         return ""
-    settings = {"project": t.project, "location": t.location, "groups": list(t.groups),
-                "bucket": props.bucket, "prefix": f"runs/{props.name}", "steps": props.steps,
-                "run_dir": RUN_DIR, "coordinator": t.coordinator, "run_duration_s": t.run_duration_s,
+    settings = {"job": t.job_path, "bucket": props.bucket, "prefix": f"runs/{props.name}",
+                "steps": props.steps, "run_dir": RUN_DIR, "run_duration_s": t.run_duration_s,
                 "stop_before_s": t.stop_before_s}
     return json.dumps(settings, sort_keys=True)
+
+
+def log_config(props: BootProps) -> str:
+    """/etc/spottrain/logs.json, the shipper's settings (deterministic: part of the script)."""
+    assert props.logs is not None
+    return json.dumps({
+        "project": props.logs.project, "experiment": props.name, "run": f"runs/{props.name}",
+        "log_id": "spottrain", "trainer_unit": TRAINER_UNIT,
+        "units": [*LOG_UNITS, *([DEADLINE_UNIT] if props.scale and props.scale.run_duration_s else [])],
+        "identifiers": ["google_metadata_script_runner"], "stall_s": props.logs.stall_s,
+        "drain_s": props.logs.drain_s, "cursor_file": LOG_CURSOR_FILE}, sort_keys=True)
 
 
 def _release(props: BootProps, kind: str) -> dict[str, str] | None:
@@ -307,7 +365,7 @@ def render(props: BootProps) -> BootScripts:
         raise ValueError("a user code or wheels release needs a trainer release")
     if wheels is not None:
         if props.python_version is None:
-            raise ValueError("a wheels release needs the python_version it was resolved for")
+            raise ValueError("a wheels release needs the python_version it was locked for")
         wheels.update(deps_dir=f"{DEPS_ROOT}/{wheels['sha256']}", python=props.python_version)
     releases = [r for r in (trainer, user) if r is not None]
     # The code first, then the wheels: the shipped dependencies shadow the image's copies.
@@ -366,6 +424,12 @@ def render(props: BootProps) -> BootScripts:
         "checkpoint_key_secret": props.checkpoint_key_secret,
         "checkpoint_key_file": CHECKPOINT_KEY_FILE,
     }
+    if props.logs is not None:
+        logs = {"drain_s": props.logs.drain_s}
+        ctx["logs"] = {**logs, "config": log_config(props), "shipper": LOG_SHIPPER.read_text().rstrip("\n"),
+                       "unit": env.get_template("spottrain-logs.service.j2").render(ctx, logs=logs).rstrip("\n")}
+    else:
+        ctx["logs"] = None
     trainer_sh = env.get_template("trainer.sh.j2").render(ctx).rstrip("\n")
     unit = env.get_template("spottrain.service.j2").render(ctx).rstrip("\n")
     finished_health = env.get_template("finished_health.py.j2").render(ctx).rstrip("\n")

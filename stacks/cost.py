@@ -128,11 +128,9 @@ def describe(e: ExperimentFile, today: date | None = None) -> list[str]:
     if not q.on_demand_offered:
         lines.append(f"  note              {m.machine_type} is not offered on demand; the "
                      "on-demand figure is the a3-highgpu-8g rate per GPU, for comparison")
-    age = pricing.catalog_age_days(today)
-    if len(q.overridden) < 2 and age > pricing.SPOT_PRICE_PERIOD_DAYS:
-        lines.append(f"  note              the catalog is {age} days old and Spot prices change "
-                     "up to once a month: check them, or set [cost] spot_per_hour")
+    lines += catalog_lines(q, today)
     lines += storage_lines(exp, est.spot_hours)
+    lines += watch_lines(exp, e.name, est.spot_hours)
     lines.append("  These are estimates from list prices and stated assumptions, not a bill.")
     return lines
 
@@ -174,12 +172,80 @@ def describe_pool(e: ExperimentFile, today: date | None = None) -> list[str]:
         "pool all on demand"
         + ("" if m.provisioning == "spot" else ' (not taken: provisioning = "standard")'),
     ]
-    age = pricing.catalog_age_days(today)
-    if len(pq.worker.overridden) < 2 and age > pricing.SPOT_PRICE_PERIOD_DAYS:
-        lines.append(f"  note              the catalog is {age} days old and Spot prices change "
-                     "up to once a month: check them, or set [cost] spot_per_hour")
+    lines += catalog_lines(pq.worker, today)
     lines += storage_lines(exp, est.spot_hours)
+    lines += watch_lines(exp, e.name, est.spot_hours)
     lines.append("  These are estimates from list prices and stated assumptions, not a bill.")
+    return lines
+
+
+def catalog_lines(q: pricing.Quote, today: date | None = None) -> list[str]:
+    """The price table's date, and a warning when it is older than Spot prices last (unless
+    [cost] overrides both prices)."""
+    if len(q.overridden) == 2:
+        return []
+    age = pricing.catalog_age_days(today)
+    lines = [f"  price catalog     {pricing.CATALOG_DATE.isoformat()} ({age} days old; {pricing.CATALOG_SOURCE})"]
+    if age > pricing.SPOT_PRICE_PERIOD_DAYS:
+        lines.append(f"  WARNING           the catalog is {age} days old and Spot prices change up to once a "
+                     "month: `make prices` refreshes it from the Cloud Billing Catalog API, or set "
+                     "[cost] spot_per_hour")
+    return lines
+
+
+# --- watching the run ----------------------------------------------------------------------------
+
+#: Log lines an hour besides the step lines (boots, checkpoints, restores, the shipper's own).
+OTHER_LOG_LINES_PER_HOUR = 30
+
+
+def _entry_bytes(name: str) -> int:
+    """The size of a step line's entry, as the VM's shipper writes it."""
+    import json
+
+    from trainer.log_shipper import entry
+
+    record = {"__CURSOR": "s=0123456789abcdef;i=1a2b3c;b=" + "f" * 32 + ";m=9f8e7d;t=5f3e2d1c0b;x=0123456789abcdef",
+              "__REALTIME_TIMESTAMP": "1767225600000000", "_BOOT_ID": "f" * 32, "_HOSTNAME": f"{name}-x1y2",
+              "_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "e" * 32, "PRIORITY": "6",
+              "MESSAGE": "2026-01-01T00:00:00.000 INFO trainer event=step step=12340/20000 loss=2.4210 "
+                         "lr=3.000e-04 steps_per_s=1.00 tokens_per_s=65536 eta_s=7660"}
+    resource = {"type": "gce_instance", "labels": {"project_id": "p" * 30, "instance_id": "1" * 19,
+                                                   "zone": "us-central1-a"}}
+    return len(json.dumps(entry(record, {"project": "p" * 30, "experiment": name, "run": f"runs/{name}"}, resource)))
+
+
+def watch_lines(exp: Experiment, name: str, run_hours: float) -> list[str]:
+    """What the run's logs, metrics and alerts cost (docs/watch.md), beside the VM."""
+    from stacks import alert_rules
+    from trainer.config import RunConfig
+
+    every = exp.trainer.config.get("log_every_steps", RunConfig.model_fields["log_every_steps"].default)
+    per_hour = exp.cost.steps_per_second * 3600 / max(1, int(every)) + OTHER_LOG_LINES_PER_HOUR
+    size = _entry_bytes(name)
+    gib = per_hour * run_hours * size / 2**30
+    months = max(1.0, run_hours / pricing.HOURS_PER_MONTH)
+    log_cost = max(0.0, gib - pricing.LOGGING_FREE_GIB_MONTH * months) * pricing.LOGGING_USD_PER_GIB
+    # A point a minute while training: three distributions (steps/s, loss, step), the steps counter,
+    # and the trainer's four custom gauges; the other metrics count rare events.
+    mib = run_hours * 60 * (3 * pricing.DISTRIBUTION_POINT_BYTES + 5 * pricing.POINT_BYTES) / 2**20
+    metric_cost = max(0.0, mib - pricing.MONITORING_FREE_MIB_MONTH * months) * pricing.MONITORING_USD_PER_MIB
+    n = len(alert_rules.rules(exp))
+    lines = [
+        f"  logs              ~{_size(gib)} over the run ({per_hour:,.0f} entries/h of ~{size} B) to Cloud "
+        f"Logging: {_money(log_cost) if log_cost else 'within'} its {pricing.LOGGING_FREE_GIB_MONTH} GiB free per "
+        f"project-month (then {_money(pricing.LOGGING_USD_PER_GIB)}/GiB)",
+        f"  metrics           ~{mib:,.1f} MiB of log-based and trainer metrics: {_money(metric_cost) if metric_cost else 'within'} "
+        f"Monitoring's {pricing.MONITORING_FREE_MIB_MONTH} MiB free per billing account-month (then "
+        f"{_money(pricing.MONITORING_USD_PER_MIB)}/MiB)",
+        f"  alerts            " + (f"{n} alert conditions: {_money(n * pricing.ALERT_CONDITION_USD_MONTH)}/month while "
+                                   f"deployed ({_money(pricing.ALERT_CONDITION_USD_MONTH)} each; [alerts] enabled = "
+                                   "false removes them)" if n else "none ([alerts] enabled = false)"),
+    ]
+    if exp.budget is not None:
+        lines.append(f"  budget            {_money(exp.budget.amount_usd)} a {exp.budget.period} on this experiment's "
+                     "resources, alerting at " + ", ".join(f"{t:.0%}" for t in exp.budget.thresholds)
+                     + " (budgets cost nothing)")
     return lines
 
 

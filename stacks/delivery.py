@@ -3,8 +3,11 @@
 
 `build_archive` packs a source tree into a byte-for-byte deterministic `.tar.gz` (sorted
 entries, fixed mtime/owner/mode, gzip header without time or name; no `__pycache__`, `*.pyc`,
-`tests` or hidden entries), named by its sha256. `CodeDelivery` uploads each archive to the
-checkpoint bucket as `code/<kind>-<sha256[:16]>.tar.gz` through a `TerraformAsset`, and the boot
+`tests` or hidden entries), named by its sha256. The tar format is POSIX.1-2001 (pax): a member
+name over ustar's 100 characters (wheel file names reach 101 and more) gets a pax `path` record,
+and nothing else does (no times, no owners: those are fixed ustar fields), so short names pack
+exactly as ustar would and long ones as deterministically. `CodeDelivery` uploads each archive to
+the checkpoint bucket as `code/<kind>-<sha256[:16]>.tar.gz` through a `TerraformAsset`, and the boot
 script receives the object name and the full sha256 (`Release`). So a one-byte change in the
 tree renames the object and changes the instance template (the group rolls), while an unchanged
 tree synthesizes identical JSON (`diff` shows nothing).
@@ -19,11 +22,13 @@ import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from cdktn import AssetType, TerraformAsset, TerraformResourceLifecycle
 from constructs import Construct
 
 from stacks.boot import Release
+from stacks.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER_SOURCE = REPO / "trainer"
@@ -34,14 +39,19 @@ EXCLUDED_DIRS = frozenset({"__pycache__", "tests", "test"})
 EXCLUDED_SUFFIXES = (".pyc", ".pyo")
 
 
+class DeliveryError(InputError):
+    """A tree that cannot be packed (missing, unreadable, a name tar cannot hold); one line each."""
+
+
 @dataclass(frozen=True)
 class Archive:
     release: Release
     path: Path  # the local file the asset uploads
 
 
-def _entries(src: Path) -> list[tuple[str, Path]]:
-    """(relative posix path, file) of every shipped entry, directories included, sorted."""
+def _entries(src: Path, skip_top: Callable[[Path], bool] | None = None) -> list[tuple[str, Path]]:
+    """(relative posix path, file) of every shipped entry, directories included, sorted;
+    `skip_top` leaves out files at the top of `src`."""
     out: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(src):
         dirnames[:] = sorted(d for d in dirnames
@@ -51,6 +61,8 @@ def _entries(src: Path) -> list[tuple[str, Path]]:
             out.append(((here / d).relative_to(src).as_posix(), here / d))
         for f in sorted(filenames):
             if f.startswith(".") or f.endswith(EXCLUDED_SUFFIXES):
+                continue
+            if skip_top is not None and here == src and skip_top(here / f):
                 continue
             if not (here / f).is_file():
                 continue  # a dangling link or a socket: nothing to ship
@@ -62,22 +74,25 @@ def _entries(src: Path) -> list[tuple[str, Path]]:
 _PACKED: dict[tuple, bytes] = {}
 
 
-def archive_bytes(src: Path, prefix: str = "") -> bytes:
+def archive_bytes(src: Path, prefix: str = "", skip_top: Callable[[Path], bool] | None = None) -> bytes:
     """The deterministic tar.gz of `src`; entries are `prefix/<relative path>` (or bare)."""
     if not src.is_dir():
-        raise FileNotFoundError(f"{src}: not a directory")
-    entries = _entries(src)
-    # Any edit changes a file's size or mtime, so a changed tree is packed again.
-    key = (str(src.resolve()), prefix, tuple(
-        (rel, st.st_size, st.st_mtime_ns, st.st_mode) for rel, path in entries for st in [path.stat()]))
-    if key not in _PACKED:
-        _PACKED[key] = _pack(src, prefix, entries)
+        raise DeliveryError([f"{src}: not a directory, so nothing can be shipped from it"])
+    try:
+        entries = _entries(src, skip_top)
+        # Any edit changes a file's size or mtime, so a changed tree is packed again.
+        key = (str(src.resolve()), prefix, tuple(
+            (rel, st.st_size, st.st_mtime_ns, st.st_mode) for rel, path in entries for st in [path.stat()]))
+        if key not in _PACKED:
+            _PACKED[key] = _pack(src, prefix, entries)
+    except (OSError, ValueError, tarfile.TarError) as err:
+        raise DeliveryError([f"{src}: cannot pack it for the VM: {err}"]) from None
     return _PACKED[key]
 
 
 def _pack(src: Path, prefix: str, entries: list[tuple[str, Path]]) -> bytes:
     raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8") as tar:
         if prefix:
             entries = [(prefix, src)] + [(f"{prefix}/{rel}", p) for rel, p in entries]
         for name, path in entries:
@@ -98,18 +113,22 @@ def _pack(src: Path, prefix: str, entries: list[tuple[str, Path]]) -> bytes:
     return out.getvalue()
 
 
-def build_archive(src: Path, kind: str, *, prefix: str, out_dir: Path) -> Archive:
+def build_archive(src: Path, kind: str, *, prefix: str, out_dir: Path,
+                  skip_top: Callable[[Path], bool] | None = None) -> Archive:
     """Pack `src` and write it to `out_dir` under its content name (atomically: parallel
     syntheses of the same tree write the same bytes to the same name)."""
-    data = archive_bytes(src, prefix)
+    data = archive_bytes(src, prefix, skip_top)
     sha = hashlib.sha256(data).hexdigest()
     name = f"{kind}-{sha[:16]}.tar.gz"
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
-    if not path.exists() or path.read_bytes() != data:
-        tmp = out_dir / f".{name}.{os.getpid()}.tmp"
-        tmp.write_bytes(data)
-        tmp.replace(path)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_bytes() != data:
+            tmp = out_dir / f".{name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            tmp.replace(path)
+    except OSError as err:
+        raise DeliveryError([f"{path}: cannot write the {kind} archive: {err}"]) from None
     return Archive(Release(kind, OBJECT_PREFIX + name, sha), path)
 
 
@@ -121,13 +140,17 @@ def trainer_archive(source: Path | None = None, out_dir: Path | None = None) -> 
 
 
 def wheels_archive(wheels_dir: Path, out_dir: Path | None = None) -> Archive:
-    """The resolved wheels (`stacks.wheels.resolve`); they unpack to `<release>/*.whl`."""
+    """The locked wheels (`stacks.wheels.locked_wheels`); they unpack to `<release>/*.whl`."""
     return build_archive(wheels_dir, "wheels", prefix="", out_dir=out_dir or BUILD_DIR)
 
 
 def user_archive(code_dir: Path, out_dir: Path | None = None) -> Archive:
-    """The user's code directory; its contents unpack to `<release>/` (put on PYTHONPATH)."""
-    return build_archive(code_dir, "user", prefix="", out_dir=out_dir or BUILD_DIR)
+    """The user's code directory; its contents unpack to `<release>/` (put on PYTHONPATH). Its
+    dependency locks stay behind: what they name ships as the wheels archive, and a lock for
+    another Python (the drill's) changes nothing a VM runs."""
+    from stacks.wheels import is_lock_file
+
+    return build_archive(code_dir, "user", prefix="", out_dir=out_dir or BUILD_DIR, skip_top=is_lock_file)
 
 
 @dataclass(frozen=True)

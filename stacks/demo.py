@@ -14,7 +14,8 @@ from pathlib import Path
 
 from stacks.budget import estimate
 from stacks.cost import describe as describe_cost
-from stacks.load import ExperimentError, display, load_file
+from stacks.errors import InputError, report
+from stacks.load import display, load_file
 
 EXAMPLE = Path("experiments/example.toml")
 
@@ -103,16 +104,15 @@ def _summary(kind: str, r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     path = Path(args[0]) if args else EXAMPLE
-    try:
-        exp = load_file(path)
-    except ExperimentError as err:
-        print("\n".join(err.lines), file=sys.stderr)
-        return 2
     from stacks.app import build
 
-    with tempfile.TemporaryDirectory(prefix="spottrain-demo-") as out:
-        build([exp], outdir=out).synth()
-        stack = json.loads((Path(out) / "stacks" / exp.name / "cdk.tf.json").read_text())
+    try:
+        exp = load_file(path)
+        with tempfile.TemporaryDirectory(prefix="spottrain-demo-") as out:
+            build([exp], outdir=out).synth()
+            stack = json.loads((Path(out) / "stacks" / exp.name / "cdk.tf.json").read_text())
+    except InputError as err:  # a bad file, unlocked or unfetchable wheels, unpackable code
+        return report(err)
     print(f"{display(path)} -> stack {exp.name!r} in project {exp.spec.gcp.project}, "
           f"region {exp.spec.gcp.region}")
     print()

@@ -2,7 +2,8 @@
 
 `python -m stacks.deploy VERB EXPERIMENT [CDKTN_ARGS...]` checks what the CLI needs before it
 starts, each with a message that says what to do: the experiment file (validated, so a bad one
-fails here with its `file: field: problem` lines, exit 2), the Node that `make setup` put into the
+fails here with its `file: field: problem` lines, exit 2), the committed lock of its VM's
+dependencies (missing or stale: "run `make lock`", exit 2; its wheels are fetched now), the Node that `make setup` put into the
 virtual environment (cdktn needs Node >= 22.19; a system Node 20 crashes it, so the venv's bin/
 goes first on PATH whatever the shell had), and Terraform or OpenTofu on PATH for the verbs that
 run it. Then it replaces itself with `npx cdktn VERB STACK`, synthesizing that experiment alone
@@ -22,7 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stacks.load import ExperimentError, load_file, resolve
+from stacks.errors import InputError
+from stacks.load import load_file, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 VERBS = ("deploy", "diff", "destroy", "output")
@@ -73,10 +75,17 @@ def terraform(path: str) -> tuple[str, dict[str, str]]:
 def command(verb: str, experiment: str, extra: list[str],
             adopt: bool = False) -> tuple[list[str], dict[str, str], list[str]]:
     """(argv, environment additions, notes) for `npx cdktn VERB STACK`; raises on what is missing."""
+    from stacks.experiment import code_path
+    from stacks.wheels import shipped_wheels
+
     try:
         path = resolve(experiment)
         spec = load_file(path)
-    except ExperimentError as e:
+        # The locked wheels, checked and fetched before cdktn starts: a missing or stale lock is
+        # one line here, not a failed synthesis inside the CLI's output.
+        code = code_path(spec.spec.trainer.code_dir) if spec.spec.trainer.code_dir else None
+        shipped_wheels(spec.spec, code, spec.name)
+    except InputError as e:
         raise DeployError("\n".join(e.lines)) from None
     search = tool_path()
     node_path, version = node(search)

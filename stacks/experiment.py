@@ -119,9 +119,10 @@ class Machine(Section):
     boot_disk_gb: int = Field(default=200, ge=R.BOOT_DISK_MIN_GB, le=R.PD_SSD_MAX_GB)
     """Boot disk size in GB (pd-balanced); the Deep Learning VM images need about 50 GB."""
     python_version: str | None = None
-    """The image's Python as "X.Y", for the wheels the stack resolves at deploy time (see
-    docs/dependencies.md). Default: from `image_family` (stacks/gcp_rules.py names the Python of
-    ubuntu-2204, ubuntu-2404 and debian-12 families); required for a family that names none."""
+    """The image's Python as "X.Y": the wheels the VM installs are those of the lock for this
+    Python (`make lock`, docs/dependencies.md). Default: from `image_family` (stacks/gcp_rules.py
+    names the Python of ubuntu-2204, ubuntu-2404 and debian-12 families); required for a family
+    that names none."""
 
     @field_validator("python_version")
     @classmethod
@@ -395,10 +396,11 @@ class Group(Section):
     cover) gets the same grace: its health answers `ok starting` this long."""
     stop_when_done: bool = True
     """Stop paying by itself: once the final checkpoint is in the bucket (or the job stopped on
-    bad input and the bucket holds its newest checkpoint), the VM scales its own group to zero
-    (and stops a pool's coordinator) through a custom role limited to this group. The next deploy
-    keeps it at zero; see docs/capacity.md. false: the VM idles ("ok finished") until you scale to
-    zero."""
+    bad input and the bucket holds its newest checkpoint), the VM writes a stop marker and starts
+    the experiment's control job, which scales the group to zero (and stops a pool's
+    coordinator). The next deploy keeps it at zero; see docs/capacity.md. false: the VM idles
+    ("ok finished") until you scale to zero, and the stack has no control job unless flex-start
+    or the on-demand fallback needs one."""
 
 
 class Trainer(Section):
@@ -687,10 +689,108 @@ def data_problems(exp: "Experiment", name: str) -> Iterator[Problem]:
 # --- end [data] ---------------------------------------------------------------------------------
 
 
+EMAIL = re.compile(r"^[^@\s\x00-\x1f\x7f\"']{1,64}@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
+#: An HTTPS URL without blanks, quotes or control characters (Cloud Monitoring posts to it).
+WEBHOOK = re.compile(r"^https://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[^\s\x00-\x1f\x7f\"'<>\\]*)?$")
+PUBSUB_TOPIC = re.compile(r"^projects/([a-z][-a-z0-9]{4,28}[a-z0-9])/topics/[A-Za-z][-A-Za-z0-9._~%+]{2,254}$")
+#: A Cloud Billing account id: three groups of six hexadecimal digits, e.g. 012345-6789AB-CDEF01.
+BILLING_ACCOUNT = re.compile(r"^[0-9A-F]{6}-[0-9A-F]{6}-[0-9A-F]{6}$")
+
+
+class Alerts(Section):
+    """Who hears about the run, and when: the notification channels of the stack's alert policies
+    and their thresholds (docs/watch.md). With no channel the alerts exist (each is an incident in
+    Cloud Monitoring) and notify nobody; synthesis says so."""
+
+    enabled: bool = True
+    """The alert policies (Cloud Monitoring charges $1.50 a month for each one's condition;
+    `make cost` shows it). false: none; the logs, the metrics and the dashboard stay."""
+    email: list[str] = []
+    """Email addresses to notify (one Cloud Monitoring email channel each)."""
+    webhook_url: str | None = None
+    """An https:// URL that receives every incident as JSON (a webhook channel with token
+    authentication: a token in the URL is kept in the channel and in the Terraform state)."""
+    pubsub_topic: str | None = None
+    """An existing Pub/Sub topic, "projects/P/topics/T", that receives every incident; the stack
+    lets Cloud Monitoring's notification service agent publish to it."""
+    stall_minutes: int = Field(default=30, ge=5, le=1440)
+    """The stall alert: no training step for this long while the trainer runs on a VM (start-up
+    and restore count: keep it above the longest of those and of a logging interval)."""
+    preemptions_per_hour: int = Field(default=3, ge=1, le=100)
+    """The preemption alert: more Spot preemptions than this within an hour."""
+    repairs_per_hour: int = Field(default=2, ge=1, le=100)
+    """The repair-loop alert: more VM boots within an hour than preemptions explain (a VM the
+    health check keeps recreating, a boot that keeps failing) than this."""
+    capacity_wait_minutes: int = Field(default=120, ge=10, le=1440)
+    """The capacity alert: the group has failed to create a VM for lack of capacity (a stockout)
+    for this long."""
+    notify_finished: bool = True
+    """Also say when the run has finished (an incident that closes itself)."""
+
+    @field_validator("email")
+    @classmethod
+    def _email(cls, v: list[str]) -> list[str]:
+        for address in v:
+            _pattern(address, EMAIL, "an email address such as \"me@example.com\"")
+        if len(set(v)) != len(v):
+            raise ValueError(f"lists an address twice ({v}); allowed: distinct addresses")
+        return v
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, WEBHOOK, "an https:// URL without blanks or quotes")
+
+    @field_validator("pubsub_topic")
+    @classmethod
+    def _topic(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, PUBSUB_TOPIC, '"projects/PROJECT/topics/TOPIC"')
+
+    @property
+    def channels(self) -> int:
+        return len(self.email) + (self.webhook_url is not None) + (self.pubsub_topic is not None)
+
+
+class Budget(Section):
+    """A Cloud Billing budget on what this experiment's resources cost (their
+    `spottrain-experiment` label), with alert thresholds; absent: none. Creating it needs Billing
+    Account Administrator or Costs Manager on the account (docs/watch.md)."""
+
+    billing_account: str
+    """REQUIRED in [budget]. The Cloud Billing account id, e.g. "012345-6789AB-CDEF01"
+    (`gcloud billing accounts list`)."""
+    amount_usd: int = Field(ge=1, le=10_000_000)
+    """REQUIRED in [budget]. The budget per period, in whole US dollars."""
+    period: Literal["month", "quarter", "year"] = "month"
+    """The budget's calendar period: spend counts from its start (Pacific time)."""
+    thresholds: list[float] = [0.5, 0.9, 1.0]
+    """Fractions of the amount at which the budget alerts (0.5 = 50%), each above 0 and at most 5."""
+    forecast: bool = False
+    """Also alert when the period's forecast spend reaches the amount (before it is spent)."""
+
+    @field_validator("billing_account")
+    @classmethod
+    def _account(cls, v: str) -> str:
+        return _pattern(v, BILLING_ACCOUNT, "18 characters, three groups of six uppercase hexadecimal "
+                        "digits joined by dashes, e.g. \"012345-6789AB-CDEF01\"")
+
+    @field_validator("thresholds")
+    @classmethod
+    def _thresholds(cls, v: list[float]) -> list[float]:
+        if not v or len(v) > 10:
+            raise ValueError(f"{len(v)} thresholds; allowed: 1 to 10")
+        for t in v:
+            if not 0 < t <= 5:
+                raise ValueError(f"{t} is not a threshold; allowed: a fraction above 0 and at most 5")
+        if sorted(set(v)) != v:
+            raise ValueError(f"{v} is not increasing; allowed: distinct fractions in increasing order")
+        return v
+
+
 SECTIONS: dict[str, type[Section]] = {
     "gcp": Gcp, "machine": Machine, "disk": Disk, "bucket": Bucket, "network": Network,
     "group": Group, "trainer": Trainer, "pool": Pool, "backend": Backend, "cost": Cost,
-    "capacity": Capacity, "data": Data,
+    "capacity": Capacity, "data": Data, "alerts": Alerts, "budget": Budget,
 }  # fmt: skip
 
 
@@ -725,6 +825,10 @@ class Experiment(BaseModel):
     """Capacity options: ranked machine types, zone change, on-demand fallback, flex-start."""
     data: Data | None = None
     """A dataset in a bucket, staged onto each VM before training (absent: none)."""
+    alerts: Alerts = Alerts()
+    """Who is notified and when: channels and alert thresholds (docs/watch.md)."""
+    budget: Budget | None = None
+    """A Cloud Billing budget on the experiment's spending (absent: none)."""
 
     @field_validator("labels")
     @classmethod

@@ -160,7 +160,7 @@ class ImagePython:
 # libc6 2.39, Debian 12 (bookworm) python3 3.11 and libc6 2.36 (packages.ubuntu.com,
 # packages.debian.org); the Deep Learning VM PyTorch images train with that interpreter. This is
 # checked where it matters: the startup script compares the image's Python with the one the
-# wheels were resolved for and stops with a clear message on a mismatch. A family whose OS is not
+# wheels were locked for and stops with a clear message on a mismatch. A family whose OS is not
 # named here needs `machine.python_version`.
 IMAGE_OS_PYTHON: dict[str, tuple[str, tuple[int, int]]] = {
     "ubuntu-2204": ("3.10", (2, 35)),
@@ -316,6 +316,14 @@ _TF_INSTANCE = ("https://registry.terraform.io/providers/hashicorp/google/8.7.0/
                 "compute_instance#desired_status")
 _DELETION_POLICY = ("https://registry.terraform.io/providers/hashicorp/google/8.7.0/docs/resources/"
                     "storage_bucket#deletion_policy")
+_LOG_METRICS = "https://cloud.google.com/logging/docs/reference/v2/rest/v2/projects.metrics"
+_TF_LOG_METRIC = "https://registry.terraform.io/providers/hashicorp/google/8.7.0/docs/resources/logging_metric"
+_BUCKETS = "https://cloud.google.com/monitoring/api/ref_v3/rest/v3/TypedValue#exponential"
+_UCUM = "https://cloud.google.com/monitoring/api/ref_v3/rest/v3/projects.metricDescriptors#MetricDescriptor"
+_ALERTS = "https://cloud.google.com/monitoring/api/ref_v3/rest/v3/projects.alertPolicies"
+_AGGREGATION = "https://cloud.google.com/monitoring/api/ref_v3/rest/v3/projects.alertPolicies#Aggregation"
+_CHANNELS = "https://cloud.google.com/monitoring/support/notification-options"
+_BUDGETS = "https://cloud.google.com/billing/docs/reference/budget/rest/v1/billingAccounts.budgets"
 
 
 @dataclass(frozen=True)
@@ -486,6 +494,53 @@ API_FIELDS: dict[str, dict[str, FieldRule]] = {
             _ROUTERS, "ALL_SUBNETWORKS_ALL_IP_RANGES", "ALL_SUBNETWORKS_ALL_PRIMARY_IP_RANGES",
             "LIST_OF_SUBNETWORKS"),
         "log_config.filter": _enum(_ROUTERS, "ERRORS_ONLY", "TRANSLATIONS_ONLY", "ALL"),
+    },
+    # Watching the run (stacks/alerts.py, stacks/dashboard.py, stacks/billing_budget.py).
+    "google_logging_metric": {
+        # "For counter metrics, set this to DELTA"; distributions of a logs-based metric too.
+        "metric_descriptor.metric_kind": _enum(_TF_LOG_METRIC, "DELTA"),
+        "metric_descriptor.value_type": _enum(_LOG_METRICS, "INT64", "DISTRIBUTION", "BOOL"),
+        "metric_descriptor.labels.value_type": _enum(_LOG_METRICS, "STRING", "BOOL", "INT64"),
+        "metric_descriptor.unit": FieldRule(_UCUM, values=("1", "1/s"),
+                                            note="UCUM units; only the two the stack sets"),
+        "bucket_options.exponential_buckets.num_finite_buckets": _range(_BUCKETS, 1, None),
+        "bucket_options.exponential_buckets.growth_factor": _range(_BUCKETS, 1.000001, None,
+                                                                   note="greater than 1"),
+        "bucket_options.exponential_buckets.scale": _range(_BUCKETS, 1e-9, None, note="greater than 0"),
+    },
+    "google_monitoring_alert_policy": {
+        "combiner": _enum(_ALERTS, "AND", "OR", "AND_WITH_MATCHING_RESOURCE"),
+        "severity": _enum(_ALERTS, "CRITICAL", "ERROR", "WARNING"),
+        "conditions.condition_threshold.comparison": _enum(
+            _ALERTS, "COMPARISON_GT", "COMPARISON_GE", "COMPARISON_LT", "COMPARISON_LE", "COMPARISON_EQ",
+            "COMPARISON_NE"),
+        "conditions.condition_threshold.threshold_value": _range(_ALERTS, 0, None,
+                                                                 note="ours are counts, never negative"),
+        # "only values that are a multiple of a minute" (checked with the relations below).
+        "conditions.condition_threshold.duration": _range(_ALERTS, 0, 86400, duration=True,
+                                                          note="a multiple of 60 s; at most our day"),
+        "conditions.condition_threshold.trigger.count": _range(_ALERTS, 1, None),
+        "conditions.condition_threshold.aggregations.alignment_period": _range(
+            _AGGREGATION, 60, 86400, duration=True, note="at least 60 s; at most our day"),
+        "conditions.condition_threshold.aggregations.per_series_aligner": _enum(
+            _AGGREGATION, "ALIGN_NONE", "ALIGN_DELTA", "ALIGN_RATE", "ALIGN_SUM", "ALIGN_COUNT", "ALIGN_MEAN",
+            "ALIGN_MAX", "ALIGN_MIN"),
+        "conditions.condition_threshold.aggregations.cross_series_reducer": _enum(
+            _AGGREGATION, "REDUCE_NONE", "REDUCE_SUM", "REDUCE_MEAN", "REDUCE_MAX", "REDUCE_MIN", "REDUCE_COUNT"),
+        "alert_strategy.auto_close": FieldRule(_ALERTS, values=(1800,), duration=True,
+                                               note="the page read states no range: only the value we set"),
+    },
+    "google_monitoring_notification_channel": {
+        "type": _enum(_CHANNELS, "email", "webhook_tokenauth", "pubsub"),
+    },
+    "google_billing_budget": {
+        "amount.specified_amount.currency_code": FieldRule(_BUDGETS, pattern=r"[A-Z]{3}"),
+        "amount.specified_amount.units": _range(_BUDGETS, 1, 2**63 - 1),
+        "budget_filter.calendar_period": _enum(_BUDGETS, "MONTH", "QUARTER", "YEAR"),
+        "budget_filter.credit_types_treatment": _enum(_BUDGETS, "INCLUDE_ALL_CREDITS", "EXCLUDE_ALL_CREDITS",
+                                                      "INCLUDE_SPECIFIED_CREDITS"),
+        "threshold_rules.threshold_percent": _range(_BUDGETS, 0, None),
+        "threshold_rules.spend_basis": _enum(_BUDGETS, "CURRENT_SPEND", "FORECASTED_SPEND"),
     },
     "google_compute_network": {"routing_mode": _enum(_REST + "networks", "REGIONAL", "GLOBAL")},
     "google_compute_address": {"address_type": _enum(_REST + "addresses", "INTERNAL", "EXTERNAL")},

@@ -15,6 +15,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
+from stacks.errors import InputError
 from stacks.experiment import SECTIONS, Experiment, check_name
 
 if sys.version_info >= (3, 11):
@@ -27,12 +28,8 @@ ENV_VAR = "SPOTTRAIN_EXPERIMENTS"
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "experiments"
 
 
-class ExperimentError(Exception):
+class ExperimentError(InputError):
     """Bad experiment input; `lines` holds one human-readable line per problem."""
-
-    def __init__(self, lines: list[str]) -> None:
-        super().__init__("\n".join(lines))
-        self.lines = lines
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Read-only REST calls with application-default credentials (`gcloud auth applicat
 login`), one line per check:
 
 - **APIs** enabled in the project (Service Usage `services:batchGet`): Compute, IAM, Storage,
-  plus Cloud DNS for a pool and Cloud Run + Cloud Scheduler for the on-demand fallback;
+  plus Cloud DNS for a pool and Cloud Run + Cloud Scheduler for the control job (`stacks.control`:
+  every experiment that stops paying by itself, asks for flex-start successors or falls back);
 - **GPU quota** in the region for the provisioning model (`regions.get` quotas:
   `PREEMPTIBLE_NVIDIA_<GPU>_GPUS` for Spot and flex-start, `NVIDIA_<GPU>_GPUS` on demand), against
   what the experiment asks for at most;
@@ -28,14 +29,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from stacks import gcp_rules as R
+from stacks.boot import needs_control
 from stacks.experiment import Experiment
 from stacks.load import ExperimentError, ExperimentFile, argument, display, load_all
 from trainer.gce import ApiError, Client
 
 SERVICEUSAGE = "https://serviceusage.googleapis.com/v1"
 BASE_APIS = ("compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com")
-#: The on-demand fallback's check (`stacks.fallback`): Cloud Run runs it, Cloud Scheduler starts it.
-FALLBACK_APIS = ("run.googleapis.com", "cloudscheduler.googleapis.com")
+#: The control job (`stacks.control`): Cloud Run runs it, Cloud Scheduler starts it.
+CONTROL_APIS = ("run.googleapis.com", "cloudscheduler.googleapis.com")
 #: Quota metric stem of each GPU type (regions.get quotas).
 GPU_QUOTA = {
     R.L4: "NVIDIA_L4_GPUS", R.T4: "NVIDIA_T4_GPUS", R.V100: "NVIDIA_V100_GPUS", R.P100: "NVIDIA_P100_GPUS",
@@ -64,8 +66,8 @@ def required_apis(exp: Experiment) -> tuple[str, ...]:
     apis = list(BASE_APIS)
     if exp.pool is not None:
         apis.append("dns.googleapis.com")
-    if exp.capacity.on_demand_fallback_minutes is not None:
-        apis += FALLBACK_APIS
+    if needs_control(exp):
+        apis += CONTROL_APIS
     return tuple(apis)
 
 

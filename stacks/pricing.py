@@ -1,10 +1,13 @@
 """The price catalog: what one trainer VM costs per hour, Spot and on demand.
 
-SOURCE: Google Cloud's public list prices (cloud.google.com/compute/vm-instance-pricing,
-/compute/gpus-pricing, /compute/disks-image-pricing), us-central1, in USD, as known on
-CATALOG_DATE. They are LIST PRICES TO BE CHECKED before they are relied on: no discounts
-(committed use, sustained use), no taxes, and Spot prices change up to once a month (per region).
-An experiment's `[cost] spot_per_hour` / `on_demand_per_hour` override the whole catalog.
+SOURCE: Google Cloud's public list prices, in USD, as of the table's date (CATALOG_DATE): the
+table is stacks/prices.json, regenerated from the Cloud Billing Catalog API by `make prices`
+(`stacks.price_catalog`, with your credentials) or entered by hand from the pricing pages
+(cloud.google.com/compute/vm-instance-pricing, /compute/gpus-pricing, /compute/disks-image-pricing).
+They are LIST PRICES TO BE CHECKED before they are relied on: no discounts (committed use, sustained
+use), no taxes, and Spot prices change up to once a month (per region): `make cost` warns when the
+table is older than that. An experiment's `[cost] spot_per_hour` / `on_demand_per_hour` override
+the whole catalog.
 
 How Google prices the families, and so how this catalog is laid out:
 - n1: the machine (per vCPU + per GB of memory) plus each attached GPU, priced per GPU type.
@@ -18,23 +21,26 @@ How Google prices the families, and so how this catalog is laid out:
 - disks: boot pd-balanced and checkpoint pd-ssd cost the same Spot or not; Local SSD attached
   to a Spot VM gets the Spot rate.
 
-Updating: change the numbers below (and CATALOG_DATE) from the pricing pages; add a region with
-a different price to REGIONS (missing regions use DEFAULT_REGION's prices and say so). The test
+Updating: `make prices` (PRICE_REGIONS="us-central1 europe-west4" for more regions) rewrites
+stacks/prices.json from the Catalog API and refuses to write a table it could not fill; regions
+missing from the table use DEFAULT_REGION's prices and say so. The test
 `tests/stacks/test_pricing.py` checks that every machine type and GPU the validation accepts has
 a price, and pins a few published machine prices as worked examples.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import date
+from pathlib import Path
 
 from stacks import gcp_rules as R
 from stacks.experiment import Experiment
 from stacks.pool import layout
 
-CATALOG_DATE = date(2025, 6, 1)
-SOURCE = "Google Cloud list prices (cloud.google.com/compute/vm-instance-pricing), us-central1"
+#: The price table (`stacks.price_catalog` writes it).
+TABLE_FILE = Path(__file__).resolve().parent / "prices.json"
 #: Spot prices may change this often; an older catalog is flagged as possibly stale.
 SPOT_PRICE_PERIOD_DAYS = 30
 HOURS_PER_MONTH = 730  # Google's convention for per-month disk prices
@@ -75,33 +81,37 @@ class RegionPrices:
     disk_gb_month: dict[str, Rate] = field(default_factory=dict)
 
 
-US_CENTRAL1 = RegionPrices(
-    families={
-        "n1": FamilyRates(vcpu=Rate(0.031611, 0.006655), memory_gb=Rate(0.004237, 0.000892)),
-        "a2": FamilyRates(vcpu=Rate(0.031611, 0.012644), memory_gb=Rate(0.004237, 0.001695)),
-        "g2": FamilyRates(vcpu=Rate(0.024988, 0.009995), memory_gb=Rate(0.002927, 0.001171)),
-        "a3": FamilyRates(vcpu=ZERO, memory_gb=ZERO),  # folded into the GPU rate
-        "e2": FamilyRates(vcpu=Rate(0.021811, 0.006543), memory_gb=Rate(0.002923, 0.000877)),
-    },
-    gpus={
-        # n1: attached GPUs, priced on their own
-        R.T4: Rate(0.35, 0.14),
-        R.V100: Rate(2.48, 0.992),
-        R.P100: Rate(1.46, 0.584),
-        R.P4: Rate(0.60, 0.24),
-        # built in: a2 (A100 40 GB, A100 80 GB), g2 (L4), a3 (H100, whole machine / 8)
-        R.A100_40: Rate(2.933908, 1.173563),
-        R.A100_80: Rate(3.969174, 1.587670),
-        R.L4: Rate(0.560150, 0.224060),
-        R.H100: Rate(11.061250, 3.720000),
-        R.H100_MEGA: Rate(12.170000, 4.090000),
-    },
-    disk_gb_month={
-        "pd-balanced": Rate(0.10, 0.10),
-        "pd-ssd": Rate(0.17, 0.17),
-        "local-ssd": Rate(0.08, 0.048),
-    },
-)
+def _region(table: dict) -> RegionPrices:
+    pair = lambda v: Rate(float(v[0]), float(v[1]))  # noqa: E731 - [on demand, Spot]
+    return RegionPrices(
+        families={k: FamilyRates(vcpu=pair(v["vcpu"]), memory_gb=pair(v["memory_gb"]))
+                  for k, v in table["families"].items()},
+        gpus={k: pair(v) for k, v in table["gpus"].items()},
+        disk_gb_month={k: pair(v) for k, v in table["disk_gb_month"].items()})
+
+
+def load_table(path: Path = TABLE_FILE) -> tuple[date, str, dict[str, RegionPrices]]:
+    """(the table's date, its source, its regions' prices)."""
+    data = json.loads(path.read_text())
+    return (date.fromisoformat(data["catalog_date"]), data["source"],
+            {region: _region(t) for region, t in data["regions"].items()})
+
+
+CATALOG_DATE, CATALOG_SOURCE, _REGIONS = load_table()
+SOURCE = f"Google Cloud list prices ({CATALOG_SOURCE})"
+US_CENTRAL1 = _REGIONS["us-central1"]
+
+#: Watching a run (docs/watch.md), from cloud.google.com/stackdriver/pricing (Google Cloud
+#: Observability pricing) and cloud.google.com/monitoring/alerts/cost-control, as of OBSERVABILITY_DATE:
+#: Cloud Logging storage per GiB, beyond a free allotment per project and month; Cloud Monitoring's
+#: chargeable metric data (user-defined log-based metrics and custom metrics) per MiB, beyond a
+#: free allotment per billing account and month; an alert condition per month.
+OBSERVABILITY_DATE = date(2026, 3, 1)
+LOGGING_USD_PER_GIB, LOGGING_FREE_GIB_MONTH = 0.50, 50
+MONITORING_USD_PER_MIB, MONITORING_FREE_MIB_MONTH = 0.258, 150
+ALERT_CONDITION_USD_MONTH = 1.50
+#: Bytes a metric point counts for (the same page): a scalar 8, a distribution 80.
+POINT_BYTES, DISTRIBUTION_POINT_BYTES = 8, 80
 
 #: Cloud Storage STANDARD class per GB-month (cloud.google.com/storage/pricing), list prices:
 #: a region (us-central1's rate; most regions are within a few tenths of a cent) and the
@@ -110,8 +120,8 @@ GCS_STANDARD_GB_MONTH = {"region": 0.020, "multi-region": 0.026}
 GCS_MULTI_REGIONS = ("US", "EU", "ASIA")
 
 DEFAULT_REGION = "us-central1"
-#: Regions whose prices are known to differ get their own entry; others use DEFAULT_REGION's.
-REGIONS: dict[str, RegionPrices] = {DEFAULT_REGION: US_CENTRAL1}
+#: The regions of the table; others use DEFAULT_REGION's prices.
+REGIONS: dict[str, RegionPrices] = _REGIONS
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ the group's stateful disk policy, a group scaled to zero) and the bucket. No clo
 no Terraform: this is the plan summary the pull-request workflow posts when it cannot run
 `cdktn diff`. Output is markdown. Exit 0; 2 with a message on a bad revision or experiment file.
 
+A change of the VM's locked dependencies (`make lock`, docs/dependencies.md) is named as what it is:
+a VM roll (the wheels archive is new, so the startup script and the instance template change and
+the group recreates the VM), with the packages whose versions changed, read from the pins each
+revision's wheels archive carries.
+
 For each experiment it also says what the change does to the running job, and for every edit of
 its experiment file: it RESUMES (the VM and its trainer are untouched), RESTARTS (the group
 recreates the VM; the trainer saves on the way down and the new VM resumes from that checkpoint),
@@ -93,6 +98,7 @@ class StackDiff:
     job: str = ""  # what the running job does: "resumes" | "restarts" | "refused" ("" no job change)
     job_lines: list[str] = field(default_factory=list)
     edits: list[str] = field(default_factory=list)  # the experiment file's edits, each with its verdict
+    dependencies: list[str] = field(default_factory=list)  # the lock's version changes ("a 1 -> 2", "+b 1")
 
 
 # --- synthesis ---------------------------------------------------------------------------------
@@ -132,35 +138,82 @@ def export(repo: Path, commit: str, dest: Path) -> None:
 
 def synthesize(tree: Path, outdir: Path, label: str) -> dict[str, dict[str, Any]]:
     """Run the tree's own app (`main.py`) into outdir; {stack name: cdk.tf.json}."""
+    from stacks.wheels import CACHE_ENV, cache_root
+
     if not (tree / "main.py").is_file():
         raise ReviewError(f"{label}: no main.py (not a spottrain revision?)")
     env = {k: v for k, v in os.environ.items() if k != "SPOTTRAIN_EXPERIMENTS"}
     env.update(CDKTF_OUTDIR=str(outdir), CHECKPOINT_DISABLE="1", DISABLE_VERSION_CHECK="1",
                PYTHONDONTWRITEBYTECODE="1")
+    # Every revision's locked wheels come from this checkout's cache (keyed by the pins): an
+    # exported tree has none of its own, and the same lock is fetched once, not per revision.
+    env.setdefault(CACHE_ENV, str(cache_root().resolve()))
     run = subprocess.run([sys.executable, "main.py"], cwd=tree, env=env, capture_output=True,
                          text=True, timeout=SYNTH_TIMEOUT_S)
     if run.returncode:
         detail = run.stderr.strip() or run.stdout.strip()
         if run.returncode != 2:  # a crash, not a validation message: keep its last lines
             detail = "\n".join(detail.splitlines()[-15:])
-        raise ReviewError(f"{label} does not synthesize:\n{detail}")
+        sep = "\n" if "\n" in detail else " "  # one problem: one line
+        raise ReviewError(f"{label} does not synthesize:{sep}{detail}")
     stacks = outdir / "stacks"
     found = {p.parent.name: json.loads(p.read_text()) for p in stacks.glob("*/cdk.tf.json")}
     return found
 
 
-def synthesize_revision(repo: Path, rev: str | None, work: Path) -> tuple[str, dict, dict]:
-    """(label, stacks, experiment files) of a revision; rev None is the working tree as it is."""
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
+
+
+def pins(stack: dict[str, Any], stack_dir: Path) -> dict[str, str] | None:
+    """{package: version} the stack's VM installs: the pins inside its wheels archive
+    (`requirements.lock`), or None when it ships no wheels."""
+    import tarfile
+
+    for obj in stack.get("resource", {}).get("google_storage_bucket_object", {}).values():
+        if not str(obj.get("name", "")).startswith("code/wheels-"):
+            continue
+        try:
+            with tarfile.open(stack_dir / obj["source"]) as tar:
+                member = tar.extractfile("requirements.lock")
+                text = member.read().decode() if member is not None else ""
+        except (OSError, KeyError, tarfile.TarError):
+            return None
+        found = (PIN.match(line.strip()) for line in text.splitlines())
+        return {re.sub(r"[-_.]+", "-", m[1]).lower(): m[2] for m in found if m}
+    return None
+
+
+def dependency_changes(old: dict[str, str] | None, new: dict[str, str] | None) -> list[str]:
+    if old is None or new is None or old == new:
+        return []
+    out = []
+    for name in sorted(old.keys() | new.keys()):
+        if name not in old:
+            out.append(f"+{name} {new[name]}")
+        elif name not in new:
+            out.append(f"-{name} {old[name]}")
+        elif old[name] != new[name]:
+            out.append(f"{name} {old[name]} -> {new[name]}")
+    return out
+
+
+def synthesize_revision(repo: Path, rev: str | None, work: Path) -> tuple[str, dict, dict, dict]:
+    """(label, stacks, experiment files, each stack's dependency pins) of a revision; rev None is
+    the working tree as it is."""
     out = work / ("head-out" if rev is None else f"out-{rev.replace('/', '_')}")
     out.mkdir(parents=True)
     if rev is None:
-        return "working tree", synthesize(repo, out, "the working tree"), experiment_files(repo)
-    commit = resolve(repo, rev)
-    tree = work / f"tree-{commit[:12]}-{len(list(work.iterdir()))}"
-    tree.mkdir()
-    export(repo, commit, tree)
-    label = f"{rev} ({commit[:12]})" if not commit.startswith(rev) else commit[:12]
-    return label, synthesize(tree, out, label), experiment_files(tree)
+        label, tree = "working tree", repo
+        stacks = synthesize(repo, out, "the working tree")
+    else:
+        commit = resolve(repo, rev)
+        tree = work / f"tree-{commit[:12]}-{len(list(work.iterdir()))}"
+        tree.mkdir()
+        export(repo, commit, tree)
+        label = f"{rev} ({commit[:12]})" if not commit.startswith(rev) else commit[:12]
+        stacks = synthesize(tree, out, label)
+    found = {name: pins(stack, out / "stacks" / name) for name, stack in stacks.items()}
+    return label, stacks, experiment_files(tree), found
 
 
 def experiment_files(tree: Path) -> dict[str, dict[str, Any]]:
@@ -353,11 +406,13 @@ def _disk_size_note(old: Any, new: Any) -> str | None:
 
 
 def diff(old: dict[str, dict], new: dict[str, dict], old_files: dict[str, dict] | None = None,
-         new_files: dict[str, dict] | None = None) -> list[StackDiff]:
+         new_files: dict[str, dict] | None = None, old_pins: dict[str, Any] | None = None,
+         new_pins: dict[str, Any] | None = None) -> list[StackDiff]:
     out = []
     for n in sorted(old.keys() | new.keys()):
         d = diff_stack(n, old.get(n), new.get(n))
         judge_job(d, old.get(n), new.get(n), (old_files or {}).get(n), (new_files or {}).get(n))
+        d.dependencies = dependency_changes((old_pins or {}).get(n), (new_pins or {}).get(n))
         out.append(d)
     return out
 
@@ -584,6 +639,10 @@ def render(diffs: list[StackDiff], base: str, head: str) -> str:
             continue
         for line in d.job_lines:
             lines.append(f"- {':warning: ' if 'REFUSED' in line else ''}{line}")
+        if d.dependencies:
+            lines.append("- dependencies: **VM ROLL**: the lock of the VM's packages changes ("
+                         + ", ".join(d.dependencies) + "): the wheels archive is new, so the startup "
+                         "script and the instance template change and the group recreates the VM")
         if d.edits:
             lines.append(f"- edits of `experiments/{d.name}.toml`:")
             lines += [f"  - {e}" for e in d.edits]
@@ -606,15 +665,15 @@ def review(repo: Path, base: str, head: str | None) -> str:
     with tempfile.TemporaryDirectory(prefix="spottrain-review-") as tmp:
         work = Path(tmp)
         # HEAD first: a broken experiment file in the change fails before the slow base synth.
-        head_label, new, new_files = synthesize_revision(repo, head, work)
-        base_label, old, old_files = synthesize_revision(repo, base, work)
-    return render(diff(old, new, old_files, new_files), base_label, head_label)
+        head_label, new, new_files, new_pins = synthesize_revision(repo, head, work)
+        base_label, old, old_files, old_pins = synthesize_revision(repo, base, work)
+    return render(diff(old, new, old_files, new_files, old_pins, new_pins), base_label, head_label)
 
 
 # --- for the pull-request workflow --------------------------------------------------------------
 
 #: Paths whose change can alter every experiment's stack.
-SHARED = ("stacks/", "templates/", "trainer/", "main.py", "cdktf.json")
+SHARED = ("stacks/", "templates/", "trainer/", "locks/", "main.py", "cdktf.json")
 
 
 def changed_experiments(repo: Path, base: str) -> list[str]:

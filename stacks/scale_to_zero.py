@@ -24,69 +24,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cdktn import Fn, Op, Token
-from cdktn_provider_google.compute_instance_iam_member import ComputeInstanceIamMember
 from cdktn_provider_google.data_google_storage_bucket_objects import DataGoogleStorageBucketObjects
-from cdktn_provider_google.project_iam_custom_role import ProjectIamCustomRole
-from cdktn_provider_google.project_iam_member import ProjectIamMember, ProjectIamMemberCondition
 from constructs import Construct
 
 from trainer.scale import markers
 
-GROUP_PERMISSIONS = ("compute.instanceGroupManagers.get", "compute.instanceGroupManagers.update")
-INSTANCE_PERMISSIONS = ("compute.instances.get", "compute.instances.stop")
-
-
-def role_id(experiment: str) -> str:
-    """Custom role ids take letters, digits, _ and . (3-64 characters)."""
-    return f"spottrain_{experiment.replace('-', '_')}_scale"
-
-
-def group_resource(project: str, location: str, group: str) -> str:
-    """The group's resource name as IAM conditions see it (`location`: zones/Z or regions/R)."""
-    return f"projects/{project}/{location}/instanceGroupManagers/{group}"
-
 
 @dataclass(frozen=True)
 class ScaleToZeroProps:
-    project: str
-    experiment: str
-    groups: tuple[str, ...]  # the experiment's managed instance groups (names)
-    location: str  # "zones/<zone>" or "regions/<region>"
-    member: str  # serviceAccount:...
     bucket: str  # the bucket's name (a reference, so the data sources wait for it)
     prefix: str  # "runs/<experiment>"
     steps: int
     script_digest: str  # trainer.scale.digest of the startup script
-    pool: bool = False  # a pool: the role may also stop the coordinator (`grant_coordinator`)
     depends_on: tuple[Any, ...] = field(default_factory=tuple)  # the bucket resource
 
 
 class ScaleToZero(Construct):
     """Exposes `target_size(workers)` and `coordinator_status(running)` for the group and the
-    coordinator, and `grants`."""
+    coordinator, and `marker_names`."""
 
     def __init__(self, scope: Construct, id_: str, props: ScaleToZeroProps) -> None:
         super().__init__(scope, id_)
         p = props
-        permissions = list(GROUP_PERMISSIONS) + (list(INSTANCE_PERMISSIONS) if p.pool else [])
-        self.role = ProjectIamCustomRole(
-            self, "role", project=p.project, role_id=role_id(p.experiment),
-            title=f"spottrain {p.experiment}: scale its own group to zero",
-            description="Lets the trainer VMs of one experiment resize their group (to zero when the "
-            "job is done) and stop the pool's coordinator; bound under a condition naming the group.",
-            permissions=permissions,
-        )
-        expression = " || ".join(f'resource.name == "{group_resource(p.project, p.location, g)}"'
-                                 for g in p.groups)
-        self.grants: list[Any] = [ProjectIamMember(
-            self, "group-binding", project=p.project, role=self.role.name, member=p.member,
-            condition=ProjectIamMemberCondition(
-                title=f"only-{p.experiment}-groups",
-                description="The scale-to-zero role applies to this experiment's groups only.",
-                expression=expression,
-            ),
-        )]
-        self._props = p
         names = markers(p.prefix, p.steps, p.script_digest)
         self.markers = [
             DataGoogleStorageBucketObjects(self, f"{reason}-marker", bucket=p.bucket, prefix=name,
@@ -94,13 +53,6 @@ class ScaleToZero(Construct):
             for reason, name in names.items()
         ]
         self.marker_names = names
-
-    def grant_coordinator(self, zone: str, instance_name: str) -> None:
-        """Let the VMs stop a pool's coordinator: a binding on that instance alone."""
-        p = self._props
-        self.grants.append(ComputeInstanceIamMember(
-            self, "coordinator-binding", project=p.project, zone=zone, instance_name=instance_name,
-            role=self.role.name, member=p.member))
 
     @property
     def _stopped(self) -> Any:

@@ -9,7 +9,6 @@ pool's nodes (`stacks.pool`), and sizes the group for the Spot workers.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from cdktn import Aspects, GcsBackend, LocalBackend, TerraformOutput, TerraformStack
 from cdktn_provider_google.provider import GoogleProvider
@@ -23,7 +22,8 @@ from stacks.checkpoint_key import CheckpointKeyProps, CheckpointKeySecret
 from stacks.deploy import ADOPT_ENV
 from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
 from stacks.experiment import Experiment, code_path
-from stacks.fallback import FallbackProps, OnDemandFallback
+from stacks.control import BACKSTOP_MINUTES, ControlJob, ControlProps, control_settings, needs_control
+from stacks.fallback import FallbackProps, check_settings
 from stacks.flex_start import FlexStartGroup, FlexStartProps
 from stacks.group import GroupProps, TrainerGroup
 from stacks.health import SINGLE_VM, pool_timing
@@ -44,8 +44,7 @@ from stacks.network import (
 )
 from stacks.pool import ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pool_dns import PoolDns, PoolDnsProps
-from stacks.wheels import resolve as resolve_wheels
-from stacks.wheels import wheel_set
+from stacks.wheels import shipped_wheels
 from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
 from trainer import scale as vm_scale
 from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
@@ -137,8 +136,9 @@ class TrainingStack(TerraformStack):
         code = code_path(exp.trainer.code_dir) if exp.trainer.code_dir is not None else None
         if code is not None:
             archives.append(user_archive(code))
-        # The dependencies as wheels for the image's Python: the VM installs them offline.
-        archives.append(wheels_archive(resolve_wheels(wheel_set(exp, code))))
+        # The dependencies as wheels for the image's Python, exactly as the committed lock names
+        # them (never resolved here): the VM installs them offline.
+        archives.append(wheels_archive(shipped_wheels(exp, code, name)))
         delivery = CodeDelivery(self, "code", DeliveryProps(
             bucket=bucket.name, archives=tuple(archives)))
 
@@ -148,14 +148,38 @@ class TrainingStack(TerraformStack):
         fallback = c.on_demand_fallback_minutes is not None
         regional = exp.group.placement == "regional"
         location = f"regions/{gcp.region}" if regional else f"zones/{gcp.zones[0]}"
-        # Scale to zero when the job is done (and flex-start successors): `stacks.scale_to_zero`.
+        # Scale to zero when the job is done (and flex-start successors): `stacks.scale_to_zero`
+        # keeps a stopped job at zero; the control job (`stacks.control`) does the resizing.
         stop: ScaleToZero | None = None
         if props.scale is not None:
             stop = ScaleToZero(self, "scale-to-zero", ScaleToZeroProps(
-                project=gcp.project, experiment=name, groups=props.scale.groups, location=location,
-                member=identity.member, bucket=bucket.name, prefix=f"runs/{name}", steps=props.steps,
-                script_digest=vm_scale.digest(scripts.startup), pool=pool is not None,
-                depends_on=(bucket.bucket,)))
+                bucket=bucket.name, prefix=f"runs/{name}", steps=props.steps,
+                script_digest=vm_scale.digest(scripts.startup), depends_on=(bucket.bucket,)))
+        control: ControlJob | None = None
+        if needs_control(exp):
+            markers = tuple(stop.marker_names.values()) if stop else tuple(
+                vm_scale.markers(f"runs/{name}", exp.trainer.steps, "none").values())
+            capacity = check_settings(FallbackProps(
+                project=gcp.project, region=gcp.region, name=name, location=location,
+                spot_group=group_name(name), od_group=group_name(name, "od"),
+                machine_type=m.machine_type, zones=tuple(gcp.zones), bucket=bucket.name,
+                stop_markers=markers, paused=exp.group.workers == 0,
+                fallback_after_s=(c.on_demand_fallback_minutes or 0) * 60,
+                min_on_demand_s=c.min_on_demand_minutes * 60,
+                back_to_spot=c.back_to_spot_obtainability)) if fallback else None
+            control = ControlJob(self, "control", ControlProps(
+                project=gcp.project, region=gcp.region, name=name, bucket=bucket.name,
+                settings=control_settings(
+                    project=gcp.project, region=gcp.region, location=location,
+                    groups=(group_name(name),) + ((group_name(name, "od"),) if fallback else ()),
+                    bucket=bucket.name, prefix=f"runs/{name}", stop_markers=markers,
+                    coordinator=f"zones/{gcp.zones[0]}/instances/{pool.coordinator_name}" if pool else None,
+                    flex_run_duration_s=c.flex_max_run_hours * 3600 if flex else None, capacity=capacity),
+                code=archives[0].release, vm_member=identity.member,
+                schedule_minutes=c.fallback_check_minutes if fallback else BACKSTOP_MINUTES,
+                capacity_advice=fallback, labels=labels, depends_on=tuple(delivery.objects)))
+        # The VMs may start the control job: a VM that needs it must not boot before it may.
+        may_stop = tuple(control.vm_grants) if control else ()
         template_props = TemplateProps(
             project=gcp.project,
             region=gcp.region,
@@ -193,7 +217,7 @@ class TrainingStack(TerraformStack):
                 project=gcp.project, region=gcp.region, zones=tuple(gcp.zones), name=name,
                 regional=regional, workers=workers, template_self_link=template.self_link_unique,
                 health_port=exp.trainer.health_port, run_duration_s=c.flex_max_run_hours * 3600,
-                depends_on=(*identity.grants, *vm_creator_grants)))
+                depends_on=(*identity.grants, *vm_creator_grants, *may_stop)))
         else:
             group_props = GroupProps(
                 project=gcp.project,
@@ -207,7 +231,7 @@ class TrainingStack(TerraformStack):
                 initial_delay_sec=exp.group.initial_delay_sec,
                 health=pool_timing(exp.pool.rendezvous_last_call_s) if exp.pool else SINGLE_VM,
                 # A short job may finish minutes after its VM starts: its role must exist by then.
-                depends_on=(*identity.grants, *vm_creator_grants, *(stop.grants if stop else ())),
+                depends_on=(*identity.grants, *vm_creator_grants, *may_stop),
                 stateful=template_props.checkpoint_disk_stateful,
                 zone_change=c.zone_change_on_repair,
                 machine_types=tuple(c.machine_types),
@@ -216,8 +240,7 @@ class TrainingStack(TerraformStack):
             )
             group = TrainerGroup(self, "group", group_props)
         if fallback:
-            self._fallback(name, exp, template_props, group_props, bucket.name, archives[0].release,
-                           stop, location, delivery.objects)
+            self._fallback(template_props, group_props)
 
         if pool is not None:
             coordinator = Coordinator(self, "coordinator", CoordinatorProps(
@@ -245,7 +268,7 @@ class TrainingStack(TerraformStack):
                 network_tag=tag,
                 scripts=scripts,
                 labels=labels,
-                depends_on=(*identity.grants, *delivery.objects, *(stop.grants if stop else ())),
+                depends_on=(*identity.grants, *delivery.objects, *may_stop),
             ))
             PoolDns(self, "pool-dns", PoolDnsProps(
                 project=gcp.project,
@@ -263,50 +286,52 @@ class TrainingStack(TerraformStack):
                 service_account_email=identity.email,
             ))
             self._pool_outputs(exp, pool, coordinator)
-            if stop is not None:
-                stop.grant_coordinator(gcp.zones[0], coordinator.instance.name)
+            if control is not None:
+                control.grant_coordinator(gcp.zones[0], coordinator.instance.name)
 
+        self._watch(name, exp, labels)
         self._outputs(name, exp, bucket.name, group, identity.email, regional)
         if stop is not None:
             TerraformOutput(self, "stop_markers", value=" ".join(
                 f"gs://{exp.bucket_name(name)}/{n}" for n in stop.marker_names.values()),
                 description="The job stopped itself (finished, or bad input) when one of these "
                 "objects exists; the next deploy keeps the group at zero. Delete it to start again")
+        if control is not None:
+            TerraformOutput(self, "control_log_command", value=(
+                f"gcloud logging read 'resource.type=\"cloud_run_job\" AND resource.labels.job_name=\""
+                f"{control.job.name}\"' --project {gcp.project} --limit 20"),
+                description="What the control job did (scale to zero, successors, the fallback's "
+                "decisions), newest first")
 
         # Last, once every resource exists: the APIs they need; everything else waits for them.
         apis = A.ProjectApis(self, "apis", A.ApisProps(project=gcp.project,
                                                        services=tuple(A.required(self))))
         Aspects.of(self).add(A.WaitForApis(apis))
 
-    def _fallback(self, name: str, exp: Experiment, template_props: TemplateProps,
-                  group_props: GroupProps, bucket: str, code: Any, stop: ScaleToZero | None,
-                  location: str, code_objects: list) -> None:
-        """The on-demand group and its scheduled check (`stacks.fallback`)."""
+    def _fallback(self, template_props: TemplateProps, group_props: GroupProps) -> None:
+        """The on-demand group (`stacks.fallback`); the control job runs its check."""
         import dataclasses
 
-        c = exp.capacity
         od_template = TrainerTemplate(self, "od-template", dataclasses.replace(
             template_props, spot=False, name_suffix="od",
             extra_metadata={**template_props.extra_metadata, PROVISIONING_KEY: "STANDARD"}))
         TrainerGroup(self, "od-group", dataclasses.replace(
             group_props, kind="od", workers=0, template_self_link=od_template.self_link_unique))
-        markers = tuple(stop.marker_names.values()) if stop else tuple(
-            vm_scale.markers(f"runs/{name}", exp.trainer.steps, "none").values())
-        assert c.on_demand_fallback_minutes is not None
-        check = OnDemandFallback(self, "capacity-check", FallbackProps(
-            project=exp.gcp.project, region=exp.gcp.region, name=name, location=location,
-            spot_group=group_name(name), od_group=group_name(name, "od"),
-            machine_type=exp.machine.machine_type, zones=tuple(exp.gcp.zones), bucket=bucket,
-            stop_markers=markers, paused=exp.group.workers == 0,
-            fallback_after_s=c.on_demand_fallback_minutes * 60,
-            min_on_demand_s=c.min_on_demand_minutes * 60,
-            back_to_spot=c.back_to_spot_obtainability, check_minutes=c.fallback_check_minutes,
-            code=code, labels={**exp.labels, "spottrain-experiment": name},
-            depends_on=tuple(code_objects)))
-        TerraformOutput(self, "capacity_check_log_command", value=(
-            f"gcloud logging read 'resource.type=\"cloud_run_job\" AND resource.labels.job_name=\""
-            f"{check.job.name}\"' --project {exp.gcp.project} --limit 20"),
-            description="What the on-demand fallback check decided, newest first")
+
+    def _watch(self, name: str, exp: Experiment, labels: dict[str, str]) -> None:
+        """Log-based metrics, alerts, the dashboard and the budget (docs/watch.md)."""
+        from stacks.alerts import AlertsProps, RunAlerts
+        from stacks.billing_budget import BudgetProps, RunBudget
+        from stacks.dashboard import DashboardProps, RunDashboard
+
+        alerts = RunAlerts(self, "alerts", AlertsProps(project=exp.gcp.project, name=name, exp=exp, labels=labels))
+        RunDashboard(self, "dashboard", DashboardProps(project=exp.gcp.project, name=name, exp=exp))
+        if exp.budget is not None:
+            RunBudget(self, "budget", BudgetProps(project=exp.gcp.project, name=name, budget=exp.budget,
+                                                  channels=[c.name for c in alerts.channels]))
+        TerraformOutput(self, "logs_command", value=f"make logs EXPERIMENT={name}",
+                        description="Every session of the run across recreated VMs, and how each ended "
+                        "(python -m trainer logs; docs/watch.md)")
 
     def _pool_outputs(self, exp: Experiment, pool: PoolLayout, coordinator: Coordinator) -> None:
         where = f"--project {exp.gcp.project} --zone {exp.gcp.zones[0]}"

@@ -8,6 +8,7 @@ any) is too old for cdktn: the targets must use the venv's Node anyway.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -76,3 +77,28 @@ def test_make_chaos_takes_a_selection_of_cells():
     proc = make("-n", "chaos", "CHAOS_CELLS=gcs-*:startup,pd-full")
     assert proc.returncode == 0, proc.stderr
     assert ".venv/bin/python -m drill.chaos --cells 'gcs-*:startup,pd-full'" in proc.stdout
+
+
+def test_deploy_without_a_lock_says_to_run_make_lock_before_cdktn_starts(tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "task.py").write_text("")
+    (code / "requirements.txt").write_text("numpy>=1.26\n")
+    exp = tmp_path / "mine.toml"
+    exp.write_text((ROOT / "experiments" / "example.toml").read_text()
+                   .replace("[trainer]\n", f'[trainer]\ncode_dir = "{code}"\n'))
+    proc = make("deploy", f"EXPERIMENT={exp}", "CDKTN_ARGS=--dry-run", path=fake_terraform(tmp_path))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert (f"{code}/requirements.py3.10-glibc2.35.lock: no lock of the VM's dependencies for Python 3.10, "
+            "glibc 2.35, image torch 2.9.0") in proc.stderr
+    assert "run `make lock EXPERIMENT=mine` and commit the lock" in proc.stderr
+    assert "npx cdktn" not in proc.stdout
+
+
+def test_make_lock_and_wheels_take_an_experiment():
+    proc = make("-n", "lock", "EXPERIMENT=cnn", "UPGRADE=1")
+    assert proc.returncode == 0, proc.stderr
+    assert ".venv/bin/python -m stacks.lock cnn --upgrade" in proc.stdout
+    proc = make("wheels", "EXPERIMENT=example")  # the suite's cache has them: offline
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^experiments/example.toml: \d+ wheels of locks/py3.10-glibc2.35.lock in ", proc.stdout, re.M)

@@ -19,14 +19,16 @@ own state (an object in the bucket), decides, resizes, and writes the state back
   again, the job starts over in `spot`.
 
 `decide()` is the whole policy, a pure function of (state, what the groups look like, time);
-the capacity simulation (`bench/capacity_sim.py`) drives the same code against the fake Compute
-API. Settings come from the `SPOTTRAIN_CAPACITY` environment variable (JSON, `Settings`).
+the capacity simulation (`bench/capacity_bench.py`) drives the same code against the fake Compute
+API. The experiment's control job (`trainer.control`) runs one `Check` per execution, with
+`Settings` from its own settings. A resize is not waited on (its operation is Compute's, which
+no role of ours may read): the next check sees the group's target size; every shrink is tried
+even when another failed, a grow only once every shrink went through (never two VMs by mistake),
+and each failure is reported (`Check.failures`).
 """
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
@@ -47,7 +49,7 @@ class Settings:
     machine_type: str
     zones: tuple[str, ...]
     bucket: str
-    state_object: str  # runs/<experiment>/capacity/state.json
+    state_object: str  # runs/<experiment>/control/capacity.json
     stop_markers: tuple[str, ...]  # object names whose presence means: the job is done
     paused: bool
     fallback_after_s: int
@@ -56,10 +58,11 @@ class Settings:
 
     @classmethod
     def from_json(cls, text: str) -> "Settings":
-        data = json.loads(text)
-        for key in ("zones", "stop_markers"):
-            data[key] = tuple(data[key])
-        return cls(**data)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Settings":
+        return cls(**{**data, "zones": tuple(data["zones"]), "stop_markers": tuple(data["stop_markers"])})
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class Check:
     def __init__(self, settings: Settings, client: Client, clock: Callable[[], float] = time.time,
                  log: Callable[[str], None] = lambda line: print(line, flush=True)) -> None:
         self.s, self.c, self.clock, self.log = settings, client, clock, log
+        self.failures: list[str] = []  # what the last run() could not do, one line each
 
     def _group(self, name: str) -> tuple[int, int, int]:
         path = f"projects/{self.s.project}/{self.s.location}/instanceGroupManagers/{name}"
@@ -193,30 +197,23 @@ class Check:
         decision = decide(state, obs, now, self.s)
         if decision.needs_advice:
             decision = decide(state, replace(obs, spot_obtainability=self.obtainability()), now, self.s)
-        for kind, size in decision.resize:
+        self.failures = []
+        shrunk = True
+        for kind, size in decision.resize:  # shrinks first (decide() orders them)
             group = self.s.spot_group if kind == "spot" else self.s.od_group
+            grows = size > (obs.spot_target if kind == "spot" else obs.od_target)
+            if grows and not shrunk:
+                self.failures.append(f"{group}: not resized to {size}: a shrink before it failed")
+                continue
             path = f"projects/{self.s.project}/{self.s.location}/instanceGroupManagers/{group}"
-            self.c.wait(self.s.project, self.c.compute_call("POST", f"{path}/resize", query={"size": size}))
+            try:
+                self.c.compute_call("POST", f"{path}/resize", query={"size": size})
+            except ApiError as e:
+                self.failures.append(f"{group}: resize to {size}: {e}")
+                if not grows:
+                    shrunk = False
         self.c.write_object(self.s.bucket, self.s.state_object, decision.state.to_json().encode())
         self.log(json.dumps({"event": "capacity_check", "mode": decision.state.mode, "note": decision.note,
-                             "resize": dict(decision.resize), "spot": spot, "od": od}))
+                             "resize": dict(decision.resize), "spot": spot, "od": od,
+                             **({"failures": self.failures} if self.failures else {})}))
         return decision
-
-
-def main() -> int:
-    try:
-        settings = Settings.from_json(os.environ["SPOTTRAIN_CAPACITY"])
-    except (KeyError, ValueError, TypeError) as e:
-        print(f"SPOTTRAIN_CAPACITY: {e!r}", file=sys.stderr)
-        return 2
-    try:
-        Check(settings, Client()).run()
-    except ApiError as e:
-        print(json.dumps({"event": "capacity_check_failed", "code": e.code, "status": e.status,
-                          "message": e.message, "url": e.url}), file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

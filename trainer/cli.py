@@ -1,4 +1,7 @@
-"""Command line: ``python -m trainer run|status|export|stage|rendezvous ...`` (a stable contract).
+"""Command line: ``python -m trainer run|status|export|stage|logs|rendezvous ...`` (a stable contract).
+
+``logs`` shows a run's sessions across VMs and how each ended, from Cloud Logging or a local file
+(trainer.logs).
 
 ``export`` writes a run's trained weights as a plain state dict in safetensors (trainer.export).
 
@@ -161,6 +164,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--forbidden-retry-s", type=float, default=600.0,
                    help="keep retrying HTTP 403 this long: a new bucket grant takes minutes (default 600)")
 
+    from trainer.logs import add_arguments as logs_arguments  # standard library only
+
+    lg = sub.add_parser("logs", help="a run's sessions across VMs and how each ended, from Cloud Logging or a file")
+    logs_arguments(lg)
+
     z = sub.add_parser("rendezvous", help="host a multi-node job's c10d rendezvous store until SIGTERM")
     z.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
     z.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
@@ -185,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "stage":
             if args.health_port is not None and not 0 <= args.health_port <= 65535:
                 raise ConfigError([f"command line: health_port: must be 0..65535, got {args.health_port}"])
+        elif args.command == "logs":
+            pass  # trainer.logs checks its own arguments
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
@@ -217,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.data.staging import main as stage_main
 
         return stage_main(args)
+    if args.command == "logs":
+        from trainer.logs import run as logs_run
+
+        return logs_run(args)
     if args.command == "rendezvous":
         from trainer.rendezvous import serve
 

@@ -3,10 +3,16 @@
 A token from the metadata server (`GCE_METADATA_HOST` overrides the host), JSON over HTTPS, retries
 with backoff on 429, 5xx and dropped connections, and Google's error body turned into one
 `ApiError` line. Endpoints are overridable so that loopback fakes can stand in for Google:
-`SPOTTRAIN_COMPUTE_API` (default https://compute.googleapis.com/compute/v1) and
-`STORAGE_EMULATOR_HOST` (as the google-cloud-storage client reads it). The trainer's own
-checkpoint traffic goes through google-cloud-storage; this module serves the small control-plane
-calls (`trainer.scale`, `trainer.capacity`) that must work before or without it.
+`SPOTTRAIN_COMPUTE_API` (default https://compute.googleapis.com/compute/v1), `SPOTTRAIN_RUN_API`
+(default https://run.googleapis.com/v2) and `STORAGE_EMULATOR_HOST` (as the google-cloud-storage
+client reads it). The trainer's own checkpoint traffic goes through google-cloud-storage; this
+module serves the small control-plane calls (`trainer.scale`, `trainer.control`,
+`trainer.capacity`) that must work before or without it.
+
+Nothing here waits on a Compute operation: `zoneOperations.get`/`wait` need
+`compute.zoneOperations.get`, which no role of ours grants (an operation cannot be named in a
+condition, so the permission would cover every operation of the project). A caller confirms what
+it asked for from the resource itself (`until`), with the permission it already has to read it.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 DEFAULT_COMPUTE = "https://compute.googleapis.com/compute/v1"
+DEFAULT_RUN = "https://run.googleapis.com/v2"
 DEFAULT_STORAGE = "https://storage.googleapis.com"
 DEFAULT_METADATA_HOST = "metadata.google.internal"
 #: Answers worth another try: throttling and server-side trouble (never a 4xx that says no).
@@ -70,6 +77,7 @@ class Client:
     token: Callable[[], tuple[str, float]] = metadata_token
     compute: str = ""
     storage: str = ""
+    run: str = ""
     timeout: float = 30.0
     retries: int = 5
     sleep: Callable[[float], None] = time.sleep
@@ -77,6 +85,7 @@ class Client:
     def __post_init__(self) -> None:
         self.compute = (self.compute or os.environ.get("SPOTTRAIN_COMPUTE_API") or DEFAULT_COMPUTE).rstrip("/")
         self.storage = (self.storage or os.environ.get("STORAGE_EMULATOR_HOST") or DEFAULT_STORAGE).rstrip("/")
+        self.run = (self.run or os.environ.get("SPOTTRAIN_RUN_API") or DEFAULT_RUN).rstrip("/")
         self._token: str | None = None
         self._expires = 0.0
 
@@ -127,22 +136,25 @@ class Client:
             base = base[: -len("/v1")] + "/beta"
         return self.request(method, f"{base}/{path.lstrip('/')}", body=body, query=query, ok404=ok404)
 
-    def wait(self, project: str, operation: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-        """Poll an Operation until DONE; ApiError if it ended with an error."""
+    def until(self, probe: Callable[[], Any], done: Callable[[Any], bool], what: str,
+              timeout: float = 300.0, interval: float = 2.0) -> Any:
+        """Call `probe` until `done(answer)`; ApiError(0, DEADLINE_EXCEEDED) after `timeout`.
+        How a change is confirmed: a group's `targetSize`, an instance's `status`, a resize
+        request's existence, read with the caller's own permission on that resource."""
         deadline = time.monotonic() + timeout
-        op = operation
-        where = "zones/" + op["zone"].rsplit("/", 1)[-1] if "zone" in op else \
-            "regions/" + op["region"].rsplit("/", 1)[-1] if "region" in op else "global"
-        while op.get("status") != "DONE":
+        while True:
+            answer = probe()
+            if done(answer):
+                return answer
             if time.monotonic() > deadline:
-                raise ApiError(0, "DEADLINE_EXCEEDED", f"operation {op['name']} not done after {timeout:.0f}s",
-                               op.get("selfLink", ""))
-            op = self.compute_call("POST", f"projects/{project}/{where}/operations/{op['name']}/wait")
-        if op.get("error"):
-            errors = op["error"].get("errors") or [{}]
-            raise ApiError(400, errors[0].get("code", "OPERATION_FAILED"), errors[0].get("message", ""),
-                           op.get("selfLink", ""))
-        return op
+                raise ApiError(0, "DEADLINE_EXCEEDED", f"{what}: not after {timeout:.0f}s (last seen: {answer})", "")
+            self.sleep(interval)
+
+    # --- Cloud Run (v2) ----------------------------------------------------------------------
+    def run_job(self, job: str) -> dict[str, Any]:
+        """Start one execution of a Cloud Run job (`projects/P/locations/R/jobs/J`); its
+        long-running operation, which nobody needs to wait on (the job reports in the bucket)."""
+        return self.request("POST", f"{self.run}/{job}:run", body={})
 
     # --- Cloud Storage (JSON API) -----------------------------------------------------------
     def object_exists(self, bucket: str, name: str) -> bool:
@@ -167,6 +179,11 @@ class Client:
         url = f"{self.storage}/upload/storage/v1/b/{bucket}/o"
         return self.request("POST", url, data=data, content_type="application/octet-stream", ok412=True,
                             query={"uploadType": "media", "name": name, "ifGenerationMatch": "0"}) is not None
+
+    def delete_object(self, bucket: str, name: str) -> None:
+        """Delete an object; a missing one is fine."""
+        url = f"{self.storage}/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}"
+        self.request("DELETE", url, ok404=True)
 
     def read_object(self, bucket: str, name: str) -> bytes | None:
         url = f"{self.storage}/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}"

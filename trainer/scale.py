@@ -1,4 +1,8 @@
-"""What a training VM may do to its own group: stop paying, and ask for its successor.
+"""What a training VM may do about its own job: stop paying, and ask for its successor.
+
+The VM holds no Compute permission (docs/security.md): it writes into its bucket and starts its
+experiment's control job (`trainer.control`, a Cloud Run job with an identity of its own), which
+changes the groups and reports back in the bucket.
 
 `python -m trainer.scale stop REASON [--detail TEXT]` (REASON: `finished` or `bad-input`) is the
 one path a job that needs no VM takes, for a run that finished and for one that cannot continue
@@ -13,14 +17,16 @@ without a human (the exit-2 path calls it through `/etc/spottrain/stop_paying.sh
    sha256, so a fixed experiment, which renders another script, is a new start). The stack reads
    these markers at the next deploy and keeps the group at zero (`stacks.scale_to_zero`); a VM
    that boots anyway (a manual resize) honours them (`honour`) and stops again.
-3. A pool's coordinator (a plain VM outside the group) is stopped; then the group is resized to
-   zero and the call waits until the group says so; a coordinator running this stops itself last.
+3. It starts the control job, which stops a pool's coordinator and resizes every group of the
+   experiment to zero, and waits for the job's outcome (`<prefix>/control/outcome.json`): exit 0
+   when every step was confirmed, 1 when any failed (the outcome names each). The marker is
+   durable either way: the job's scheduled runs finish what a failed one left.
 
 `python -m trainer.scale honour` (at boot): exit 10 after stopping again when a marker for this
 experiment exists, 0 when there is none. `python -m trainer.scale successor` (flex-start): asks
-the group for the next VM with a resize request, unless a marker says the job is done; `deadline`
-waits until the flex-start VM's end is near, stops the trainer (it saves and exits 75) and then
-asks for the successor.
+the control job for the next VM (`<prefix>/control/successor.json`), unless a marker says the job
+is done; `deadline` waits until the flex-start VM's end is near, stops the trainer (it saves and
+exits 75) and then asks for the successor.
 
 Settings come from `/etc/spottrain/scale.json` (`--config`), written by the startup script from
 the stack's own values (`Settings` below). Exit status: 0 done, 1 an API call failed, 2 bad
@@ -38,8 +44,9 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from trainer.control import outcome_object, successor_object
 from trainer.gce import ApiError, Client, metadata
 
 CONFIG = Path("/etc/spottrain/scale.json")
@@ -50,19 +57,16 @@ _STEP = re.compile(r"step-(\d{8,})$")
 
 @dataclass(frozen=True)
 class Settings:
-    project: str
-    location: str  # "zones/<zone>" (zonal groups) or "regions/<region>"
-    groups: tuple[str, ...]  # the experiment's managed instance groups (Spot, and on-demand fallback)
+    job: str  # the experiment's control job, projects/<p>/locations/<region>/jobs/<name>
     bucket: str
     prefix: str  # the job's object prefix, "runs/<experiment>"
     steps: int
     run_dir: str = "/mnt/spottrain/run"
-    coordinator: str | None = None  # a pool's coordinator VM, "zones/<zone>/instances/<name>"
     run_duration_s: int | None = None  # flex-start: the VM's maximum run duration
     stop_before_s: int = 600  # flex-start: stop the trainer this long before the VM's end
-
-    def group_path(self, group: str) -> str:
-        return f"projects/{self.project}/{self.location}/instanceGroupManagers/{group}"
+    answer_s: float = 900.0  # how long to wait for the control job's answer
+    forbidden_retry_s: float = 600.0  # a 403 starting the job is retried this long (IAM propagation)
+    poll_s: float = 5.0
 
     @classmethod
     def load(cls, path: Path) -> "Settings":
@@ -71,9 +75,7 @@ class Settings:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown key(s) {sorted(unknown)}")
-        if not data.get("groups"):
-            raise ValueError("groups: at least one group is required")
-        return cls(**{**data, "groups": tuple(data["groups"])})
+        return cls(**data)
 
 
 def digest(script: str) -> str:
@@ -142,33 +144,54 @@ class Scaler:
                   "steps": self.s.steps, "startup_script_digest": self.digest}
         created = self.c.create_object(self.s.bucket, marker, json.dumps(record, sort_keys=True).encode())
         log("stop_marker", object=f"gs://{self.s.bucket}/{marker}", created=int(created), durable=repr(why))
-        me = _self_path()
-        if self.s.coordinator and self.s.coordinator != me:
-            self._stop_instance(self.s.coordinator)
-        for group in self.s.groups:
-            self.resize(group, 0)
-        if self.s.coordinator and self.s.coordinator == me:
-            self._stop_instance(me)  # last: this process may not outlive it
-        return EXIT_OK
+        # A stale outcome (an earlier stop) must not pass for this one's.
+        outcome = outcome_object(self.s.prefix)
+        self.c.delete_object(self.s.bucket, outcome)
+        self.start_control()
+        answer = self.answer(outcome, lambda a: marker in a.get("markers", ()))
+        if answer is None:
+            log("stop_unconfirmed", why=repr(f"no answer from the control job in {self.s.answer_s:.0f}s; "
+                                             "its scheduled runs will act on the marker"))
+            return EXIT_API
+        for group, size in sorted((answer.get("groups") or {}).items()):
+            log("group_resized" if size == 0 else "group_not_resized", group=group, target_size=size)
+        if answer.get("coordinator") is not None:
+            log("coordinator_stopped", status=answer["coordinator"])
+        for line in answer.get("failures", ()):
+            log("stop_failed", step=repr(line))
+        return EXIT_OK if answer.get("ok") else EXIT_API
 
-    def resize(self, group: str, size: int, timeout: float = 300.0) -> None:
-        path = self.s.group_path(group)
-        op = self.c.compute_call("POST", f"{path}/resize", query={"size": size})
-        self.c.wait(self.s.project, op, timeout)
-        deadline = time.monotonic() + timeout
-        while True:  # the group's own view, which is what stops the recreation
-            target = int(self.c.compute_call("GET", path).get("targetSize", -1))
-            if target == size:
-                log("group_resized", group=group, target_size=size)
+    def start_control(self) -> None:
+        """Start one execution of the control job; a 403 is retried while the VM's grant on the
+        job propagates (IAM: typically 2 minutes, sometimes 7 or more)."""
+        deadline = time.monotonic() + self.s.forbidden_retry_s
+        while True:
+            try:
+                op = self.c.run_job(self.s.job)
+                log("control_started", job=self.s.job, operation=op.get("name", ""))
                 return
-            if time.monotonic() > deadline:
-                raise ApiError(0, "DEADLINE_EXCEEDED", f"{group} still at {target}", path)
-            self.c.sleep(2.0)
+            except ApiError as e:
+                if e.code != 403 or time.monotonic() >= deadline:
+                    raise
+                log("control_forbidden", job=self.s.job, retry="the grant may be propagating")
+                self.c.sleep(min(30.0, max(1.0, deadline - time.monotonic())))
 
-    def _stop_instance(self, path: str) -> None:
-        op = self.c.compute_call("POST", f"projects/{self.s.project}/{path}/stop")
-        log("instance_stopping", instance=path)
-        self.c.wait(self.s.project, op)
+    def answer(self, name: str, mine: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        """The control job's answer in gs://bucket/name once it is about this request; None when
+        none came within `answer_s`."""
+        deadline = time.monotonic() + self.s.answer_s
+        while True:
+            raw = self.c.read_object(self.s.bucket, name)
+            if raw is not None:
+                try:
+                    found = json.loads(raw)
+                except ValueError:
+                    found = {}
+                if isinstance(found, dict) and mine(found):
+                    return found
+            if time.monotonic() >= deadline:
+                return None
+            self.c.sleep(self.s.poll_s)
 
     def marker_present(self) -> str | None:
         for reason, name in self.markers().items():
@@ -185,7 +208,7 @@ class Scaler:
         return EXIT_HONOURED if rc == EXIT_OK else rc
 
     def successor(self, now: datetime | None = None) -> int:
-        """Flex-start: one more VM for the job through a resize request (it restores from GCS)."""
+        """Flex-start: one more VM for the job (it restores from GCS), through the control job."""
         if self.s.run_duration_s is None:
             log("successor_refused", why="not a flex-start group")
             return EXIT_BAD
@@ -193,14 +216,21 @@ class Scaler:
         if reason is not None:
             log("successor_skipped", why=f"the job is stopped ({reason})")
             return EXIT_OK
-        stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S")
-        group = self.s.groups[0]
-        body = {"name": f"{group}-{stamp}"[:63], "resizeBy": 1,
-                "requestedRunDuration": {"seconds": str(self.s.run_duration_s)},
-                "description": "spottrain: the next flex-start VM of this job (resumes from GCS)"}
-        op = self.c.compute_call("POST", f"{self.s.group_path(group)}/resizeRequests", body=body)
-        self.c.wait(self.s.project, op)
-        log("successor_requested", resize_request=body["name"], run_duration_s=self.s.run_duration_s)
+        me = _safe_metadata("instance/name")
+        if not me:
+            log("successor_refused", why="this VM's name is unknown (no metadata server)")
+            return EXIT_API
+        at = (now or datetime.now(timezone.utc)).isoformat(timespec="seconds")
+        name = successor_object(self.s.prefix)
+        self.c.write_object(self.s.bucket, name, json.dumps({"instance": me, "at": at}, sort_keys=True).encode())
+        self.start_control()
+        answer = self.answer(name, lambda a: a.get("instance") == me and a.get("at") == at
+                             and ("served" in a or "refused" in a))
+        if answer is None or "served" not in answer:
+            log("successor_failed", why=repr(answer.get("refused") if answer else
+                                             f"no answer from the control job in {self.s.answer_s:.0f}s"))
+            return EXIT_API
+        log("successor_requested", resize_request=answer["served"], run_duration_s=self.s.run_duration_s)
         return EXIT_OK
 
 
@@ -220,12 +250,6 @@ def _safe_metadata(path: str) -> str:
         return metadata(path)
     except ApiError:
         return ""
-
-
-def _self_path() -> str:
-    zone = _safe_metadata("instance/zone").rsplit("/", 1)[-1]
-    name = _safe_metadata("instance/name")
-    return f"zones/{zone}/instances/{name}" if zone and name else ""
 
 
 def _script_digest() -> str:
@@ -260,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as e:
         log("api_error", code=e.code, status=e.status, message=repr(e.message), url=e.url)
         if e.code == 403:
-            log("hint", text=repr("the VM's service account may not resize its group: check the custom role "
-                                  "and its IAM condition (docs/capacity.md); scale_to_zero_command does it by hand"))
+            log("hint", text=repr("the VM's service account may not start the control job or use its bucket: "
+                                  "check roles/run.invoker on the job (docs/security.md); "
+                                  "scale_to_zero_command does it by hand"))
         return EXIT_API
 
 

@@ -36,13 +36,19 @@ def _last_startup_line(dep: Deployment) -> str:
 
 
 def _startup_fails(dep: Deployment) -> str:
-    """Boot; the startup script must fail and start nothing. Its last log line."""
+    """Boot; the startup script must fail and start nothing but the log shipper, which ships the
+    failure to Cloud Logging (it outlives the VM). Its last log line."""
     assert dep.vm is not None
     _, e0 = dep.boot()
     ev = dep.vm.wait_event(lambda e: e["event"] == "startup-script-exited", STARTUP_GUARD_S, since=e0)
     assert ev["rc"] != 0, dep.vm.tail()
-    assert not any(e["event"] == "unit-started" for e in dep.vm.events()[e0:])
-    return _last_startup_line(dep)
+    assert [e["unit"] for e in dep.vm.events()[e0:] if e["event"] == "unit-started"] == ["spottrain-logs.service"]
+    line = _last_startup_line(dep)
+    assert dep.observability.wait_for(lambda o: any(
+        e["jsonPayload"].get("event") == "boot_failed" for e in o.entries), STARTUP_GUARD_S), dep.vm.tail()
+    shipped = [e for e in dep.observability.entries if e["jsonPayload"].get("event") == "boot_failed"]
+    assert shipped[-1]["severity"] == "ERROR" and shipped[-1]["jsonPayload"]["message"] in line
+    return line
 
 
 def _boot_and_wait_startup(dep: Deployment) -> None:

@@ -38,15 +38,24 @@ def test_drill_two_preemptions_one_wiped_disk(tmp_path: Path) -> None:
     assert (c["priced_sessions"], c["unpriced_sessions"]) == (3, 0)
     assert c["cost_so_far"] > 0 and c["on_demand_equivalent"] > 0 and c["savings"] is not None
     assert result.status["latest_step"] == cfg.steps
-    # The finished VM stopped paying by itself: it scaled its group to zero through the (fake)
-    # Compute API; a manual resize to 1 later brings a VM that does not train and stops again.
+    # The finished VM stopped paying by itself: it started the experiment's control job, which
+    # scaled its group to zero through the (fake) Compute API; a manual resize to 1 later brings a
+    # VM that does not train and stops again. Every call of the VMs and of the job was within the
+    # grants of the experiment's synthesized stack (the fakes refuse the rest, as Google does).
     assert result.group_sizes == [1, 0, 1, 0], "\n".join(lines)
     assert result.after_finish["group_size"] == 0
+    assert result.refusals == [] and len(result.control_runs) >= 2 and not any(result.control_runs)
+    assert "IAM: every call within the synthesized stack's grants" in "\n".join(lines)
     # A finished run does not train again on the next boot, and says so.
     assert result.after_finish["startup_rc"] == 0
     assert result.after_finish["unit_started"] is False
     report = "\n".join(lines)
     assert "digest MATCHES" in report and "| 2 |" in report and "goodput" in report
+    # Every session outlived its VM: the VMs shipped their logs, and `trainer logs` reads them back
+    # in order, each with how it ended (the fourth boot, after the finish, started no trainer).
+    logs = "\n".join(result.logs)
+    assert "4 boot(s) of 1 VM(s), 3 trainer session(s)" in logs, logs
+    assert logs.count("ended: preempted: emergency save of step") == 2 and "ended: finished at step 120" in logs
 
 
 def test_cli_rejects_a_wipe_round_beyond_the_preemptions(capsys: pytest.CaptureFixture[str]) -> None:
@@ -142,3 +151,68 @@ def test_a_round_without_an_emergency_save_says_why(journal: str, cell: str) -> 
     row = next(line for line in report(DrillResult(DrillConfig(), "d", "d", {}, [round_])).splitlines()
                if line.startswith("| 1 |"))
     assert row.split(" | ")[4] == cell, row
+
+
+PROBE_TASK = '''\
+import spottrain_drill_probe  # the requirement of this code_dir: the host's venv does not have it
+
+from trainer.tasks.gpt import build as gpt
+
+
+def build(ctx, **task_args):
+    assert spottrain_drill_probe.ANSWER == 42
+    return gpt(ctx, **task_args)
+'''
+
+
+@needs_root
+def test_the_drill_installs_the_code_dirs_locked_requirements_as_a_deploy_does(tmp_path: Path, monkeypatch) -> None:
+    """A code_dir whose requirements.txt names a package the host's venv lacks: the drill's VM
+    gets what a deploy ships (the trainer, the code and the locked wheels, installed offline by the
+    startup script), so the task imports it. The trainer's own wheels are the committed lock's
+    real ones; the probe package comes from a local index."""
+    import importlib.util
+    import os
+
+    from stacks.lock import lock, this_python
+    from stacks.load import load_file
+    from stacks.wheels import CACHE_ENV, INDEX_ENV, build_wheel, for_python, lock_path, locked_wheels, read_lock, wheel_set
+
+    assert importlib.util.find_spec("spottrain_drill_probe") is None
+    repo = Path(__file__).resolve().parents[2]
+    index = tmp_path / "index"
+    index.mkdir()
+    trainer_lock = read_lock(repo / "locks" / f"py{this_python()}-glibc2.35.lock")
+    for wheel in locked_wheels(trainer_lock).glob("*.whl"):
+        os.link(wheel, index / wheel.name)
+    build_wheel(index, "spottrain-drill-probe", "1.0", files={"spottrain_drill_probe/__init__.py": "ANSWER = 42\n"})
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "probetask.py").write_text(PROBE_TASK)
+    (code / "requirements.txt").write_text("spottrain-drill-probe\n")
+    exp = tmp_path / "probe.toml"
+    exp.write_text((repo / "experiments" / "example.toml").read_text()
+                   .replace('task = "trainer.tasks.gpt:build"', f'code_dir = "{code}"\ntask = "probetask:build"')
+                   + "\n[trainer.config]\nthreads = 1\n[trainer.config.task_args]\nn_layer = 1\nn_embd = 32\n"
+                   "block_size = 32\nstride = 32\n")
+    monkeypatch.setenv(INDEX_ENV, str(index))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    # `make lock EXPERIMENT=...`: the drill's lock, for the Python its VM stand-in runs.
+    spec = for_python(load_file(exp).spec, this_python())
+    ws = wheel_set(spec, code)
+    made = lock(ws, lock_path(ws, code), index=str(index))
+    assert made.path == code / f"requirements.py{this_python()}-glibc2.35.lock"
+    assert "spottrain-drill-probe" in read_lock(made.path).versions()
+
+    # One VM, as `make drill` boots it (the reference run of a drill), trained to the end.
+    from drill.drill import Deployment, render
+    from drill.net import free_port
+
+    cfg = DrillConfig(experiment=exp, steps=30, preemptions=0, checkpoint_every_steps=10, disk_mb=64)
+    rendered = render(cfg, free_port(), trainer_source=repo / "trainer", code_dir=tmp_path / "archives")
+    assert any(name.startswith("code/wheels-") for name, _ in rendered.uploads)
+    with Deployment(tmp_path / "vm", rendered, cfg, lambda line: None, repo) as dep:
+        dep.run_to_end()  # DrillFailure (with the journal) if the task cannot import its requirement
+        journal = dep.vm.journal()
+    assert "wheels, offline)" in journal  # the startup script installed them, as on a VM
+    assert f"event=step step={cfg.steps}/{cfg.steps}" in journal

@@ -42,6 +42,10 @@ def test_pool_drill_one_worker_preemption(tmp_path: Path) -> None:
     assert r.reference_digest is not None
     assert r.digest == r.reference_digest, log
     assert r.ok and "digest MATCHES" in log
+    # The finish stopped paying for everything: the coordinator stopped, the Spot workers' group
+    # at zero, by the control job the nodes started, all within the synthesized stack's grants.
+    assert r.worker_group_sizes == [1, 0] and r.coordinator_status == "TERMINATED", log
+    assert r.refusals == [] and r.control_runs and not any(r.control_runs), log
     s = r.status
     assert s["latest_step"] == cfg.steps
     g = s["goodput"]

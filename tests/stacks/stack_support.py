@@ -108,6 +108,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no-stop": {"group": {"stop_when_done": False}},
     # A dataset staged onto each VM before training (docs/data.md): read-only on its bucket.
     "data": {"data": {"source": "gs://my-datasets/openwebtext", "parallel": 8}},
+    # Watching the run (docs/watch.md): every kind of notification channel and a billing budget;
+    # and the alerts switched off.
+    "watch": {"alerts": {"email": ["ml-team@example.com", "oncall@example.com"],
+                         "webhook_url": "https://hooks.example.com/spottrain?token=abc123",
+                         "pubsub_topic": "projects/my-project-123456/topics/spottrain-alerts",
+                         "stall_minutes": 45, "notify_finished": False},
+              "budget": {"billing_account": "012345-6789AB-CDEF01", "amount_usd": 500, "period": "quarter",
+                         "thresholds": [0.25, 0.5, 1.0], "forecast": True}},
+    "no-alerts": {"alerts": {"enabled": False}},
     "existing-net": {
         "network": {"mode": "existing", "network": "shared-vpc", "subnetwork": "trainers",
                     "subnetwork_project": "host-project-42", "subnet_cidr": None,

@@ -190,62 +190,73 @@ def test_fallback_adds_an_on_demand_group_owned_by_the_check(synthesized):
     assert templates["od-fallback-od-"]["metadata"]["spottrain-provisioning"] == "STANDARD"
     assert {h["name"] for h in s.resources("google_compute_health_check")} == {
         "od-fallback-health", "od-fallback-od-health"}
-    # A VM of either group stops both when the job is done.
-    cond = [m for m in s.resources("google_project_iam_member")
-            if "condition" in m and "scale" in m["role"]][0]["condition"]["expression"]
-    assert "/instanceGroupManagers/od-fallback-group\"" in cond and "/od-fallback-od-group\"" in cond
+    # A VM of either group stops both when the job is done: the control job resizes both.
+    settings = json.loads(control_env(s)["SPOTTRAIN_CONTROL"])
+    assert settings["groups"] == ["od-fallback-group", "od-fallback-od-group"]
 
 
-def test_fallback_check_is_a_scheduled_cloud_run_job_with_least_privilege(synthesized):
+def control_env(s) -> dict[str, str]:
+    job = s.one("google_cloud_run_v2_job")
+    return {e["name"]: e["value"] for e in job["template"]["template"]["containers"][0]["env"]}
+
+
+def test_fallback_check_runs_in_the_scheduled_control_job_with_least_privilege(synthesized):
     s = synthesized["od-fallback"]
     job = s.one("google_cloud_run_v2_job")
     assert (job["name"], job["location"], job["deletion_protection"]) == (
-        "od-fallback-capacity", "us-central1", False)
-    container = job["template"]["template"]["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    settings = json.loads(env["SPOTTRAIN_CAPACITY"])
+        "od-fallback-control", "us-central1", False)
+    env = control_env(s)
+    settings = json.loads(env["SPOTTRAIN_CONTROL"])["capacity"]
     assert settings["fallback_after_s"] == 1800 and settings["od_group"] == "od-fallback-od-group"
-    assert settings["state_object"] == "runs/od-fallback/capacity/state.json"
+    assert settings["state_object"] == "runs/od-fallback/control/capacity.json"
     assert env["SPOTTRAIN_CODE_OBJECT"].startswith("code/trainer-") and len(env["SPOTTRAIN_CODE_SHA256"]) == 64
     sched = s.one("google_cloud_scheduler_job")
     assert sched["schedule"] == "*/5 * * * *"
     assert sched["http_target"]["uri"] == ("https://run.googleapis.com/v2/projects/my-project-123456/"
-                                           "locations/us-central1/jobs/od-fallback-capacity:run")
+                                           "locations/us-central1/jobs/od-fallback-control:run")
     assert sched["http_target"]["oauth_token"]["service_account_email"].startswith("${google_service_account.")
     accounts = {a["account_id"] for a in s.resources("google_service_account")}
-    assert accounts == {"od-fallback-trainer", "od-fallback-capacity"}
+    assert accounts == {"od-fallback-trainer", "od-fallback-control"}
     bucket_grants = {g["role"]: g for g in s.resources("google_storage_bucket_iam_member") if "condition" in g}
-    assert "/objects/runs/od-fallback/capacity/" in bucket_grants["roles/storage.objectUser"]["condition"]["expression"]
-    assert s.one("google_cloud_run_v2_job_iam_member")["role"] == "roles/run.invoker"
+    assert "/objects/runs/od-fallback/control/" in bucket_grants["roles/storage.objectUser"]["condition"]["expression"]
+    # Cloud Scheduler starts it as the job's own account; the trainer's VMs may start it too.
+    invokers = s.resources("google_cloud_run_v2_job_iam_member")
+    assert {m["role"] for m in invokers} == {"roles/run.invoker"}
+    assert sorted(m["member"].split(".")[1].split("_")[0] for m in invokers) == ["control", "identity"]
 
 
-def test_the_check_job_bootstrap_runs_the_delivered_trainer(tmp_path, gcs_env, synthesized):
-    """The container's program, as Cloud Run runs it: it fetches the archive this stack uploads,
-    refuses a wrong sha256, and runs one check against the fakes."""
+def test_the_control_job_bootstrap_runs_the_delivered_trainer(tmp_path, gcs_env, synthesized):
+    """The container's program, as Cloud Run runs it, as its own service account with what the
+    stack grants it: it fetches the archive this stack uploads, refuses a wrong sha256, and runs
+    one check against the fakes."""
     from drill.fake_gcp import FakeGcp
+    from drill.iam import Policy
     from drill.metadata_server import MetadataServer
+    from stacks.control import BOOTSTRAP
     from stacks.delivery import trainer_archive
-    from stacks.fallback import BOOTSTRAP
 
     archive = trainer_archive(out_dir=tmp_path)
     bucket = gcs_env["bucket"]
     bucket.blob(archive.release.object_name).upload_from_string(archive.path.read_bytes())
-    job = synthesized["od-fallback"].one("google_cloud_run_v2_job")
-    env = {e["name"]: e["value"] for e in job["template"]["template"]["containers"][0]["env"]}
-    settings = {**json.loads(env["SPOTTRAIN_CAPACITY"]), "bucket": bucket.name}
-    with MetadataServer() as md, FakeGcp("my-project-123456", token="drill-fake-token") as gcp:
+    s = synthesized["od-fallback"]
+    settings = json.loads(control_env(s)["SPOTTRAIN_CONTROL"])
+    settings = {**settings, "bucket": bucket.name, "capacity": {**settings["capacity"], "bucket": bucket.name}}
+    with MetadataServer(token="control-token") as md, \
+            FakeGcp("my-project-123456", policy=Policy.from_stack(s.json)) as gcp:
+        gcp.add_identity("control-token", "serviceAccount:od-fallback-control@my-project-123456.iam.gserviceaccount.com")
         gcp.add_group("od-fallback-group", zone="us-central1-a", auto=True)
         gcp.add_group("od-fallback-od-group", zone="us-central1-a", target_size=0, auto=True)
         run_env = {**os.environ, "GCE_METADATA_HOST": md.host, "SPOTTRAIN_COMPUTE_API": gcp.compute_api,
                    "STORAGE_EMULATOR_HOST": gcs_env["host"], "SPOTTRAIN_BUCKET": bucket.name,
                    "SPOTTRAIN_CODE_OBJECT": archive.release.object_name,
-                   "SPOTTRAIN_CODE_SHA256": archive.release.sha256, "SPOTTRAIN_CAPACITY": json.dumps(settings),
+                   "SPOTTRAIN_CODE_SHA256": archive.release.sha256, "SPOTTRAIN_CONTROL": json.dumps(settings),
                    "PYTHONPATH": ""}
         ok = subprocess.run([sys.executable, "-I", "-c", BOOTSTRAP], env=run_env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
         assert ok.returncode == 0, ok.stderr
-        assert '"event": "capacity_check"' in ok.stdout and '"mode": "spot"' in ok.stdout
-        assert bucket.get_blob("runs/od-fallback/capacity/state.json") is not None
+        assert '"event": "capacity_check"' in ok.stderr and '"mode": "spot"' in ok.stderr
+        assert bucket.get_blob("runs/od-fallback/control/capacity.json") is not None
+        assert gcp.refusals == []
         bad = subprocess.run([sys.executable, "-I", "-c", BOOTSTRAP],
                              env={**run_env, "SPOTTRAIN_CODE_SHA256": "0" * 64}, cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from datetime import date
@@ -70,6 +71,23 @@ def test_describe_flags_a_stale_catalog_and_standard_provisioning():
         _file({"machine": {"provisioning": "standard", "termination_action": None}}), today=later))
     assert "the catalog is 45 days old and Spot prices change up to once a month" in text
     assert '(not taken: provisioning = "standard")' in text
+
+
+def test_the_catalogs_date_and_the_watch_costs():
+    later = date.fromordinal(pricing.CATALOG_DATE.toordinal() + 10)
+    text = "\n".join(cost.describe(_file({}), today=later))
+    assert f"price catalog     {pricing.CATALOG_DATE.isoformat()} (10 days old; " in text
+    assert "WARNING" not in text
+    assert "alerts            6 alert conditions: $9.00/month while deployed ($1.50 each" in text
+    m = re.search(r"logs              ~(\S+ \S+) over the run \((\d+) entries/h of ~(\d+) B\)", text)
+    assert m and int(m.group(2)) == 3600 // 10 + cost.OTHER_LOG_LINES_PER_HOUR  # 1 step/s, a line per 10 steps
+    assert 500 < int(m.group(3)) < 2000  # the shipper's own entry for a step line
+    assert "budget" not in text
+    off = "\n".join(cost.describe(_file({"alerts": {"enabled": False},
+                                         "budget": {"billing_account": "012345-6789AB-CDEF01", "amount_usd": 50}}),
+                                  today=later))
+    assert "alerts            none" in off
+    assert "budget            $50.00 a month on this experiment's resources, alerting at 50%, 90%, 100%" in off
 
 
 def test_cost_command_on_the_repository_experiments():

@@ -9,7 +9,8 @@ pytestmark = pytest.mark.xdist_group("stacks")
 
 def test_the_vms_may_read_the_data_bucket_and_nothing_more(synthesized):
     data, plain = synthesized["data"], synthesized["example"]
-    (account,) = data.json["resource"]["google_service_account"]
+    (account,) = [k for k, a in data.json["resource"]["google_service_account"].items()
+                  if a["account_id"].endswith("-trainer")]
     grants = data.resources("google_storage_bucket_iam_member")
     on_data = [g for g in grants if g["bucket"] == "my-datasets"]
     assert [(g["role"], g["member"]) for g in on_data] == [

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from stack_support import variant
 
 from stacks import delivery
-from stacks.delivery import archive_bytes, build_archive, trainer_archive, user_archive
+from stacks.delivery import DeliveryError, archive_bytes, build_archive, trainer_archive, user_archive
 
 pytestmark = pytest.mark.xdist_group("stacks")
 
@@ -86,8 +87,62 @@ def test_trainer_archive_unpacks_to_an_importable_package(tmp_path):
 
 
 def test_missing_code_dir_is_refused(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(DeliveryError, match="nope: not a directory"):
         user_archive(tmp_path / "nope", out_dir=tmp_path)
+
+
+#: What the index served for Python 3.10 on 2026-11-26: ustar's name field holds 100 characters.
+LONG_WHEEL = "charset_normalizer-3.5.3-cp310-cp310-manylinux1_x86_64.manylinux_2_28_x86_64.manylinux_2_5_x86_64.whl"
+
+
+def test_a_wheel_name_over_100_characters_is_packed_deterministically_and_unpacks(tmp_path):
+    assert len(LONG_WHEEL) == 101
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / LONG_WHEEL).write_bytes(b"PK wheel bytes")
+    (a / "short-1.0-py3-none-any.whl").write_bytes(b"PK short")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    os.utime(b / LONG_WHEEL, (12345, 12345))
+    data = archive_bytes(a)
+    assert archive_bytes(b) == data  # another place, another mtime: the same bytes
+    assert [m.name for m in members(data)] == [LONG_WHEEL, "short-1.0-py3-none-any.whl"]
+    # The long name's pax header carries its path and nothing else (no times, no owners), and
+    # is itself a fixed ustar header; the short name needs none (packed exactly as ustar).
+    raw = gzip.decompress(data)
+    header = tarfile.TarInfo.frombuf(raw[:512], "utf-8", "surrogateescape")
+    assert header.type == tarfile.XHDTYPE
+    assert (header.mtime, header.uid, header.gid, header.uname, header.gname) == (0, 0, 0, "", "")
+    records = raw[512:512 + header.size]
+    assert records == f"{len(LONG_WHEEL) + 10} path={LONG_WHEEL}\n".encode()
+    assert raw.count(b"PaxHeader") == 1
+    # GNU tar on the VM unpacks it under its full name.
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "w.tar.gz").write_bytes(data)
+    subprocess.run(["tar", "-xzf", str(tmp_path / "w.tar.gz"), "-C", str(out)], check=True)
+    assert sorted(p.name for p in out.iterdir()) == [LONG_WHEEL, "short-1.0-py3-none-any.whl"]
+    assert (out / LONG_WHEEL).read_bytes() == b"PK wheel bytes"
+
+
+def test_short_names_pack_as_ustar_would(tmp_path):
+    """pax only where ustar cannot: an archive of short names keeps its bytes (and so its
+    object name: no roll) from before the format changed."""
+    src = tree(tmp_path / "t")
+    entries = delivery._entries(src)
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, path in entries:
+            info = tarfile.TarInfo(name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            if path.is_dir():
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                data = path.read_bytes()
+                info.size, info.mode = len(data), 0o755 if os.access(path, os.X_OK) else 0o644
+                tar.addfile(info, io.BytesIO(data))
+    assert gzip.decompress(archive_bytes(src)) == raw.getvalue()
 
 
 def synth(name: str, overrides: dict | None = None) -> str:

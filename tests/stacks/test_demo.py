@@ -48,3 +48,21 @@ def test_demo_bad_file_exits_2(tmp_path, capsys):
     bad.write_text("labels = 3\n")
     assert demo.main([str(bad)]) == 2
     assert "labels: Input should be a valid dictionary" in capsys.readouterr().err
+
+
+def test_demo_without_a_lock_exits_2_in_one_line(tmp_path, capsys):
+    """An experiment whose code_dir names requirements nobody locked: one line saying what to run,
+    no traceback (synthesis never resolves dependencies itself)."""
+    from stack_support import EXAMPLE
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "task.py").write_text("")
+    (code / "requirements.txt").write_text("numpy>=1.26\n")
+    exp = tmp_path / "mine.toml"
+    exp.write_text(EXAMPLE.read_text().replace("[trainer]\n", f'[trainer]\ncode_dir = "{code}"\n'))
+    assert demo.main([str(exp)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"{code}/requirements.py3.10-glibc2.35.lock: no lock of the VM's dependencies for Python "
+                   "3.10, glibc 2.35, image torch 2.9.0 (synthesis installs exactly a committed lock, it never "
+                   "resolves): run `make lock EXPERIMENT=mine` and commit the lock"]

@@ -188,7 +188,7 @@ RULES = [
      "termination_action, image_family, image_project, boot_disk_gb, python_version"),
     ("unknown-section", {"cluster": {"size": 2}},
      "cluster: unknown key; allowed: labels, gcp, machine, disk, bucket, network, group, "
-     "trainer, pool, backend, cost, capacity, data"),
+     "trainer, pool, backend, cost, capacity, data, alerts, budget"),
     ("missing-required", {"trainer": {"steps": None}}, "trainer.steps: is required"),
     ("image-python-unknown", {"machine": {"image_family": "my-own-image"}},
      "machine.image_family: 'my-own-image' names no OS whose Python stacks/gcp_rules.py knows, so "

@@ -31,7 +31,9 @@ RENDEZVOUS_ONLY = {"pool": {"min_nodes": 1, "max_nodes": 3, "coordinator_trains"
 
 
 def ref(s: Synthesized, kind: str) -> str:
-    (key,) = s.json["resource"][kind].keys()
+    """The address prefix of the one resource of `kind` (of the accounts: the trainer's)."""
+    (key,) = [k for k, r in s.json["resource"][kind].items()
+              if kind != "google_service_account" or r["account_id"].endswith("-trainer")]
     return f"${{{kind}.{key}"
 
 
@@ -211,11 +213,14 @@ def test_pool_firewall_admits_only_the_experiments_own_account(pooled):
 
 
 def test_no_new_project_roles_for_a_pool(pooled):
-    """DNS resolution, metadata and the rendezvous need no IAM: still logs, metrics, bucket (and
-    the scale-to-zero role, bound under a condition: tests/stacks/test_scale_to_zero.py)."""
-    roles = {m["role"] for m in pooled.resources("google_project_iam_member") if "condition" not in m}
+    """DNS resolution, metadata and the rendezvous need no IAM: the trainer's account still has
+    logs, metrics and the bucket (stopping the coordinator is the control job's, on that VM alone:
+    tests/stacks/test_scale_to_zero.py)."""
+    member = f"serviceAccount:{ref(pooled, 'google_service_account')}.email}}"
+    roles = {m["role"] for m in pooled.resources("google_project_iam_member") if m["member"] == member}
     assert roles == {"roles/logging.logWriter", "roles/monitoring.metricWriter"}
-    assert pooled.one("google_storage_bucket_iam_member")["role"] == "roles/storage.objectAdmin"
+    (bucket,) = [g for g in pooled.resources("google_storage_bucket_iam_member") if g["member"] == member]
+    assert bucket["role"] == "roles/storage.objectAdmin"
 
 
 def test_checkov_clean_on_a_rendezvous_only_pool(rendezvous_only):

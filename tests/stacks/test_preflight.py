@@ -27,7 +27,8 @@ def gcp(tmp_path: Path) -> Iterator[tuple[FakeGcp, dict[str, str]]]:
                         {"PREEMPTIBLE_NVIDIA_L4_GPUS": 4, "NVIDIA_L4_GPUS": 1}, ("g2-standard-8",))
         fake.add_image(*IMAGE)
         fake.services.update({a: "ENABLED" for a in ("compute.googleapis.com", "iam.googleapis.com",
-                                                      "storage.googleapis.com")})
+                                                      "storage.googleapis.com", "run.googleapis.com",
+                                                      "cloudscheduler.googleapis.com")})
         # A service-account key whose token_uri is the fake's (google-auth pins user credentials
         # to Google's endpoint, but honours a key file's): ADC signs a JWT and trades it there.
         email = "deployer@my-project-123456.iam.gserviceaccount.com"
@@ -61,7 +62,8 @@ def test_every_check_passes_against_a_ready_project(gcp) -> None:
     out = preflight(env)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert "  ok   apis: enabled: compute.googleapis.com, iam.googleapis.com, storage.googleapis.com" in lines
+    assert ("  ok   apis: enabled: compute.googleapis.com, iam.googleapis.com, storage.googleapis.com, "
+            "run.googleapis.com, cloudscheduler.googleapis.com") in lines
     assert "  ok   quota: PREEMPTIBLE_NVIDIA_L4_GPUS in us-central1: 4 free of 4, 1 needed" in lines
     assert "  ok   machine type: g2-standard-8 offered in us-central1-a" in lines
     assert f"  ok   image: {IMAGE[0]}/{IMAGE[1]} -> {IMAGE[1]}-v20260101" in lines

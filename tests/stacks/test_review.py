@@ -8,6 +8,8 @@ the whole module, shared by the tests in one xdist group) and must report exactl
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -19,7 +21,7 @@ from stack_support import EXAMPLE, ROOT
 
 from stacks import review
 
-APP = ["main.py", "cdktf.json", "stacks", "templates", "trainer"]
+APP = ["main.py", "cdktf.json", "stacks", "templates", "trainer", "locks"]
 TEMPLATE = "google_compute_instance_template"
 
 
@@ -36,9 +38,9 @@ def set_key(text: str, key: str, value: str) -> str:
     return new
 
 
-def run_review(repo: Path, *revs: str) -> subprocess.CompletedProcess:
+def run_review(repo: Path, *revs: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stacks.review", *revs], cwd=repo,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +109,13 @@ def test_review_reports_exactly_the_edits(reviewed):
             "32 line(s) added, 3 removed",
         ],
         "changed:google_storage_bucket": ['location: "US-CENTRAL1" -> "US-EAST1"'],
+        # The control job knows the stop markers' names, and the bad-input marker is named by the
+        # startup script's digest: the job's settings follow the script (no VM roll from this).
+        "changed:google_cloud_run_v2_job": [
+            "template.template.containers[0].env[3].value: (1 lines of text) -> (1 lines of text), "
+            "1 line(s) added, 1 removed"],
     }
-    assert "### `fixture`: 0 added, 2 changed, 0 removed" in reviewed
+    assert "### `fixture`: 0 added, 3 changed, 0 removed" in reviewed
 
 
 @pytest.mark.xdist_group("review")
@@ -149,6 +156,41 @@ def test_review_of_the_working_tree_and_bad_input(fixture_repo, tmp_path):
         "count" in broken.stderr
     assert "Traceback" not in broken.stderr
     assert run_review(clone).returncode == 2  # usage
+
+
+@pytest.mark.xdist_group("review")
+def test_a_lock_change_is_named_a_vm_roll_with_the_packages_that_changed(fixture_repo, tmp_path):
+    """`make lock --upgrade` moved one package: the review says the VM rolls, and which package
+    moved from which version to which (read from the wheels each revision ships)."""
+    from stacks.wheels import build_wheel, locked_wheels, read_lock
+
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(fixture_repo), str(clone))
+    lock_file = clone / "locks" / "py3.10-glibc2.35.lock"
+    before = read_lock(lock_file)
+    # An index with the locked wheels and a newer certifi (a stand-in for the next release).
+    index = tmp_path / "index"
+    index.mkdir()
+    for wheel in locked_wheels(before).glob("*.whl"):
+        os.link(wheel, index / wheel.name)
+    newer = build_wheel(index, "certifi", "2099.1.1")
+    (old,) = [p for p in before.pins if p.name == "certifi"]
+    sha = hashlib.sha256(newer.read_bytes()).hexdigest()
+    text = lock_file.read_text().replace(f"# {old.file}\ncertifi=={old.version} \\\n    --hash=sha256:{old.sha256}",
+                                         f"# {newer.name}\ncertifi==2099.1.1 \\\n    --hash=sha256:{sha}")
+    assert text != lock_file.read_text()
+    lock_file.write_text(text)
+    git(clone, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qam", "make lock --upgrade")
+    run = run_review(clone, "HEAD~1", "HEAD", env={"SPOTTRAIN_WHEEL_INDEX": str(index),
+                                                    "SPOTTRAIN_WHEEL_CACHE": str(tmp_path / "cache")})
+    assert run.returncode == 0, run.stderr
+    assert (f"- dependencies: **VM ROLL**: the lock of the VM's packages changes (certifi {old.version} -> "
+            "2099.1.1): the wheels archive is new, so the startup script and the instance template change "
+            "and the group recreates the VM") in run.stdout
+    assert "- running job: **RESTARTS** (new VM, same checkpoint)" in run.stdout
+    changed = _changes(run.stdout)
+    assert any(k.startswith(f"changed {TEMPLATE}.") for k in changed), run.stdout
+    assert all("certifi" not in line for line in run.stdout.splitlines() if line.startswith("- :warning:"))
 
 
 # --- the diff rules on hand-made stacks (no synthesis) -------------------------------------------

@@ -27,8 +27,10 @@ GPU_FAMILIES = {
 
 
 def ref(s: Synthesized, kind: str) -> str:
-    """The Terraform address prefix of the one resource of `kind`, as other resources cite it."""
-    (key,) = s.json["resource"][kind].keys()
+    """The Terraform address prefix of the one resource of `kind`, as other resources cite it (of
+    the service accounts: the trainer's; the control job's is tests/stacks/test_scale_to_zero.py's)."""
+    (key,) = [k for k, r in s.json["resource"][kind].items()
+              if kind != "google_service_account" or r["account_id"].endswith("-trainer")]
     return f"${{{kind}.{key}"
 
 
@@ -36,18 +38,15 @@ def ref(s: Synthesized, kind: str) -> str:
 
 
 def test_dedicated_service_account_with_least_privilege(example):
-    sa = example.one("google_service_account")
-    assert sa["account_id"] == "example-trainer"
+    accounts = {a["account_id"] for a in example.resources("google_service_account")}
+    assert accounts == {"example-trainer", "example-control"}  # the VMs', the control job's
     member = f"serviceAccount:{ref(example, 'google_service_account')}.email}}"
-    # Unconditional project roles; the scale-to-zero role is bound under a condition naming the
-    # group (tests/stacks/test_scale_to_zero.py).
-    roles = {m["role"] for m in example.resources("google_project_iam_member") if "condition" not in m}
+    # Project roles: logs and metrics only (the VM changes no group: tests/stacks/test_scale_to_zero.py).
+    roles = {m["role"] for m in example.resources("google_project_iam_member") if m["member"] == member}
     assert roles == {"roles/logging.logWriter", "roles/monitoring.metricWriter"}
-    assert all(m["member"] == member for m in example.resources("google_project_iam_member"))
     # Object admin on the checkpoint bucket only, as a bucket-level binding.
-    grant = example.one("google_storage_bucket_iam_member")
+    (grant,) = [g for g in example.resources("google_storage_bucket_iam_member") if g["member"] == member]
     assert grant["role"] == "roles/storage.objectAdmin"
-    assert grant["member"] == member
     assert grant["bucket"] == f"{ref(example, 'google_storage_bucket')}.name}}"
     assert not any("storage" in m["role"] for m in example.resources("google_project_iam_member"))
 
@@ -67,12 +66,16 @@ def test_no_default_compute_service_account_anywhere(synthesized, name):
 
 
 def test_group_waits_for_every_grant(example):
+    """Every grant of the trainer's account (its VMs use them from the first boot: a short job may
+    finish and start its control job minutes after the deploy), and the APIs."""
     group = example.one("google_compute_instance_group_manager")
+    member = f"serviceAccount:{ref(example, 'google_service_account')}.email}}"
     grants = [f"{kind}.{key}" for kind in ("google_project_iam_member",
                                            "google_storage_bucket_iam_member",
                                            "google_secret_manager_secret_iam_member",
+                                           "google_cloud_run_v2_job_iam_member",
                                            "google_project_service")
-              for key in example.json["resource"][kind]]
+              for key, r in example.json["resource"][kind].items() if r.get("member", member) == member]
     assert sorted(group["depends_on"]) == sorted(grants)
 
 
@@ -119,7 +122,9 @@ def _apis(s: Synthesized) -> dict[str, dict]:
 
 
 BASE_APIS = {"compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com",
-             "cloudresourcemanager.googleapis.com", "secretmanager.googleapis.com"}
+             "cloudresourcemanager.googleapis.com", "secretmanager.googleapis.com",
+             # the run's log-based metrics, alerts and dashboard (docs/watch.md)
+             "logging.googleapis.com", "monitoring.googleapis.com"}
 ALL_STACKS = [*VARIANTS, "l4-pool", "a3-regional", "n1-v100-standard", "cnn"]
 
 
@@ -141,6 +146,7 @@ def test_every_resource_type_in_the_stack_has_its_api_enabled(synthesized, name)
     ("example", set()),
     ("l4-pool", {"dns.googleapis.com"}),  # the pool's private zone and query logging
     ("od-fallback", {"run.googleapis.com", "cloudscheduler.googleapis.com"}),  # the capacity check
+    ("watch", {"pubsub.googleapis.com", "billingbudgets.googleapis.com"}),  # a topic's grant, the budget
 ])
 def test_the_apis_are_exactly_those_of_the_resources(synthesized, name, more):
     assert {a["service"] for a in _apis(synthesized[name]).values()} == BASE_APIS | more
@@ -175,6 +181,13 @@ def test_a_resource_type_without_an_api_fails_synthesis_and_so_does_one_added_to
 def test_the_stack_enables_the_apis_it_uses_and_everything_waits_for_them(synthesized, name):
     s = synthesized[name]
     apis = _apis(s)
+    services = {a["service"] for a in apis.values()}
+    assert {"compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com",
+            "secretmanager.googleapis.com"} <= services
+    if s.resources("google_cloud_run_v2_job"):  # the control job (stacks/control.py) and its schedule
+        assert {"run.googleapis.com", "cloudscheduler.googleapis.com"} <= services
+    assert ("dns.googleapis.com" in services) == bool(s.resources("google_dns_managed_zone")
+                                                      or s.resources("google_dns_policy"))
     for api in apis.values():
         # Shared by the whole project: a destroy never switches an API off.
         assert api["disable_on_destroy"] is False
@@ -571,6 +584,7 @@ def test_outputs(example, synthesized):
     )
     regional = {k: v["value"] for k, v in synthesized["regional"].json["output"].items()}
     assert "--region us-central1" in regional["scale_to_zero_command"]
+    assert 'resource.labels.job_name="${google_cloud_run_v2_job.' in out["control_log_command"]
 
 
 def test_example_snapshot(example, snapshot):

@@ -28,6 +28,7 @@ BUCKET = "boot-test-ckpt"
 DISK = "/dev/disk/by-id/google-spottrain-checkpoints"
 UNIT = "spottrain.service"
 GUARD_S = 300  # failure guard for any wait, never a timing assertion
+REPO = Path(__file__).resolve().parents[2]
 
 USER_TASK = '''\
 import torch
@@ -162,17 +163,19 @@ def archives(tmp_path_factory) -> tuple[Archive, ...]:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> Archive:
-    """The shipped wheels: a tiny package the VM's Python lacks, resolved for that Python from a
+    """The shipped wheels: a tiny package the VM's Python lacks, locked for that Python from a
     local index (the trainer's own dependencies are on this "image" already)."""
     from stacks import gcp_rules as R
     from stacks.delivery import wheels_archive
-    from stacks.wheels import WheelSet, build_wheel, resolve
+    from stacks.lock import lock
+    from stacks.wheels import WheelSet, build_wheel, locked_wheels, read_lock
 
     out = tmp_path_factory.mktemp("wheels")
     (out / "index").mkdir()
     build_wheel(out / "index", "spottrain-probe", "1.0", files={"spottrain_probe/__init__.py": "ANSWER = 42\n"})
     ws = WheelSet(("spottrain-probe",), R.ImagePython(PY, (2, 35), None))
-    return wheels_archive(resolve(ws, out / "cache", str(out / "index")), out_dir=out)
+    made = lock(ws, out / "probe.lock", index=str(out / "index"), cache=out / "cache")
+    return wheels_archive(locked_wheels(read_lock(made.path), out / "cache"), out_dir=out)
 
 
 @pytest.fixture
@@ -267,6 +270,58 @@ def test_a_restarted_vm_reuses_its_code_and_a_recreated_one_fetches_it_again(dep
         m = re.search(r"event=preempted step=(\d+)", vm.journal()[j0:])
         assert m, vm.tail()
         saved.append(int(m.group(1)))
+
+
+def test_the_boot_ships_its_journal_to_cloud_logging_without_ever_waiting_for_it(deployment):
+    """The startup script starts the log shipper first (spottrain-logs.service, the very file
+    trainer/log_shipper.py): the boot's, the trainer's and the shutdown script's lines reach the
+    Logging API as structured entries, the emergency save's inside the window. A Logging API that
+    is down delays nothing: the trainer starts, and the lines arrive once it answers."""
+    from drill.fake_observability import FakeObservability
+    from stacks.boot import LogShipping
+
+    dep, vm = deployment, deployment.vm
+    for archive in dep.archives:
+        dep.upload(archive)
+    with FakeObservability("boot-test-project", token="drill-fake-token") as logging_api:
+        logging_api.fail("POST", "entries:write", 503, times=3)  # down while the VM boots
+        vm.env["SPOTTRAIN_LOGGING_API"] = logging_api.logging_api
+        scripts = dep.scripts(steps=10_000_000, logs=LogShipping(project="boot-test-project", stall_s=3600))
+        j0, e0 = dep.boot(scripts)
+        assert dep.startup_rc(e0) == 0, vm.tail()
+        vm.wait_journal(lambda line: "event=step" in line, GUARD_S, since=j0)
+
+        def events(o: FakeObservability, source: str) -> list[str]:
+            return [e["jsonPayload"].get("event") for e in o.entries if e["jsonPayload"]["source"] == source]
+
+        assert logging_api.wait_for(lambda o: "step" in events(o, "trainer"), GUARD_S), vm.tail()
+        assert [c[2] for c in logging_api.calls[:3]] == [503, 503, 503]
+        assert vm.path("/etc/spottrain/log_shipper.py").read_text() == \
+            (REPO / "trainer" / "log_shipper.py").read_text()
+        first_boot = [e for e in logging_api.entries if e["jsonPayload"].get("event") == "boot"]
+        assert [e["jsonPayload"]["fields"]["after"] for e in first_boot] == ["first"]
+        step = next(e["jsonPayload"] for e in logging_api.entries if e["jsonPayload"].get("event") == "step")
+        assert (step["experiment"], step["run"], step["node"]) == ("boot-test", "runs/boot-test", "spottrain-drill-vm")
+        assert step["session"] and step["boot"] and isinstance(step["step"], int)
+
+        dep.metadata.preempt()
+        assert not vm.power_off(30)["killed"], vm.tail()
+        assert "preempted" in events(logging_api, "trainer"), [e["jsonPayload"]["message"] for e in logging_api.entries]
+        shutdown = [e["jsonPayload"] for e in logging_api.entries if e["jsonPayload"].get("event") == "shutdown"]
+        assert [(p["fields"]["reason"], p["fields"]["trainer_status"]) for p in shutdown] == [("preemption", 75)]
+        exited = [e["jsonPayload"] for e in logging_api.entries
+                  if e["jsonPayload"]["source"] == "systemd" and "Main process exited" in e["jsonPayload"]["message"]]
+        assert exited and exited[-1]["session"] == step["session"]
+
+        # The group recreates the VM: a new boot disk, the same checkpoint disk, a new boot id.
+        dep.metadata.reset()
+        j1, e1 = dep.boot(scripts)
+        assert dep.startup_rc(e1) == 0, vm.tail()
+        assert logging_api.wait_for(lambda o: [e["jsonPayload"]["fields"]["after"] for e in o.entries
+                                               if e["jsonPayload"].get("event") == "boot"] == ["first", "preemption"],
+                                    GUARD_S), vm.tail()
+        assert len({e["jsonPayload"]["boot"] for e in logging_api.entries}) == 2
+        vm.power_off(30)
 
 
 def health(port: int) -> bytes:
@@ -643,6 +698,6 @@ def test_wheels_for_another_python_are_refused_before_installing(deployment, whe
     for archive in (*deployment.archives, wheels):
         deployment.upload(archive)
     line = _fails_loudly(deployment, deployment.scripts(steps=5, wheels=wheels, python_version="3.9"),
-                         f"is {PY}, but the wheels were resolved for Python 3.9")
+                         f"is {PY}, but the wheels were locked for Python 3.9")
     assert "machine.python_version" in line
     assert not deployment.vm.path(f"/mnt/spottrain/deps/{wheels.release.sha256}").exists()

@@ -240,3 +240,38 @@ def _no_trainer_outlives_its_test() -> Iterator[None]:
 def _single_thread_torch() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# ------------------------------------------------------------------------------------------
+# The synthesized stack whose IAM the fake Google APIs enforce (drill.iam, drill.fake_gcp)
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def stack_json() -> Callable[..., dict]:
+    """`stack_json(name, overrides={}, base=experiments/example.toml)`: that experiment's stack as
+    `cdktn synth` writes it (cached per session): its grants are what the fakes let callers do."""
+    import copy
+    import json
+    import tomllib
+    from pathlib import Path
+
+    from drill.iam import synthesize
+    from stacks.load import parse
+
+    repo = Path(__file__).resolve().parents[2]
+    cache: dict[str, dict] = {}
+
+    def merge(data: dict, overrides: dict) -> dict:
+        out = copy.deepcopy(data)
+        for key, value in overrides.items():
+            out[key] = merge(out.get(key, {}), value) if isinstance(value, dict) else value
+        return {k: v for k, v in out.items() if v is not None}
+
+    def synth(name: str, overrides: dict | None = None, base: str = "experiments/example.toml") -> dict:
+        key = json.dumps([name, overrides or {}, base], sort_keys=True)
+        if key not in cache:
+            data = merge(tomllib.loads((repo / base).read_text()), overrides or {})
+            cache[key] = synthesize(name, parse(data, name, f"{name}.toml"))
+        return cache[key]
+
+    return synth

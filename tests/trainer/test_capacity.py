@@ -1,4 +1,5 @@
-"""The on-demand fallback check: the pure policy, and one run against the fake Compute API."""
+"""The on-demand fallback check: the pure policy, and runs against the fake Compute API, as the
+control job's service account with exactly what the synthesized stack grants it."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ from typing import Iterator
 import pytest
 
 from drill.fake_gcp import FakeGcp
+from drill.iam import Policy
 from trainer import capacity as cap
 from trainer.gce import Client
 
@@ -17,7 +19,7 @@ MIN = 60.0
 def settings(**changes) -> cap.Settings:
     base = dict(project=PROJECT, region="us-central1", location="regions/us-central1", spot_group="exp-group",
                 od_group="exp-od-group", machine_type="g2-standard-8", zones=ZONES, bucket="spottrain-test",
-                state_object="runs/exp/capacity/state.json", stop_markers=("runs/exp/stop/finished-steps-10",),
+                state_object="runs/exp/control/capacity.json", stop_markers=("runs/exp/stop/finished-steps-10",),
                 paused=False, fallback_after_s=30 * 60, min_on_demand_s=20 * 60, back_to_spot=0.7)
     return cap.Settings(**{**base, **changes})
 
@@ -90,10 +92,15 @@ def test_state_survives_a_round_trip_and_garbage_starts_over() -> None:
     assert cap.State.from_json(None) == cap.State()
 
 
+FALLBACK = {"gcp": {"zones": list(ZONES)}, "group": {"placement": "regional"},
+            "capacity": {"on_demand_fallback_minutes": 30}}
+
+
 @pytest.fixture
-def fake(gcs_emulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeGcp, list[float]]]:
+def fake(gcs_emulator, stack_json, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeGcp, list[float]]]:
     clock = [0.0]
-    with FakeGcp(PROJECT, clock=lambda: clock[0]) as gcp:
+    with FakeGcp(PROJECT, clock=lambda: clock[0], policy=Policy.from_stack(stack_json("exp", FALLBACK))) as gcp:
+        gcp.add_identity("control-token", f"serviceAccount:exp-control@{PROJECT}.iam.gserviceaccount.com")
         gcp.add_region("us-central1", ZONES, {}, ("g2-standard-8",))
         gcp.add_group("exp-group", region="us-central1", zones=ZONES, provisioning="SPOT", auto=True)
         gcp.add_group("exp-od-group", region="us-central1", zones=ZONES, target_size=0,
@@ -103,7 +110,7 @@ def fake(gcs_emulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeGc
 
 
 def client(gcp: FakeGcp) -> Client:
-    return Client(token=lambda: (gcp.token, 3600.0))
+    return Client(token=lambda: ("control-token", 3600.0))
 
 
 def test_one_check_against_the_fake_api_falls_back_and_returns(fake, gcs_emulator) -> None:
@@ -113,16 +120,20 @@ def test_one_check_against_the_fake_api_falls_back_and_returns(fake, gcs_emulato
     check = cap.Check(settings(), client(gcp), clock=lambda: clock[0])
     for minute in range(0, 35, 5):
         clock[0] = minute * MIN
+        gcp.tick()  # five minutes passed: the last check's resizes are done
         check.run()
+    gcp.tick()
     assert gcp.group("exp-group").target_size == 0 and gcp.group("exp-od-group").target_size == 1
     assert len(gcp.group("exp-od-group").running()) == 1
-    stored = json.loads(gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/capacity/state.json")
+    stored = json.loads(gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/control/capacity.json")
                         .download_as_bytes())
     assert stored["mode"] == "on-demand"
     spot_available[0] = True
     for minute in range(35, 70, 5):
         clock[0] = minute * MIN
+        gcp.tick()
         check.run()
+    gcp.tick()
     assert gcp.group("exp-od-group").target_size == 0 and gcp.group("exp-group").target_size == 1
     assert len(gcp.group("exp-group").running()) == 1
     assert gcp.calls_to("POST", "/advice/capacity"), "the way back asks the capacity advice"
@@ -130,10 +141,68 @@ def test_one_check_against_the_fake_api_falls_back_and_returns(fake, gcs_emulato
     gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/stop/finished-steps-10").upload_from_string(b"{}")
     clock[0] = 75 * MIN
     assert check.run().state.mode == "stopped"
+    gcp.tick()
     assert gcp.group("exp-group").target_size == 0
+    assert gcp.refusals == [] and check.failures == []
+    # It never waited on an operation (which its grants could not read).
+    assert gcp.calls_to("GET", "/operations/") == [] and gcp.calls_to("POST", "/operations/") == []
 
 
-def test_main_reads_its_settings_from_the_environment(monkeypatch, capsys) -> None:
-    monkeypatch.setenv("SPOTTRAIN_CAPACITY", "{not json")
-    assert cap.main() == 2
-    assert "SPOTTRAIN_CAPACITY" in capsys.readouterr().err
+def test_a_failed_shrink_is_reported_and_nothing_grows_after_it(fake, gcs_emulator) -> None:
+    gcp, clock = fake
+    gcp.capacity = lambda zone, model: model != "SPOT"
+    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0])
+    check.run()
+    gcp.deny("POST", r"/instanceGroupManagers/exp-group/resize$")
+    clock[0] = 31 * MIN
+    gcp.tick()
+    decision = check.run()
+    assert decision.resize == (("spot", 0), ("od", 1))
+    assert [f.split(":")[0] for f in check.failures] == ["exp-group", "exp-od-group"]
+    assert "a shrink before it failed" in check.failures[1]
+    gcp.tick()
+    assert gcp.group("exp-group").target_size == 1 and gcp.group("exp-od-group").target_size == 0
+    assert gcp.calls_to("POST", "/exp-od-group/resize") == []  # never two VMs by mistake
+
+
+def test_a_stopped_fallback_job_has_both_groups_at_zero_confirmed_by_the_control_job(fake, gcs_emulator) -> None:
+    """The control job runs the check; a stop marker takes both groups to zero, each confirmed on
+    the group itself, and the outcome tells the VM that asked."""
+    from trainer.control import Control, Settings
+
+    gcp, clock = fake
+    gcp.set_target("exp-od-group", 1)  # on demand at the moment
+    gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/stop/finished-steps-10").upload_from_string(b"{}")
+    s = settings()
+    control = Control(Settings(project=PROJECT, region="us-central1", location="regions/us-central1",
+                               groups=("exp-group", "exp-od-group"), bucket="spottrain-test", prefix="runs/exp",
+                               stop_markers=s.stop_markers, capacity=vars(s), poll_s=0.0),
+                      Client(token=lambda: ("control-token", 3600.0), sleep=lambda t: None), log=lambda line: None)
+    assert control.run() == 0, control.failures
+    assert gcp.group("exp-group").target_size == 0 and gcp.group("exp-od-group").target_size == 0
+    outcome = json.loads(gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/control/outcome.json")
+                         .download_as_bytes())
+    assert outcome["ok"] and outcome["groups"] == {"exp-group": 0, "exp-od-group": 0}
+    assert gcp.refusals == []
+
+
+def test_the_control_job_refuses_bad_settings_with_status_2(monkeypatch, capsys) -> None:
+    from trainer import control
+
+    monkeypatch.setenv(control.ENV, "{not json")
+    assert control.main() == control.EXIT_BAD
+    assert control.ENV in capsys.readouterr().err
+    name = control.successor_name("a" * 40 + "-group", "b" * 40)
+    assert len(name) <= 63 and name == control.successor_name("a" * 40 + "-group", "b" * 40)
+
+
+def test_a_stopped_job_shrinks_every_group_even_when_one_shrink_fails(fake, gcs_emulator) -> None:
+    gcp, clock = fake
+    gcp.set_target("exp-od-group", 1)
+    gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/stop/finished-steps-10").upload_from_string(b"{}")
+    gcp.deny("POST", r"/instanceGroupManagers/exp-group/resize$")
+    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0])
+    assert check.run().state.mode == "stopped"
+    gcp.tick()
+    assert gcp.group("exp-od-group").target_size == 0 and gcp.group("exp-group").target_size == 1
+    assert [f.split(":")[0] for f in check.failures] == ["exp-group"]

@@ -1,0 +1,86 @@
+"""The alert policies of one experiment, as data: what each watches, when it fires, what its
+notification says (the command to see more included). `stacks.alerts` turns them into Cloud
+Monitoring resources; the tests, the cost estimate and docs/watch.md read them here.
+
+Every condition is a threshold on one log-based metric (`stacks.run_metrics`), summed over an
+alignment period that slides with each evaluation (cloud.google.com/monitoring/alerts/
+concepts-indepth): "more than N in an hour" is a sum over 3600 s compared with N. A condition whose
+count stays above 0 for `duration_s` says that something lasted that long (the capacity wait).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stacks.experiment import Experiment
+
+#: How long an incident stays open once its condition no longer holds (it closes by itself).
+AUTO_CLOSE_S = 1800
+
+
+@dataclass(frozen=True)
+class AlertRule:
+    key: str  # the resource's id in the stack
+    title: str
+    metric: str  # a `stacks.run_metrics` metric name
+    threshold: int  # fires when the sum over `period_s` is above this
+    period_s: int
+    what: str  # what happened, for the notification
+    duration_s: int = 0
+    severity: str | None = None  # CRITICAL, ERROR, WARNING or none
+    label_filter: str = ""  # more of the Monitoring filter (metric labels)
+
+
+def rules(exp: Experiment) -> list[AlertRule]:
+    """The experiment's alert policies (none when `[alerts] enabled = false`)."""
+    a = exp.alerts
+    if not a.enabled:
+        return []
+    out = [
+        AlertRule("stall", "training stalled", "stalls", 0, 300,
+                  f"The trainer ran on a VM for {a.stall_minutes} minutes without completing a step "
+                  "(a hung collective or data loader, a tier it keeps waiting for, or a start-up that "
+                  "takes longer than that).", severity="WARNING"),
+        AlertRule("repair-loop", "repair loop", "boots", a.repairs_per_hour, 3600,
+                  f"More than {a.repairs_per_hour} VM boots within an hour that no preemption explains: "
+                  "the group keeps recreating the VM (its health check fails), or its boot keeps failing.",
+                  severity="ERROR", label_filter='metric.labels.after=one_of("stop", "unknown")'),
+        AlertRule("preemptions", "frequent preemptions", "preemptions", a.preemptions_per_hour, 3600,
+                  f"More than {a.preemptions_per_hour} Spot preemptions within an hour: each costs a restore "
+                  "and the work since the last checkpoint (see docs/capacity.md for other capacity options).",
+                  severity="WARNING"),
+        AlertRule("stopped", "run stopped", "failures", 0, 300,
+                  "The run stopped on bad input (exit 2: it stays stopped and stops paying until you fix the "
+                  "experiment and deploy again) or failed (a crash the unit restarts a few times, a boot that "
+                  "failed).", severity="ERROR"),
+        AlertRule("capacity", "waiting for capacity", "capacity_waits", 0, 1800,
+                  f"Compute Engine has refused to create the VM for lack of capacity for {a.capacity_wait_minutes} "
+                  "minutes (a stockout): the run waits and costs nothing meanwhile (see docs/capacity.md).",
+                  duration_s=a.capacity_wait_minutes * 60, severity="WARNING"),
+    ]
+    if a.notify_finished:
+        out.append(AlertRule("finished", "run finished", "finished", 0, 300,
+                             "The run finished: its final checkpoint is durable on every tier, and the VM scales "
+                             "its group to zero (stop_when_done)."))
+    return out
+
+
+def see_more(exp: Experiment, name: str) -> str:
+    return (f"See more: `make logs EXPERIMENT={name}` (or `python -m trainer logs --project "
+            f"{exp.gcp.project} --experiment {name} --since 1d --lines`), and the dashboard "
+            f"\"spottrain {name}\" in Cloud Monitoring.")
+
+
+def documentation(exp: Experiment, name: str, rule: AlertRule) -> str:
+    """The notification's text (markdown): what happened, and the command to see more."""
+    return (f"**spottrain {name}: {rule.title}** (project {exp.gcp.project})\n\n{rule.what}\n\n"
+            f"{see_more(exp, name)}")
+
+
+def note(exp: Experiment) -> str | None:
+    """What synthesis says when the alerts notify nobody (None: they notify someone, or none exist)."""
+    n = len(rules(exp))
+    if n == 0 or exp.alerts.channels:
+        return None
+    return (f"alerts: {n} alert policies notify nobody (no email, webhook_url or pubsub_topic in [alerts]); "
+            "their incidents show in Cloud Monitoring only")

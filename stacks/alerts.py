@@ -1,0 +1,114 @@
+"""The experiment's log-based metrics, notification channels and alert policies in Cloud
+Monitoring (docs/watch.md). What they are is data (`stacks.run_metrics`, `stacks.alert_rules`);
+this construct declares them.
+
+- **Metrics:** one `google_logging_metric` per `run_metrics.metrics` entry: DELTA INT64 counters,
+  or DELTA DISTRIBUTION of an extracted number (exponential buckets), with their labels.
+- **Channels:** `[alerts]` email addresses, a webhook (token authentication: the URL is the
+  secret) and a Pub/Sub topic of yours, on which the stack grants Cloud Monitoring's notification
+  service agent (service-NUMBER@gcp-sa-monitoring-notification.iam.gserviceaccount.com, created
+  with the first Pub/Sub channel) roles/pubsub.publisher, on that topic only.
+- **Policies:** one per `alert_rules.rules`, each a single threshold condition on its metric (the
+  filter names the metric resource, so each waits for its metric), notifying every channel, its
+  documentation saying what happened and the command to see more; incidents close by themselves
+  `AUTO_CLOSE_S` after the condition stops holding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cdktn_provider_google.data_google_project import DataGoogleProject
+from cdktn_provider_google.logging_metric import LoggingMetric, LoggingMetricMetricDescriptorLabels
+from cdktn_provider_google.monitoring_alert_policy import (
+    MonitoringAlertPolicy,
+    MonitoringAlertPolicyConditions,
+    MonitoringAlertPolicyConditionsConditionThreshold,
+    MonitoringAlertPolicyConditionsConditionThresholdAggregations,
+)
+from cdktn_provider_google.monitoring_notification_channel import MonitoringNotificationChannel
+from cdktn_provider_google.pubsub_topic_iam_member import PubsubTopicIamMember
+from constructs import Construct
+
+from stacks import alert_rules, run_metrics
+from stacks.experiment import Experiment, PUBSUB_TOPIC
+
+#: Exponential buckets of every distribution metric: 1e-3 * 1.25^k up to about 5.6e4 (80 finite
+#: buckets): steps/s, losses and step counts of any ordinary run fall inside.
+BUCKETS = {"num_finite_buckets": 80, "growth_factor": 1.25, "scale": 0.001}
+STEP_BUCKETS = {"num_finite_buckets": 80, "growth_factor": 1.25, "scale": 1.0}
+
+
+@dataclass(frozen=True)
+class AlertsProps:
+    project: str
+    name: str
+    exp: Experiment
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class RunAlerts(Construct):
+    """Log-based metrics, channels and alert policies of one experiment."""
+
+    def __init__(self, scope: Construct, id_: str, props: AlertsProps) -> None:
+        super().__init__(scope, id_)
+        p, name, a = props.project, props.name, props.exp.alerts
+        self.metrics: dict[str, LoggingMetric] = {}
+        for m in run_metrics.metrics(p, name):
+            descriptor: dict = {"metric_kind": "DELTA", "value_type": "DISTRIBUTION" if m.distribution else "INT64",
+                                "unit": m.unit, "display_name": f"spottrain {name} {m.name}"}
+            if m.labels:
+                descriptor["labels"] = [LoggingMetricMetricDescriptorLabels(key=k, value_type="STRING")
+                                        for k in sorted(m.labels)]
+            self.metrics[m.name] = LoggingMetric(
+                self, f"metric-{m.name}", project=p, name=run_metrics.metric_id(name, m.name),
+                description=m.description, filter=m.filter, metric_descriptor=descriptor,
+                label_extractors={k: f"EXTRACT({v})" for k, v in sorted(m.labels.items())} or None,
+                value_extractor=f"EXTRACT({m.value_field})" if m.value_field else None,
+                bucket_options={"exponential_buckets": STEP_BUCKETS if m.name == "step" else BUCKETS}
+                if m.distribution else None)
+
+        rules = alert_rules.rules(props.exp)
+        self.channels: list[MonitoringNotificationChannel] = []
+        if rules:
+            user_labels = dict(props.labels)
+            for i, address in enumerate(a.email):
+                self.channels.append(MonitoringNotificationChannel(
+                    self, f"email-{i}", project=p, type="email", display_name=f"spottrain {name}: {address}",
+                    labels={"email_address": address}, user_labels=user_labels))
+            if a.webhook_url is not None:
+                self.channels.append(MonitoringNotificationChannel(
+                    self, "webhook", project=p, type="webhook_tokenauth", display_name=f"spottrain {name}: webhook",
+                    labels={"url": a.webhook_url}, user_labels=user_labels))
+            if a.pubsub_topic is not None:
+                channel = MonitoringNotificationChannel(
+                    self, "pubsub", project=p, type="pubsub", display_name=f"spottrain {name}: Pub/Sub",
+                    labels={"topic": a.pubsub_topic}, user_labels=user_labels)
+                self.channels.append(channel)
+                m = PUBSUB_TOPIC.match(a.pubsub_topic)
+                assert m is not None  # validated upstream
+                number = DataGoogleProject(self, "project", project_id=p).number
+                # The agent exists once the first Pub/Sub channel does: the grant waits for it.
+                PubsubTopicIamMember(
+                    self, "pubsub-publisher", project=m.group(1), topic=a.pubsub_topic.rsplit("/", 1)[1],
+                    role="roles/pubsub.publisher", depends_on=[channel],
+                    member=f"serviceAccount:service-{number}@gcp-sa-monitoring-notification.iam.gserviceaccount.com")
+        names = [c.name for c in self.channels]
+        self.policies: list[MonitoringAlertPolicy] = []
+        for r in rules:
+            metric = self.metrics[r.metric]
+            flt = (f'metric.type="{run_metrics.USER_PREFIX}{metric.name}" AND resource.type="gce_instance"'
+                   + (f" AND {r.label_filter}" if r.label_filter else ""))
+            self.policies.append(MonitoringAlertPolicy(
+                self, f"alert-{r.key}", project=p, display_name=f"spottrain {name}: {r.title}", combiner="OR",
+                conditions=[MonitoringAlertPolicyConditions(
+                    display_name=r.title, condition_threshold=MonitoringAlertPolicyConditionsConditionThreshold(
+                        filter=flt, comparison="COMPARISON_GT", threshold_value=r.threshold,
+                        duration=f"{r.duration_s}s", trigger={"count": 1},
+                        aggregations=[MonitoringAlertPolicyConditionsConditionThresholdAggregations(
+                            alignment_period=f"{r.period_s}s", per_series_aligner="ALIGN_SUM",
+                            cross_series_reducer="REDUCE_SUM")]))],
+                documentation={"content": alert_rules.documentation(props.exp, name, r), "mime_type": "text/markdown",
+                               "subject": f"spottrain {name}: {r.title}"},
+                alert_strategy={"auto_close": f"{alert_rules.AUTO_CLOSE_S}s"},
+                notification_channels=names or None, severity=r.severity, user_labels=dict(props.labels)))

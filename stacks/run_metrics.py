@@ -1,0 +1,113 @@
+"""What a deployed run is measured by: the stack's log-based metrics (counted and extracted from
+the entries the VMs' log shipper writes, `trainer.log_shipper`) and the custom metrics the trainer
+will write itself. The alerts (`stacks.alerts`), the dashboard (`stacks.dashboard`), the cost
+estimate and the tests all take their names and filters from here; docs/watch.md lists them.
+
+Every log-based metric counts entries of one experiment (its `spottrain-experiment` label in the
+spottrain log) and is named `spottrain/EXPERIMENT/NAME`, so experiments sharing a project never
+mix; Cloud Monitoring sees it as `logging.googleapis.com/user/spottrain/EXPERIMENT/NAME` on the
+`gce_instance` resource (cloud.google.com/logging/docs/logs-based-metrics). Counters are DELTA
+INT64; distributions extract a number from `jsonPayload.fields` (the line's `key=value`s).
+
+The filters use only what the log entries carry (docs/watch.md, "Logs that outlive the VM"), and
+only the part of the Logging query language that the loopback Logging API understands
+(`drill.fake_observability.Filter`), so the tests evaluate each one against real shipped entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOG_ID = "spottrain"
+LABEL = "spottrain-experiment"
+#: Monitoring's prefix of a user-defined log-based metric.
+USER_PREFIX = "logging.googleapis.com/user/"
+#: The custom metrics the trainer writes (a sink of its event seam; resource `global`, labels
+#: `experiment` and `run`, a GAUGE DOUBLE point at most once a minute from the job's rank 0).
+CUSTOM_PREFIX = "custom.googleapis.com/spottrain/"
+CUSTOM_METRICS: dict[str, str] = {
+    f"{CUSTOM_PREFIX}goodput": "the job's goodput so far, 0-1 (trainer.goodput's report)",
+    f"{CUSTOM_PREFIX}cost_usd": "what the job has cost so far, USD (the ledger's cost_so_far)",
+    f"{CUSTOM_PREFIX}on_demand_cost_usd": "what the same VM hours would have cost on demand, USD",
+    f"{CUSTOM_PREFIX}step": "the newest step the job completed",
+}
+#: Compute Engine's answers when a zone has no capacity for the VM the group asks for.
+STOCKOUT_MESSAGES = ("ZONE_RESOURCE_POOL_EXHAUSTED", "STOCKOUT", "does not have enough resources available")
+
+
+@dataclass(frozen=True)
+class LogMetric:
+    """One log-based metric: `filter` is what it counts, within the experiment's entries."""
+
+    name: str
+    description: str
+    filter: str
+    unit: str = "1"
+    value_field: str | None = None  # jsonPayload path: a DISTRIBUTION of that number
+    labels: dict[str, str] = field(default_factory=dict)  # label -> jsonPayload path
+    own_log: bool = True  # False: a filter over other logs (Compute Engine's audit log)
+
+    @property
+    def distribution(self) -> bool:
+        return self.value_field is not None
+
+
+def metric_id(experiment: str, name: str) -> str:
+    """The log-based metric's name (at most 100 characters: experiments are at most 21)."""
+    return f"spottrain/{experiment}/{name}"
+
+
+def metric_type(experiment: str, name: str) -> str:
+    return USER_PREFIX + metric_id(experiment, name)
+
+
+def base_filter(project: str, experiment: str) -> str:
+    """The experiment's entries: its label in the spottrain log."""
+    return f'logName="projects/{project}/logs/{LOG_ID}" AND labels."{LABEL}"="{experiment}"'
+
+
+def _trainer(event: str) -> str:
+    return f'jsonPayload.source="trainer" AND jsonPayload.event="{event}"'
+
+
+def metrics(project: str, experiment: str) -> list[LogMetric]:
+    """Every log-based metric of one experiment, with its complete filter."""
+    base = base_filter(project, experiment)
+    audit = (f'logName="projects/{project}/logs/cloudaudit.googleapis.com%2Factivity" AND '
+             f'protoPayload.methodName:"compute.instances.insert" AND '
+             f'protoPayload.resourceName:"/instances/{experiment}-" AND severity>=ERROR AND ('
+             + " OR ".join(f'protoPayload.status.message:"{m}"' for m in STOCKOUT_MESSAGES) + ")")
+    own = [
+        LogMetric("steps", "Step lines the trainer logged (one per logging interval)", _trainer("step")),
+        LogMetric("steps_per_s", "Optimizer steps per second over each logging interval", _trainer("step"),
+                  unit="1/s", value_field="jsonPayload.fields.steps_per_s"),
+        LogMetric("loss", "Mean training loss over each logging interval", _trainer("step"),
+                  value_field="jsonPayload.fields.loss"),
+        LogMetric("step", "The step each step line reached", _trainer("step"), value_field="jsonPayload.step"),
+        LogMetric("eval_loss", "Evaluation loss", _trainer("eval"), value_field="jsonPayload.fields.loss"),
+        LogMetric("restores", "Sessions that resumed from a checkpoint, by tier",
+                  _trainer("restore") + " AND jsonPayload.step>0", labels={"tier": "jsonPayload.fields.tier"}),
+        LogMetric("preemptions", "VMs preempted (the shutdown script's event=shutdown reason=preemption)",
+                  'jsonPayload.event="shutdown" AND jsonPayload.fields.reason="preemption"'),
+        LogMetric("boots", "VM boots, by why the VM booted (after=first, preemption, stop, unknown)",
+                  'jsonPayload.source="startup" AND jsonPayload.event="boot"',
+                  labels={"after": "jsonPayload.fields.after"}),
+        LogMetric("stalls", "The log shipper saw no step for alerts.stall_minutes while the trainer ran",
+                  'jsonPayload.event="stalled"'),
+        LogMetric("failures", "A run stopped on bad input or failure (the trainer's event=failed, a failed boot)",
+                  f'({_trainer("failed")}) OR jsonPayload.event="boot_failed"',
+                  labels={"reason": "jsonPayload.fields.reason"}),
+        LogMetric("finished", "The run finished (its final checkpoint durable on every tier)",
+                  _trainer("finished") + ' AND NOT jsonPayload.message:"already complete"'),
+        LogMetric("tier_failing", "A checkpoint tier kept failing, by tier", _trainer("tier_failing"),
+                  labels={"tier": "jsonPayload.fields.tier"}),
+    ]
+    out = [LogMetric(m.name, m.description, f"{base} AND ({m.filter})", m.unit, m.value_field, m.labels)
+           for m in own]
+    out.append(LogMetric("capacity_waits", "The group's VM creations refused for lack of capacity (Compute "
+                         "Engine's audit log: a stockout)", audit, own_log=False))
+    return out
+
+
+def by_name(project: str, experiment: str) -> dict[str, LogMetric]:
+    return {m.name: m for m in metrics(project, experiment)}
