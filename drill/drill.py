@@ -394,7 +394,8 @@ class Deployment:
         fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
                  "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_RUN_API": self.compute.run_api,
                  "SPOTTRAIN_SECRETMANAGER_API": self.compute.secretmanager_api,
-                 "SPOTTRAIN_LOGGING_API": self.observability.logging_api}
+                 "SPOTTRAIN_LOGGING_API": self.observability.logging_api,
+                 "SPOTTRAIN_MONITORING_API": self.observability.monitoring_api}
         # The fakes' addresses are in PID 1's environment: the scripts get them, and units get
         # what they name in PassEnvironment= (on GCE they are unset: the defaults are real).
         image_files: dict[str, str | Path] = dict(self.image_files)

@@ -24,7 +24,7 @@ from stacks.checkpoint_key import secret_name
 from stacks.experiment import Experiment
 from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args
-from stacks.trainer_config import to_toml
+from stacks.trainer_config import to_toml, vm_config
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 DEVICE_NAME = "spottrain-checkpoints"
@@ -268,7 +268,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         price_args=tuple(trainer_price_args(exp)),
         pool=layout(name, exp),
         nproc_per_node=exp.machine.gpu_count,
-        config=to_toml(exp.trainer.config),
+        config=to_toml(vm_config(exp.trainer.config, project=exp.gcp.project, experiment=name)),
         coordinator_price_args=tuple(coordinator_price_args(exp)) if exp.pool else (),
         # Passed with a pool, or when the experiment sets it: an unchanged single-VM experiment
         # renders byte-identical scripts.

@@ -299,7 +299,7 @@ class Session:
             from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
 
             r = report(read_events(self.cfg.run_dir / LEDGER_DIR / LEDGER_FILE))
-            self.bus.emit(Goodput(step, r.goodput, r.cost.cost_so_far))
+            self.bus.emit(Goodput(step, r.goodput, r.cost.cost_so_far, r.cost.on_demand_equivalent))
 
     def loop_over(self) -> None:
         if self.batches is not None:

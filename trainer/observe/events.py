@@ -156,11 +156,13 @@ class Progress(Event):
 
 @dataclasses.dataclass(frozen=True)
 class Goodput(Event):
-    """The job's goodput and cost so far (rank 0, from the ledger), charted beside the loss."""
+    """The job's goodput and cost so far (rank 0, from the ledger), charted beside the loss;
+    ``on_demand_cost_usd``: the same work on demand (``goodput.Cost.on_demand_equivalent``)."""
 
     step: int
     goodput: float
     cost_usd: float | None
+    on_demand_cost_usd: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
