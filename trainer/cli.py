@@ -23,6 +23,9 @@ Exit codes of ``run``:
   durable tier within ``durable_timeout_s`` (GCS down or refusing, a full or read-only run dir):
   not finished. Run the same command again: it writes the missing copies, then exits 0 (or 75).
   A VM keeps its disk (it may hold the only copy) and its unit restarts the trainer.
+- 77: paused at the spend cap: what the job has cost so far reached ``max_usd`` and its
+  checkpoint is durable on every durable tier (``event=paused reason=max_usd``). Run again with a
+  higher ``max_usd`` to continue; a VM stops paying (its group goes to zero).
 - 69: a checkpoint tier stayed unreadable for ``wait_for_tiers_s`` (nothing trained; run again:
   docs/resume.md).
 - 2: bad input or a resume with other settings, or another trainer holds the run dir or the job's

@@ -203,6 +203,13 @@ class RunConfig(BaseModel):
     on_demand_price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """USD per hour of the same VM on demand, for ``status``'s on-demand comparison. Not part of
     the fingerprint. None: unknown."""
+    max_usd: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """A spend cap: once what the job has cost so far (the goodput ledger's cost, from each
+    session's ``price_per_hour``; checked at start and every ``progress_every_s``) reaches this
+    many USD, the run pauses as for ``stop_at_step``: its checkpoint durable on every tier, the
+    line ``event=paused reason=max_usd``, exit 77. On a VM the group then goes to zero until the
+    experiment changes (raise it and deploy to continue). Without a price the cost is unknown
+    and nothing is capped (said at start). Not part of the fingerprint. None: no cap."""
     data_workers: int = Field(default=0, ge=0)
     """Worker processes that load and collate batches ahead of the loop (a torch DataLoader over
     the trainer's own order, two batches prefetched per worker, pinned memory on CUDA). 0 loads

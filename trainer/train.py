@@ -99,21 +99,25 @@ def train(s: Session) -> Outcome:
             s.log.warning("event=stop_at_step stop_at_step=%d step=%d (already there: pausing at once)",
                           cfg.stop_at_step, start)
         return Outcome(s.finish.pause(start))
+    cap = s.spend_cap(check=True) if cfg.max_usd is not None else None
+    if cap is not None:
+        return Outcome(s.finish.pause(start, cap=cap))
 
     step_fn = StepFn(cfg, job, mixed, device)
     evaluator = Evaluator(job.task, cfg, step_fn, world, sharded=job.in_place, interrupted=lambda: s.preempt.requested)
     t_loop, cpu_loop = time.monotonic(), time.process_time()
-    done, stop, lost = start, False, False
+    done, stop, lost, capped = start, False, False, False
     for step in range(start, cfg.steps):
         t0 = time.monotonic()
         loss, metrics = step_fn()
         s.productive_s += time.monotonic() - t0
         done = step + 1
         s.completed(done, loss, job.lr, metrics)
-        stop, due, lost = world.any_flags(s.preempt.requested, world.is_main and s.ckpt.due(done), s.writers.lost)
+        stop, due, lost, capped = world.any_flags(s.preempt.requested, world.is_main and s.ckpt.due(done),
+                                                  s.writers.lost, s.capped is not None)
         if not (stop or lost) and evaluator.due(done):
             s.evaluated(done, evaluator())
-        if stop or lost or done == cfg.steps or done == cfg.stop_at_step:
+        if stop or lost or capped or done == cfg.steps or done == cfg.stop_at_step:
             break
         if due:
             s.finish.save(done)
@@ -125,6 +129,8 @@ def train(s: Session) -> Outcome:
         code, reason = s.finish.emergency(done), ""
     elif lost:
         code, reason = EXIT_BAD_INPUT, s.finish.lost_lease(done)
+    elif capped and done < cfg.steps:
+        code, reason = s.finish.pause(done, cap=s.spend_cap()), ""
     elif done < cfg.steps:
         code, reason = s.finish.pause(done), ""
     else:

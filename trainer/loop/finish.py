@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from trainer import EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED
+from trainer import EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED, EXIT_SPEND_CAP
 from trainer.distributed import World
 from trainer.loop.step import Job
 from trainer.observe.bus import Bus
@@ -68,8 +68,9 @@ class Finish:
             auto_export(self.cfg, step, self.log.getChild("export"))
         return EXIT_FINISHED
 
-    def pause(self, step: int) -> int:
-        """``stop_at_step`` reached: a checkpoint durable on every tier, then exit as if preempted."""
+    def pause(self, step: int, *, cap: tuple[float, float] | None = None) -> int:
+        """``stop_at_step`` reached: a checkpoint durable on every tier, then exit as if preempted.
+        ``cap`` (cost so far, ``max_usd``): the spend cap reached instead: exit 77."""
         t0 = time.monotonic()
         durable = self._durably(step)
         if durable is None:  # a notice came meanwhile
@@ -79,8 +80,9 @@ class Finish:
         if self.world.is_main:
             self.artifacts.sync()
         if self.world.is_node_leader:
-            self.bus.emit(Paused(step, time.monotonic() - t0, self.productive()))
-        return EXIT_PREEMPTED
+            extra = {} if cap is None else {"reason": "max_usd", "cost_usd": cap[0], "max_usd": cap[1]}
+            self.bus.emit(Paused(step, time.monotonic() - t0, self.productive(), **extra))
+        return EXIT_PREEMPTED if cap is None else EXIT_SPEND_CAP
 
     def emergency(self, step: int) -> int:
         """A notice stopped the loop after ``step``: exit 75 once saved, 1 when nothing took it."""

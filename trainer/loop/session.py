@@ -73,6 +73,8 @@ class Session:
         self.restored = False  # it continues from a checkpoint (not step 0 or init_from's weights)
         self._window: StepWindow | None = None
         self._progress_at = time.monotonic()
+        #: (cost so far, max_usd) once rank 0 saw the spend cap reached (``spend_cap``)
+        self.capped: tuple[float, float] | None = None
 
     # ------------------------------------------------------------------ start-up
     def stop_if_noticed(self, point: str, when: str) -> None:
@@ -294,12 +296,34 @@ class Session:
                 return
             self._progress_at = time.monotonic()
             self.bus.emit(Progress(step, self.productive_s))
-        if self.world.is_main and self.bus.wants(Goodput):
-            from trainer.observe.goodput import report
-            from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
+        if self.world.is_main and (self.bus.wants(Goodput) or self.cfg.max_usd is not None):
+            r = self._report()
+            if self.bus.wants(Goodput):
+                self.bus.emit(Goodput(step, r.goodput, r.cost.cost_so_far, r.cost.on_demand_equivalent))
+            self._check_cap(r.cost.cost_so_far)
 
-            r = report(read_events(self.cfg.run_dir / LEDGER_DIR / LEDGER_FILE))
-            self.bus.emit(Goodput(step, r.goodput, r.cost.cost_so_far, r.cost.on_demand_equivalent))
+    def _report(self) -> Any:
+        from trainer.observe.goodput import report
+        from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
+
+        return report(read_events(self.cfg.run_dir / LEDGER_DIR / LEDGER_FILE))
+
+    def _check_cap(self, cost: float | None) -> None:
+        cap = self.cfg.max_usd
+        if self.capped is None and cap is not None and cost is not None and cost >= cap:
+            self.capped = (cost, cap)
+
+    def spend_cap(self, *, check: bool = False) -> tuple[float, float] | None:
+        """(cost so far, ``max_usd``) on every rank when the spend cap is reached, else None.
+        ``check``: rank 0 reads the ledger now (at start; the loop's ``progress`` does it every
+        ``progress_every_s``). Every rank must call it together."""
+        if check and self.world.is_main and self.cfg.max_usd is not None:
+            cost = self._report().cost.cost_so_far
+            if cost is None:
+                self.log.warning("event=max_usd_unknown max_usd=%.4f (no price_per_hour in the ledger: the cost, "
+                                 "and so the spend cap, is unknown)", self.cfg.max_usd)
+            self._check_cap(cost)
+        return self.world.broadcast(self.capped)
 
     def loop_over(self) -> None:
         if self.batches is not None:

@@ -253,12 +253,16 @@ class Preempted(Event):
 
 @dataclasses.dataclass(frozen=True)
 class Paused(Event):
-    """``stop_at_step`` reached: the pause's checkpoint is durable."""
+    """``stop_at_step`` reached, or the spend cap (``reason`` "max_usd", with what the job has
+    cost so far and the cap): the pause's checkpoint is durable."""
 
     kind: ClassVar[str] = "paused"
     step: int
     blocked_s: float
     productive_s: float
+    reason: str | None = _optional()
+    cost_usd: float | None = _optional()
+    max_usd: float | None = _optional()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,11 @@ class LogSink(BaseSink):
             self.log.warning("event=preempted step=%d detail=%s", ev.step, ev.detail)
 
     def _paused(self, ev: Paused) -> None:
-        self.log.warning("event=paused step=%d (stop_at_step; run again without it to continue)", ev.step)
+        if ev.reason == "max_usd":
+            self.log.warning("event=paused reason=max_usd step=%d cost_usd=%.4f max_usd=%.4f (the spend cap: run "
+                             "again with a higher max_usd to continue)", ev.step, ev.cost_usd or 0.0, ev.max_usd or 0.0)
+        else:
+            self.log.warning("event=paused step=%d (stop_at_step; run again without it to continue)", ev.step)
 
     def _finished(self, ev: Finished) -> None:
         self.log.info("event=finished step=%d%s", ev.step, " (already complete)" if ev.again else "")
