@@ -146,6 +146,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="also draw the job's timeline from the goodput ledger (needs matplotlib)")
     s.add_argument("--checkpoint-key-file", type=Path, help="the run's checkpoint key (as for run)")
+    s.add_argument("--watch", type=float, nargs="?", const=30.0, metavar="SECONDS",
+                   help="print the report again every SECONDS (default 30) until interrupted (Ctrl-C)")
+    s.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N reports")
 
     e = sub.add_parser("export", help="write a run's weights as a plain state dict in safetensors (+ JSON sidecar)")
     e.add_argument("--run-dir", type=Path, help="the run's run dir")
@@ -202,9 +205,12 @@ def main(argv: list[str] | None = None) -> int:
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
         else:
+            if args.count is not None and args.watch is None:
+                raise ConfigError(["command line: count: --count bounds --watch; give --watch too"])
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
                                        "local_dir": args.local_dir, "json_output": args.json,
-                                       "plot": args.plot, "checkpoint_key_file": args.checkpoint_key_file})
+                                       "plot": args.plot, "checkpoint_key_file": args.checkpoint_key_file,
+                                       "watch_s": args.watch, "count": args.count})
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)

@@ -398,6 +398,10 @@ class StatusConfig(BaseModel):
     """Print one JSON object instead of the human report."""
     plot: Path | None = None
     """Also draw the job's timeline from the goodput ledger into this PNG file."""
+    watch_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """``--watch``: print the report again every this many seconds until interrupted. None: once."""
+    count: int | None = Field(default=None, ge=1)
+    """With ``--watch``: stop after this many reports. None: until interrupted."""
     checkpoint_key_file: Path | None = None
     """The run's checkpoint key, as for ``run`` (never created here). Without one, whole-model
     checkpoints are shown unauthenticated (nothing is unpickled either way) and sharded ones not

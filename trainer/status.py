@@ -18,6 +18,9 @@ node; ``ledger_errors`` and ``skipped_events`` say what the ledger could not wri
 stopped on an error: its ledger's ``failed`` event, e.g. bad input; None otherwise) and
 ``history`` (changes of the run: ``steps_changed`` and ``init_from`` events). With ``--gcs-uri``
 alone (a deployed run, from any machine) it reports the bucket and the ledger's copy there.
+The report begins with the run at a glance (``glance``: ``trainer.observe.glance``; in the JSON,
+``glance``). ``--watch [SECONDS]`` prints it again every SECONDS until interrupted, ``--count N``
+times at most.
 """
 from __future__ import annotations
 
@@ -25,12 +28,14 @@ import json
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
 from trainer.checkpoint.checkpointer import describe_failing
 from trainer.config import StatusConfig
+from trainer.observe.glance import glance, lines as glance_lines
 from trainer.observe.goodput import report
 from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, merge, read_events, read_store_events
 
@@ -82,6 +87,8 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None, *
         "goodput": _goodput(events, skipped),
         **_story(events),
     }
+    fp = restored.state.get("fingerprint") if restored is not None and isinstance(restored.state, dict) else None
+    out["glance"] = glance(events, time.time(), fp.get("steps") if isinstance(fp, dict) else None)
     if stand_in:  # the run dir is a stand-in (a run known by its bucket): not part of the report
         out["tiers"].pop(table.roles.home, None)
     if sharded:
@@ -155,7 +162,7 @@ def _story(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _human(s: dict[str, Any]) -> str:
-    lines = []
+    lines = glance_lines(s["glance"])
     if s.get("error"):
         lines.append(s["error"])
     if s["latest_step"] is None:
@@ -234,6 +241,28 @@ def main(cfg: StatusConfig) -> int:
     if cfg.run_dir is not None and not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
         print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if cfg.watch_s is None:
+        return _once(cfg)
+    # --watch: the report again every watch_s seconds, until interrupted or `count` reports.
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() and not cfg.json_output else ""
+    shown = 0
+    try:
+        while True:
+            if clear:
+                print(clear, end="")
+            elif shown and not cfg.json_output:
+                print()
+            code = _once(cfg)
+            shown += 1
+            sys.stdout.flush()
+            if code != EXIT_FINISHED or (cfg.count is not None and shown >= cfg.count):
+                return code
+            time.sleep(cfg.watch_s)
+    except KeyboardInterrupt:
+        return EXIT_FINISHED
+
+
+def _once(cfg: StatusConfig) -> int:
     from trainer.checkpoint.key import KeyProblem
 
     events: list[dict[str, Any]] = []

@@ -6,5 +6,6 @@
   ``tensorboard``, ``jsonl``, ``monitoring`` (Cloud Monitoring's custom metrics);
 - ``progress``: the log format, the step window, the live line; ``ledger``: the goodput ledger;
   ``goodput``: its report; ``tensorboard``: the event-file writer; ``health``: the answer the
-  group's health check gets (and the stall it tells); ``timeline``: ``status --plot``.
+  group's health check gets (and the stall it tells); ``timeline``: ``status --plot``;
+  ``glance``: the run at a glance for ``status`` (step, steps/s, ETA, whether a VM is up).
 """
