@@ -35,10 +35,12 @@ from trainer.loop.session import BadWorld, Session, StoppedDuringStartup
 from trainer.loop.step import StepFn
 from trainer.observe.health import PortInUse
 from trainer.observe.progress import setup_logging
+from trainer.observe.sinks import SinkUnavailable
 
 #: What exits 2: bad input, a resume with other settings, another trainer on the run dir or the job.
 BAD_INPUT = (state.ResumeMismatch, tasks.TaskError, BadWorld, UnsupportedGpu, PortInUse, InitFromError, RunDirBusy,
-             LeaseHeld, KeyProblem, state_codec.NotPlainData, precision.UnsupportedPrecision, host_copy.Unsupported)
+             LeaseHeld, KeyProblem, state_codec.NotPlainData, precision.UnsupportedPrecision, host_copy.Unsupported,
+             SinkUnavailable)
 
 
 @dataclass

@@ -46,6 +46,10 @@ from typing import Any, Callable
 from trainer.observe.bus import Sink, SinkContext
 
 
+class SinkUnavailable(Exception):
+    """A sink named in the run's config cannot run here (its package is not installed): bad input."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Registered:
     name: str

@@ -15,6 +15,27 @@ from trainer.observe.progress import WINDOW_FIGURES
 from trainer.observe.sinks import register
 
 
+def scalars(ev: Event) -> dict[str, float] | None:
+    """The figures an event gives a chart, by name, at its ``step`` (None: none): a step window's,
+    the task's own metrics (``train/NAME``), an evaluation's (``eval/NAME``), goodput and cost.
+    The experiment trackers' sinks send the same."""
+    if isinstance(ev, Step) and ev.window is not None:
+        w = ev.window
+        unit = "tokens_per_s" if "tokens_per_s" in w else "samples_per_s"
+        points = {"train/loss": w["loss"], "lr": w["lr"], "throughput/steps_per_s": w["steps_per_s"],
+                  f"throughput/{unit}": w[unit]}
+        points.update({f"train/{k}": v for k, v in w.items() if k not in WINDOW_FIGURES})
+        return points
+    if isinstance(ev, Eval):
+        return {f"eval/{k}": v for k, v in ev.values.items()}
+    if isinstance(ev, Goodput):
+        points = {"goodput/goodput": ev.goodput}
+        if ev.cost_usd is not None:
+            points["goodput/cost_usd"] = ev.cost_usd
+        return points
+    return None
+
+
 class TensorBoardSink(BaseSink):
     name = "tensorboard"
     handles = (Restored, Step, Eval, Goodput)
@@ -36,20 +57,10 @@ class TensorBoardSink(BaseSink):
                                    upload_every_s=cfg.metrics_upload_every_s, log=self._ctx.log.getChild("metrics"))
         elif self.metrics is None:
             return
-        elif isinstance(ev, Step) and ev.window is not None:
-            w = ev.window
-            unit = "tokens_per_s" if "tokens_per_s" in w else "samples_per_s"
-            points = {"train/loss": w["loss"], "lr": w["lr"], "throughput/steps_per_s": w["steps_per_s"],
-                      f"throughput/{unit}": w[unit]}
-            points.update({f"train/{k}": v for k, v in w.items() if k not in WINDOW_FIGURES})
-            self.metrics.scalars(ev.step, points)
-        elif isinstance(ev, Eval):
-            self.metrics.scalars(ev.step, {f"eval/{k}": v for k, v in ev.values.items()})
-        elif isinstance(ev, Goodput):
-            points = {"goodput/goodput": ev.goodput}
-            if ev.cost_usd is not None:
-                points["goodput/cost_usd"] = ev.cost_usd
-            self.metrics.scalars(ev.step, points)
+        else:
+            points = scalars(ev)
+            if points:
+                self.metrics.scalars(ev.step, points)  # type: ignore[attr-defined]
 
     def close(self, timeout: float) -> bool:
         if self.metrics is None or self.metrics.close(timeout=timeout):
