@@ -77,7 +77,7 @@ class LogSink(BaseSink):
 
     def _paused(self, ev: Paused) -> None:
         if ev.reason == "max_usd":
-            self.log.warning("event=paused reason=max_usd step=%d cost_usd=%.4f max_usd=%.4f (the spend cap: run "
+            self.log.warning("event=paused reason=max_usd step=%d cost_usd=%.6g max_usd=%.6g (the spend cap: run "
                              "again with a higher max_usd to continue)", ev.step, ev.cost_usd or 0.0, ev.max_usd or 0.0)
         else:
             self.log.warning("event=paused step=%d (stop_at_step; run again without it to continue)", ev.step)
