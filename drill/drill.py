@@ -42,6 +42,7 @@ from drill.net import free_port
 from drill.metadata_server import MetadataServer
 from drill.sandbox import REPO, Disk, Sandbox, disk_status
 from stacks.lock import this_python
+from trainer import shutdown_window
 
 DEVICE_NAME = "spottrain-checkpoints"
 MOUNT_DIR = "/mnt/spottrain"
@@ -79,8 +80,9 @@ class DrillConfig:
     """1-based preemptions after which the next VM gets a blank disk (restore from GCS)."""
     seed: int = 0
     """Seeds the preemption moments (the trainer's own seed stays the experiment's)."""
-    window_s: float = 30.0
-    """Seconds from the preemption notice to the hard power-off (GCE: 30 for Spot)."""
+    window_s: float = float(shutdown_window.window_s("spot"))
+    """Seconds from the preemption notice to the hard power-off (`trainer.shutdown_window`: 30
+    for Spot)."""
     checkpoint_every_steps: int | None = None
     """Periodic save cadence in the drill (default: steps // 6); replaces the experiment's."""
     disk_mb: int = 128

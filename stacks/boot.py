@@ -25,6 +25,8 @@ from stacks.experiment import Experiment
 from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args
 from stacks.trainer_config import to_toml, vm_config
+from trainer import shutdown_window
+from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 DEVICE_NAME = "spottrain-checkpoints"
@@ -46,8 +48,8 @@ EXIT_DIR = "/run/spottrain/exit"
 FINISHED_FILE = f"{MOUNT_DIR}/spottrain-finished"
 #: The experiment's checkpoint key on the VM: a tmpfs (never a disk), mode 0600, root only.
 CHECKPOINT_KEY_FILE = "/run/spottrain/checkpoint.key"
-#: Seconds of the shutdown window kept back from the trainer for the kernel's own power-off.
-STOP_SLACK_S = 5
+#: The trainer unit's drop-in that the startup script writes for this VM's shutdown window.
+WINDOW_CONF = "/etc/systemd/system/spottrain.service.d/window.conf"
 #: Interpreters tried in order for the image's Python with torch (Deep Learning VM images).
 PYTHONS = ("/opt/conda/bin/python3", "/usr/bin/python3", "python3")
 #: On the checkpoint disk: the shipped wheels installed, one directory per archive sha256, so that
@@ -241,7 +243,33 @@ class BootProps:
 
     @property
     def window_s(self) -> int:
-        return R.SHUTDOWN_WINDOW_S[self.provisioning]
+        return shutdown_window.window_s(self.provisioning)
+
+
+@dataclass(frozen=True)
+class Window:
+    """The shutdown window of one provisioning model a VM of these scripts may have
+    (`trainer.shutdown_window`), as the startup script picks it by the VM's own."""
+
+    model: str  # as Compute Engine names it: the VM's `spottrain-provisioning` metadata
+    window_s: int
+    stop_timeout_s: int  # the trainer unit's TimeoutStopSec
+    budget_s: int  # the trainer's --preemption-budget-s
+
+
+def windows(props: BootProps) -> tuple[Window, ...]:
+    """The windows the scripts carry, the template's own provisioning first (a VM without the
+    metadata gets it), then a standard VM's: the on-demand fallback's template and a pool's
+    coordinator run the same scripts. Every trainer of a pool gets the budget of the pool's
+    shortest window: its emergency save's deadline counts from the earliest notice on any node
+    (`trainer.loop.finish`), and a worker's window closes first."""
+    kinds = [props.provisioning] + (["standard"] if props.provisioning != "standard" else [])
+    shortest = min(shutdown_window.trainer_budget_s(k) for k in kinds)
+    return tuple(Window(
+        model=PROVISIONING_MODELS[k], window_s=shutdown_window.window_s(k),
+        stop_timeout_s=shutdown_window.stop_timeout_s(k),
+        budget_s=shortest if props.pool is not None else shutdown_window.trainer_budget_s(k))
+        for k in kinds)
 
 
 def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = (),
@@ -390,8 +418,10 @@ def render(props: BootProps) -> BootScripts:
         "args": [*props.price_args, *props.args] if props.pool is None else list(props.args),
         "price_args": list(props.price_args),
         "coordinator_price_args": list(props.coordinator_price_args),
-        "window_s": props.window_s,
-        "stop_timeout_s": props.window_s - STOP_SLACK_S,
+        "windows": windows(props),
+        "window_conf": WINDOW_CONF,
+        "window_conf_dir": WINDOW_CONF.rsplit("/", 1)[0],
+        "provisioning_key": PROVISIONING_KEY,
         "bucket": props.bucket,
         "trainer_release": trainer,
         "releases": releases,

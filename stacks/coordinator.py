@@ -32,6 +32,7 @@ from constructs import Construct
 
 from stacks.boot import DEVICE_NAME, BootScripts
 from stacks.pool import COORDINATOR, ROLE_KEY
+from trainer.placement import PROVISIONING_KEY
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class Coordinator(Construct):
             "block-project-ssh-keys": "TRUE",
             "enable-guest-attributes": "TRUE",
             ROLE_KEY: COORDINATOR,
+            # Its shutdown window (the startup script's) and its ledger's placement: standard.
+            PROVISIONING_KEY: "STANDARD",
         }
         if p.trains:
             metadata["install-nvidia-driver"] = "True"

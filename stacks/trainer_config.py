@@ -35,6 +35,7 @@ STACK_SETTINGS: dict[str, str] = {
     "task": "trainer.task",
     "health_port": "trainer.health_port",
     "startup_grace_s": "group.initial_delay_sec",
+    "preemption_budget_s": "the stack from machine.provisioning: the VM's shutdown window",
     "health_host": "the stack: the group's health check reaches every address",
     "health_request": "the stack: the group's health check sends this request",
     "parallelism": "trainer.parallelism",

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, startup_notice
-from trainer.config import ConfigError, load_export_config, load_run_config, load_status_config
+from trainer.config import ConfigError, RunConfig, load_export_config, load_run_config, load_status_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -121,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--startup-grace-s", type=float,
                    help="health answers 'ok starting' this long after start, then 'starting' until the first step "
                         "(default 900; the stack: group.initial_delay_sec)")
+    r.add_argument("--preemption-budget-s", type=float,
+                   help="seconds from a preemption notice by which the emergency save must be durable "
+                        "(default 20, a Spot VM's; the stack: the VM's shutdown window)")
     r.add_argument("--durable-timeout-s", type=float,
                    help="how long the final save keeps trying to be durable on every tier before exit 74 "
                         "(default 600)")
@@ -181,18 +184,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """`run`'s settings: its config file, then every flag that was given (flags win)."""
+    flags = {a.dest for a in _run_parser()._actions if a.dest not in ("help", "config")}
+    return load_run_config({k: getattr(args, k) for k in sorted(flags)}, args.config)
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["run"]
+
+
 def main(argv: list[str] | None = None) -> int:
     started = _process_start()
     args = parser().parse_args(argv)
     try:
         if args.command == "run":
-            cli = {k: getattr(args, k) for k in (
-                "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
-                "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
-                "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
-                "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "data_workers",
-                "eval_every_steps", "checkpoint_key_file", "durable_timeout_s")}
-            cfg = load_run_config(cli, args.config)
+            cfg = run_config(args)
         elif args.command == "export":
             ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out",
                                                                      "checkpoint_key_file")})

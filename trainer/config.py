@@ -22,6 +22,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       ValidationInfo, field_validator)
 
 from trainer.data.sampler import ORDER_VERSION
+from trainer.shutdown_window import trainer_budget_s
 
 DEFAULT_TASK = "trainer.tasks.gpt:build"
 DEFAULT_HEALTH_PORT = 8471
@@ -138,9 +139,11 @@ class RunConfig(BaseModel):
     durable on every durable tier (the run dir and GCS: written, then read back), saving again
     where a copy is missing. Past it the trainer exits 74; running it again writes the missing
     copies (the run only counts as finished, exit 0, once they are all there)."""
-    preemption_budget_s: float = Field(default=25.0, gt=0)
-    """Seconds from a preemption notice by which the emergency save must be durable (Spot VMs
-    get 30 s between the notice and the hard power-off)."""
+    preemption_budget_s: float = Field(default=float(trainer_budget_s("spot")), gt=0)
+    """Seconds from a preemption notice by which the emergency save must be durable; what is
+    still uploading then is abandoned. The default is a Spot VM's (its 30 s window less the unit's
+    margin and slack, `trainer.shutdown_window`); on a VM the stack sets it for the VM's
+    provisioning (a standard VM's window is 120 s)."""
     watch_metadata: bool = True
     """Follow the GCE metadata server's ``instance/preempted`` (fails quietly off GCE)."""
     batch_size: int = Field(default=16, gt=0)

@@ -71,13 +71,17 @@ def test_example_trainer_command_line():
                  "--checkpoint-every-steps \\\n  500"):
         assert part in scripts.trainer_sh
     assert "--local-dir" not in scripts.trainer_sh
-    assert "TimeoutStopSec=25" in scripts.unit  # inside the 30 s Spot window
+    # Inside the 30 s Spot window, and a standard VM's (the on-demand fallback) inside its 120 s:
+    # the startup script's drop-in for the unit (tests/stacks/test_shutdown_window.py).
+    assert "\nTimeoutStopSec=" not in scripts.unit
+    assert "  SPOT) model=SPOT window_s=30 stop_timeout_s=25 budget_s=20 ;;" in scripts.startup
+    assert "  STANDARD) model=STANDARD window_s=120 stop_timeout_s=115 budget_s=110 ;;" in scripts.startup
     assert "KillSignal=SIGTERM" in scripts.unit
     assert "Restart=on-failure" in scripts.unit
     assert "RestartPreventExitStatus=2" in scripts.unit
     assert "SuccessExitStatus=75" in scripts.unit
     assert "PassEnvironment=GCE_METADATA_HOST GCE_METADATA_IP STORAGE_EMULATOR_HOST" in scripts.unit
-    assert "at most 25 s" in scripts.shutdown
+    assert "s/^TimeoutStopSec=//p' /etc/systemd/system/spottrain.service.d/window.conf" in scripts.shutdown
     assert 'systemctl stop "$UNIT"' in scripts.shutdown
 
 
@@ -110,7 +114,9 @@ def test_a_user_release_needs_a_trainer_release():
 
 
 def test_standard_vms_get_the_longer_window():
-    assert "TimeoutStopSec=115" in render(props_for("standard")).unit
+    startup = render(props_for("standard")).startup
+    assert "  STANDARD) model=STANDARD window_s=120 stop_timeout_s=115 budget_s=110 ;;" in startup
+    assert "SPOT)" not in startup
 
 
 def test_rendering_is_deterministic():
@@ -152,7 +158,7 @@ def test_hostile_args_reach_the_trainer_verbatim_and_execute_nothing(tmp_path):
     assert [a.decode() for a in argv] == [
         "-m", "trainer", "run", "--run-dir", "/mnt/spottrain/run", "--steps", "7",
         "--gcs-uri", "gs://b/runs/x", "--task", "trainer.tasks.gpt:build", "--health-port", "9000",
-        "--startup-grace-s", "900", "--local-dir", "/mnt/localssd/run", *args,
+        "--startup-grace-s", "900", "--preemption-budget-s", "20", "--local-dir", "/mnt/localssd/run", *args,
     ]
     assert not canary.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(

@@ -170,3 +170,15 @@ def test_data_dir_from_file_or_flag_is_not_part_of_the_fingerprint(tmp_path: Pat
     b = load_run_config({"run_dir": tmp_path, "steps": 5, "data_dir": Path("/mnt/spottrain/data")}, cfg_file)
     assert a.data_dir == Path("/mnt/localssd/data") and b.data_dir == Path("/mnt/spottrain/data")
     assert a.fingerprint(dataset_len=10) == b.fingerprint(dataset_len=10)
+
+
+def test_every_run_flag_reaches_the_config() -> None:
+    """A flag the stack passes is never parsed and then dropped (`--preemption-budget-s` is how
+    a VM's trainer gets its shutdown window's budget, `--startup-grace-s` its grace)."""
+    from trainer.cli import parser, run_config
+
+    args = parser().parse_args(["run", "--run-dir", "/tmp/r", "--steps", "5", "--preemption-budget-s", "110",
+                                "--startup-grace-s", "1800"])
+    cfg = run_config(args)
+    assert (cfg.preemption_budget_s, cfg.startup_grace_s) == (110.0, 1800.0)
+    assert run_config(parser().parse_args(["run", "--run-dir", "/tmp/r", "--steps", "5"])).preemption_budget_s == 20.0
