@@ -366,7 +366,9 @@ class Deployment:
             self.compute.add_secret(self.key_secret.rsplit("/", 1)[1])
         #: Cloud Logging (and Monitoring), which the VM's log shipper writes to (docs/watch.md).
         self.owns_observability = observability is None
-        self.observability = observability or FakeObservability(project, token=self.compute.token)
+        # It knows one token: the VMs' (their log shipper writes with the trainer account's token,
+        # which the stack grants logging.logWriter), also what `logs()` reads with.
+        self.observability = observability or FakeObservability(project, token=DRILL_TOKEN)
         self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
                                                    "shutdown-script": rendered.shutdown, **(attributes or {})},
                                        instance_name=hostname, zone=zone, project_id=project, token=DRILL_TOKEN,
