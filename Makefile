@@ -9,7 +9,7 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo drill chaos soak bench synth cost review preflight docs lock wheels clean \
+.PHONY: setup test demo drill lifecycle chaos soak bench synth cost review preflight docs lock wheels clean \
 	deploy diff destroy output logs prices
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
@@ -44,6 +44,13 @@ demo: setup
 ## two-GPU VM: torchrun with one trainer process per GPU (gloo on CPU here).
 drill: setup
 	$(PY) -m drill $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(DRILL_ARGS)
+
+## lifecycle: the experiment's synthesized stack deployed to a fake project, trained, preempted,
+## finished, scaled to zero and destroyed; lists what is left and its monthly cost, and fails unless
+## that is exactly the bucket and key docs/deploy.md promises (needs root; a few minutes).
+## EXPERIMENT=name or path; LIFECYCLE_ARGS="--preemptions 2 --steps 180".
+lifecycle: setup
+	$(PY) -m drill.lifecycle $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(LIFECYCLE_ARGS)
 
 ## chaos: the promise under real faults, fault x moment, against the real trainer; prints the table
 ## RELIABILITY.md records (about 10-15 min; needs root). CHAOS_CELLS="gcs-*:startup,pd-full" runs a part;

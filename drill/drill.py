@@ -96,6 +96,9 @@ class DrillConfig:
     nodes: int = 1
     """Training VMs: 1 is the single-VM drill; N >= 2 a pool (`drill.pool_drill`): an on-demand
     coordinator that trains and N - 1 Spot workers, the workers preempted in turn."""
+    reference: bool = True
+    """Run the uninterrupted reference first and require the same final model. Off only where the
+    question is another one (the lifecycle drill's variants: what a deploy leaves behind)."""
 
 
 @dataclass
@@ -153,8 +156,8 @@ class DrillResult:
 
     @property
     def ok(self) -> bool:
-        return (self.digest is not None and self.digest == self.reference_digest and not self.refusals
-                and not any(self.control_runs))
+        same = self.digest == self.reference_digest or not self.config.reference
+        return (self.digest is not None and same and not self.refusals and not any(self.control_runs))
 
 
 # --- the boot scripts ------------------------------------------------------------------------
@@ -255,16 +258,28 @@ def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 
 # --- the project: the fake Google APIs with the stack's IAM, and the control job ------------------
+_STACKS: dict[tuple[str, str], str] = {}
 _POLICIES: dict[tuple[str, str], Any] = {}
+
+
+def stack_json(r: Rendered) -> dict[str, Any]:
+    """The experiment's stack as `cdktn synth` writes it for the drill's spec (`drill.iam.synthesize`),
+    synthesized once per experiment; a fresh copy each call (callers may alter it)."""
+    from drill.iam import synthesize
+
+    key = (r.name, r.spec.model_dump_json())
+    if key not in _STACKS:
+        _STACKS[key] = json.dumps(synthesize(r.name, r.spec))
+    return json.loads(_STACKS[key])
 
 
 def stack_policy(r: Rendered) -> Any:
     """The IAM of the experiment's synthesized stack (`drill.iam`), once per experiment."""
-    from drill.iam import Policy, synthesize
+    from drill.iam import Policy
 
     key = (r.name, r.spec.model_dump_json())
     if key not in _POLICIES:
-        _POLICIES[key] = Policy.from_stack(synthesize(r.name, r.spec))
+        _POLICIES[key] = Policy.from_stack(stack_json(r))
     return _POLICIES[key]
 
 
@@ -314,7 +329,7 @@ class Deployment:
                  gcs: StorageEmulator | None = None, attributes: dict[str, str] | None = None,
                  hostname: str = "spottrain-drill-vm", image_files: dict[str, Path] | None = None,
                  unit_environment: dict[str, str] | None = None, compute: FakeGcp | None = None,
-                 observability: FakeObservability | None = None) -> None:
+                 observability: FakeObservability | None = None, fake_project: Any = None) -> None:
         """`image`: a directory holding the `trainer` package the VMs run (a snapshot, so that
         every VM and the final `status` run the same code). `preinstall_trainer` puts it on the
         VM image at /opt/spottrain/trainer: the boot scripts do not deliver it yet.
@@ -324,7 +339,10 @@ class Deployment:
         (`attributes`, e.g. its role), its own host name, and more files on its image.
 
         `compute`: the fake Compute API the VM's own calls reach (scale to zero); by default one of
-        its own, holding the experiment's group with this VM in it (a pool shares one)."""
+        its own, holding the experiment's group with this VM in it (a pool shares one).
+
+        `fake_project`: a `drill.fake_project.FakeProject` the stack was applied to (the lifecycle
+        drill); it hears of every VM the group creates and deletes, and of the fakes' final state."""
         self.root = root
         self.image = image
         self.preinstall_trainer = preinstall_trainer and not rendered.delivers_trainer
@@ -368,7 +386,9 @@ class Deployment:
             self.compute.add_secret(self.key_secret.rsplit("/", 1)[1])
         #: Cloud Logging (and Monitoring), which the VM's log shipper writes to (docs/watch.md).
         self.owns_observability = observability is None
-        self.observability = observability or FakeObservability(project, token=self.compute.token)
+        # It knows one token: the VMs' (their log shipper writes with the trainer account's token,
+        # which the stack grants logging.logWriter), also what `logs()` reads with.
+        self.observability = observability or FakeObservability(project, token=DRILL_TOKEN)
         self.metadata = MetadataServer(attributes={"startup-script": rendered.startup,
                                                    "shutdown-script": rendered.shutdown, **(attributes or {})},
                                        instance_name=hostname, zone=zone, project_id=project, token=DRILL_TOKEN,
@@ -379,6 +399,7 @@ class Deployment:
                            for i in range(rendered.local_ssd_count)}
         self.vm: Sandbox | None = None
         self.finished_guest_attributes: dict[str, str] = {}
+        self.fake_project = fake_project
 
     def __enter__(self) -> "Deployment":
         if self.owns_gcs:
@@ -422,6 +443,8 @@ class Deployment:
             self.observability.stop()
         for disk in (self.disk, *self.local_ssds.values()):
             disk.detach()
+        if self.fake_project is not None:
+            self.fake_project.sync(self.compute)
 
     def upload(self, name: str, data: bytes) -> None:
         """Put an object into the bucket with the real client, as `cdktn deploy` would have."""
@@ -441,8 +464,19 @@ class Deployment:
         for ssd in self.local_ssds.values():
             ssd.blank()
         offsets = (len(self.vm.journal()), len(self.vm.events()))
+        if self.fake_project is not None and self.group is not None:
+            self.fake_project.instance_up(self.group, self.hostname)
         self.vm.boot(keep_boot_disk=False)
         return offsets
+
+    def power_off(self) -> dict[str, Any]:
+        """ACPI soft-off, hard off when the window closes: the VM is gone (Spot's termination
+        action DELETE; the group recreates it unless its target size went below it)."""
+        assert self.vm is not None
+        off = self.vm.power_off(self.cfg.window_s)
+        if self.fake_project is not None and self.group is not None:
+            self.fake_project.instance_down(self.group, self.hostname, self.group_size() or 0)
+        return off
 
     def wait_line(self, regex: re.Pattern[str], since: int, accept: Callable[[re.Match[str]], bool] = lambda m: True,
                   *, events_since: int | None = None) -> re.Match[str]:
@@ -497,7 +531,7 @@ class Deployment:
         units = [e["unit"] for e in self.vm.events()[e0:] if e["event"] == "unit-started"]
         state = self.metadata.guest_attributes().get("spottrain/state")
         health = health_answer(self.r.health_port, timeout=30 if units else 0)
-        self.vm.power_off(self.cfg.window_s)
+        self.power_off()
         return {"startup_rc": ev["rc"], "unit_started": UNIT in units, "other_units": units,
                 "guest_state": state, "health": health, "group_size": self.group_size()}
 
@@ -548,7 +582,7 @@ class Deployment:
         self.finished_guest_attributes = self.metadata.guest_attributes()
         if self.group is not None and not self.wait_group_size(0):
             raise DrillFailure(f"the finished run did not scale {self.group} to zero; journal tail:\n{self.vm.tail()}")
-        self.vm.power_off(self.cfg.window_s)
+        self.power_off()
         return int(restore.group(1)), restore.group(2)
 
 
@@ -584,7 +618,11 @@ def check(cfg: DrillConfig) -> None:
         raise ValueError(f"wipe_disk_after: {bad} is not a preemption between 1 and {cfg.preemptions}")
 
 
-def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResult:
+def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print, *,
+              deploy: Callable[[Rendered], Any] | None = None) -> DrillResult:
+    """`deploy`: given the rendered scripts, apply the stack to a fake project and return it
+    (`drill.fake_project.FakeProject`, the lifecycle drill): the drilled deployment then uses its
+    bucket and tells it of every VM; None: the deployment's fakes are its own."""
     check(cfg)
     import tempfile
 
@@ -601,17 +639,23 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> DrillResu
             + (f", disk wiped after preemption {', '.join(map(str, cfg.wipe_disk_after))}" if cfg.wipe_disk_after else ""))
 
         t0 = time.monotonic()
-        say("reference: one VM, no preemption ...")
-        with Deployment(workdir / "reference", rendered, cfg, say, image) as ref:
-            ref.run_to_end()
-            ref_status = ref.status()
-            refusals, control_runs = ref.iam_record()
+        ref_status: dict[str, Any] = {}
+        refusals, control_runs = [], []
+        if cfg.reference:
+            say("reference: one VM, no preemption ...")
+            with Deployment(workdir / "reference", rendered, cfg, say, image) as ref:
+                ref.run_to_end()
+                ref_status = ref.status()
+                refusals, control_runs = ref.iam_record()
+            say(f"reference: step {ref_status['latest_step']}, digest {str(ref_status['model_digest'])[:16]}, "
+                f"{time.monotonic() - t0:.1f} s")
         reference_s = time.monotonic() - t0
-        say(f"reference: step {ref_status['latest_step']}, digest {str(ref_status['model_digest'])[:16]}, {reference_s:.1f} s")
+        project = deploy(rendered) if deploy is not None else None
 
         t1 = time.monotonic()
         preemptions: list[Preemption] = []
-        with Deployment(workdir / "drill", rendered, cfg, say, image) as dep:
+        with Deployment(workdir / "drill", rendered, cfg, say, image, fake_project=project,
+                        gcs=project.gcs if project is not None else None) as dep:
             assert dep.vm is not None
             for i in range(1, cfg.preemptions + 1):
                 p = _preempt_round(dep, cfg, i, rng, say)
@@ -674,7 +718,7 @@ def _preempt_round(dep: Deployment, cfg: DrillConfig, i: int, rng: random.Random
     events_before = len(dep.vm.events())
     t_notice = time.monotonic()
     dep.metadata.preempt()
-    off = dep.vm.power_off(cfg.window_s)
+    off = dep.power_off()
     p.off_s, p.killed = float(off["seconds"]), bool(off["killed"])
     notice_wall = time.time() - (time.monotonic() - t_notice)
     for ev in dep.vm.events()[events_before:]:
@@ -748,9 +792,12 @@ def report(r: DrillResult) -> str:
     if r.logs:
         lines += ["", "## The VMs' logs (`python -m trainer logs`, from the loopback Cloud Logging)", "", *r.logs]
     same = r.digest is not None and r.digest == r.reference_digest
-    lines += ["", f"reference digest {r.reference_digest}", f"drill digest     {r.digest}",
-              f"digest {'MATCHES' if same else 'DIFFERS'}: reference run {r.reference_s:.1f} s, drill {r.drill_s:.1f} s",
-              iam_line(r.refusals, r.control_runs)]
+    if r.config.reference:
+        lines += ["", f"reference digest {r.reference_digest}", f"drill digest     {r.digest}",
+                  f"digest {'MATCHES' if same else 'DIFFERS'}: reference run {r.reference_s:.1f} s, drill {r.drill_s:.1f} s"]
+    else:
+        lines += ["", f"drill digest     {r.digest} (no reference run to compare with), drill {r.drill_s:.1f} s"]
+    lines.append(iam_line(r.refusals, r.control_runs))
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """A pool's coordinator: one on-demand VM that is never preempted, hosts the c10d rendezvous and,
 by default, trains as one of the nodes.
 
-Standard provisioning, no external IP, the experiment's own service account, shielded VM like the
+It is the workers' VM (`stacks.vm_spec`) on the coordinator's machine type, with standard
+provisioning: no external IP, the experiment's own service account, shielded VM like the
 workers' template. Its internal IP is a reserved static address (the DNS record points at it, so
 it survives a recreation) and its checkpoint disk is a separate persistent disk (kept when the VM
 is replaced). The boot scripts are the workers' own; metadata `spottrain-role = coordinator` tells
@@ -12,7 +13,7 @@ VM when it changes: a code or setting change reaches the coordinator as it reach
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cdktn_provider_google.compute_address import ComputeAddress
 from cdktn_provider_google.compute_disk import ComputeDisk
@@ -30,35 +31,22 @@ from cdktn_provider_google.compute_instance import (
 )
 from constructs import Construct
 
-from stacks.boot import DEVICE_NAME, BootScripts
-from stacks.pool import COORDINATOR, ROLE_KEY
+from stacks.boot import DEVICE_NAME
+from stacks.pool import COORDINATOR
+from stacks.vm_spec import VmSpec
 from trainer.placement import PROVISIONING_KEY
 
 
 @dataclass(frozen=True)
 class CoordinatorProps:
-    project: str
-    region: str
+    """The experiment's VM on the coordinator's machine type (`VmSpec.on_machine`), and what is
+    the coordinator's own."""
+
+    vm: VmSpec
     zone: str
     name: str  # the VM's name, "<experiment>-coordinator"
-    machine_type: str
     trains: bool  # False: a CPU VM that only hosts the rendezvous store
-    gpu_type: str
-    gpu_count: int
-    attach_gpus: bool  # only N1 takes guest_accelerator
-    gvnic: bool
     running: bool  # False (group.workers = 0): stopped, disks and IP kept
-    image_project: str
-    image_family: str
-    boot_disk_gb: int
-    checkpoint_disk_gb: int
-    local_ssd_count: int
-    service_account_email: str
-    subnetwork: str  # id or name (with subnetwork_project)
-    subnetwork_project: str | None
-    network_tag: str
-    scripts: BootScripts
-    labels: dict[str, str] = field(default_factory=dict)
     depends_on: tuple = ()  # grants and code objects, as for the group
     #: Overrides `running`: an expression that stops the coordinator once the job is done
     #: (`stacks.scale_to_zero`).
@@ -70,70 +58,59 @@ class Coordinator(Construct):
 
     def __init__(self, scope: Construct, id_: str, props: CoordinatorProps) -> None:
         super().__init__(scope, id_)
-        p = props
+        p, vm = props, props.vm
         self.address = ComputeAddress(
             self,
             "address",
-            project=p.project,
-            region=p.region,
+            project=vm.project,
+            region=vm.region,
             name=p.name,
             description="spottrain: the pool coordinator's internal IP (rendezvous endpoint)",
             address_type="INTERNAL",
-            subnetwork=p.subnetwork if p.subnetwork_project is None else
-            f"projects/{p.subnetwork_project}/regions/{p.region}/subnetworks/{p.subnetwork}",
-            labels=p.labels,
+            subnetwork=vm.subnetwork if vm.subnetwork_project is None else
+            f"projects/{vm.subnetwork_project}/regions/{vm.region}/subnetworks/{vm.subnetwork}",
+            labels=vm.labels,
         )
         self.disk = ComputeDisk(
             self,
             "checkpoint-disk",
-            project=p.project,
+            project=vm.project,
             zone=p.zone,
             name=f"{p.name}-ckpt",
             description="spottrain: the coordinator's persistent checkpoint tier",
             type="pd-ssd",
-            size=p.checkpoint_disk_gb,
-            labels=p.labels,
+            size=vm.checkpoint_disk_gb,
+            labels=vm.labels,
         )
-        metadata = {
-            "shutdown-script": p.scripts.shutdown,
-            "enable-oslogin": "TRUE",
-            "block-project-ssh-keys": "TRUE",
-            "enable-guest-attributes": "TRUE",
-            ROLE_KEY: COORDINATOR,
-            # Its shutdown window (the startup script's) and its ledger's placement: standard.
-            PROVISIONING_KEY: "STANDARD",
-        }
-        if p.trains:
-            metadata["install-nvidia-driver"] = "True"
         self.instance = ComputeInstance(
             self,
             "instance",
-            project=p.project,
+            project=vm.project,
             zone=p.zone,
             name=p.name,
             description="spottrain pool coordinator: on demand, hosts the rendezvous",
-            machine_type=p.machine_type,
-            labels=p.labels,
-            tags=[p.network_tag],
+            machine_type=vm.machine_type,
+            labels=vm.labels,
+            tags=[vm.network_tag],
             desired_status=p.desired_status or ("RUNNING" if p.running else "TERMINATED"),
             allow_stopping_for_update=True,
             boot_disk=ComputeInstanceBootDisk(
                 auto_delete=True,
                 initialize_params=ComputeInstanceBootDiskInitializeParams(
-                    image=f"projects/{p.image_project}/global/images/family/{p.image_family}",
-                    size=p.boot_disk_gb,
+                    image=vm.image,
+                    size=vm.boot_disk_gb,
                     type="pd-balanced",
-                    labels=p.labels,
+                    labels=vm.labels,
                 ),
             ),
             # Same device name as the workers' disk: the startup script finds it by that name.
             attached_disk=[ComputeInstanceAttachedDisk(
                 source=self.disk.id, device_name=DEVICE_NAME, mode="READ_WRITE")],
             scratch_disk=[ComputeInstanceScratchDisk(interface="NVME")
-                          for _ in range(p.local_ssd_count if p.trains else 0)] or None,
+                          for _ in range(vm.local_ssd_count if p.trains else 0)] or None,
             guest_accelerator=[
-                ComputeInstanceGuestAccelerator(type=p.gpu_type, count=p.gpu_count)
-            ] if p.trains and p.attach_gpus else None,
+                ComputeInstanceGuestAccelerator(type=vm.gpu_type, count=vm.gpu_count)
+            ] if p.trains and vm.attach_gpus else None,
             scheduling=ComputeInstanceScheduling(
                 provisioning_model="STANDARD",
                 preemptible=False,
@@ -145,21 +122,22 @@ class Coordinator(Construct):
             network_interface=[
                 # No access_config: no external IP. Egress goes through Cloud NAT.
                 ComputeInstanceNetworkInterface(
-                    subnetwork=p.subnetwork,
-                    subnetwork_project=p.subnetwork_project,
+                    subnetwork=vm.subnetwork,
+                    subnetwork_project=vm.subnetwork_project,
                     network_ip=self.address.address,
-                    nic_type="GVNIC" if p.gvnic and p.trains else None,
+                    nic_type="GVNIC" if vm.gvnic and p.trains else None,
                 )
             ],
             service_account=ComputeInstanceServiceAccount(
-                email=p.service_account_email, scopes=["cloud-platform"]),
+                email=vm.service_account_email, scopes=["cloud-platform"]),
             shielded_instance_config=ComputeInstanceShieldedInstanceConfig(
                 # As the template: the driver installed at first boot is not signed.
                 enable_secure_boot=False,
                 enable_vtpm=True,
                 enable_integrity_monitoring=True,
             ),
-            metadata=metadata,
-            metadata_startup_script=p.scripts.startup,
+            # Its shutdown window (the startup script's) and its ledger's placement: standard.
+            metadata={**vm.metadata(role=COORDINATOR, gpus=p.trains), PROVISIONING_KEY: "STANDARD"},
+            metadata_startup_script=vm.scripts.startup,
             depends_on=list(p.depends_on) or None,
         )

@@ -1,16 +1,16 @@
 """Code delivery: the trainer, the user's own code directory and the dependencies' wheels
 (`stacks.wheels`) as content-addressed archives.
 
-`build_archive` packs a source tree into a byte-for-byte deterministic `.tar.gz` (sorted
-entries, fixed mtime/owner/mode, gzip header without time or name; no `__pycache__`, `*.pyc`,
-`tests` or hidden entries), named by its sha256. The tar format is POSIX.1-2001 (pax): a member
-name over ustar's 100 characters (wheel file names reach 101 and more) gets a pax `path` record,
-and nothing else does (no times, no owners: those are fixed ustar fields), so short names pack
-exactly as ustar would and long ones as deterministically. `CodeDelivery` uploads each archive to
-the checkpoint bucket as `code/<kind>-<sha256[:16]>.tar.gz` through a `TerraformAsset`, and the boot
-script receives the object name and the full sha256 (`Release`). So a one-byte change in the
-tree renames the object and changes the instance template (the group rolls), while an unchanged
-tree synthesizes identical JSON (`diff` shows nothing).
+`build_archive` packs a source tree into a byte-for-byte deterministic `.tar.gz` (sorted entries,
+fixed mtime/owner/mode, gzip header without time or name; no `__pycache__`, `*.pyc`, `tests` or
+hidden entries: `stacks.shipped`), named by its sha256. The tar format is POSIX.1-2001 (pax): a
+member name over ustar's 100 characters (wheel file names reach 101 and more) gets a pax `path`
+record, and nothing else does (no times, no owners: those are fixed ustar fields), so short names
+pack exactly as ustar would and long ones as deterministically. `CodeDelivery` uploads each
+archive to the checkpoint bucket as `code/<kind>-<sha256[:16]>.tar.gz` through a `TerraformAsset`,
+and the boot script receives the object name and the full sha256 (`Release`). So a one-byte change
+in the tree renames the object and changes the instance template (the group rolls), while an
+unchanged tree synthesizes identical JSON (`diff` shows nothing).
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from constructs import Construct
 
 from stacks.boot import Release
 from stacks.errors import InputError
+from stacks.shipped import ships_dir, ships_file
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER_SOURCE = REPO / "trainer"
 #: Where archives are written before synthesis copies them into cdktf.out (git-ignored).
 BUILD_DIR = REPO / "build" / "code"
 OBJECT_PREFIX = "code/"
-EXCLUDED_DIRS = frozenset({"__pycache__", "tests", "test"})
-EXCLUDED_SUFFIXES = (".pyc", ".pyo")
 
 
 class DeliveryError(InputError):
@@ -54,13 +53,12 @@ def _entries(src: Path, skip_top: Callable[[Path], bool] | None = None) -> list[
     `skip_top` leaves out files at the top of `src`."""
     out: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(src):
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in EXCLUDED_DIRS and not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if ships_dir(d))
         here = Path(dirpath)
         for d in dirnames:
             out.append(((here / d).relative_to(src).as_posix(), here / d))
         for f in sorted(filenames):
-            if f.startswith(".") or f.endswith(EXCLUDED_SUFFIXES):
+            if not ships_file(f):
                 continue
             if skip_top is not None and here == src and skip_top(here / f):
                 continue

@@ -1,4 +1,5 @@
-"""The trainer VM's instance template: machine, GPUs, scheduling, disks, boot scripts.
+"""The trainer VM's instance template, made from the experiment's VM (`stacks.vm_spec`): machine,
+GPUs, scheduling, disks, boot scripts.
 
 Replaced, never edited: `name_prefix` plus create-before-destroy lets a changed template exist
 next to the old one until the group has moved over. Its metadata is a pure function of the
@@ -7,7 +8,7 @@ experiment, so an unchanged experiment plans no diff.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cdktn import TerraformResourceLifecycle
 from cdktn_provider_google.compute_instance_template import (
@@ -24,37 +25,19 @@ from cdktn_provider_google.compute_instance_template import (
 from constructs import Construct
 
 from stacks import gcp_rules as R
-from stacks.boot import DEVICE_NAME, BootScripts
+from stacks.boot import DEVICE_NAME
+from stacks.vm_spec import VmSpec
+from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
 
 
 @dataclass(frozen=True)
 class TemplateProps:
-    project: str
-    region: str
-    name: str
-    machine_type: str
-    gpu_type: str
-    gpu_count: int
-    attach_gpus: bool  # only N1 takes guest_accelerator; a2/a3/g2 have theirs built in
-    gvnic: bool  # A3 boots only with the gVNIC interface
-    spot: bool
-    termination_action: str
-    image_project: str
-    image_family: str
-    boot_disk_gb: int
-    checkpoint_disk_gb: int
-    local_ssd_count: int
-    service_account_email: str
-    subnetwork: str
-    subnetwork_project: str | None
-    network_tag: str
-    scripts: BootScripts
-    labels: dict[str, str] = field(default_factory=dict)
+    """The experiment's VM and what is this template's own."""
+
+    vm: VmSpec
     depends_on: tuple = ()  # the code objects the startup script fetches
-    extra_metadata: dict[str, str] = field(default_factory=dict)
-    """More instance metadata, e.g. a pool's `spottrain-role = worker` (none for one VM)."""
-    flex_max_run_s: int | None = None
-    """flex-start provisioning (`spot` False): each VM runs at most this long, then is deleted."""
+    role: str | None = None
+    """Its VMs' part in a pool (`spottrain-role = worker`); None for a single VM."""
     name_suffix: str = ""
     """A second template of the same experiment (the on-demand fallback's, "od")."""
     checkpoint_disk_stateful: bool = True
@@ -64,9 +47,9 @@ class TemplateProps:
     Engine deletes leaves a disk behind that Terraform does not know."""
 
 
-def scheduling(spot: bool, termination_action: str,
-               flex_max_run_s: int | None = None) -> ComputeInstanceTemplateScheduling:
-    if flex_max_run_s is not None:
+def scheduling(vm: VmSpec) -> ComputeInstanceTemplateScheduling:
+    if vm.provisioning == "flex-start":
+        assert vm.flex_max_run_s is not None  # vm_spec sets it for flex-start
         # Dynamic Workload Scheduler: not preemptible; deleted (DELETE is the only action) when
         # its run duration ends. The resize requests ask for the same duration, so the VM ends
         # at the same moment whichever of the two the group applies (docs/capacity.md).
@@ -76,16 +59,16 @@ def scheduling(spot: bool, termination_action: str,
             automatic_restart=False,
             on_host_maintenance="TERMINATE",
             instance_termination_action="DELETE",
-            max_run_duration=ComputeInstanceTemplateSchedulingMaxRunDuration(seconds=flex_max_run_s),
+            max_run_duration=ComputeInstanceTemplateSchedulingMaxRunDuration(seconds=vm.flex_max_run_s),
         )
-    if spot:
+    if vm.provisioning == "spot":
         # The API's required Spot combination; GPUs also require TERMINATE on host maintenance.
         return ComputeInstanceTemplateScheduling(
             provisioning_model="SPOT",
             preemptible=True,
             automatic_restart=False,
             on_host_maintenance="TERMINATE",
-            instance_termination_action=termination_action,
+            instance_termination_action=vm.termination_action,
         )
     return ComputeInstanceTemplateScheduling(
         provisioning_model="STANDARD",
@@ -98,15 +81,15 @@ def scheduling(spot: bool, termination_action: str,
 class TrainerTemplate(Construct):
     def __init__(self, scope: Construct, id_: str, props: TemplateProps) -> None:
         super().__init__(scope, id_)
+        vm = props.vm
         disks = [
             ComputeInstanceTemplateDisk(
                 boot=True,
                 auto_delete=True,
-                source_image=f"projects/{props.image_project}/global/images/family/"
-                f"{props.image_family}",
+                source_image=vm.image,
                 disk_type="pd-balanced",
-                disk_size_gb=props.boot_disk_gb,
-                labels=props.labels,
+                disk_size_gb=vm.boot_disk_gb,
+                labels=vm.labels,
             ),
             # The checkpoint disk; the startup script finds it at
             # /dev/disk/by-id/google-<device_name>. In a stateful group the group keeps it by
@@ -120,10 +103,10 @@ class TrainerTemplate(Construct):
                 auto_delete=not props.checkpoint_disk_stateful,
                 device_name=DEVICE_NAME,
                 disk_type="pd-ssd",
-                disk_size_gb=props.checkpoint_disk_gb,
+                disk_size_gb=vm.checkpoint_disk_gb,
                 type="PERSISTENT",
                 mode="READ_WRITE",
-                labels=props.labels,
+                labels=vm.labels,
             ),
         ]
         disks += [
@@ -131,40 +114,40 @@ class TrainerTemplate(Construct):
                 type="SCRATCH", disk_type="local-ssd", interface="NVME",
                 disk_size_gb=R.LOCAL_SSD_GB, auto_delete=True,
             )
-            for _ in range(props.local_ssd_count)
+            for _ in range(vm.local_ssd_count)
         ]
         self.template = ComputeInstanceTemplate(
             self,
             "template",
-            project=props.project,
-            region=props.region,
-            name_prefix=f"{props.name}-{props.name_suffix}-" if props.name_suffix else f"{props.name}-",
-            description=f"spottrain trainer VM for {props.name}",
-            machine_type=props.machine_type,
-            labels=props.labels,
-            tags=[props.network_tag],
+            project=vm.project,
+            region=vm.region,
+            name_prefix=f"{vm.name}-{props.name_suffix}-" if props.name_suffix else f"{vm.name}-",
+            description=f"spottrain trainer VM for {vm.name}",
+            machine_type=vm.machine_type,
+            labels=vm.labels,
+            tags=[vm.network_tag],
             disk=disks,
             guest_accelerator=[
-                ComputeInstanceTemplateGuestAccelerator(type=props.gpu_type, count=props.gpu_count)
+                ComputeInstanceTemplateGuestAccelerator(type=vm.gpu_type, count=vm.gpu_count)
             ]
-            if props.attach_gpus
+            if vm.attach_gpus
             else None,
-            scheduling=scheduling(props.spot, props.termination_action, props.flex_max_run_s),
+            scheduling=scheduling(vm),
             # Flex-start capacity comes from Dynamic Workload Scheduler, never from a reservation
             # (the default affinity, ANY_RESERVATION, would let a matching one be consumed); as
             # in Google's resize-request examples.
             reservation_affinity=ComputeInstanceTemplateReservationAffinity(type="NO_RESERVATION")
-            if props.flex_max_run_s is not None else None,
+            if vm.provisioning == "flex-start" else None,
             network_interface=[
                 # No access_config: no external IP. Egress goes through Cloud NAT.
                 ComputeInstanceTemplateNetworkInterface(
-                    subnetwork=props.subnetwork,
-                    subnetwork_project=props.subnetwork_project,
-                    nic_type="GVNIC" if props.gvnic else None,
+                    subnetwork=vm.subnetwork,
+                    subnetwork_project=vm.subnetwork_project,
+                    nic_type="GVNIC" if vm.gvnic else None,
                 )
             ],
             service_account=ComputeInstanceTemplateServiceAccount(
-                email=props.service_account_email,
+                email=vm.service_account_email,
                 # IAM on the dedicated account is what limits access; the scope only lets it apply.
                 scopes=["cloud-platform"],
             ),
@@ -175,14 +158,10 @@ class TrainerTemplate(Construct):
                 enable_integrity_monitoring=True,
             ),
             metadata={
-                "startup-script": props.scripts.startup,
-                "shutdown-script": props.scripts.shutdown,
-                "enable-oslogin": "TRUE",
-                "block-project-ssh-keys": "TRUE",
-                "install-nvidia-driver": "True",
-                # The boot path reports its state (training, finished, ...) as guest attributes.
-                "enable-guest-attributes": "TRUE",
-                **props.extra_metadata,
+                "startup-script": vm.scripts.startup,
+                **vm.metadata(role=props.role),
+                # The goodput ledger's placement of each session (`trainer.placement`).
+                PROVISIONING_KEY: PROVISIONING_MODELS[vm.provisioning],
             },
             depends_on=list(props.depends_on) or None,
             lifecycle=TerraformResourceLifecycle(create_before_destroy=True),

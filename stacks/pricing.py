@@ -118,6 +118,10 @@ POINT_BYTES, DISTRIBUTION_POINT_BYTES = 8, 80
 #: multi-regions. Soft-deleted and noncurrent objects are billed at the same rate while kept.
 GCS_STANDARD_GB_MONTH = {"region": 0.020, "multi-region": 0.026}
 GCS_MULTI_REGIONS = ("US", "EU", "ASIA")
+#: Secret Manager, per active (enabled or disabled) secret version and replica location per month
+#: (cloud.google.com/secret-manager/pricing, list price; the first 6 active versions of a billing
+#: account are free each month; an automatic replication policy bills as one location).
+SECRET_VERSION_USD_MONTH = 0.06
 
 DEFAULT_REGION = "us-central1"
 #: The regions of the table; others use DEFAULT_REGION's prices.

@@ -42,12 +42,12 @@ from stacks.network import (
     TrainerFirewall,
     TrainerNetwork,
 )
-from stacks.pool import ROLE_KEY, WORKER, PoolLayout, layout
+from stacks.pool import WORKER, PoolLayout, layout
 from stacks.pool_dns import PoolDns, PoolDnsProps
 from stacks.wheels import shipped_wheels
 from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
+from stacks.vm_spec import vm_spec
 from trainer import scale as vm_scale
-from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
 
 
 def state_path(name: str) -> str:
@@ -180,32 +180,13 @@ class TrainingStack(TerraformStack):
                 capacity_advice=fallback, labels=labels, depends_on=tuple(delivery.objects)))
         # The VMs may start the control job: a VM that needs it must not boot before it may.
         may_stop = tuple(control.vm_grants) if control else ()
+        vm = vm_spec(name, exp, service_account_email=identity.email, subnetwork=network.subnetwork,
+                     subnetwork_project=network.subnetwork_project, network_tag=tag,
+                     scripts=scripts, labels=labels)
         template_props = TemplateProps(
-            project=gcp.project,
-            region=gcp.region,
-            name=name,
-            machine_type=m.machine_type,
-            gpu_type=m.gpu_type,
-            gpu_count=m.gpu_count,
-            attach_gpus=m.shape.gpu_type is None,
-            gvnic=m.shape.gvnic_required,
-            spot=m.provisioning == "spot",
-            termination_action=m.termination_action,
-            image_project=m.image_project,
-            image_family=m.image_family,
-            boot_disk_gb=m.boot_disk_gb,
-            checkpoint_disk_gb=exp.disk.checkpoint_disk_gb,
-            local_ssd_count=exp.disk.local_ssd_count,
-            service_account_email=identity.email,
-            subnetwork=network.subnetwork,
-            subnetwork_project=network.subnetwork_project,
-            network_tag=tag,
-            scripts=scripts,
-            labels=labels,
+            vm=vm,
             depends_on=tuple(delivery.objects),
-            extra_metadata={**({ROLE_KEY: WORKER} if pool else {}),
-                            PROVISIONING_KEY: PROVISIONING_MODELS[m.provisioning]},
-            flex_max_run_s=c.flex_max_run_hours * 3600 if flex else None,
+            role=WORKER if pool else None,
             # Only the Spot/standard group without a zone change keeps a stateful disk.
             checkpoint_disk_stateful=not flex and not c.zone_change_on_repair,
         )
@@ -244,30 +225,12 @@ class TrainingStack(TerraformStack):
 
         if pool is not None:
             coordinator = Coordinator(self, "coordinator", CoordinatorProps(
-                project=gcp.project,
-                region=gcp.region,
+                vm=vm.on_machine(pool.coordinator_machine_type),
                 zone=gcp.zones[0],
                 name=pool.coordinator_name,
-                machine_type=pool.coordinator_machine_type,
                 trains=pool.coordinator_trains,
-                gpu_type=m.gpu_type,
-                gpu_count=m.gpu_count,
-                attach_gpus=R.MACHINE_TYPES.get(pool.coordinator_machine_type, m.shape).gpu_type
-                is None,
-                gvnic=R.MACHINE_TYPES.get(pool.coordinator_machine_type, m.shape).gvnic_required,
                 running=pool.running,
                 desired_status=stop.coordinator_status(pool.running) if stop else None,
-                image_project=m.image_project,
-                image_family=m.image_family,
-                boot_disk_gb=m.boot_disk_gb,
-                checkpoint_disk_gb=exp.disk.checkpoint_disk_gb,
-                local_ssd_count=exp.disk.local_ssd_count,
-                service_account_email=identity.email,
-                subnetwork=network.subnetwork,
-                subnetwork_project=network.subnetwork_project,
-                network_tag=tag,
-                scripts=scripts,
-                labels=labels,
                 depends_on=(*identity.grants, *delivery.objects, *may_stop),
             ))
             PoolDns(self, "pool-dns", PoolDnsProps(
@@ -313,8 +276,7 @@ class TrainingStack(TerraformStack):
         import dataclasses
 
         od_template = TrainerTemplate(self, "od-template", dataclasses.replace(
-            template_props, spot=False, name_suffix="od",
-            extra_metadata={**template_props.extra_metadata, PROVISIONING_KEY: "STANDARD"}))
+            template_props, vm=template_props.vm.on_demand(), name_suffix="od"))
         TrainerGroup(self, "od-group", dataclasses.replace(
             group_props, kind="od", workers=0, template_self_link=od_template.self_link_unique))
 

@@ -2,8 +2,8 @@
 
 The VM imports `module:callable` from the code it is given: the trainer package and the
 experiment's `code_dir` (PYTHONPATH in that order). So the module must be a file shipped in one of
-them (`a/b.py` or `a/b/__init__.py`, in a directory the archive keeps: `stacks.delivery` leaves
-out tests/, __pycache__ and hidden entries), and the name must be bound at its top level. The file
+them (`a/b.py` or `a/b/__init__.py`, in a directory the archive keeps: `stacks.shipped` leaves out
+tests/, __pycache__ and hidden entries), and the name must be bound at its top level. The file
 is parsed with `ast`, never imported: a binding is a `def`, a `class`, an assignment or an import
 at module level (also inside a top-level `if`/`try`/`with`). With `task_args` and a plain
 `def`, the keyword arguments are checked against its parameters, as the trainer does at start.
@@ -21,14 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stacks.shipped import ships
+
 Problem = tuple[str, str]
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _shipped(rel: Path) -> bool:
-    from stacks.delivery import EXCLUDED_DIRS
-
-    return not any(part in EXCLUDED_DIRS or part.startswith(".") for part in rel.parts)
 
 
 def find_module(module: str, roots: list[tuple[str, Path]]) -> tuple[str, Path] | None:
@@ -38,7 +34,7 @@ def find_module(module: str, roots: list[tuple[str, Path]]) -> tuple[str, Path] 
         if root == REPO and parts[0] != "trainer":
             continue  # of the repository, only the trainer package is shipped
         for rel in (Path(*parts[:-1], parts[-1] + ".py"), Path(*parts, "__init__.py")):
-            if (root / rel).is_file() and _shipped(rel):
+            if (root / rel).is_file() and ships(rel):
                 return label, root / rel
     return None
 

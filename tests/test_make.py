@@ -73,6 +73,12 @@ def test_make_drill_takes_an_experiment():
     assert ".venv/bin/python -m drill --experiment drill/experiments/two-gpus.toml" in proc.stdout
 
 
+def test_make_lifecycle_takes_an_experiment_and_its_arguments():
+    proc = make("-n", "lifecycle", "EXPERIMENT=cnn", "LIFECYCLE_ARGS=--preemptions 2 --steps 180")
+    assert proc.returncode == 0, proc.stderr
+    assert ".venv/bin/python -m drill.lifecycle --experiment cnn --preemptions 2 --steps 180" in proc.stdout
+
+
 def test_make_chaos_takes_a_selection_of_cells():
     proc = make("-n", "chaos", "CHAOS_CELLS=gcs-*:startup,pd-full")
     assert proc.returncode == 0, proc.stderr

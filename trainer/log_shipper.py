@@ -51,6 +51,7 @@ after the trainer and the shutdown script).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import http.client
 import json
@@ -249,6 +250,11 @@ class Shipper:
         #: monotonic time by which a stopping shipper gives up (set once SIGTERM is seen)
         self.deadline: Optional[float] = None
         self.proc: Optional[subprocess.Popen] = None
+        #: the cursors of the newest records the reader has queued (the reader thread appends)
+        self._read: "collections.deque[str]" = collections.deque(maxlen=10_000)
+        #: when stopping: the journal's newest matching record once the trainer is inactive,
+        #: which must be queued and sent before the drain ends ("" when the journal has none)
+        self._drain_to: Optional[str] = None
         self._token: Optional[str] = None
         self._token_expires = 0.0
         self.resource: Dict[str, Any] = {}
@@ -304,6 +310,8 @@ class Shipper:
                 if isinstance(record, dict):
                     self.queue.put(record)
                     cursor = record.get("__CURSOR") or cursor
+                    if cursor:
+                        self._read.append(cursor)
             rc = self.proc.wait()
             if self.stopping.is_set():
                 return
@@ -380,6 +388,22 @@ class Shipper:
         return True
 
     # --- the watchdog ----------------------------------------------------------------------
+    def _drained(self) -> bool:
+        """Every record the journal held once the trainer stopped has been queued and sent.
+
+        A quiet reader is not enough: under load `journalctl --follow` may not yet have handed
+        over the unit's last lines (systemd's "Main process exited ... status=0", which is how
+        `trainer logs` tells how a session ended) when the trainer is already inactive."""
+        if self._drain_to is None:
+            cmd = [c for c in self.journal_command(None) if c not in ("--follow", "--no-tail")]
+            try:
+                out = subprocess.run([*cmd, "--lines=1"], capture_output=True, text=True, timeout=10)
+                last = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}
+            except (OSError, subprocess.SubprocessError, ValueError):
+                last = {}  # no answer: the quiet rule alone decides, as before
+            self._drain_to = str(last.get("__CURSOR") or "") if isinstance(last, dict) else ""
+        return (not self._drain_to or self._drain_to in self._read) and self.queue.empty()
+
     def _trainer_active(self) -> bool:
         try:
             out = subprocess.run(["systemctl", "is-active", self.trainer_unit], capture_output=True,
@@ -466,7 +490,7 @@ class Shipper:
                 break
             deadline = self._stop_deadline()
             if deadline is not None:
-                done = not batch and now - quiet_since > 0.5 and not self._trainer_active()
+                done = not batch and now - quiet_since > 0.5 and not self._trainer_active() and self._drained()
                 if done or now > deadline:
                     break
         if self.proc is not None and self.proc.poll() is None:

@@ -1,17 +1,10 @@
 """A stand-in for `terraform` with the Google provider, for what `destroy` does to the resources a
 stack keeps: run as `terraform ARGS...` (through a wrapper on PATH) by the real cdktn CLI.
 
-No provider plugin can be downloaded here, so this models the provider's destroy of the two
-resources that hold checkpoints, as hashicorp/google 8.x does it:
-
-- `google_storage_bucket`: `deletion_policy = "ABANDON"` removes it from the state and leaves it
-  (and its objects); "PREVENT" refuses; otherwise a bucket that holds objects is refused unless
-  `force_destroy` ("Error trying to delete bucket NAME containing objects without `force_destroy`
-  set to true"), else deleted with its objects.
-- `google_secret_manager_secret`: "ABANDON" forgets it; `deletion_protection = true` refuses
-  ("cannot destroy secret without setting deletion_protection=false and running `terraform
-  apply`"); otherwise it is deleted.
-- `google_storage_bucket_object`: deletes its object from the bucket; anything else: deleted.
+No provider plugin can be downloaded here: the destroy is `drill.provider`'s model of the
+provider's (the one the lifecycle drill's fake project uses too): ABANDON forgets, PREVENT and a
+protected secret refuse, a bucket holding objects without `force_destroy` refuses, APIs with
+`disable_on_destroy = false` are forgotten and stay enabled, everything else is deleted.
 
 Refusals are printed as the provider prints them and make the run exit 1, with the refused
 resources still in the state, the others gone, as Terraform leaves a partial destroy.
@@ -29,6 +22,10 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository's drill/
+
+from drill.provider import destroy  # noqa: E402
+
 
 def _load() -> tuple[Path, dict]:
     path = Path(os.environ["FAKE_TERRAFORM_CLOUD"])
@@ -36,36 +33,10 @@ def _load() -> tuple[Path, dict]:
 
 
 def _destroy(world: dict) -> list[str]:
-    errors: list[str] = []
-    objects: dict[str, list[str]] = world["objects"]
-    for address in sorted(world["state"], key=lambda a: a.startswith("google_storage_bucket.")):
-        attrs = world["state"][address]
-        kind = address.split(".", 1)[0]
-        policy = attrs.get("deletion_policy") or "DELETE"
-        if policy == "ABANDON":
-            del world["state"][address]
-            continue
-        if policy == "PREVENT":
-            errors.append(f"cannot destroy {address} with deletion_policy = PREVENT")
-            continue
-        if kind == "google_secret_manager_secret" and attrs.get("deletion_protection"):
-            errors.append("cannot destroy secret without setting deletion_protection=false and "
-                          "running `terraform apply`")
-            continue
-        if kind == "google_storage_bucket":
-            name = attrs["name"]
-            if objects.get(name) and not attrs.get("force_destroy"):
-                errors.append(f"Error trying to delete bucket {name} containing objects without "
-                              "`force_destroy` set to true")
-                continue
-            objects.pop(name, None)
-        if kind == "google_storage_bucket_object":
-            held = objects.get(attrs["bucket"], [])
-            if attrs["name"] in held:
-                held.remove(attrs["name"])
+    out = destroy(world["state"], world["objects"])
+    for address in out.deleted:
         world["cloud"].pop(address, None)
-        del world["state"][address]
-    return errors
+    return out.errors
 
 
 def main(argv: list[str]) -> int:

@@ -40,6 +40,16 @@ def seeded_world(s: Synthesized, exp: str) -> dict:
     return {"state": state, "cloud": dict(state), "objects": {name: objects}, "calls": []}
 
 
+def apis(s: Synthesized) -> set[str]:
+    return {f"google_project_service.{k}" for k in s.json["resource"]["google_project_service"]}
+
+
+def apis_left_enabled(world: dict) -> set[str]:
+    """The APIs a destroy leaves enabled (`disable_on_destroy = false`): still in the project."""
+    return {a for a, attrs in world["cloud"].items()
+            if a.startswith("google_project_service.") and attrs.get("disable_on_destroy") is False}
+
+
 def terraform_on_path(tmp_path: Path, world: dict) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -65,8 +75,9 @@ def test_make_destroy_finishes_and_keeps_the_bucket_with_its_checkpoints_and_the
     assert ["destroy", "-auto-approve"] in world["calls"]
     assert (out / "stacks" / "example" / "cdk.tf.json").exists()  # cdktn synthesized it there
     assert world["state"] == {}  # Terraform knows nothing any more
-    kept = sorted(a.split(".")[0] for a in world["cloud"])
+    kept = sorted(a.split(".")[0] for a in world["cloud"] if not a.startswith("google_project_service."))
     assert kept == ["google_secret_manager_secret", "google_storage_bucket"]
+    assert apis_left_enabled(world) and apis_left_enabled(world) == apis(example)
     assert world["objects"] == {
         "my-project-123456-example-ckpt": [c.format(exp="example") for c in CHECKPOINTS]}
 
@@ -81,7 +92,8 @@ def _destroy(tmp_path: Path, world: dict) -> tuple[subprocess.CompletedProcess[s
 def test_force_destroy_deletes_the_bucket_its_objects_and_the_key(tmp_path, synthesized):
     proc, world = _destroy(tmp_path, seeded_world(synthesized["existing-net"], "existing-net"))
     assert proc.returncode == 0, proc.stderr
-    assert world["state"] == {} and world["cloud"] == {} and world["objects"] == {}
+    assert world["state"] == {} and world["objects"] == {}
+    assert world["cloud"].keys() == apis_left_enabled(world) == apis(synthesized["existing-net"])
 
 
 def test_the_stand_in_refuses_what_the_provider_refuses(tmp_path, example):

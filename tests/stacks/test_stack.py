@@ -142,11 +142,15 @@ def test_every_resource_type_in_the_stack_has_its_api_enabled(synthesized, name)
     assert BASE_APIS <= enabled
 
 
+#: The control job (stacks/control.py: scale to zero, the fallback's check) and its schedule.
+CONTROL_APIS = {"run.googleapis.com", "cloudscheduler.googleapis.com"}
+
+
 @pytest.mark.parametrize(("name", "more"), [
-    ("example", set()),
-    ("l4-pool", {"dns.googleapis.com"}),  # the pool's private zone and query logging
-    ("od-fallback", {"run.googleapis.com", "cloudscheduler.googleapis.com"}),  # the capacity check
-    ("watch", {"pubsub.googleapis.com", "billingbudgets.googleapis.com"}),  # a topic's grant, the budget
+    ("example", CONTROL_APIS),
+    ("l4-pool", {"dns.googleapis.com", *CONTROL_APIS}),  # the pool's private zone and query logging
+    ("od-fallback", CONTROL_APIS),
+    ("watch", {"pubsub.googleapis.com", "billingbudgets.googleapis.com", *CONTROL_APIS}),  # a topic's grant, the budget
 ])
 def test_the_apis_are_exactly_those_of_the_resources(synthesized, name, more):
     assert {a["service"] for a in _apis(synthesized[name]).values()} == BASE_APIS | more
