@@ -143,3 +143,13 @@ def test_without_a_key_a_sharded_run_is_refused_with_exit_2(tmp_path: Path) -> N
     out = Proc([*run_args(run_dir, 2, config)[:3], "status", "--run-dir", str(run_dir), "--json"], env=env)
     assert out.wait() == 2
     out.seen(r"command line: checkpoint_key_file: sharded checkpoints .*--checkpoint-key-file")
+
+
+def test_a_key_path_that_is_a_fifo_is_refused_at_start_up(tmp_path: Path) -> None:
+    """A FIFO (or a device) named as the key: start-up must not wait for a writer that never comes."""
+    fifo = tmp_path / "checkpoint.key"
+    os.mkfifo(fifo)
+    p = Proc(run_args(tmp_path / "run", 4, write_config(tmp_path), "--checkpoint-key-file", str(fifo)))
+    assert p.wait() == 2, p.output[-3000:]
+    assert "Traceback" not in p.output
+    p.seen(r"event=failed reason=bad_input checkpoint_key_file: \S*checkpoint\.key is not a regular file \(a FIFO\)")
