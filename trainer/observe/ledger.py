@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from trainer import untrusted
 from trainer.distributed import node_name
 
 LEDGER_DIR = "goodput"
@@ -121,8 +122,8 @@ def read_events(path: Path, *, skipped: list[str] | None = None) -> list[dict[st
         if not line.strip():
             continue
         try:
-            parsed.append(json.loads(line))
-        except ValueError:
+            parsed.append(untrusted.loads(line, limit=untrusted.SMALL_MAX_BYTES, what="ledger line"))
+        except untrusted.Garbage:
             continue
     return usable(parsed, str(path), skipped)
 
@@ -154,8 +155,8 @@ def read_store_events(store: Any, *, skip: set[tuple[str, int]] | frozenset = fr
     def fetch(key: str) -> tuple[str, Any]:
         try:
             with bounded(deadline) if bounded else _nothing():
-                return key, json.loads(store.get_bytes(key))
-        except (KeyError, ValueError):
+                return key, untrusted.loads(store.get_bytes(key), limit=untrusted.SMALL_MAX_BYTES, what="ledger event")
+        except (KeyError, untrusted.Garbage):
             return key, None
 
     with ThreadPoolExecutor(max_workers=16) as pool:

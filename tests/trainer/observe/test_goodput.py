@@ -273,6 +273,7 @@ def test_malformed_objects_in_the_mirror_do_not_stop_a_session_or_status(tmp_pat
     for i, bad in enumerate(MALFORMED):
         store.put_bytes(f"{LEDGER_DIR}/s9/{100 + i:06d}.json", json.dumps(bad).encode())
     store.put_bytes(f"{LEDGER_DIR}/s9/000999.json", b"{not json")
+    store.put_bytes(f"{LEDGER_DIR}/s9/000998.json", b"[" * 200_000)  # planted: RecursionError in json
     skipped: list[str] = []
     assert sorted(map(str, read_store_events(store, skipped=skipped))) == sorted(map(str, GOOD))
     assert len(skipped) == len(MALFORMED)  # (the unparsable one is a torn write: silent)
