@@ -39,6 +39,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from trainer import capacity as cap
+from trainer import untrusted
 from trainer.gce import ApiError, Client
 
 ENV = "SPOTTRAIN_CONTROL"
@@ -193,7 +194,7 @@ class Control:
         if raw is None:
             return
         try:
-            asked = json.loads(raw)
+            asked = untrusted.loads(raw, limit=untrusted.SMALL_MAX_BYTES, what="a successor request")
             instance = str(asked["instance"])
         except (ValueError, KeyError, TypeError):
             self.fail(f"read gs://{s.bucket}/{s.successor_object}", ValueError("not a successor request"))

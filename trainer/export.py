@@ -185,9 +185,12 @@ def main(cfg: Any) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def auto_export(cfg: Any, step: int, log: logging.Logger) -> str | None:
+def auto_export(cfg: Any, step: int, log: logging.Logger, *, abort: Any = None) -> str | None:
     """Export step ``step`` of this run once (see the module docstring); where it is, or None
-    when it failed (logged). ``cfg``: the run's ``RunConfig``."""
+    when it failed (logged). ``cfg``: the run's ``RunConfig``; ``abort``: a ``threading.Event``
+    that gives up the uploads when set (a notice)."""
+    import contextlib
+
     from trainer.checkpoint import reader
     from trainer.checkpoint.stores import GcsStore
 
@@ -212,11 +215,14 @@ def auto_export(cfg: Any, step: int, log: logging.Logger) -> str | None:
             stage = cfg.run_dir / f"{TMP_PREFIX}export-{uuid.uuid4().hex[:8]}"
             try:
                 sidecar = write(stage / MODEL, found)
-                store.put_file(stage / MODEL, f"{key}/{MODEL}")
-                try:
-                    store.put_file(stage / SIDECAR, f"{key}/{SIDECAR}")  # last: the export's commit record
-                except FileExistsError:
-                    pass  # another attempt's sidecar (its answer was lost): that export stands
+                if abort is not None and abort.is_set():
+                    raise InterruptedError("a notice came")
+                with store.aborting(abort) if abort is not None else contextlib.nullcontext():
+                    store.put_file(stage / MODEL, f"{key}/{MODEL}")
+                    try:
+                        store.put_file(stage / SIDECAR, f"{key}/{SIDECAR}")  # last: the export's commit record
+                    except FileExistsError:
+                        pass  # another attempt's sidecar (its answer was lost): that export stands
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
         log.info("event=export step=%d at=%s digest=%s", step, where, sidecar["digest"])

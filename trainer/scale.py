@@ -46,6 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from trainer import untrusted
 from trainer.control import outcome_object, successor_object
 from trainer.gce import ApiError, Client, metadata
 
@@ -184,8 +185,8 @@ class Scaler:
             raw = self.c.read_object(self.s.bucket, name)
             if raw is not None:
                 try:
-                    found = json.loads(raw)
-                except ValueError:
+                    found = untrusted.loads(raw, limit=untrusted.SMALL_MAX_BYTES, what="the control job's answer")
+                except untrusted.Garbage:
                     found = {}
                 if isinstance(found, dict) and mine(found):
                     return found

@@ -35,6 +35,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from trainer import untrusted
 from trainer.checkpoint.key import CheckpointKey
 from trainer.checkpoint.manifest import (MANIFEST, CheckpointInvalid, ManifestParser, parse_step, step_name)
 from trainer.checkpoint.stores import TMP_PREFIX, Store, copy_file_durable, fsync_dir
@@ -284,12 +285,19 @@ def _quick_check(store: Store, step: int, files: dict[str, int], parse: Manifest
     total = sum(v for v in files.values() if v > 0)
     if MANIFEST not in files:
         return CheckpointInfo(step, False, "no manifest (incomplete write or upload)", total, loc)
+    if files[MANIFEST] > untrusted.MANIFEST_MAX_BYTES:  # not even downloaded
+        return CheckpointInfo(step, False, f"manifest is {files[MANIFEST]} bytes, more than the "
+                              f"{untrusted.MANIFEST_MAX_BYTES} it may be", total, loc)
     try:
-        m = parse(store.get_bytes(f"{step_name(step)}/{MANIFEST}"), step, key=key)
+        data = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
     except KeyError:
         return CheckpointInfo(step, False, "manifest vanished while listing", total, loc)
+    try:
+        m = parse(data, step, key=key)
     except CheckpointInvalid as e:
         return CheckpointInfo(step, False, str(e), total, loc)
+    except Exception as e:  # noqa: BLE001 - whatever its bytes are, they are no checkpoint (never a tier unknown)
+        return CheckpointInfo(step, False, f"manifest is malformed ({type(e).__name__}: {e})"[:300], total, loc)
     for name, info in m["files"].items():
         if name not in files:
             return CheckpointInfo(step, False, f"{name} is missing", total, loc, m.get("created", ""))

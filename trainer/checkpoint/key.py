@@ -87,19 +87,36 @@ def load(path: Path) -> CheckpointKey:
     """The key in ``path``; ``KeyProblem`` naming the file when it cannot be used."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-            mode = os.fstat(f.fileno()).st_mode
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever (a hung
+        # start-up); the descriptor's own mode is checked before anything is read from it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     except OSError as e:
         raise KeyProblem(f"checkpoint_key_file: cannot read {path}: {e.strerror or e}") from None
-    if not stat.S_ISREG(mode):
-        raise KeyProblem(f"checkpoint_key_file: {path} is not a regular file")
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise KeyProblem(f"checkpoint_key_file: {path} is not a regular file ({_kind(mode)}); "
+                             f"a checkpoint key is a file of {MIN_BYTES} to {MAX_BYTES} bytes")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise KeyProblem(f"checkpoint_key_file: cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
     if not MIN_BYTES <= len(data) <= MAX_BYTES:
         raise KeyProblem(f"checkpoint_key_file: {path} holds {len(data)} bytes; a checkpoint key is "
                          f"{MIN_BYTES} to {MAX_BYTES} bytes (e.g. `head -c 32 /dev/urandom > FILE`)")
     if mode & 0o077:
         log.warning("checkpoint key %s is readable by other users (mode %o): chmod 600 it", path, mode & 0o777)
     return CheckpointKey(data, str(path))
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def create(path: Path) -> CheckpointKey:

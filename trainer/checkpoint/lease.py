@@ -43,6 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from trainer import untrusted
 from trainer.checkpoint.stores import GcsStore, UploadAborted, is_unreachable
 from trainer.checkpoint.tier_wait import TierUnknown
 
@@ -200,10 +201,10 @@ class Lease:
             return None
         data, gen, updated = got
         try:
-            doc = json.loads(data)
+            doc = untrusted.loads(data, limit=untrusted.SMALL_MAX_BYTES, what="the lease")
             if not isinstance(doc, dict):
                 raise ValueError("not an object")
-        except ValueError:
+        except ValueError:  # untrusted.Garbage too: never a crash, a holder that must expire
             doc = {"holder": f"unreadable lease object {self.store.location(LEASE_KEY)}"}
         return doc, gen, updated
 

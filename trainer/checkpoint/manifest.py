@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainer import untrusted
 from trainer.checkpoint.key import ALG, CheckpointKey
 
 FORMAT = "spottrain-checkpoint"
@@ -160,9 +161,9 @@ def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict
     self-checksum and, with a ``key``, the HMAC; raise ``CheckpointInvalid`` with the reason
     (prefixed ``OTHER_FORMAT`` or ``UNAUTHENTICATED`` for checkpoints that are quarantined)."""
     try:
-        m = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointInvalid(f"manifest is not valid JSON ({e})") from None
+        m = untrusted.loads(data, limit=untrusted.MANIFEST_MAX_BYTES, what="manifest")
+    except untrusted.Garbage as e:
+        raise CheckpointInvalid(str(e)) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointInvalid("manifest has no spottrain format marker")
     version = m.get("version")

@@ -16,10 +16,20 @@ Nothing is materialised per window: the dataset keeps one cumulative window coun
 finds a window's file by bisection, so with the trainer's bijection order it serves 10^10 windows
 in constant memory. Files are opened (mmap, read-only) lazily in each process, so the dataset
 crosses a fork or a pickle to a data worker as a list of paths. It needs no numpy.
+
+Given the model's ``vocab_size``, every shard is checked once to hold only ids below it: a
+flipped bit, or shards read with the wrong ``dtype``, would otherwise crash the embedding with an
+``IndexError`` at some step after every resume. The check reads each file once (its largest id
+and where it is) and remembers the answer by the file's path, size and modification time, in
+the process and in ``$XDG_CACHE_HOME/spottrain/token-shards/`` (best effort), so a restart reads
+nothing again; a file rewritten since is read again (a bit that rots on the disk without a write
+is not seen until the file changes).
 """
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import mmap
 import os
 from pathlib import Path
@@ -28,6 +38,10 @@ from typing import Any, Sequence
 import torch
 
 DTYPES = {"uint16": (2, torch.int16, 0xFFFF), "uint32": (4, torch.int32, 0xFFFFFFFF)}
+#: Bytes read at a time by the vocabulary check.
+_CHUNK = 16 << 20
+#: (path, size, mtime_ns, dtype) -> (largest id, its first position): this process's answers.
+_largest: dict[tuple[str, int, int, str], tuple[int, int]] = {}
 
 
 class TokenShardError(ValueError):
@@ -59,13 +73,13 @@ class TokenShards:
     """Windows of ``block_size + 1`` tokens over ``files``; see the module docstring."""
 
     def __init__(self, files: Sequence[str | os.PathLike[str]], *, block_size: int, dtype: str = "uint16",
-                 stride: int | None = None):
+                 stride: int | None = None, vocab_size: int | None = None):
         if dtype not in DTYPES:
             raise TokenShardError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
         if block_size < 1 or (stride is not None and stride < 1):
             raise TokenShardError("block_size and stride must be >= 1")
         self.files = [Path(f) for f in files]
-        self.block_size, self.dtype = block_size, dtype
+        self.block_size, self.dtype, self.vocab_size = block_size, dtype, vocab_size
         self.stride = stride or block_size
         self.itemsize = DTYPES[dtype][0]
         self.tokens: list[int] = []
@@ -80,6 +94,11 @@ class TokenShards:
                 raise TokenShardError(f"{f}: {size} bytes is not a whole number of {dtype} tokens "
                                       f"(is the dtype right?)")
             n = size // self.itemsize
+            if vocab_size is not None and n:
+                top, at = largest_token(f, dtype)
+                if top >= vocab_size:
+                    raise TokenShardError(f"{f} holds token id {top} at token {at}; vocab_size is {vocab_size} "
+                                          f"(a corrupt shard, or token_dtype is not {dtype})")
             self.tokens.append(n)
             total += (n - block_size - 1) // self.stride + 1 if n >= block_size + 1 else 0
             self.cumulative.append(total)
@@ -120,3 +139,63 @@ class TokenShards:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_maps": {}}  # maps are per process
+
+
+def largest_token(path: Path, dtype: str) -> tuple[int, int]:
+    """The largest token id in the shard ``path`` and its first position (see the module
+    docstring: read once, remembered by path, size and modification time)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, dtype)
+    got = _largest.get(key)
+    if got is None:
+        got = _remembered(key)
+    if got is None:
+        got = _scan(path, dtype)
+        _remember(key, got)
+    _largest[key] = got
+    return got
+
+
+def _scan(path: Path, dtype: str) -> tuple[int, int]:
+    size, signed, mask = DTYPES[dtype]
+    top, at, done = -1, 0, 0
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(_CHUNK)
+            if not raw:
+                break
+            raw = raw[: len(raw) - len(raw) % size]
+            ids = torch.frombuffer(bytearray(raw), dtype=signed).to(torch.int64) & mask
+            i = int(torch.argmax(ids))  # the first of the largest
+            if int(ids[i]) > top:
+                top, at = int(ids[i]), done + i
+            done += len(ids)
+    return top, at
+
+
+def _cache_file(key: tuple[str, int, int, str]) -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "spottrain" / "token-shards" / (hashlib.sha256(f"{key[0]}\0{key[3]}".encode()).hexdigest()[:32]
+                                                          + ".json")
+
+
+def _remembered(key: tuple[str, int, int, str]) -> tuple[int, int] | None:
+    try:
+        doc = json.loads(_cache_file(key).read_text())
+        if [doc["path"], doc["size"], doc["mtime_ns"], doc["dtype"]] == list(key):
+            return int(doc["largest"]), int(doc["at"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        pass
+    return None
+
+
+def _remember(key: tuple[str, int, int, str], got: tuple[int, int]) -> None:
+    path = _cache_file(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"path": key[0], "size": key[1], "mtime_ns": key[2], "dtype": key[3],
+                                   "largest": got[0], "at": got[1]}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache: without it the next start reads the file again

@@ -11,6 +11,7 @@ checkpointer is called by rank 0 alone, or by every rank when its layout is shar
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -61,12 +62,33 @@ class Finish:
             self.artifacts.sync()
         if self.world.is_node_leader:
             self.bus.emit(Finished(step, time.monotonic() - t0, self.productive(), again=again))
-        self.health.finished()
         if self.world.is_main:  # the run's own export (once; see trainer.export)
-            from trainer.export import auto_export
-
-            auto_export(self.cfg, step, self.log.getChild("export"))
+            self.health.exporting(step)
+            self._export(step)
+        self.health.finished()
         return EXIT_FINISHED
+
+    def _export(self, step: int) -> None:
+        """The run's export, given up at a notice: the final checkpoint is durable already, and
+        the notice's window is for shutting down, not for an export (which ``python -m trainer
+        export`` can write later; an interrupted one leaves no sidecar, so a re-run writes it)."""
+        from trainer.export import auto_export
+
+        abort, done = threading.Event(), threading.Event()
+
+        def export() -> None:
+            try:
+                auto_export(self.cfg, step, self.log.getChild("export"), abort=abort)
+            finally:
+                done.set()
+
+        threading.Thread(target=export, name="export", daemon=True).start()
+        while not done.wait(0.1):
+            if self.preempt.requested:
+                abort.set()
+                self.log.warning("event=export ok=0 step=%d interrupted=1 (a notice: the final checkpoint is "
+                                 "durable; `python -m trainer export` writes the export by hand)", step)
+                return
 
     def pause(self, step: int, *, cap: tuple[float, float] | None = None) -> int:
         """``stop_at_step`` reached: a checkpoint durable on every tier, then exit as if preempted.

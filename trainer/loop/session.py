@@ -56,6 +56,9 @@ class Session:
                  make_checkpointer: Callable[[Any], Any], process_start: float) -> None:
         self.cfg, self.world, self.log, self.preempt = cfg, world, log, preempt
         self.make_checkpointer, self.process_start = make_checkpointer, process_start
+        # The process's start on the monotonic clock: the wall clock measures only the moments
+        # before this one; a clock step after it changes no duration.
+        self._mono_start = time.monotonic() - max(0.0, time.time() - process_start)
         self.session = new_session_id()
         self.context = SinkContext(cfg=cfg, run_dir=cfg.run_dir, session=self.session, rank=world.rank,
                                    is_main=world.is_main, is_node_leader=world.is_node_leader, log=log)
@@ -225,7 +228,7 @@ class Session:
                 self.log.warning("event=world_size_change step=%d from=%d to=%d consumed=%d (RNG streams reseeded; "
                                  "the data position is in global samples)", start, state.saved_world_size(saved),
                                  world.size, job.data.consumed)
-            self.bus.emit(Restored(start, seconds, world.size, max(0.0, time.time() - self.process_start - seconds),
+            self.bus.emit(Restored(start, seconds, world.size, max(0.0, time.monotonic() - self._mono_start - seconds),
                                    tier=tier if saved is not None else "", path=path if saved is not None else "",
                                    fresh_from="from init_from's weights" if cfg.init_from is not None else "fresh"))
         task = job.task

@@ -1,7 +1,8 @@
 """The goodput report: what the ledger's events say about the job.
 
 Report (all sessions together), after ml-goodput-measurement:
-- ``wall_s``: first session start to the last event seen;
+- ``wall_s``: first session start to the last event seen (within a session, every duration comes
+  from the ledger's monotonic ``e``; the wall clock only places each session);
 - ``productive_s``: time spent in training steps whose result survived;
 - ``lost_s``: time spent on steps beyond the step a later session restored from;
 - ``startup_s``, ``restore_s``, ``checkpoint_blocked_s``: badput of start-up, restore, and the time
@@ -33,7 +34,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer.observe.ledger import _integer, _key, usable
+from trainer.observe.ledger import _integer, _key, _number, usable
 
 
 @dataclass
@@ -123,11 +124,29 @@ def report(events: list[dict[str, Any]]) -> Report:
     """The job's report; for a multi-node job also one per node (see the module docstring).
     Malformed events are skipped with a warning and counted in ``skipped_events``."""
     given = len(events)
-    events = usable(events, "report")
+    events = _placed(usable(events, "report"))
     job = _job_report(events)
     job.skipped_events = given - len(events)
     job.ledger_errors = _ledger_errors(events)
     return job
+
+
+def _placed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each session's events on one clock: the wall clock places the session once (its first
+    event stamped with ``e``: the ledger opened at ``t - e``), the monotonic ``e`` places every
+    event in it from there, so a wall-clock step inside a session changes no duration. Events
+    without ``e`` (older ledgers) keep their ``t``."""
+    anchor: dict[str, float] = {}
+    for ev in sorted(events, key=_key):
+        if _number(ev.get("e")):
+            anchor.setdefault(str(ev["session"]), float(ev["t"]) - float(ev["e"]))
+    out = []
+    for ev in events:
+        a = anchor.get(str(ev["session"]))
+        if a is not None and _number(ev.get("e")):
+            ev = dict(ev, t=a + float(ev["e"]))
+        out.append(ev)
+    return out
 
 
 def _ledger_errors(events: list[dict[str, Any]]) -> dict[str, int]:
@@ -199,7 +218,8 @@ def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | No
     sessions = []
     for sid, evs in by_session.items():
         start = next((e for e in evs if e["event"] == "session_start"), None)
-        t0 = float(start["started"]) if start else float(evs[0]["t"])
+        first = min(float(e["t"]) for e in evs)
+        t0 = min(float(start["started"]), first) if start else first
         restore = next((e for e in evs if e["event"] == "restore"), None)
         where = next((e for e in evs if e["event"] == "placement"), None)
         start_step = int(restore["step"]) if restore else 0

@@ -7,8 +7,10 @@ repaired), ``ok`` while steps complete, ``ok degraded: gcs failing since ...`` w
 failing (it passes: a VM still training must not be recreated for it), ``stalled`` once no step
 has completed for the stall timeout (a hung collective or data loader: failing the check makes
 the group recreate the VM, which resumes from the checkpoint), ``ok finishing: ...`` while the
-final checkpoint (or a pause's) is being made durable (bounded by ``durable_timeout_s``),
-``finished`` when the run is complete. Any other request gets ``unknown``. While start-up waits
+final checkpoint (or a pause's) is being made durable (bounded by ``durable_timeout_s``) and then
+while the finished run exports its weights (``ok finishing: exporting step N``), ``ok finished``
+once the run is complete (as the VM's own answer after the trainer exits: a finished VM is never
+recreated). Any other request gets ``unknown``. While start-up waits
 for something a new VM cannot fix (a checkpoint tier it cannot read yet, another trainer's
 lease to expire; bounded by the trainer) the answer is ``ok waiting ...``: recreating the VM
 would only start the wait over.
@@ -130,8 +132,12 @@ class Health:
         self._phase = "finishing"
         self._finishing = f"making the checkpoint of step {step} durable on every tier"
 
+    def exporting(self, step: int) -> None:
+        self._phase = "finishing"
+        self._finishing = f"exporting step {step} (the final checkpoint is durable)"
+
     def finished(self) -> None:
-        self._phase = "finished"
+        self._phase = "ok finished"
 
     def starting(self) -> None:
         self._phase = "starting"

@@ -14,6 +14,12 @@ that is malformed (not an object; ``session``, ``seq``, ``event`` or ``t`` missi
 wrong type; a field the report reads that is not a number) is skipped with a warning, wherever it
 is read: the local file, the mirror, ``report()``.
 
+Two clocks stamp each event: ``t``, the wall clock, places it (which day, which session came
+first); ``e``, seconds since the ledger was opened on ``time.monotonic`` (which NTP steps and a
+mis-set clock never move), measures it. The report takes every
+duration within a session from ``e``, so a clock step mid-session moves the session, never
+stretches it (ledgers written before ``e`` existed are read by ``t``).
+
 The report over these events is ``trainer.observe.goodput``; the ledger sink
 (``trainer.observe.sinks.ledger``) writes the run's events here.
 """
@@ -30,8 +36,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from trainer import untrusted
 from trainer.distributed import node_name
 
 LEDGER_DIR = "goodput"
@@ -57,7 +64,7 @@ def _integer(v: Any) -> bool:
 
 #: Fields the report reads as numbers; ``step`` must be an integer. Where present (and not null,
 #: which a few optional ones may be) they must be numbers; these events must have them.
-_NUMERIC = ("t", "started", "seconds", "startup_s", "productive_s", "blocked_s", "boot_time", "step",
+_NUMERIC = ("t", "e", "started", "seconds", "startup_s", "productive_s", "blocked_s", "boot_time", "step",
             "downloaded_bytes")
 _REQUIRED = {"session_start": ("started",), "restore": ("step", "seconds", "startup_s")}
 _NULLABLE = {"boot_time", "downloaded_bytes"}
@@ -121,8 +128,8 @@ def read_events(path: Path, *, skipped: list[str] | None = None) -> list[dict[st
         if not line.strip():
             continue
         try:
-            parsed.append(json.loads(line))
-        except ValueError:
+            parsed.append(untrusted.loads(line, limit=untrusted.SMALL_MAX_BYTES, what="ledger line"))
+        except untrusted.Garbage:
             continue
     return usable(parsed, str(path), skipped)
 
@@ -154,8 +161,8 @@ def read_store_events(store: Any, *, skip: set[tuple[str, int]] | frozenset = fr
     def fetch(key: str) -> tuple[str, Any]:
         try:
             with bounded(deadline) if bounded else _nothing():
-                return key, json.loads(store.get_bytes(key))
-        except (KeyError, ValueError):
+                return key, untrusted.loads(store.get_bytes(key), limit=untrusted.SMALL_MAX_BYTES, what="ledger event")
+        except (KeyError, untrusted.Garbage):
             return key, None
 
     with ThreadPoolExecutor(max_workers=16) as pool:
@@ -216,8 +223,12 @@ class Ledger:
     """This session's writer: one per node (its local rank 0). Never raises from a write."""
 
     def __init__(self, run_dir: Path, *, store: Any | None = None, session: str | None = None,
-                 log: logging.Logger | None = None):
+                 log: logging.Logger | None = None, wall: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.monotonic):
         self.path = run_dir / LEDGER_DIR / LEDGER_FILE
+        #: ``t`` (places an event) and ``e`` (measures it): see the module docstring.
+        self.wall, self.clock = wall, clock
+        self._opened = clock()
         self.store: Any | None = None
         self.session = session or new_session_id()
         self.log = log or _log
@@ -284,7 +295,7 @@ class Ledger:
         other = "the mirror" if where == "local" else "the run dir"
         self.log.warning("event=ledger_error where=%s count=%d error=%r (training goes on; the event is kept "
                          "in %s where it can be)", where, n, e, other)
-        ev = {"session": self.session, "seq": self._seq, "t": time.time(), "event": "ledger_error",
+        ev = {"session": self.session, "seq": self._seq, "t": self.wall(), "e": self._elapsed(), "event": "ledger_error",
               "where": where, "count": n, "error": f"{type(e).__name__}: {e}"[:300]}
         self._seq += 1
         if where == "mirror":  # the run dir keeps it (if it can), without recursing
@@ -296,12 +307,16 @@ class Ledger:
         else:
             self._send(ev)
 
+    def _elapsed(self) -> float:
+        return round(self.clock() - self._opened, 6)
+
     # -- appending --------------------------------------------------------------------------
     def append(self, event: str, **fields: Any) -> None:
         """Record one event; never raises (see the module docstring)."""
         try:
             with self._lock:
-                ev = {"session": self.session, "seq": self._seq, "t": time.time(), "event": event, **fields}
+                ev = {"session": self.session, "seq": self._seq, "t": self.wall(), "e": self._elapsed(), "event": event,
+                      **fields}
                 self._seq += 1
                 self._write_line(ev)
                 self._send(ev)

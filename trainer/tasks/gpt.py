@@ -110,9 +110,9 @@ def build(
     else:
         try:
             dataset = TokenShards(find_shards(data, ctx.data_dir), block_size=block_size, dtype=token_dtype,
-                                  stride=stride)
+                                  stride=stride, vocab_size=vocab_size)
             eval_dataset = (TokenShards(find_shards(eval_data, ctx.data_dir), block_size=block_size,
-                                        dtype=token_dtype) if eval_data is not None else None)
+                                        dtype=token_dtype, vocab_size=vocab_size) if eval_data is not None else None)
         except TokenShardError as e:
             raise TaskError(f"task_args: data: {e}") from None
     model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout).to(ctx.device)

@@ -354,3 +354,26 @@ def test_a_step_written_again_with_replace_swaps_atomically(tmp_path: Path) -> N
     write_dir(snap, tmp_path, key=KEY, replace=True)
     assert torch.equal(load_dir(tmp_path / step_name(6), key=KEY)[1]["w"], torch.ones(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(6)]
+
+
+def test_garbage_manifests_planted_in_the_bucket_are_no_checkpoints(gcs_emulator, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """Bytes a bucket writer plants as manifests: each step is invalid with its reason, the
+    listing answers (never an exception, which the survey would call a tier unknown)."""
+    from trainer import untrusted
+
+    gcs = GcsStore(gcs_emulator.uri, client=gcs_emulator.client)
+    folder = write(tmp_path / "src", 10)
+    for name in (TENSORS, STATE, MANIFEST):
+        gcs.put_file(folder / name, f"{step_name(10)}/{name}")
+    bucket_name, _, prefix = gcs_emulator.uri[len("gs://"):].partition("/")
+    bucket = gcs_emulator.client.bucket(bucket_name)
+    planted = {20: b"[" * 200_000, 21: b"\xff\xfe{}", 22: b'{"format": ' + b" " * 300_000 + b'"x"}'}
+    for step, data in planted.items():
+        bucket.blob(f"{prefix}/{step_name(step)}/{MANIFEST}").upload_from_string(data)
+    monkeypatch.setattr(untrusted, "MANIFEST_MAX_BYTES", 250_000)  # step 22's 300 KB are too many
+    infos = {i.step: i for i in list_checkpoints(gcs, key=KEY)}
+    assert infos[10].valid
+    assert not infos[20].valid and infos[20].reason == "manifest is nested too deeply to be one"
+    assert not infos[21].valid and infos[21].reason.startswith("manifest is not valid JSON")
+    assert not infos[22].valid and infos[22].reason == "manifest is 300015 bytes, more than the 250000 it may be"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import os
+import re
 import stat
 import threading
 from pathlib import Path
@@ -120,3 +122,26 @@ def test_the_command_line_the_boot_runs(secrets, tmp_path: Path, monkeypatch, ca
         assert ck.main(["fetch", "--secret", name, "--out", str(tmp_path / "k")]) == 0
     assert ck.load(tmp_path / "k").secret == fake.secret_versions(name)[0]["data"]
     assert "spottrain-key: checkpoint key (id" in capsys.readouterr().out
+
+
+def test_a_key_path_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path: Path) -> None:
+    fifo = tmp_path / "checkpoint.key"
+    os.mkfifo(fifo)  # no writer ever opens it: reading would wait forever
+    answer: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            ck.load(fifo)
+        except BaseException as e:  # noqa: BLE001 (handed to the test's thread)
+            answer.append(e)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(60.0)  # a failure guard only: a refusal takes no time, a hang never returns
+    assert not t.is_alive(), "loading a FIFO as the key hangs"
+    assert len(answer) == 1 and isinstance(answer[0], ck.KeyProblem)
+    assert re.search(r"checkpoint_key_file: \S*checkpoint\.key is not a regular file \(a FIFO\)", str(answer[0]))
+    with pytest.raises(ck.KeyProblem, match=r"is not a regular file \(a directory\)"):
+        ck.load(tmp_path)
+    with pytest.raises(ck.KeyProblem, match=r"is not a regular file \(a character device\)"):
+        ck.load(Path("/dev/zero"))

@@ -139,3 +139,16 @@ def _wait(cond, timeout: float = 30.0) -> bool:
             return True
         ev.wait(0.02)
     return cond()
+
+
+def test_a_garbage_lease_is_an_unreadable_holder_that_expires(gcs_proxy) -> None:
+    """200 KB of nested `[` planted as the lease: no crash; nobody renews it, so it is taken
+    over after the TTL as any dead holder's (never at once: it might hide a live writer's)."""
+    gcs_proxy.client().bucket(gcs_proxy.bucket).blob(store(gcs_proxy)._object(LEASE_KEY)).upload_from_string(
+        b"[" * 200_000)
+    waits: list[str] = []
+    b = lease(gcs_proxy, "vm-b:/run", ttl=1.0)
+    b.acquire(sleep=no_wait, on_wait=waits.append)
+    assert waits and waits[0].startswith("for the writer lease held by unreadable lease object gs://")
+    b.check()
+    assert json.loads(store(gcs_proxy).read_versioned(LEASE_KEY)[0])["holder"] == "vm-b:/run"

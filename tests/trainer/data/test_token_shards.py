@@ -3,6 +3,7 @@ errors, and the gpt task training on them from ctx.data_dir."""
 from __future__ import annotations
 
 import array
+import re
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,51 @@ def test_the_gpt_task_trains_on_shards_in_the_data_dir(tmp_path: Path) -> None:
     # A data path that is not there: bad input, exit 2.
     bad = cfg.model_copy(update={"run_dir": tmp_path / "run2", "task_args": {**args, "data": "missing.bin"}})
     assert run(bad).code == 2
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_a_token_id_beyond_the_vocabulary_is_bad_input_naming_the_shard(tmp_path: Path, capfd) -> None:
+    """A bit flipped in a staged shard after a run started (or the wrong token_dtype): every
+    resume used to crash with IndexError in the embedding, in a loop; now exit 2 naming the file."""
+    data = tmp_path / "staged"
+    tokens = [(i * 7919) % 300 for i in range(6000)]
+    shard = _write(data / "train.bin", tokens)
+    args = {"data": "train.bin", "vocab_size": 300, "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16}
+    cfg = RunConfig(run_dir=tmp_path / "run", steps=4, task_args=args, data_dir=data, batch_size=4,
+                    health_port=None, watch_metadata=False)
+    assert run(cfg).code == 0
+    raw = bytearray(shard.read_bytes())
+    raw[2 * 4321 + 1] ^= 0x80  # token 4321's high bit: an id above 32767
+    shard.write_bytes(bytes(raw))
+    capfd.readouterr()
+    resumed = cfg.model_copy(update={"steps": 400, "extend_steps": True})
+    assert run(resumed).code == 2
+    out = "".join(capfd.readouterr())
+    assert "Traceback" not in out
+    assert re.search(r"event=failed reason=bad_input task_args: data: \S*train\.bin holds token id \d+ at token "
+                     r"4321; vocab_size is 300 \(a corrupt shard, or token_dtype is not uint16\)", out), out[-2000:]
+    # Read as uint32, the same (intact) uint16 pairs are ids far beyond the vocabulary.
+    shard.write_bytes(array.array("H", tokens).tobytes())
+    with pytest.raises(TokenShardError, match=r"train\.bin holds token id \d+ at token \d+; vocab_size is 300 "
+                                              r"\(a corrupt shard, or token_dtype is not uint32\)"):
+        TokenShards([shard], block_size=16, dtype="uint32", vocab_size=300)
+    assert TokenShards([shard], block_size=16, vocab_size=300).vocab_size == 300
+
+
+def test_each_shard_is_read_once_until_it_changes(tmp_path: Path, monkeypatch) -> None:
+    from trainer.data import token_shards
+
+    scanned: list[Path] = []
+    real = token_shards._scan
+    monkeypatch.setattr(token_shards, "_scan", lambda path, dtype: scanned.append(path) or real(path, dtype))
+    monkeypatch.setattr(token_shards, "_largest", {})
+    shard = _write(tmp_path / "train.bin", [1, 7, 3, 7, 2])
+    assert token_shards.largest_token(shard, "uint16") == (7, 1)
+    TokenShards([shard], block_size=2, vocab_size=8)
+    monkeypatch.setattr(token_shards, "_largest", {})  # a new process: the file cache answers
+    TokenShards([shard], block_size=2, vocab_size=8)
+    assert scanned == [shard]
+    _write(shard, [1, 9, 3, 7, 2, 4])  # rewritten: read again
+    with pytest.raises(TokenShardError, match=r"holds token id 9 at token 1; vocab_size is 8"):
+        TokenShards([shard], block_size=2, vocab_size=8)
+    assert scanned == [shard, shard]

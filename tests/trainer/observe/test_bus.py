@@ -77,7 +77,7 @@ def test_the_ledger_sink_records_each_event_with_the_ledgers_own_fields(tmp_path
     bus.emit(ev.Step(1, 10, 2.0, 1e-3))  # not a ledger event
     bus.emit(ev.Eval(1, {"loss": 1.0}, 2, 0.1))
     bus.close(0.0)
-    got = [{k: v for k, v in e.items() if k not in ("session", "seq", "t")}
+    got = [{k: v for k, v in e.items() if k not in ("session", "seq", "t", "e")}
            for e in read_events(tmp_path / LEDGER_DIR / LEDGER_FILE)]
     assert got == [want for _, want in LEDGER_RECORDS]
 

@@ -273,6 +273,7 @@ def test_malformed_objects_in_the_mirror_do_not_stop_a_session_or_status(tmp_pat
     for i, bad in enumerate(MALFORMED):
         store.put_bytes(f"{LEDGER_DIR}/s9/{100 + i:06d}.json", json.dumps(bad).encode())
     store.put_bytes(f"{LEDGER_DIR}/s9/000999.json", b"{not json")
+    store.put_bytes(f"{LEDGER_DIR}/s9/000998.json", b"[" * 200_000)  # planted: RecursionError in json
     skipped: list[str] = []
     assert sorted(map(str, read_store_events(store, skipped=skipped))) == sorted(map(str, GOOD))
     assert len(skipped) == len(MALFORMED)  # (the unparsable one is a torn write: silent)
@@ -366,3 +367,27 @@ def test_nodes_staging_side_by_side_count_once_for_the_job() -> None:
     r = report(events)
     assert r.staging_s == pytest.approx(12.0) and r.staging_bytes == 10 and r.sessions == 0
     assert r.nodes["n1"]["staging_s"] == pytest.approx(10.0)
+
+
+def test_a_wall_clock_step_mid_session_changes_no_duration(tmp_path: Path) -> None:
+    """A 49 s session whose wall clock jumps +1 h after 10 s (NTP, a mis-set clock): the real
+    ledger, with the clocks injected, records it; the report sees 49 s, not 3649 s."""
+    mono, wall = [500.0], [1_800_000_000.0]
+
+    def tick(seconds: float, step: float = 0.0) -> None:
+        mono[0] += seconds
+        wall[0] += seconds + step
+
+    led = Ledger(tmp_path / "run", session="s1", wall=lambda: wall[0], clock=lambda: mono[0])
+    led.append("session_start", started=wall[0], price_per_hour=3.6, on_demand_price_per_hour=7.2)
+    tick(4.0)
+    led.append("restore", step=0, seconds=1.0, startup_s=3.0)
+    tick(10.0, step=3600.0)  # the clock step
+    led.append("checkpoint", step=10, blocked_s=0.5, productive_s=10.0)
+    tick(35.0)
+    led.append("finish", step=40, blocked_s=0.5, productive_s=44.0)
+    assert led.close()
+    r = report(read_events(tmp_path / "run" / LEDGER_DIR / LEDGER_FILE))
+    assert r.wall_s == pytest.approx(49.0) and r.downtime_s == pytest.approx(0.0)
+    assert r.goodput == pytest.approx(44.0 / 49.0)
+    assert r.cost.cost_so_far == pytest.approx(49.0 / 3600 * 3.6)
