@@ -44,7 +44,10 @@ def test_pool_drill_one_worker_preemption(tmp_path: Path) -> None:
     assert r.ok and "digest MATCHES" in log
     # The finish stopped paying for everything: the coordinator stopped, the Spot workers' group
     # at zero, by the control job the nodes started, all within the synthesized stack's grants.
-    assert r.worker_group_sizes == [1, 0] and r.coordinator_status == "TERMINATED", log
+    # Both nodes start the job when they finish; an execution that reads the group while the
+    # other's resize is still pending asks for zero again, which is harmless: never anything else.
+    first, *after = r.worker_group_sizes
+    assert first == 1 and after and set(after) == {0} and r.coordinator_status == "TERMINATED", log
     assert r.refusals == [] and r.control_runs and not any(r.control_runs), log
     s = r.status
     assert s["latest_step"] == cfg.steps
