@@ -27,6 +27,7 @@ from stacks.pricing import coordinator_price_args, trainer_price_args
 from stacks.trainer_config import to_toml, vm_config
 from trainer import shutdown_window
 from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
+from trainer.retry import IAM_GRANT
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 DEVICE_NAME = "spottrain-checkpoints"
@@ -57,12 +58,13 @@ PYTHONS = ("/opt/conda/bin/python3", "/usr/bin/python3", "python3")
 DEPS_ROOT = f"{MOUNT_DIR}/deps"
 #: Seconds the startup script waits for the NVIDIA driver (first boot installs it).
 DRIVER_TIMEOUT_S = 600
-#: Seconds the startup script keeps retrying a 403 on the code download, and its first wait
-#: (doubling to a minute). IAM grants "typically propagate in 2 minutes, but could potentially
-#: take 7 minutes or longer" (iam/docs/access-change-propagation): a first VM can meet its
-#: bucket before its grant. curl never retries a 403 itself.
-FORBIDDEN_RETRY_S = 600
-FORBIDDEN_FIRST_WAIT_S = 5
+#: Seconds the startup script keeps retrying a 403 on the code download, its first wait, the
+#: longest and the factor between two: the trainer's rule for a grant still propagating
+#: (`trainer.retry.IAM_GRANT`), which the script's bash loop mirrors. curl never retries a 403.
+FORBIDDEN_RETRY_S = int(IAM_GRANT.grace_s)
+FORBIDDEN_FIRST_WAIT_S = int(IAM_GRANT.grace_first_s)
+FORBIDDEN_MAX_WAIT_S = int(IAM_GRANT.grace_cap_s)
+FORBIDDEN_FACTOR = int(IAM_GRANT.factor)
 
 
 @dataclass(frozen=True)
@@ -435,6 +437,8 @@ def render(props: BootProps) -> BootScripts:
         "driver_timeout_s": props.driver_timeout_s,
         "forbidden_retry_s": props.forbidden_retry_s,
         "forbidden_first_wait_s": props.forbidden_first_wait_s,
+        "forbidden_max_wait_s": FORBIDDEN_MAX_WAIT_S,
+        "forbidden_factor": FORBIDDEN_FACTOR,
         "pool": props.pool,
         "torchrun": props.torchrun,
         "nproc_per_node": props.pool.nproc_per_node if props.pool else props.nproc_per_node,

@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, startup_notice
+from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, retry, startup_notice
 from trainer.config import ConfigError, RunConfig, load_export_config, load_run_config, load_status_config
 
 
@@ -170,8 +170,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--health-port", type=int, help="answer the health check on this TCP port while staging")
     g.add_argument("--stall-timeout-s", type=float, default=600.0,
                    help="health answers 'stalled' after this long without a byte (default 600)")
-    g.add_argument("--forbidden-retry-s", type=float, default=600.0,
-                   help="keep retrying HTTP 403 this long: a new bucket grant takes minutes (default 600)")
+    g.add_argument("--forbidden-retry-s", type=float, default=retry.IAM_GRANT.grace_s,
+                   help="keep retrying HTTP 403 this long: a new bucket grant takes minutes "
+                        f"(default {retry.IAM_GRANT.grace_s:g})")
 
     from trainer.logs import add_arguments as logs_arguments  # standard library only
 

@@ -1,8 +1,9 @@
 """Google Cloud REST calls made from a VM or a serverless job, with the standard library only.
 
 A token from the metadata server (`GCE_METADATA_HOST` overrides the host), JSON over HTTPS, retries
-with backoff on 429, 5xx and dropped connections, and Google's error body turned into one
-`ApiError` line. Endpoints are overridable so that loopback fakes can stand in for Google:
+by `trainer.retry`'s rule (`REST`: 408, 429, 5xx and dropped connections, six tries in all), and
+Google's error body turned into one `ApiError` line. Endpoints are overridable so that loopback
+fakes can stand in for Google:
 `SPOTTRAIN_COMPUTE_API` (default https://compute.googleapis.com/compute/v1), `SPOTTRAIN_RUN_API`
 (default https://run.googleapis.com/v2) and `STORAGE_EMULATOR_HOST` (as the google-cloud-storage
 client reads it). The trainer's own checkpoint traffic goes through google-cloud-storage; this
@@ -16,6 +17,7 @@ it asked for from the resource itself (`until`), with the permission it already 
 """
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -26,12 +28,12 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from trainer import retry
+
 DEFAULT_COMPUTE = "https://compute.googleapis.com/compute/v1"
 DEFAULT_RUN = "https://run.googleapis.com/v2"
 DEFAULT_STORAGE = "https://storage.googleapis.com"
 DEFAULT_METADATA_HOST = "metadata.google.internal"
-#: Answers worth another try: throttling and server-side trouble (never a 4xx that says no).
-RETRY_STATUS = (429, 500, 502, 503, 504)
 # Loopback fakes must never be reached through a proxy; Google's endpoints may be.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -79,7 +81,7 @@ class Client:
     storage: str = ""
     run: str = ""
     timeout: float = 30.0
-    retries: int = 5
+    retries: int = (retry.REST.attempts or 1) - 1  # tries after the first
     sleep: Callable[[float], None] = time.sleep
 
     def __post_init__(self) -> None:
@@ -103,8 +105,7 @@ class Client:
         if query:
             url += "?" + urllib.parse.urlencode(query, doseq=True)
         payload = data if data is not None else (json.dumps(body).encode() if body is not None else None)
-        delay = 1.0
-        for attempt in range(self.retries + 1):
+        def once() -> Any:
             headers = {"Authorization": f"Bearer {self._bearer()}"}
             if payload is not None:
                 headers["Content-Type"] = content_type
@@ -119,14 +120,12 @@ class Client:
                 answer = e.read()
                 if (e.code == 404 and ok404) or (e.code == 412 and ok412):
                     return None
-                if e.code not in RETRY_STATUS or attempt == self.retries:
-                    raise _api_error(e.code, answer, url) from None
+                raise _api_error(e.code, answer, url) from None
             except (OSError, http.client.HTTPException) as e:
-                if attempt == self.retries:
-                    raise ApiError(0, "UNREACHABLE", str(e), url) from None
-            self.sleep(delay)
-            delay = min(delay * 2, 30.0)
-        raise AssertionError("unreachable")
+                raise ApiError(0, "UNREACHABLE", str(e), url) from None
+
+        policy = dataclasses.replace(retry.REST, attempts=self.retries + 1)
+        return retry.Retry(policy, sleep=self.sleep).call(once, f"{method} {url}")
 
     # --- Compute Engine ----------------------------------------------------------------------
     def compute_call(self, method: str, path: str, *, body: Any = None, query: dict[str, Any] | None = None,

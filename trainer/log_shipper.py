@@ -35,7 +35,8 @@ Delivery: batches of at most `MAX_ENTRIES` entries or `MAX_BYTES` once a second.
 the buffer: the cursor advances only once Cloud Logging accepted a batch, and the reader stops
 reading while `QUEUE_MAX` entries wait (journalctl then blocks; journald keeps the lines).
 Throttling, server errors, a lost connection, an expired token and PERMISSION_DENIED (the
-account's grant propagating after a deploy) are retried with a backoff doubling to a minute; a
+account's grant propagating after a deploy) are retried with a backoff doubling to a minute
+(`trainer.retry`'s rule, mirrored: this file imports nothing of the trainer); a
 batch the API refuses as invalid (400) is written with partialSuccess, reported on stderr, and
 passed over: it would be refused forever.
 
@@ -107,7 +108,14 @@ MAX_ENTRIES = 500
 MAX_BYTES = 1 << 20
 MAX_MESSAGE = 64 << 10
 QUEUE_MAX = 20_000
+#: Answers the shipper writes again: `trainer.retry`'s `RETRY_STATUS`, plus 401 (an expired token:
+#: fetched again) and 403 (the account's grant propagating: retried for as long as the shipper
+#: runs, since a passed-over batch is lost and the journal holds the rest meanwhile). The shipper
+#: runs without the trainer package, so it mirrors these; a test holds them equal.
 RETRY = (401, 403, 408, 429, 500, 502, 503, 504)
+#: The longest wait between two writes (the first is the config's `retry_s`); as `trainer.retry`'s
+#: waits for a grant (`IAM_GRANT.grace_cap_s`).
+RETRY_CAP_S = 60.0
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -382,7 +390,7 @@ class Shipper:
                     self.stopping.wait(wait)  # a SIGTERM cuts the wait short: the drain begins
                 else:
                     time.sleep(wait)
-                wait = min(wait * 2, 60.0)
+                wait = min(wait * 2, RETRY_CAP_S)
         if cursor:
             self._write_cursor(cursor)
         return True

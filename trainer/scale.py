@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import dataclasses
 import re
 import subprocess
 import sys
@@ -46,7 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer import untrusted
+from trainer import retry, untrusted
 from trainer.control import outcome_object, successor_object
 from trainer.gce import ApiError, Client, metadata
 
@@ -66,7 +67,7 @@ class Settings:
     run_duration_s: int | None = None  # flex-start: the VM's maximum run duration
     stop_before_s: int = 600  # flex-start: stop the trainer this long before the VM's end
     answer_s: float = 900.0  # how long to wait for the control job's answer
-    forbidden_retry_s: float = 600.0  # a 403 starting the job is retried this long (IAM propagation)
+    forbidden_retry_s: float = retry.IAM_GRANT.grace_s  # a 403 starting the job is retried this long
     poll_s: float = 5.0
 
     @classmethod
@@ -165,17 +166,12 @@ class Scaler:
     def start_control(self) -> None:
         """Start one execution of the control job; a 403 is retried while the VM's grant on the
         job propagates (IAM: typically 2 minutes, sometimes 7 or more)."""
-        deadline = time.monotonic() + self.s.forbidden_retry_s
-        while True:
-            try:
-                op = self.c.run_job(self.s.job)
-                log("control_started", job=self.s.job, operation=op.get("name", ""))
-                return
-            except ApiError as e:
-                if e.code != 403 or time.monotonic() >= deadline:
-                    raise
-                log("control_forbidden", job=self.s.job, retry="the grant may be propagating")
-                self.c.sleep(min(30.0, max(1.0, deadline - time.monotonic())))
+        grant = retry.Retry(dataclasses.replace(retry.IAM_GRANT, grace_s=self.s.forbidden_retry_s),
+                            transient=retry.never, sleep=self.c.sleep,
+                            on_retry=lambda t: log("control_forbidden", job=self.s.job,
+                                                   retry="the grant may be propagating"))
+        op = grant.call(lambda: self.c.run_job(self.s.job), f"run {self.s.job}")
+        log("control_started", job=self.s.job, operation=op.get("name", ""))
 
     def answer(self, name: str, mine: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
         """The control job's answer in gs://bucket/name once it is about this request; None when

@@ -331,3 +331,49 @@ def test_the_unit_exits_with_the_ranks_own_status(tmp_path, ranks, status, expec
     proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, timeout=60,
                           capture_output=True, text=True)
     assert proc.returncode == expected, proc.stderr
+
+
+def test_the_code_downloads_403_loop_waits_as_the_trainers_grant_rule(tmp_path):
+    """The startup script's bash loop mirrors trainer.retry's 403 grace: run the rendered loop
+    against a bucket that answers 403 forever (curl and sleep stand-ins; sleep moves bash's own
+    clock) and it waits exactly what the trainer's Retry waits, then fails at the grace."""
+    from trainer import retry
+
+    scripts = render(BootProps(name="x", bucket="b", task="m:f", steps=1, health_port=8471,
+                               provisioning="spot", releases=RELEASES, checkpoint_key_secret="projects/p/secrets/k"))
+    start = scripts.startup.index("install_release() {")
+    function = scripts.startup[start:scripts.startup.index("\n}\n", start) + 3]
+    waits = tmp_path / "waits"
+    stubs = f"""
+log() {{ :; }}
+fail() {{ echo "FAILED: $*"; exit 1; }}
+METADATA=http://metadata STORAGE=http://storage BUCKET=b
+curl() {{ if [[ "$*" == *token* ]]; then echo '{{"access_token": "t"}}'; else printf 403; fi; }}
+mkdir() {{ :; }}
+mktemp() {{ echo {str(tmp_path)!r}; }}
+rm() {{ :; }}
+sleep() {{ echo "$1" >> {str(waits)!r}; SECONDS=$((SECONDS + $1)); }}
+"""
+    proc = subprocess.run(["bash", "-c", stubs + function + "install_release trainer o o sha dir"],
+                          capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert proc.returncode == 1 and "still HTTP 403 after 600 s" in proc.stdout, proc.stdout + proc.stderr
+    bash_waits = [float(w) for w in waits.read_text().split()]
+
+    class Forbidden(Exception):
+        code = retry.FORBIDDEN
+
+    now = [0.0]
+    trainer_waits: list[float] = []
+
+    def sleep(s: float) -> None:
+        trainer_waits.append(s)
+        now[0] += s
+
+    def refused() -> None:
+        raise Forbidden()
+
+    with pytest.raises(Forbidden):
+        retry.Retry(retry.IAM_GRANT, transient=retry.never, clock=lambda: now[0], sleep=sleep).call(refused)
+    assert bash_waits == trainer_waits
+    assert f"--forbidden-retry-s {int(retry.IAM_GRANT.grace_s)} \\\n" in scripts.startup  # the key fetch's too
+    assert f"--first-wait-s {int(retry.IAM_GRANT.grace_first_s)})" in scripts.startup

@@ -17,7 +17,8 @@ import pytest
 from drill.fake_observability import FakeObservability, Filter
 from drill.metadata_server import MetadataServer
 from tests.trainer.support import REPO, Proc, run_args, write_config
-from trainer.log_shipper import (LABEL, SCRIPT_LINE, TRAINER_LINE, entry, parse_message)
+from trainer import retry
+from trainer.log_shipper import (LABEL, RETRY, RETRY_CAP_S, SCRIPT_LINE, TRAINER_LINE, entry, parse_message)
 
 GUARD_S = 60.0  # a failure guard for waits, never a timing assertion
 TOKEN = "drill-fake-token"  # what drill.metadata_server hands out
@@ -216,6 +217,13 @@ def test_an_outage_is_retried_and_nothing_is_lost_or_shipped_twice(rig: Rig) -> 
     assert rig.messages() == [_step(1), _step(2)]
     assert [c[2] for c in rig.logging.calls[:4]] == [503, 503, 403, 200]
     assert "retrying" in err
+
+
+def test_the_shipper_retries_what_the_trainer_retries() -> None:
+    """It runs without the trainer package, so it mirrors trainer.retry's rule: the same
+    answers (and an expired token's 401, and 403 without end), waits doubling to the same cap."""
+    assert set(RETRY) == set(retry.RETRY_STATUS) | {401, retry.FORBIDDEN}
+    assert RETRY_CAP_S == retry.IAM_GRANT.grace_cap_s
 
 
 def test_a_batch_the_api_refuses_for_good_is_passed_over(rig: Rig) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -42,6 +43,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from trainer import retry
 
 log = logging.getLogger(__name__)
 
@@ -173,37 +176,31 @@ def _api() -> str:
     return (os.environ.get(SECRETMANAGER_ENV) or DEFAULT_SECRETMANAGER).rstrip("/")
 
 
-def fetch(secret: str, out: Path, *, client: Any = None, forbidden_retry_s: float = 600.0,
-          first_wait_s: float = 5.0, sleep: Callable[[float], None] = time.sleep,
+def fetch(secret: str, out: Path, *, client: Any = None, forbidden_retry_s: float = retry.IAM_GRANT.grace_s,
+          first_wait_s: float = retry.IAM_GRANT.grace_first_s, sleep: Callable[[float], None] = time.sleep,
           say: Callable[[str], None] = print, create: bool = True, api: str | None = None) -> CheckpointKey:
     """Read version 1 of ``secret`` (``projects/P/secrets/S``) into ``out`` (0600, written
     atomically); create it first when the secret has no version yet (unless not ``create``: an
     operator's copy, which KeyProblem refuses then). ``api``: the endpoint (default
     ``$SPOTTRAIN_SECRETMANAGER_API``, else Google's).
 
-    A 403 is retried with backoff for ``forbidden_retry_s`` (the VM's grant may still be
-    propagating, up to ~7 minutes); 429/5xx are retried by the client. A version 1 that exists
-    but is disabled or destroyed is an error: a new key would not authenticate the experiment's
-    checkpoints, so none is made.
+    A 403 is retried within ``forbidden_retry_s`` of the first call (``trainer.retry``'s grace:
+    the VM's grant may still be propagating, up to ~7 minutes); 429/5xx are retried by the
+    client. A version 1 that exists but is disabled or destroyed is an error: a new key would not
+    authenticate the experiment's checkpoints, so none is made.
     """
-    from trainer.gce import ApiError, Client
+    from trainer.gce import Client
 
     client = client or Client()
     url = f"{(api or _api()).rstrip('/')}/{secret}"
-    deadline = time.monotonic() + forbidden_retry_s
-    wait = first_wait_s
+    # One grace for the whole fetch (read, create, read again); 429/5xx are the client's.
+    grant = retry.Retry(dataclasses.replace(retry.IAM_GRANT, grace_s=forbidden_retry_s, grace_first_s=first_wait_s),
+                        transient=retry.never, sleep=sleep,
+                        on_retry=lambda t: say(f"{secret} answered HTTP 403 (the grant may still be propagating); "
+                                               f"retrying in {t.wait_s:.0f} s"))
 
     def call(method: str, path: str, body: Any = None) -> Any:
-        nonlocal wait
-        while True:
-            try:
-                return client.request(method, url + path, body=body, ok404=True)
-            except ApiError as e:
-                if e.code != 403 or time.monotonic() >= deadline:
-                    raise
-                say(f"{secret} answered HTTP 403 (the grant may still be propagating); retrying in {wait:.0f} s")
-                sleep(wait)
-                wait = min(wait * 2, 60.0)
+        return grant.call(lambda: client.request(method, url + path, body=body, ok404=True), f"{method} {secret}")
 
     def version1() -> bytes | None:
         answer = call("GET", "/versions/1:access")
@@ -252,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fetch", help="version 1 of the secret (created when missing) into a 0600 file")
     f.add_argument("--secret", required=True, help="projects/PROJECT/secrets/NAME")
     f.add_argument("--out", type=Path, required=True)
-    f.add_argument("--forbidden-retry-s", type=float, default=600.0)
-    f.add_argument("--first-wait-s", type=float, default=5.0)
+    f.add_argument("--forbidden-retry-s", type=float, default=retry.IAM_GRANT.grace_s)
+    f.add_argument("--first-wait-s", type=float, default=retry.IAM_GRANT.grace_first_s)
     args = p.parse_args(argv)
     from trainer.gce import ApiError
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -32,6 +33,8 @@ import uuid
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, ContextManager, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
 
+from trainer import retry
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -40,10 +43,6 @@ TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 _COPY_CHUNK = 16 << 20
 
-
-# Retry jitter draws from its own generator: the global `random` belongs to the training
-# process's exact-resume state, and uploads retry on a background thread.
-_JITTER = random.Random()
 
 #: Modules of the GCS client stack that draw from the global `random` (multipart boundaries,
 #: backoff jitter). Uploads run on background threads at moments that differ between runs, so
@@ -108,7 +107,7 @@ class ObjectInfo(NamedTuple):
     generation: int
 
 
-class UploadAborted(Exception):
+class UploadAborted(retry.Aborted):
     """An upload was stopped on purpose (deadline passed or the checkpointer is shutting down)."""
 
 
@@ -396,38 +395,20 @@ def default_gcs_client() -> Any:
     return storage.Client()
 
 
-def _status_code(exc: BaseException) -> int | None:
-    code = getattr(exc, "code", None)
-    if isinstance(code, int):
-        return code
-    resp = getattr(exc, "response", None)
-    sc = getattr(resp, "status_code", None)
-    return sc if isinstance(sc, int) else None
-
-
 def is_retryable(exc: BaseException) -> bool:
-    """429, 5xx and transport/connection errors are transient; everything else is not."""
-    if isinstance(exc, UploadAborted):
-        return False
-    code = _status_code(exc)
-    if code is not None:
-        return code == 408 or code == 429 or 500 <= code <= 599
+    """``trainer.retry``'s rule (408, 429, 5xx, connection errors and timeouts are transient),
+    with the GCS client's own transport errors."""
     import requests
     from google.auth import exceptions as auth_exc
 
-    transient = (ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout,
-                 auth_exc.TransportError)
+    extra: tuple[type[BaseException], ...] = (requests.ConnectionError, requests.Timeout, auth_exc.TransportError)
     try:
         import urllib3.exceptions as u3
 
-        transient = transient + (u3.HTTPError,)
+        extra = extra + (u3.HTTPError,)
     except ImportError:  # pragma: no cover
         pass
-    if isinstance(exc, transient):
-        return True
-    # Transport errors are sometimes wrapped (e.g. by google-resumable-media); look at the cause.
-    cause = exc.__cause__ or exc.__context__
-    return cause is not None and cause is not exc and is_retryable(cause)
+    return retry.transient(exc, extra)
 
 
 class _MemoryReader:
@@ -486,8 +467,9 @@ class GcsStore:
     CHUNK_SIZE = 32 << 20  # a multiple of 256 KiB, as GCS requires
 
     def __init__(self, uri: str, *, client: Any = None, name: str = "gcs",
-                 retry_timeout_s: float = 300.0, initial_backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0, request_timeout_s: float = 60.0) -> None:
+                 retry_timeout_s: float = retry.STORAGE.deadline_s or 0.0,
+                 initial_backoff_s: float = retry.STORAGE.first_s,
+                 max_backoff_s: float = retry.STORAGE.cap_s, request_timeout_s: float = 60.0) -> None:
         self.uri = uri.rstrip("/")
         self.bucket_name, self.prefix = parse_gcs_uri(uri)
         self.name = name
@@ -573,31 +555,16 @@ class GcsStore:
         return t
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        start = time.monotonic()
-        give_up = start + self.retry_timeout_s
-        dl = self._deadline()
-        if dl is not None:
-            give_up = min(give_up, dl)
-        delay = self.initial_backoff_s
-        attempt = 0
-        while True:
-            attempt += 1
-            if self._aborted():
-                raise UploadAborted(f"{what}: aborted")
-            try:
-                return fn()
-            except Exception as exc:
-                if not is_retryable(exc):
-                    raise
-                now = time.monotonic()
-                sleep = min(delay, self.max_backoff_s) * (0.5 + _JITTER.random() / 2)
-                if now + sleep >= give_up:
-                    raise
-                log.warning("gcs %s failed (attempt %d: %s: %s); retrying in %.1fs",
-                            what, attempt, type(exc).__name__, str(exc)[:200], sleep)
-                if self._abort_wait(sleep):
-                    raise UploadAborted(f"{what}: aborted") from exc
-                delay *= 2
+        """``fn()`` retried by ``STORAGE``'s rule (trainer.retry) until ``retry_timeout_s`` or
+        this block's deadline; a 403 is final (start-up already waited for the grant)."""
+        def said(t: retry.Try) -> None:
+            log.warning("gcs %s failed (attempt %d: %s: %s); retrying in %.1fs",
+                        what, t.attempt, type(t.error).__name__, str(t.error)[:200], t.wait_s)
+
+        policy = dataclasses.replace(retry.STORAGE, first_s=self.initial_backoff_s, cap_s=self.max_backoff_s,
+                                     deadline_s=self.retry_timeout_s)
+        return retry.Retry(policy, transient=is_retryable, abort=self._aborted, deadline=self._deadline(),
+                           sleep=self._abort_wait, aborted=UploadAborted, on_retry=said).call(fn, what)
 
     def _may_write(self) -> None:
         if self.guard is not None:

@@ -29,11 +29,14 @@ import time
 from datetime import datetime, timezone
 from typing import Callable, TypeVar
 
+from trainer import retry
+
 T = TypeVar("T")
 
 #: Default of ``RunConfig.wait_for_tiers_s``: covers IAM propagation (up to ~7 minutes) twice.
 DEFAULT_WAIT_S = 900.0
-FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
+#: The waits between tries: 1 s doubling to 30 s, no jitter (every rank decides together).
+WAITS = retry.Policy(first_s=1.0, cap_s=30.0, jitter=0.0)
 
 
 class TierUnknown(Exception):
@@ -66,7 +69,7 @@ def until_known(attempt: Callable[[], T], *, wait_s: float, log: logging.Logger,
     """
     start = clock() - waited_before
     end_wall = time.time() - waited_before + wait_s
-    delay = FIRST_BACKOFF_S
+    backoff = retry.Backoff(WAITS)
     tries = 0
     while True:
         tries += 1
@@ -89,7 +92,7 @@ def until_known(attempt: Callable[[], T], *, wait_s: float, log: logging.Logger,
                 "Nothing was trained, written or deleted; the trainer never starts from scratch "
                 "while a configured tier cannot be read. Fix access to it (IAM, network) or wait: "
                 "the next start tries again")
-        pause = min(delay, max(0.0, wait_s - waited))
+        pause = min(backoff.next(), max(0.0, wait_s - waited))
         # The health answer first: whoever reads the line below may ask it at once.
         on_wait(f"for {what} (unknown for {waited:.0f}s, giving up at {_iso(end_wall)})")
         for tier, why in sorted(unknown.tiers.items()):
@@ -98,7 +101,6 @@ def until_known(attempt: Callable[[], T], *, wait_s: float, log: logging.Logger,
                         "checkpoint)", tier, _one_line(why), waited, _iso(end_wall), pause, tier)
         if sleep(pause):
             raise Stopped(f"a preemption notice came while waiting for {what}")
-        delay = min(delay * 2, MAX_BACKOFF_S)
 
 
 def _iso(t: float) -> str:

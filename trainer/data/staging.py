@@ -18,11 +18,12 @@ google-cloud-storage client:
   again; files this stager put there whose objects are gone are removed;
 - **parallel**: ``--parallel`` downloads at once; objects larger than ``SLICE_BYTES`` are fetched
   as ranged slices into one file, their CRC32Cs combined;
-- **bounded retries**: 429, 5xx and connection errors are retried with backoff for
-  ``retry_timeout_s``; a 403 is retried for ``forbidden_retry_s`` (default 600 s, doubling waits
-  from 5 s to a minute): the VM's read grant on the data bucket can take minutes to propagate
-  after the deploy created it. Each download is pinned to the listed generation; an object that
-  changes while staging is listed and fetched again (a few rounds at most).
+- **bounded retries** (``trainer.retry``'s rule): 429, 5xx and connection errors are retried
+  with jittered backoff for ``retry_timeout_s``; a 403 is retried within ``forbidden_retry_s``
+  of the first try (default 600 s, doubling waits from 5 s to a minute): the VM's read grant on
+  the data bucket can take minutes to propagate after the deploy created it. Each download is
+  pinned to the listed generation; an object that changes while staging is listed and fetched
+  again (a few rounds at most).
 
 With ``--run-dir`` the run's goodput ledger gets one ``staging`` event (seconds, bytes,
 downloaded bytes, files, ok), reported as ``staging_s``: staging is badput of its own. With
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -52,7 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from trainer.checkpoint.stores import _status_code, fsync_dir, is_retryable, parse_gcs_uri
+from trainer import retry
+from trainer.checkpoint.stores import fsync_dir, is_retryable, parse_gcs_uri
 
 log = logging.getLogger("trainer.staging")
 
@@ -344,9 +347,11 @@ class _Writer:
 class Stager:
     def __init__(self, source: str, dest: Path, *, client: Any = None, parallel: int = 16,
                  slice_bytes: int = SLICE_BYTES, rehash: bool = False,
-                 forbidden_retry_s: float = 600.0, forbidden_first_wait_s: float = 5.0,
-                 retry_timeout_s: float = 300.0, initial_backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0, request_timeout_s: float = 120.0,
+                 forbidden_retry_s: float = retry.IAM_GRANT.grace_s,
+                 forbidden_first_wait_s: float = retry.IAM_GRANT.grace_first_s,
+                 retry_timeout_s: float = retry.STORAGE.deadline_s or 0.0,
+                 initial_backoff_s: float = retry.STORAGE.first_s,
+                 max_backoff_s: float = retry.STORAGE.cap_s, request_timeout_s: float = 120.0,
                  health: StagingHealth | None = None) -> None:
         try:
             self.bucket_name, prefix = parse_gcs_uri(source)
@@ -394,48 +399,39 @@ class Stager:
             self.health.progress()
 
     def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` with bounded retries: transient errors for ``retry_timeout_s``, 403 (a grant
-        still propagating) for ``forbidden_retry_s``."""
+        """``fn()`` retried by ``STORAGE``'s rule (trainer.retry): transient errors for
+        ``retry_timeout_s``, a 403 (a grant still propagating) within ``forbidden_retry_s``."""
         from google.api_core import exceptions as gexc
 
-        start = time.monotonic()
-        first_403: float | None = None
-        delay, wait_403, attempt = self.initial_backoff_s, self.forbidden_first_wait_s, 0
-        while True:
-            attempt += 1
-            if self._abort.is_set():
-                raise StagingError(f"{what}: stopped (another download failed)")
-            try:
-                return fn()
-            except (gexc.NotFound, gexc.PreconditionFailed) as e:
-                raise _Changed(str(e)) from None
-            except Exception as exc:
-                now = time.monotonic()
-                if _status_code(exc) == 403:
-                    first_403 = first_403 if first_403 is not None else now
-                    waited = now - first_403
-                    if waited >= self.forbidden_retry_s:
-                        raise StagingError(
-                            f"{what}: still HTTP 403 after {waited:.0f} s: this VM's service account "
-                            f"cannot read gs://{self.bucket_name} (a new grant takes up to ~7 minutes "
-                            f"to propagate; this one did not arrive in {self.forbidden_retry_s:g} s)"
-                        ) from None
-                    sleep = min(wait_403, max(0.0, self.forbidden_retry_s - waited))
-                    log.warning("event=staging_retry what=%r status=403 waited_s=%.0f retry_in_s=%.1f "
-                                "(the bucket grant may still be propagating)", what, waited, sleep)
-                    wait_403 = min(wait_403 * 2, 60.0)
-                elif is_retryable(exc):
-                    sleep = min(delay, self.max_backoff_s)
-                    if now + sleep - start > self.retry_timeout_s:
-                        raise StagingError(f"{what}: gave up after {attempt} attempts in "
-                                           f"{now - start:.0f} s: {type(exc).__name__}: {exc}") from None
-                    log.warning("event=staging_retry what=%r attempt=%d error=%r retry_in_s=%.1f",
-                                what, attempt, f"{type(exc).__name__}: {str(exc)[:200]}", sleep)
-                    delay *= 2
-                else:
-                    raise StagingError(f"{what}: {type(exc).__name__}: {exc}") from None
-                if self._abort.wait(sleep):
-                    raise StagingError(f"{what}: stopped (another download failed)") from None
+        def said(t: retry.Try) -> None:
+            if t.forbidden:
+                log.warning("event=staging_retry what=%r status=403 waited_s=%.0f retry_in_s=%.1f "
+                            "(the bucket grant may still be propagating)", what, t.elapsed_s, t.wait_s)
+            else:
+                log.warning("event=staging_retry what=%r attempt=%d error=%r retry_in_s=%.1f", what,
+                            t.attempt, f"{type(t.error).__name__}: {str(t.error)[:200]}", t.wait_s)
+
+        def gave_up(t: retry.Try) -> None:
+            if isinstance(t.error, (gexc.NotFound, gexc.PreconditionFailed)):
+                raise _Changed(str(t.error)) from None
+            if t.why == "forbidden":
+                raise StagingError(
+                    f"{what}: still HTTP 403 after {t.elapsed_s:.0f} s: this VM's service account "
+                    f"cannot read gs://{self.bucket_name} (a new grant takes up to ~7 minutes "
+                    f"to propagate; this one did not arrive in {self.forbidden_retry_s:g} s)") from None
+            if t.why == "final":
+                raise StagingError(f"{what}: {type(t.error).__name__}: {t.error}") from None
+            raise StagingError(f"{what}: gave up after {t.attempt} attempts in "
+                               f"{t.elapsed_s:.0f} s: {type(t.error).__name__}: {t.error}") from None
+
+        policy = dataclasses.replace(retry.STORAGE, first_s=self.initial_backoff_s, cap_s=self.max_backoff_s,
+                                     deadline_s=self.retry_timeout_s, grace_s=self.forbidden_retry_s,
+                                     grace_first_s=self.forbidden_first_wait_s)
+        try:
+            return retry.Retry(policy, transient=is_retryable, abort=self._abort, on_retry=said,
+                               on_give_up=gave_up).call(fn, what)
+        except retry.Aborted:
+            raise StagingError(f"{what}: stopped (another download failed)") from None
 
     def list(self) -> list[Remote]:
         bucket = self._bucket()

@@ -15,11 +15,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from trainer import EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED, EXIT_SPEND_CAP
+from trainer import EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED, EXIT_SPEND_CAP, retry
 from trainer.distributed import World
 from trainer.loop.step import Job
 from trainer.observe.bus import Bus
 from trainer.observe.events import CheckpointSaved, Failed, Finished, Notice, Paused, Preempted
+
+#: The durability retries' waits: 1 s doubling to a minute, no jitter (every rank decides together).
+DURABLY = retry.Policy(first_s=1.0, cap_s=60.0, jitter=0.0)
 
 
 class Finish:
@@ -134,7 +137,7 @@ class Finish:
         self.health.finishing(step)
         t0 = time.monotonic()
         deadline = t0 + self.cfg.durable_timeout_s
-        delay = 1.0
+        again = retry.Backoff(DURABLY)
         while True:
             self._write(step, every_tier=True)
             notice, verdict = self._watched(lambda: self.ckpt.durable(step, deadline=deadline))
@@ -143,6 +146,7 @@ class Finish:
             if self.world.is_main:
                 self.log.info("event=checkpoint_save step=%d blocked_s=%.4f final=1 durable=%d %s", step,
                               time.monotonic() - t0, verdict.ok, verdict.detail)
+            delay = again.next()
             if verdict.ok or time.monotonic() + delay >= deadline:
                 return verdict
             if self.world.is_main:
@@ -150,7 +154,6 @@ class Finish:
                                  ",".join(verdict.missing), delay)
             if self._watched(lambda: time.sleep(delay))[0]:
                 return None
-            delay = min(2 * delay, 60.0)
 
     def _watched(self, work: Callable[[], Any]) -> tuple[bool, Any]:
         """``work`` on the ranks that save while every rank watches for a notice."""

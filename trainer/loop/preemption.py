@@ -19,10 +19,13 @@ import urllib.parse
 import urllib.request
 from typing import Callable
 
-from trainer import startup_notice
+from trainer import retry, startup_notice
 
 PREEMPTED_PATH = "/computeMetadata/v1/instance/preempted"
 DEFAULT_METADATA_HOST = "metadata.google.internal"
+#: The watcher's waits after the metadata server did not answer: from half a second, doubling to
+#: ``max_backoff_s``; without end (it is the only ear for a preemption the guest agent misses).
+WATCH = retry.Policy(first_s=0.5, cap_s=30.0)
 
 
 class Preemption:
@@ -118,7 +121,7 @@ class MetadataWatcher(threading.Thread):
     """Long-polls ``instance/preempted`` and calls ``on_preempted`` once it reads TRUE."""
 
     def __init__(self, host: str, on_preempted: Callable[[], None], log: logging.Logger,
-                 *, max_backoff_s: float = 30.0, poll_timeout_s: int = 300):
+                 *, max_backoff_s: float = WATCH.cap_s, poll_timeout_s: int = 300):
         super().__init__(name="metadata-preempted", daemon=True)
         self.base = f"http://{host}{PREEMPTED_PATH}"
         self.on_preempted = on_preempted
@@ -141,7 +144,8 @@ class MetadataWatcher(threading.Thread):
             return resp.read().decode().strip(), resp.headers.get("ETag")
 
     def run(self) -> None:
-        backoff, etag, complained = 0.5, None, False
+        backoff = retry.Backoff(WATCH, cap_s=self.max_backoff_s)
+        etag, complained = None, False
         while not self._stopping.is_set():
             try:
                 value, new_etag = self._get(etag)
@@ -154,11 +158,10 @@ class MetadataWatcher(threading.Thread):
                     self.log.debug("metadata server not reachable at %s (%s); retrying with backoff", self.base, e)
                     complained = True
                 etag = None
-                if self._stopping.wait(backoff):
+                if self._stopping.wait(backoff.next()):
                     return
-                backoff = min(backoff * 2, self.max_backoff_s)
                 continue
-            backoff = 0.5
+            backoff.reset()
             if not self.connected.is_set():
                 self.connected.set()
                 self.log.info("event=metadata_watch url=%s preempted=%s", self.base, value)

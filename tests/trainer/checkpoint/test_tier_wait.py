@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from trainer.checkpoint.tier_wait import MAX_BACKOFF_S, Stopped, StillUnknown, TierUnknown, until_known
+from trainer.checkpoint.tier_wait import WAITS, Stopped, StillUnknown, TierUnknown, until_known
 
 
 class Clock:
@@ -39,7 +39,7 @@ def test_waits_with_backoff_then_returns_what_the_attempt_found(caplog) -> None:
                           sleep=clock.sleep, clock=clock)
     assert got == "restored"
     assert clock.sleeps == [1, 2, 4, 8, 16, 30, 30]  # doubling, capped
-    assert MAX_BACKOFF_S == 30
+    assert WAITS.cap_s == 30
     line = next(r.getMessage() for r in caplog.records if "event=waiting_for_tier" in r.getMessage())
     assert "tier=gcs error=Forbidden: 403 waited_s=0 until=" in line
     assert said[0].startswith("for gcs (unknown for 0s, giving up at ")
