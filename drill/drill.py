@@ -298,13 +298,13 @@ def project_fake(r: Rendered) -> FakeGcp:
 
 
 def control_job(fake: FakeGcp, rendered: list[Rendered], storage: str, image: Path) -> Any:
-    """The experiment's control job (`trainer.control`, run as its own account by `jobs.run`),
+    """The experiment's control job (`trainer.cloud.control`, run as its own account by `jobs.run`),
     with the settings the stack would give it for the drill's scripts; None when the scripts
     never ask for it. Every node's bad-input marker is included (the drill renders each node
     with a health port of its own, so with its own startup-script digest)."""
     from drill.control_job import ControlJob
     from stacks.control import control_settings
-    from trainer import scale
+    from trainer.cloud import scale
 
     r0 = rendered[0]
     t = r0.props.scale if r0.props is not None else None
@@ -542,7 +542,7 @@ class Deployment:
         if not self.key_secret:
             return []
         from trainer.checkpoint.key import fetch
-        from trainer.gce import Client
+        from trainer.cloud.gce import Client
 
         path = self.root / "operator-checkpoint.key"
         fetch(self.key_secret, path, client=Client(token=lambda: (self.compute.token, 3600.0)), create=False,
@@ -554,8 +554,8 @@ class Deployment:
         Logging (docs/watch.md): every session across the recreated VMs, and how each ended."""
         from datetime import datetime, timedelta, timezone
 
-        from trainer.gce import Client
-        from trainer.logs import describe, list_entries, log_filter, report
+        from trainer.cloud.gce import Client
+        from trainer.cloud.logs import describe, list_entries, log_filter, report
 
         project = self.observability.project
         entries = list_entries(Client(token=lambda: (DRILL_TOKEN, 3600.0)), project,

@@ -26,7 +26,7 @@ from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args
 from stacks.trainer_config import to_toml, vm_config
 from trainer import shutdown_window
-from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
+from trainer.cloud.vm_info import PROVISIONING_KEY, PROVISIONING_MODELS
 from trainer.retry import IAM_GRANT
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -94,7 +94,7 @@ def _quote(text: str, allowed: str) -> str:
 
 @dataclass(frozen=True)
 class ScaleTarget:
-    """What the VM's own scale calls (`trainer.scale`) ask for, and of whom: the experiment's
+    """What the VM's own scale calls (`trainer.cloud.scale`) ask for, and of whom: the experiment's
     control job (`stacks.control`), which acts on the groups and the coordinator named here. The
     rest of the VM's settings (bucket, prefix, steps, run dir) come from `BootProps`, so the
     drill's overrides reach them too."""
@@ -153,8 +153,8 @@ def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
     )
 
 
-#: The log shipper's source (`trainer.log_shipper`): written verbatim by the startup script.
-LOG_SHIPPER = Path(__file__).resolve().parent.parent / "trainer" / "log_shipper.py"
+#: The log shipper's source (`trainer.cloud.log_shipper`): written verbatim by the startup script.
+LOG_SHIPPER = Path(__file__).resolve().parent.parent / "trainer" / "cloud" / "log_shipper.py"
 #: The trainer's unit, and the units whose output the shipper sends (flex-start adds its deadline's).
 TRAINER_UNIT = "spottrain.service"
 LOG_UNITS = (TRAINER_UNIT, "spottrain-finished.service")
@@ -165,7 +165,7 @@ LOG_CURSOR_FILE = "/var/lib/spottrain/logs.cursor"
 
 @dataclass(frozen=True)
 class LogShipping:
-    """The VM's log shipper (`trainer.log_shipper`, docs/watch.md): where its entries go and when
+    """The VM's log shipper (`trainer.cloud.log_shipper`, docs/watch.md): where its entries go and when
     it says the trainer stalled."""
 
     project: str
@@ -350,7 +350,7 @@ class BootScripts:
 
 
 def scale_settings(props: BootProps) -> str:
-    """`trainer.scale.Settings` as JSON, deterministic (it is part of the startup script)."""
+    """`trainer.cloud.scale.Settings` as JSON, deterministic (it is part of the startup script)."""
     t = props.scale
     if t is None:
         return ""

@@ -34,7 +34,7 @@ from constructs import Construct
 from stacks.boot import DEVICE_NAME
 from stacks.pool import COORDINATOR
 from stacks.vm_spec import VmSpec
-from trainer.placement import PROVISIONING_KEY
+from trainer.cloud.vm_info import PROVISIONING_KEY
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What a deployed run is measured by: the stack's log-based metrics (counted and extracted from
-the entries the VMs' log shipper writes, `trainer.log_shipper`) and the custom metrics the trainer
+the entries the VMs' log shipper writes, `trainer.cloud.log_shipper`) and the custom metrics the trainer
 writes itself. The alerts (`stacks.alerts`), the dashboard (`stacks.dashboard`), the cost
 estimate and the tests all take their names and filters from here; docs/watch.md lists them.
 

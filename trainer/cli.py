@@ -1,7 +1,7 @@
 """Command line: ``python -m trainer run|status|export|stage|logs|rendezvous ...`` (a stable contract).
 
 ``logs`` shows a run's sessions across VMs and how each ended, from Cloud Logging or a local file
-(trainer.logs).
+(trainer.cloud.logs).
 
 ``export`` writes a run's trained weights as a plain state dict in safetensors (trainer.export).
 
@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
                    help="keep retrying HTTP 403 this long: a new bucket grant takes minutes "
                         f"(default {retry.IAM_GRANT.grace_s:g})")
 
-    from trainer.logs import add_arguments as logs_arguments  # standard library only
+    from trainer.cloud.logs import add_arguments as logs_arguments  # standard library only
 
     lg = sub.add_parser("logs", help="a run's sessions across VMs and how each ended, from Cloud Logging or a file")
     logs_arguments(lg)
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.health_port is not None and not 0 <= args.health_port <= 65535:
                 raise ConfigError([f"command line: health_port: must be 0..65535, got {args.health_port}"])
         elif args.command == "logs":
-            pass  # trainer.logs checks its own arguments
+            pass  # trainer.cloud.logs checks its own arguments
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return stage_main(args)
     if args.command == "logs":
-        from trainer.logs import run as logs_run
+        from trainer.cloud.logs import run as logs_run
 
         return logs_run(args)
     if args.command == "rendezvous":

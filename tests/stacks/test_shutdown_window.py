@@ -22,7 +22,7 @@ from drill.service_manager import parse_unit
 from stacks.boot import shquote
 from trainer import shutdown_window as W
 from trainer.cli import parser
-from trainer.placement import PROVISIONING_KEY
+from trainer.cloud.vm_info import PROVISIONING_KEY
 
 pytestmark = pytest.mark.xdist_group("stacks")
 

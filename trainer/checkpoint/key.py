@@ -189,7 +189,7 @@ def fetch(secret: str, out: Path, *, client: Any = None, forbidden_retry_s: floa
     client. A version 1 that exists but is disabled or destroyed is an error: a new key would not
     authenticate the experiment's checkpoints, so none is made.
     """
-    from trainer.gce import Client
+    from trainer.cloud.gce import Client
 
     client = client or Client()
     url = f"{(api or _api()).rstrip('/')}/{secret}"
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--forbidden-retry-s", type=float, default=retry.IAM_GRANT.grace_s)
     f.add_argument("--first-wait-s", type=float, default=retry.IAM_GRANT.grace_first_s)
     args = p.parse_args(argv)
-    from trainer.gce import ApiError
+    from trainer.cloud.gce import ApiError
 
     def say(msg: str) -> None:
         print(f"spottrain-key: {msg}", flush=True)

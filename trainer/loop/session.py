@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from trainer import gpu, placement, startup_notice
+from trainer import gpu, startup_notice
+from trainer.cloud import vm_info
 from trainer import task as tasks
 from trainer.artifacts import Artifacts
 from trainer.checkpoint import tier_wait
@@ -148,7 +149,7 @@ class Session:
             self.process_start, price_per_hour=cfg.price_per_hour, on_demand_price_per_hour=cfg.on_demand_price_per_hour,
             main=world.is_main, world_size=world.size)))
         if cfg.watch_metadata:  # where this session runs, for the time spent without a VM
-            where = placement.read()
+            where = vm_info.read()
             if where is not None:
                 self.bus.emit(CapacityWait(**where, waited_s=_waited(cfg.run_dir, where.get("boot_time"),
                                                                       self.session)))

@@ -14,7 +14,7 @@ import pytest
 
 from drill.fake_gcp import FakeGcp
 from trainer.checkpoint import key as ck
-from trainer.gce import ApiError, Client
+from trainer.cloud.gce import ApiError, Client
 
 SECRET_ID = "exp-checkpoint-key"
 

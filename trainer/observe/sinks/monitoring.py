@@ -69,7 +69,7 @@ class MonitoringSink(BaseSink):
 
     def __init__(self, settings: dict[str, Any], log: Any, *, clock: Callable[[], float] = time.time,
                  client: Any = None, start: bool = True) -> None:
-        from trainer.gce import Client
+        from trainer.cloud.gce import Client
 
         self.s = Settings.model_validate(settings)
         self.log = log

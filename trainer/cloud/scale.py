@@ -1,10 +1,10 @@
 """What a training VM may do about its own job: stop paying, and ask for its successor.
 
 The VM holds no Compute permission (docs/security.md): it writes into its bucket and starts its
-experiment's control job (`trainer.control`, a Cloud Run job with an identity of its own), which
+experiment's control job (`trainer.cloud.control`, a Cloud Run job with an identity of its own), which
 changes the groups and reports back in the bucket.
 
-`python -m trainer.scale stop REASON [--detail TEXT]` (REASON: `finished` or `bad-input`) is the
+`python -m trainer.cloud.scale stop REASON [--detail TEXT]` (REASON: `finished` or `bad-input`) is the
 one path a job that needs no VM takes, for a run that finished and for one that cannot continue
 without a human (the exit-2 path calls it through `/etc/spottrain/stop_paying.sh REASON`):
 
@@ -22,8 +22,8 @@ without a human (the exit-2 path calls it through `/etc/spottrain/stop_paying.sh
    when every step was confirmed, 1 when any failed (the outcome names each). The marker is
    durable either way: the job's scheduled runs finish what a failed one left.
 
-`python -m trainer.scale honour` (at boot): exit 10 after stopping again when a marker for this
-experiment exists, 0 when there is none. `python -m trainer.scale successor` (flex-start): asks
+`python -m trainer.cloud.scale honour` (at boot): exit 10 after stopping again when a marker for this
+experiment exists, 0 when there is none. `python -m trainer.cloud.scale successor` (flex-start): asks
 the control job for the next VM (`<prefix>/control/successor.json`), unless a marker says the job
 is done; `deadline` waits until the flex-start VM's end is near, stops the trainer (it saves and
 exits 75) and then asks for the successor.
@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer import retry, untrusted
-from trainer.control import outcome_object, successor_object
-from trainer.gce import ApiError, Client, metadata
+from trainer.cloud.control import outcome_object, successor_object
+from trainer.cloud.gce import ApiError, Client, metadata
 
 CONFIG = Path("/etc/spottrain/scale.json")
 REASONS = ("finished", "bad-input")
@@ -254,7 +254,7 @@ def _script_digest() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.scale", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.cloud.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=CONFIG)
     sub = p.add_subparsers(dest="command", required=True)
     stop = sub.add_parser("stop", help="scale the group to zero (finished, bad-input)")

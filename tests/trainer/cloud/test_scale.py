@@ -1,5 +1,5 @@
-"""The VM-side stop path (`python -m trainer.scale`) and the control job it starts
-(`trainer.control`), against fakes that are no kinder than Google: the fake Google APIs
+"""The VM-side stop path (`python -m trainer.cloud.scale`) and the control job it starts
+(`trainer.cloud.control`), against fakes that are no kinder than Google: the fake Google APIs
 (drill.fake_gcp) enforce the IAM of the experiment's **synthesized stack** for each caller and
 answer pending operations; the fake metadata server gives the VM its own token; the bucket is
 gcp-storage-emulator behind a proxy that checks the same grants for every object request. A grant
@@ -23,8 +23,8 @@ from drill.gcs_emulator import StorageEmulator
 from drill.iam import Policy
 from drill.metadata_server import MetadataServer
 from stacks.control import control_settings
-from trainer import scale
-from trainer.gce import ApiError, Client
+from trainer.cloud import scale
+from trainer.cloud.gce import ApiError, Client
 
 from support import REPO
 
@@ -137,7 +137,7 @@ def world(stack_json, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
 def test_a_finished_vm_has_its_group_scaled_to_zero_by_the_control_job(world) -> None:
     w = world()
     w.put_checkpoint(200)
-    proc = subprocess.run([sys.executable, "-m", "trainer.scale", "--config", str(w.config()), "stop", "finished"],
+    proc = subprocess.run([sys.executable, "-m", "trainer.cloud.scale", "--config", str(w.config()), "stop", "finished"],
                           cwd=REPO, env={**os.environ, **w.env}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "event=group_resized group=exp-group target_size=0" in proc.stderr

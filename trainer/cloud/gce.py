@@ -7,8 +7,8 @@ fakes can stand in for Google:
 `SPOTTRAIN_COMPUTE_API` (default https://compute.googleapis.com/compute/v1), `SPOTTRAIN_RUN_API`
 (default https://run.googleapis.com/v2) and `STORAGE_EMULATOR_HOST` (as the google-cloud-storage
 client reads it). The trainer's own checkpoint traffic goes through google-cloud-storage; this
-module serves the small control-plane calls (`trainer.scale`, `trainer.control`,
-`trainer.capacity`) that must work before or without it.
+module serves the small control-plane calls (`trainer.cloud.scale`, `trainer.cloud.control`,
+`trainer.cloud.capacity`) that must work before or without it.
 
 Nothing here waits on a Compute operation: `zoneOperations.get`/`wait` need
 `compute.zoneOperations.get`, which no role of ours grants (an operation cannot be named in a

@@ -17,8 +17,8 @@ from drill.fake_gcp import FakeGcp
 from drill.fake_observability import FakeObservability
 from drill.net import free_port
 from tests.trainer.support import REPO
-from trainer.log_shipper import entry
-from trainer.logs import log_filter
+from trainer.cloud.log_shipper import entry
+from trainer.cloud.logs import log_filter
 
 PROJECT, TOKEN = "my-project-123456", "fake-access-token"
 CFG = {"project": PROJECT, "experiment": "example", "run": "runs/example"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.gce import ApiError, metadata
+from trainer.cloud.gce import ApiError, metadata
 
 #: Instance metadata the stack sets on every template: the provisioning model, as the API names it.
 PROVISIONING_KEY = "spottrain-provisioning"

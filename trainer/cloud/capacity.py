@@ -14,13 +14,13 @@ own state (an object in the bucket), decides, resizes, and writes the state back
   So two VMs never train at once: every switch goes through a save, and a VM starts only after
   the other is gone. (A trainer that is slow to die is still covered by the job's GCS writer
   lease: the newcomer cannot write the job's prefix until the lease is released or expires.)
-- **stopped**: a stop marker (`trainer.scale`) is in the bucket: both groups go to 0 and stay.
+- **stopped**: a stop marker (`trainer.cloud.scale`) is in the bucket: both groups go to 0 and stay.
 - **paused**: the experiment says `group.workers = 0`: both groups go to 0; when it says 1
   again, the job starts over in `spot`.
 
 `decide()` is the whole policy, a pure function of (state, what the groups look like, time);
 the capacity simulation (`bench/capacity_bench.py`) drives the same code against the fake Compute
-API. The experiment's control job (`trainer.control`) runs one `Check` per execution, with
+API. The experiment's control job (`trainer.cloud.control`) runs one `Check` per execution, with
 `Settings` from its own settings. A resize is not waited on (its operation is Compute's, which
 no role of ours may read): the next check sees the group's target size; every shrink is tried
 even when another failed, a grow only once every shrink went through (never two VMs by mistake),
@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from trainer.gce import ApiError, Client
+from trainer.cloud.gce import ApiError, Client
 
 MODES = ("spot", "on-demand", "to-spot", "stopped", "paused")
 HISTORY = 50  # decisions kept in the state object, for `status` and post-mortems

@@ -9,8 +9,8 @@ import pytest
 
 from drill.fake_gcp import FakeGcp
 from drill.iam import Policy
-from trainer import capacity as cap
-from trainer.gce import Client
+from trainer.cloud import capacity as cap
+from trainer.cloud.gce import Client
 
 PROJECT, ZONES = "my-project-123456", ("us-central1-a", "us-central1-b")
 MIN = 60.0
@@ -168,7 +168,7 @@ def test_a_failed_shrink_is_reported_and_nothing_grows_after_it(fake, gcs_emulat
 def test_a_stopped_fallback_job_has_both_groups_at_zero_confirmed_by_the_control_job(fake, gcs_emulator) -> None:
     """The control job runs the check; a stop marker takes both groups to zero, each confirmed on
     the group itself, and the outcome tells the VM that asked."""
-    from trainer.control import Control, Settings
+    from trainer.cloud.control import Control, Settings
 
     gcp, clock = fake
     gcp.set_target("exp-od-group", 1)  # on demand at the moment
@@ -187,7 +187,7 @@ def test_a_stopped_fallback_job_has_both_groups_at_zero_confirmed_by_the_control
 
 
 def test_the_control_job_refuses_bad_settings_with_status_2(monkeypatch, capsys) -> None:
-    from trainer import control
+    from trainer.cloud import control
 
     monkeypatch.setenv(control.ENV, "{not json")
     assert control.main() == control.EXIT_BAD

@@ -1,4 +1,4 @@
-"""trainer/log_shipper.py: the parse rule over the trainer's and the boot scripts' real lines, and
+"""trainer/cloud/log_shipper.py: the parse rule over the trainer's and the boot scripts' real lines, and
 the shipper itself, a real process following a journal (the drill's journalctl) into the loopback
 Logging API (drill/fake_observability.py) with the fake metadata server's token."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from drill.fake_observability import FakeObservability, Filter
 from drill.metadata_server import MetadataServer
 from tests.trainer.support import REPO, Proc, run_args, write_config
 from trainer import retry
-from trainer.log_shipper import (LABEL, RETRY, RETRY_CAP_S, SCRIPT_LINE, TRAINER_LINE, entry, parse_message)
+from trainer.cloud.log_shipper import (LABEL, RETRY, RETRY_CAP_S, SCRIPT_LINE, TRAINER_LINE, entry, parse_message)
 
 GUARD_S = 60.0  # a failure guard for waits, never a timing assertion
 TOKEN = "drill-fake-token"  # what drill.metadata_server hands out
@@ -145,7 +145,7 @@ class Rig:
             f.write(json.dumps(_record(self.n, message, self.boot, **fields)) + "\n")
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "trainer" / "log_shipper.py"),
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "trainer" / "cloud" / "log_shipper.py"),
                                       str(self.root / "logs.json")], env=self.env, stderr=subprocess.PIPE,
                                      text=True)
 

@@ -10,15 +10,15 @@ as granting access"), and a group has no allow policy of its own, so the only gr
 anyone resize a group is one on the whole project. That grant belongs to code we ship, not to a
 VM that runs a model's dependencies. docs/security.md has the whole map.
 
-One execution (`python -m trainer.control`, settings in `SPOTTRAIN_CONTROL`, `Settings`), started
-by a VM (`trainer.scale`) or by Cloud Scheduler as a backstop:
+One execution (`python -m trainer.cloud.control`, settings in `SPOTTRAIN_CONTROL`, `Settings`), started
+by a VM (`trainer.cloud.scale`) or by Cloud Scheduler as a backstop:
 
-1. **Stopped** (a stop marker of `trainer.scale` is in the bucket): a pool's coordinator is stopped
+1. **Stopped** (a stop marker of `trainer.cloud.scale` is in the bucket): a pool's coordinator is stopped
    and every group is resized to zero, each step tried whatever happened to the others; then each
    is confirmed from the resource itself (the group's `targetSize`, the coordinator's `status`),
    never from the operation (which needs `compute.zoneOperations.get`, project-wide). The outcome
    goes to `<prefix>/control/outcome.json` for the VM that asked.
-2. **Capacity** (the on-demand fallback, `trainer.capacity`): one check; it also takes both groups
+2. **Capacity** (the on-demand fallback, `trainer.cloud.capacity`): one check; it also takes both groups
    to zero when stopped.
 3. **Successor** (flex-start): `<prefix>/control/successor.json` names the VM whose successor is
    wanted; if it is still a member of the group, one resize request of `resizeBy` 1 and the
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from trainer import capacity as cap
+from trainer.cloud import capacity as cap
 from trainer import untrusted
-from trainer.gce import ApiError, Client
+from trainer.cloud.gce import ApiError, Client
 
 ENV = "SPOTTRAIN_CONTROL"
 EXIT_OK, EXIT_FAILED, EXIT_BAD = 0, 1, 2
@@ -57,7 +57,7 @@ class Settings:
     stop_markers: tuple[str, ...]  # object names: any of them present means the job is done
     coordinator: str | None = None  # a pool's coordinator, zones/<zone>/instances/<name>
     flex_run_duration_s: int | None = None  # flex-start: the successor's run duration
-    capacity: dict[str, Any] | None = None  # the on-demand fallback's `trainer.capacity.Settings`
+    capacity: dict[str, Any] | None = None  # the on-demand fallback's `trainer.cloud.capacity.Settings`
     confirm_s: float = 600.0  # how long a change may take to show on the resource
     poll_s: float = 2.0
 

@@ -1,5 +1,5 @@
 """`python -m trainer logs`: a run's sessions in order, across recreated VMs, with the reason each
-ended, from the entries the VMs' log shipper wrote to Cloud Logging (`trainer.log_shipper`), or
+ended, from the entries the VMs' log shipper wrote to Cloud Logging (`trainer.cloud.log_shipper`), or
 from a local file read with the same parse rule.
 
 From Cloud Logging (`--project P --experiment NAME`): `entries:list` over
@@ -34,7 +34,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from trainer.log_shipper import LABEL, LOG_ID, SCRIPT_RUNNER, entry, local_entry
+from trainer.cloud.log_shipper import LABEL, LOG_ID, SCRIPT_RUNNER, entry, local_entry
 
 DEFAULT_LOGGING_API = "https://logging.googleapis.com/v2"
 PAGE_SIZE = 1000
@@ -61,7 +61,7 @@ def log_filter(project: str, experiment: str, *, since: datetime, run: str | Non
 
 
 def list_entries(client: Any, project: str, filter_text: str, *, api: str | None = None) -> list[dict[str, Any]]:
-    """Every entry the filter selects, oldest first, page after page (`trainer.gce.Client`)."""
+    """Every entry the filter selects, oldest first, page after page (`trainer.cloud.gce.Client`)."""
     base = (api or os.environ.get("SPOTTRAIN_LOGGING_API") or DEFAULT_LOGGING_API).rstrip("/")
     body: dict[str, Any] = {"resourceNames": [f"projects/{project}"], "filter": filter_text,
                             "orderBy": "timestamp asc", "pageSize": PAGE_SIZE}
@@ -350,7 +350,7 @@ def run(args: argparse.Namespace, *, now: datetime | None = None) -> int:
 
 
 def _fetch(args: argparse.Namespace, since: datetime) -> list[dict[str, Any]]:
-    from trainer.gce import ApiError, Client
+    from trainer.cloud.gce import ApiError, Client
 
     if args.access_token_file is not None:
         try:
