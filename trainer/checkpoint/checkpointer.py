@@ -31,7 +31,8 @@ Saving (CheckFreq's snapshot/persist split), every tier failing on its own:
 
 Durable: ``durable(step, deadline=...)`` waits for the saves in flight (until the deadline) and
 reads ``step`` back from every durable tier (``Tiers.complete``: across nodes only the remote ones):
-its manifest parses and checks out, and every file it lists is there with the listed size. The
+its manifest parses and checks out, its HMAC verifies under the run's key (a manifest planted by
+someone without the key is never durable), and every file it lists is there with the listed size. The
 final checkpoint and a pause's count only then.
 
 Restoring: the newest checkpoint that verifies (manifest self-check and HMAC under the run's key,
@@ -747,7 +748,9 @@ class Checkpointer:
         try:
             # After the deadline the check still gets a short while of its own.
             with t.store.deadline(max(deadline, time.monotonic() + 10.0)):
-                info = check_checkpoint(t.store, step, self._parse)
+                # With the key, as a restore reads it: a manifest someone without the key planted
+                # at this step is never this run's checkpoint, however well-formed.
+                info = check_checkpoint(t.store, step, self._parse, key=self.key)
         except Exception as e:  # noqa: BLE001 - the tier cannot be read: not durable as far as we know
             return f"cannot check it ({type(e).__name__}: {str(e)[:200]})"
         if info is None:

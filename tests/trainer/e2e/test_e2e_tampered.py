@@ -178,3 +178,25 @@ def test_garbage_objects_in_the_bucket_never_stop_the_job(tmp_path: Path, gcs_em
     p.seen(r"event=lease_acquired .*took_over=expired previous=unreadable lease object gs://\S+lease\.json")
     p.seen(r"event=restore step=20 tier=persistent")
     assert status(run_dir, "--gcs-uri", gcs_emulator.uri)["latest_step"] == STEPS
+
+
+def test_a_forged_final_checkpoint_never_finishes_the_run(tmp_path: Path, gcs_emulator) -> None:
+    """A bucket writer plants a well-formed manifest (every sha256 right, no HMAC) at the final step
+    before the run gets there: the trainer's own upload meets it and skips GCS (it is never
+    overwritten), and the read-back authenticates, so the final checkpoint is not durable: exit 74,
+    never `finished` (which would let scale-to-zero delete the disk holding the only authentic
+    final step)."""
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    env = trainer_env(**gcs_emulator.env)
+    gcs = ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
+    assert start(run_dir, STEPS, config, *gcs, "--stop-at-step", "20", env=env).wait() == 75
+    forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 20, STEPS, {})
+
+    p = start(run_dir, STEPS, config, *gcs, "--durable-timeout-s", "2", env=env)
+    assert p.wait() == 74, p.output[-4000:]
+    p.seen(rf"gcs holds a checkpoint at step {STEPS} that is never overwritten")
+    p.seen(rf"step {STEPS}\) is not durable .*gcs NOT DURABLE: unauthenticated: its manifest carries no HMAC")
+    assert not any("event=finished" in line for line in p.lines)
+    # Nothing deleted: the planted one stays (never deleted), the authentic final step is on disk.
+    assert f"step-{STEPS:08d}/manifest.json" in bucket_names(gcs_emulator.client, gcs_emulator.uri)
+    assert status(run_dir)["latest_step"] == STEPS
