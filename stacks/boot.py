@@ -357,6 +357,8 @@ def scale_settings(props: BootProps) -> str:
     settings = {"job": t.job_path, "bucket": props.bucket, "prefix": f"runs/{props.name}",
                 "steps": props.steps, "run_dir": RUN_DIR, "run_duration_s": t.run_duration_s,
                 "stop_before_s": t.stop_before_s}
+    if props.checkpoint_key_secret:
+        settings["checkpoint_key_file"] = CHECKPOINT_KEY_FILE
     return json.dumps(settings, sort_keys=True)
 
 

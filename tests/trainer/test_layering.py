@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Layers, lowest first: a module may import its own layer and those below.
 LAYERS = [
     ("foundation", ["trainer", "trainer.exit_status", "trainer.startup_notice", "trainer.distributed", "trainer.gpu",
+                    "trainer.manifest_auth",
                     "trainer.cloud", "trainer.retry", "trainer.shutdown_window", "trainer.untrusted"]),
     ("checkpoint", ["trainer.checkpoint"]),
     ("observe", ["trainer.observe"]),

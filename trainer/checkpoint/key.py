@@ -32,8 +32,6 @@ import argparse
 import base64
 import binascii
 import dataclasses
-import hashlib
-import hmac
 import logging
 import os
 import stat
@@ -44,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer import retry
+from trainer import manifest_auth, retry
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +52,6 @@ SECRETMANAGER_ENV = "SPOTTRAIN_SECRETMANAGER_API"
 DEFAULT_SECRETMANAGER = "https://secretmanager.googleapis.com/v1"
 MIN_BYTES = 32
 MAX_BYTES = 4096
-ALG = "hmac-sha256"
 
 
 class KeyProblem(Exception):
@@ -72,13 +69,13 @@ class CheckpointKey:
     def id(self) -> str:
         """A public name for the key (recorded in manifests): which key signed what, without
         revealing the key."""
-        return hmac.new(self.secret, b"spottrain checkpoint key id", hashlib.sha256).hexdigest()[:16]
+        return manifest_auth.key_id(self.secret)
 
     def sign(self, data: bytes) -> str:
-        return hmac.new(self.secret, data, hashlib.sha256).hexdigest()
+        return manifest_auth.sign(self.secret, data)
 
     def verify(self, data: bytes, mac: object) -> bool:
-        return isinstance(mac, str) and hmac.compare_digest(self.sign(data), mac)
+        return manifest_auth.verify(self.secret, data, mac)
 
 
 def default_path() -> Path:

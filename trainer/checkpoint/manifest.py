@@ -27,7 +27,8 @@ from typing import Any, Callable
 import torch
 
 from trainer import untrusted
-from trainer.checkpoint.key import ALG, CheckpointKey
+from trainer.checkpoint.key import CheckpointKey
+from trainer.manifest_auth import ALG, canonical as _canonical, named_key as _key_id, signed_body as _signed_body
 
 FORMAT = "spottrain-checkpoint"
 #: 2: JSON structure (``state.json``) and, with a key, an HMAC. 1: a pickled ``state.pt``.
@@ -115,10 +116,6 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _canonical(obj: dict) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
 def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: float, *,
                    key: CheckpointKey | None = None, writer: str | None = None) -> bytes:
     """The manifest's bytes. ``writer``: the writing session's id (a save id: two saves of one
@@ -145,15 +142,6 @@ def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: 
     if key is not None:
         body["hmac"] = key.sign(canonical)
     return json.dumps(body, sort_keys=True, indent=1).encode()
-
-
-def _signed_body(m: dict) -> bytes:
-    return _canonical({k: v for k, v in m.items() if k not in ("manifest_sha256", "hmac")})
-
-
-def _key_id(m: dict) -> str:
-    auth = m.get("auth")
-    return str(auth.get("key_id"))[:64] if isinstance(auth, dict) else "none"
 
 
 def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict:

@@ -161,16 +161,25 @@ class Client:
         return self.request("GET", url, ok404=True) is not None
 
     def list_objects(self, bucket: str, prefix: str) -> list[str]:
-        names, token = [], None
+        return list(self.object_sizes(bucket, prefix))
+
+    def object_sizes(self, bucket: str, prefix: str) -> dict[str, int]:
+        """Every object under ``prefix``: name -> size in bytes."""
+        sizes: dict[str, int] = {}
+        token = None
         while True:
-            query: dict[str, Any] = {"prefix": prefix, "fields": "items(name),nextPageToken"}
+            query: dict[str, Any] = {"prefix": prefix, "fields": "items(name,size),nextPageToken"}
             if token:
                 query["pageToken"] = token
             page = self.request("GET", f"{self.storage}/storage/v1/b/{bucket}/o", query=query) or {}
-            names += [o["name"] for o in page.get("items", [])]
+            for o in page.get("items", []):
+                try:
+                    sizes[o["name"]] = int(o.get("size", -1))
+                except (TypeError, ValueError):
+                    sizes[o["name"]] = -1
             token = page.get("nextPageToken")
             if not token:
-                return names
+                return sizes
 
     def create_object(self, bucket: str, name: str, data: bytes) -> bool:
         """Create-only upload; False when the object already exists (412)."""

@@ -9,9 +9,13 @@ one path a job that needs no VM takes, for a run that finished and for one that 
 without a human (the exit-2 path calls it through `/etc/spottrain/stop_paying.sh REASON`):
 
 1. It checks that scaling to zero loses nothing: the group deletes the VM *and its checkpoint
-   disk*. `finished` needs the final checkpoint's manifest in the bucket (`step-<steps>`);
-   `bad-input` needs the bucket to hold a checkpoint at least as new as the newest on this VM's
-   disk. Otherwise it refuses (exit 3): the VM stays, idle and paying, and the log says why.
+   disk*. `finished` needs the final checkpoint (`step-<steps>`) in the bucket; `bad-input` needs
+   the bucket to hold a checkpoint at least as new as the newest on this VM's disk. A checkpoint in
+   the bucket counts only when it is authentic and complete: its manifest's HMAC verifies under the
+   run's checkpoint key (`checkpoint_key_file`, on the VM; `trainer.manifest_auth`, as the trainer
+   judges it), its step is its folder's, and every file it lists is there with the listed size. A
+   name is never enough: whoever can write the bucket can plant one. Otherwise it refuses (exit 3):
+   the VM stays, idle and paying, and the log says why.
 2. It writes a stop marker into the bucket, create-only: `<prefix>/stop/finished-steps-<steps>.json`
    or `<prefix>/stop/bad-input-<digest>.json` (digest: the first 16 hex of the startup script's
    sha256, so a fixed experiment, which renders another script, is a new start). The stack reads
@@ -38,7 +42,9 @@ import argparse
 import hashlib
 import json
 import dataclasses
+import os
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -47,7 +53,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer import retry, untrusted
+from trainer import manifest_auth, retry, untrusted
 from trainer.cloud.control import outcome_object, successor_object
 from trainer.cloud.gce import ApiError, Client, metadata
 
@@ -69,6 +75,9 @@ class Settings:
     answer_s: float = 900.0  # how long to wait for the control job's answer
     forbidden_retry_s: float = retry.IAM_GRANT.grace_s  # a 403 starting the job is retried this long
     poll_s: float = 5.0
+    #: the run's checkpoint key (the boot fetches it before `honour`): what authenticates a
+    #: checkpoint in the bucket; without it nothing there counts, and a stop is refused.
+    checkpoint_key_file: str = "/run/spottrain/checkpoint.key"
 
     @classmethod
     def load(cls, path: Path) -> "Settings":
@@ -112,6 +121,21 @@ def local_newest(run_dir: Path) -> int | None:
     return _newest_step([f"x/{n}" for n in names])
 
 
+def read_key(path: str) -> bytes:
+    """The checkpoint key's bytes; OSError or ValueError saying why it cannot be used."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not hang the stop
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            secret = f.read(4097)
+    finally:
+        os.close(fd)
+    if not 32 <= len(secret) <= 4096:
+        raise ValueError(f"{path} holds {len(secret)} bytes, not a checkpoint key")
+    return secret
+
+
 class Scaler:
     def __init__(self, settings: Settings, client: Client, script_digest: str) -> None:
         self.s, self.c, self.digest = settings, client, script_digest
@@ -122,18 +146,60 @@ class Scaler:
     def durable(self, reason: str) -> tuple[bool, str]:
         """Would scaling to zero (which deletes this VM's disk) lose a checkpoint?"""
         s = self.s
-        if reason == "finished":
-            final = f"{s.prefix}/step-{s.steps:08d}/manifest.json"
-            if self.c.object_exists(s.bucket, final):
-                return True, f"gs://{s.bucket}/{final} is there"
-            return False, (f"the final checkpoint gs://{s.bucket}/{final} is not in the bucket; its only "
-                           "copy may be on this VM's disk, which scaling to zero would delete")
-        in_gcs = _newest_step(self.c.list_objects(s.bucket, f"{s.prefix}/step-"))
         on_disk = local_newest(Path(s.run_dir))
-        if on_disk is None or (in_gcs is not None and in_gcs >= on_disk):
-            return True, f"newest on disk {on_disk}, in the bucket {in_gcs}"
-        return False, (f"this VM's disk holds step {on_disk}, the bucket only {in_gcs}: scaling to "
-                       "zero would delete the newest checkpoint with the disk")
+        if reason != "finished" and on_disk is None:
+            return True, "no checkpoint on this VM's disk"
+        try:
+            secret = read_key(s.checkpoint_key_file)
+        except (OSError, ValueError) as e:
+            return False, (f"cannot authenticate the bucket's checkpoints without the checkpoint key "
+                           f"({e}); scaling to zero could delete the only authentic copy with the disk")
+        sizes = self.c.object_sizes(s.bucket, f"{s.prefix}/step-")
+        if reason == "finished":
+            why = self._unauthentic(s.steps, sizes, secret)
+            if why is None:
+                return True, f"gs://{s.bucket}/{s.prefix}/step-{s.steps:08d} is there and authentic"
+            return False, (f"the final checkpoint gs://{s.bucket}/{s.prefix}/step-{s.steps:08d} is not in the "
+                           f"bucket ({why}); its only copy may be on this VM's disk, which scaling to zero "
+                           "would delete")
+        newer = sorted({st for n in sizes if n.endswith("/manifest.json")
+                        and (st := _newest_step([n])) is not None and st >= on_disk}, reverse=True)
+        refused = []
+        for step in newer:
+            why = self._unauthentic(step, sizes, secret)
+            if why is None:
+                return True, f"newest on disk {on_disk}, in the bucket {step} (authentic)"
+            refused.append(f"step {step}: {why}")
+        return False, (f"this VM's disk holds step {on_disk}, and the bucket no authentic copy of it or a newer "
+                       f"one{' (' + '; '.join(refused[:5]) + ')' if refused else ''}: scaling to zero would "
+                       "delete the newest checkpoint with the disk")
+
+    def _unauthentic(self, step: int, sizes: dict[str, int], secret: bytes) -> str | None:
+        """None when the bucket's ``step`` is authentic and complete (see the module docstring),
+        else why not."""
+        folder = f"{self.s.prefix}/step-{step:08d}/"
+        size = sizes.get(folder + "manifest.json")
+        if size is None:
+            return "not there"
+        if not 0 <= size <= untrusted.MANIFEST_MAX_BYTES:
+            return f"its manifest is {size} bytes, too large to be one"
+        raw = self.c.read_object(self.s.bucket, folder + "manifest.json")
+        if raw is None:
+            return "not there"
+        try:
+            m = untrusted.loads(raw, limit=untrusted.MANIFEST_MAX_BYTES, what="manifest")
+        except untrusted.Garbage as e:
+            return str(e)
+        why = manifest_auth.unauthentic(m, secret)
+        if why is not None:
+            return "unauthenticated: " + why
+        if m.get("step") != step or not isinstance(m.get("files"), dict):
+            return f"its manifest says step {m.get('step')!r}"
+        for name, info in m["files"].items():
+            want = info.get("size") if isinstance(info, dict) else None
+            if sizes.get(folder + name) != want:
+                return f"{name} is missing or not {want} bytes"
+        return None
 
     def stop(self, reason: str, detail: str = "") -> int:
         ok, why = self.durable(reason)

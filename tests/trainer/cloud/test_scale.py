@@ -65,7 +65,9 @@ class World:
         self.settings = scale.Settings(job=f"projects/{PROJECT}/locations/{REGION}/jobs/exp-control",
                                        bucket=self.bucket_name, prefix=self.prefix, steps=self.steps,
                                        run_dir=str(self.run_dir), run_duration_s=86400 if flex else None,
-                                       answer_s=120.0, forbidden_retry_s=0.0, poll_s=0.05)
+                                       answer_s=120.0, forbidden_retry_s=0.0, poll_s=0.05,
+                                       checkpoint_key_file=str(tmp / "checkpoint.key"))
+        (tmp / "checkpoint.key").write_bytes(b"k" * 32)
 
     def __enter__(self) -> "World":
         from google.auth.credentials import AnonymousCredentials
@@ -103,8 +105,22 @@ class World:
     def main(self, *argv: str, **changes: Any) -> int:
         return scale.main(["--config", str(self.config(**changes)), *argv])
 
-    def put_checkpoint(self, step: int) -> None:
-        self.bucket.blob(f"{self.prefix}/step-{step:08d}/manifest.json").upload_from_string(b"{}")
+    def put_checkpoint(self, step: int, *, secret: bytes | None = None, files: bool = True) -> None:
+        """An authentic checkpoint of ``step`` (signed with the run's key, or ``secret``), as the
+        trainer uploads it: its files, then its manifest; ``files`` False leaves them out."""
+        from trainer.checkpoint.key import CheckpointKey
+        from trainer.checkpoint.manifest import build_manifest
+
+        key = CheckpointKey(secret or Path(self.settings.checkpoint_key_file).read_bytes())
+        data = b"weights" * 100
+        if files:
+            self.bucket.blob(f"{self.prefix}/step-{step:08d}/model.bin").upload_from_string(data)
+        manifest = build_manifest(step, {"model.bin": {"size": len(data), "sha256": "0" * 64}}, {}, 0.0, key=key)
+        self.bucket.blob(f"{self.prefix}/step-{step:08d}/manifest.json").upload_from_string(manifest)
+
+    def plant(self, step: int, data: bytes = b"{}") -> None:
+        """What a bucket writer without the key can put there."""
+        self.bucket.blob(f"{self.prefix}/step-{step:08d}/manifest.json").upload_from_string(data)
 
     def disk_checkpoint(self, step: int) -> None:
         folder = self.run_dir / f"step-{step:08d}"
@@ -294,3 +310,44 @@ def test_a_settings_file_with_an_unknown_key_is_bad_input(tmp_path: Path, capsys
                                "steps": 1, "colour": "red"}))
     assert scale.main(["--config", str(cfg), "honour"]) == scale.EXIT_BAD
     assert "colour" in capsys.readouterr().err
+
+
+def test_a_planted_checkpoint_never_lets_the_disk_go(world, capsys) -> None:
+    """A bucket writer without the key plants `{}` at step 99999999, a well-formed manifest without
+    an HMAC at the final step, one signed with another key, or an authentic manifest whose files
+    are missing: neither `stop bad-input`, `stop finished` nor the boot's `honour` scales to zero
+    (which would delete the disk holding the newest authentic step)."""
+    from drill.attacker import forge
+
+    w = world()
+    w.disk_checkpoint(100)
+    w.put_checkpoint(50)
+    w.plant(99999999)
+    w.bucket.blob(f"{w.prefix}/step-99999999/model.bin").upload_from_string(b"x")
+    assert w.main("stop", "bad-input", "--detail", "trainer.args: bad") == scale.EXIT_REFUSED
+    w.put_checkpoint(200, files=False)
+    forged = forge(w.bucket.blob(f"{w.prefix}/step-00000050/manifest.json").download_as_bytes(), 150, {})
+    w.plant(150, forged)
+    w.put_checkpoint(120, secret=b"another run's key, 32 bytes long")
+    assert w.main("stop", "finished") == scale.EXIT_REFUSED
+    assert w.main("stop", "bad-input", "--detail", "trainer.args: bad") == scale.EXIT_REFUSED
+    w.bucket.blob(w.markers["bad-input"]).upload_from_string(b"{}")  # a marker, planted as well
+    assert w.main("honour") == scale.EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert "step 99999999: manifest has" in err or "step 99999999: unauthenticated" in err
+    assert "step 150: unauthenticated: its manifest carries no HMAC" in err
+    assert "step 120: unauthenticated: its manifest names checkpoint key" in err
+    assert "step 200: model.bin is missing" in err
+    assert w.gcp.group("exp-group").target_size == 2 and w.gcp.calls_to("POST", ":run") == []
+    # The disk's own step, authentic and complete in the bucket: now it may go.
+    w.put_checkpoint(100)
+    assert w.main("stop", "bad-input", "--detail", "trainer.args: bad") == 0
+    assert w.gcp.group("exp-group").target_size == 0
+
+
+def test_without_the_checkpoint_key_nothing_in_the_bucket_counts(world, capsys) -> None:
+    w = world()
+    w.put_checkpoint(200)
+    assert w.main("stop", "finished", checkpoint_key_file=str(w.tmp / "absent.key")) == scale.EXIT_REFUSED
+    assert "cannot authenticate the bucket's checkpoints without the checkpoint key" in capsys.readouterr().err
+    assert w.gcp.group("exp-group").target_size == 2
