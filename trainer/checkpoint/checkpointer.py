@@ -85,7 +85,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.checkpoint.format import (CheckpointInfo, check_checkpoint, delete_checkpoint, download_dir,
+from trainer.checkpoint.format import (VERIFY_READS, CheckpointInfo, check_checkpoint, delete_checkpoint, download_dir,
                                        list_checkpoints, read_manifest)
 from trainer.checkpoint.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
 from trainer.checkpoint.key import CheckpointKey
@@ -1023,15 +1023,30 @@ class Checkpointer:
     def _download(self, t: Tier, step: int, root: Path) -> Path:
         """``download_dir``; a tier that stops answering midway is unknown, and a folder that cannot
         take the files is ``_CannotStore`` (the checkpoint is not thereby invalid: never fall back
-        to an older one for either)."""
-        try:
-            return download_dir(t.store, step, root, self._parse, key=self.key)
-        except Exception as e:
-            if is_unreachable(e):
-                raise TierUnknown({t.name: f"{type(e).__name__}: {e}"}) from e
-            if isinstance(e, OSError):  # writing the files here failed (ENOSPC, EROFS, EIO, ...)
-                raise _CannotStore(e) from e
-            raise
+        to an older one for either).
+
+        A download that does not verify (a sha256 or HMAC mismatch, or the client's own
+        ``DataCorruption``) is read again, up to ``DOWNLOAD_READS`` times in all: bits flipped on
+        the way are not a bad checkpoint, and falling back for them would give up intact steps
+        (after two, a fresh start). Only a copy that fails verification on every read is invalid."""
+        for read in range(1, DOWNLOAD_READS + 1):
+            try:
+                return download_dir(t.store, step, root, self._parse, key=self.key)
+            except Exception as e:
+                corrupt = isinstance(e, CheckpointInvalid) or _data_corruption(e)
+                if corrupt and read < DOWNLOAD_READS:
+                    self.log.warning("event=download_retry tier=%s step=%d read=%d reason=%s (bytes may be "
+                                     "corrupted in transit: reading it again before judging the checkpoint)",
+                                     t.name, step, read, e)
+                    continue
+                if _data_corruption(e):
+                    raise CheckpointInvalid(f"every read of step {step} from {t.name} was corrupted: {e}") from e
+                if is_unreachable(e):
+                    raise TierUnknown({t.name: f"{type(e).__name__}: {e}"}) from e
+                if isinstance(e, OSError):  # writing the files here failed (ENOSPC, EROFS, EIO, ...)
+                    raise _CannotStore(e) from e
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _nowhere(self, step: int, e: OSError) -> TierUnknown:
         """Neither the run dir nor a temporary folder takes the download: the run dir cannot be used
@@ -1311,6 +1326,22 @@ class Checkpointer:
                     entry["newest_valid"] = i.step
             out["tiers"][t.name] = entry
         return out
+
+
+#: Reads of a remote copy before a verification failure is the copy's, not the transfer's.
+DOWNLOAD_READS = VERIFY_READS
+
+
+def _data_corruption(exc: BaseException) -> bool:
+    """The storage client's own checksum (crc32c/md5 against the object's) refused the bytes."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ == "DataCorruption":
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class _CannotStore(Exception):

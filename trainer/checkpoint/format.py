@@ -279,6 +279,11 @@ class CheckpointInfo:
     manifest: dict | None = None
 
 
+#: Reads of a copy before a verification failure is the copy's and not the transfer's (bits
+#: flipped in transit are not a bad checkpoint; a copy corrupt in the store fails every read).
+VERIFY_READS = 3
+
+
 def _quick_check(store: Store, step: int, files: dict[str, int], parse: ManifestParser,
                  key: CheckpointKey | None = None) -> CheckpointInfo:
     loc = store.location(step_name(step))
@@ -288,16 +293,22 @@ def _quick_check(store: Store, step: int, files: dict[str, int], parse: Manifest
     if files[MANIFEST] > untrusted.MANIFEST_MAX_BYTES:  # not even downloaded
         return CheckpointInfo(step, False, f"manifest is {files[MANIFEST]} bytes, more than the "
                               f"{untrusted.MANIFEST_MAX_BYTES} it may be", total, loc)
-    try:
-        data = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
-    except KeyError:
-        return CheckpointInfo(step, False, "manifest vanished while listing", total, loc)
-    try:
-        m = parse(data, step, key=key)
-    except CheckpointInvalid as e:
-        return CheckpointInfo(step, False, str(e), total, loc)
-    except Exception as e:  # noqa: BLE001 - whatever its bytes are, they are no checkpoint (never a tier unknown)
-        return CheckpointInfo(step, False, f"manifest is malformed ({type(e).__name__}: {e})"[:300], total, loc)
+    # A manifest that does not check may have been corrupted on the way: read it again before
+    # calling the checkpoint invalid (a bad verdict here makes the restore give up this step).
+    for read in range(1, VERIFY_READS + 1):
+        try:
+            data = store.get_bytes(f"{step_name(step)}/{MANIFEST}")
+        except KeyError:
+            return CheckpointInfo(step, False, "manifest vanished while listing", total, loc)
+        try:
+            m = parse(data, step, key=key)
+            break
+        except CheckpointInvalid as e:
+            bad = str(e)
+        except Exception as e:  # noqa: BLE001 - whatever its bytes are, they are no checkpoint (never a tier unknown)
+            bad = f"manifest is malformed ({type(e).__name__}: {e})"[:300]
+        if read == VERIFY_READS:
+            return CheckpointInfo(step, False, bad, total, loc)
     for name, info in m["files"].items():
         if name not in files:
             return CheckpointInfo(step, False, f"{name} is missing", total, loc, m.get("created", ""))

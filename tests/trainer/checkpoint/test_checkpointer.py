@@ -753,6 +753,46 @@ def test_a_download_that_fails_is_unknown_not_a_reason_to_fall_back(gcs_proxy, t
     assert c2.restore().step == 2
 
 
+@pytest.mark.parametrize(("what", "after"), [("payload", 0), ("manifest", 0), ("manifest", 1)],
+                         ids=["payload", "manifest-quick-check", "manifest-download"])
+def test_bytes_flipped_in_transit_are_read_again_not_a_bad_checkpoint(gcs_proxy, tmp_path: Path, logwatch,
+                                                                       what: str, after: int) -> None:
+    """One read of step 2 arrives with a byte flipped (the object in the bucket is intact): the
+    payload or the manifest the download reads, or the manifest the restore's quick check reads
+    first. The restore reads it again and resumes from step 2, not from step 1 (nor nothing)."""
+    c = checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(),
+                     policies={"persistent": EVERY, "gcs": EVERY}, key=KEY)
+    save_steps(c, [1, 2])
+    c.close()
+    shutil.rmtree(tmp_path / "run")  # a blank disk: the checkpoints are only in GCS
+    name = r"manifest\.json" if what == "manifest" else r"(?!manifest)"
+    rule = gcs_proxy.proxy.add("GET", rf"alt=media.* object=.*step-00000002/{name}", "flip", times=1, after=after)
+    r = checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(), key=KEY).restore()
+    assert rule.hits == 1, gcs_proxy.proxy.seen("GET")
+    assert (r.step, r.tier) == (2, "gcs"), logwatch.text()
+    assert "falling back" not in logwatch.text()
+    if (what, after) != ("manifest", 0):
+        assert "event=download_retry tier=gcs step=2 read=1" in logwatch.text()
+
+
+def test_a_copy_corrupt_on_every_read_is_still_bad(gcs_proxy, tmp_path: Path, logwatch) -> None:
+    """Flipped on every read (or corrupt in the bucket): after DOWNLOAD_READS reads it is invalid,
+    and the restore falls back to step 1."""
+    from trainer.checkpoint.checkpointer import DOWNLOAD_READS
+
+    c = checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(),
+                     policies={"persistent": EVERY, "gcs": EVERY}, key=KEY)
+    save_steps(c, [1, 2])
+    c.close()
+    shutil.rmtree(tmp_path / "run")
+    gcs_proxy.proxy.add("GET", r"alt=media.* object=.*step-00000002/(?!manifest)", "flip", times=None)
+    r = checkpointer(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri, gcs_client=gcs_proxy.client(), key=KEY).restore()
+    assert r.step == 1
+    text = logwatch.text()
+    assert text.count("event=download_retry tier=gcs step=2") == DOWNLOAD_READS - 1
+    assert not (tmp_path / "run" / step_name(2)).exists()
+
+
 # ----------------------------------------------------------------------------- real faults
 # Cloud Storage behind the fault proxy (tests/conftest.py: gcs_proxy) and real small filesystems
 # that fill up or turn read-only (small_fs).
