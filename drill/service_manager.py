@@ -355,6 +355,9 @@ class Service:
         """`status` is the exit status, or minus the signal number when `code` is killed."""
         shown = status if code == "exited" else signal.Signals(-status).name
         clean = self._clean(status, code)
+        # As systemd does: the exit is in the journal before the unit leaves "active" (a reader
+        # that sees the unit inactive finds the line there).
+        self.m.journal.log("systemd[1]", fields=self.about(), line=f"{self.unit.name}: Main process exited, code={code}, status={shown}")
         with self._cond:
             self.exec_main_status = status if code == "exited" else -status
             self.exec_main_code = code
@@ -366,7 +369,6 @@ class Service:
             self.state = "activating" if restart else ("failed" if self.result != "success" else "inactive")
             self.main = None
             self._cond.notify_all()
-        self.m.journal.log("systemd[1]", fields=self.about(), line=f"{self.unit.name}: Main process exited, code={code}, status={shown}")
         self.m.journal.event("unit-exited", unit=self.unit.name, code=code, status=status, clean=clean,
                              restarting=restart, stopping=stopping)
         if restart:
