@@ -15,7 +15,7 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     # The trainers the benchmarks start sign their checkpoints with a throwaway key of their own,
-    # never the user's per-user default (trainer.checkpoint_key).
+    # never the user's per-user default (trainer.checkpoint.key).
     if not os.environ.get("SPOTTRAIN_CHECKPOINT_KEY_FILE"):
         key = Path(tempfile.mkdtemp(prefix="spottrain-bench-key-")) / "checkpoint.key"
         key.write_bytes(os.urandom(32))

@@ -2,7 +2,7 @@
 
 A simulated clock drives the real pieces: the fake Compute API (`drill/fake_gcp.py`) refuses Spot
 for T minutes (and preempts the running Spot VM when the stockout begins), and every
-`fallback_check_minutes` the capacity check (`trainer.capacity.Check`, the code the control job
+`fallback_check_minutes` the capacity check (`trainer.cloud.capacity.Check`, the code the control job
 runs) reads the groups, asks the capacity advice, resizes, and keeps its state in a real
 gcp-storage-emulator bucket. A resize is an operation the fake finishes when the clock moves on
 (the next simulated minute), as Compute schedules it: a new VM appears a minute after its check. The job is `HOURS` of training; a new VM trains after
@@ -45,8 +45,8 @@ class Run:
 
 def simulate(stockout_min: int, fallback_min: int | None, prices: tuple[float, float], bucket_host: str,
              bucket: str, on_demand_only: bool = False) -> Run:
-    from trainer import capacity as cap
-    from trainer.gce import Client
+    from trainer.cloud import capacity as cap
+    from trainer.cloud.gce import Client
 
     spot_price, od_price = prices
     policy = "on demand alone" if on_demand_only else (

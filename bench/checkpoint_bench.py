@@ -23,15 +23,24 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from trainer.checkpoint import SnapshotBuffer, step_name, write_dir
-from trainer.checkpoint_key import CheckpointKey
-from trainer.checkpointer import Checkpointer, TierPolicy
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.key import CheckpointKey
+from trainer.checkpoint.manifest import step_name
+from trainer.checkpoint.tiers import Cadence, tier_table
+from trainer.checkpoint.whole_model import SnapshotBuffer, write_dir
 
 #: Checkpoints are signed as in a real run (an HMAC over the manifest: negligible next to sha256).
 KEY = CheckpointKey(os.urandom(32), "bench")
+
+
+def _every_step(run_dir: Path, keep: int = 3) -> Any:
+    """The persistent tier alone, saved every step."""
+    return tier_table(run_dir, cadence={"persistent": Cadence(every_steps=1)}, keep=keep)
+
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -132,7 +141,7 @@ def main() -> None:
 
         # (1) blocked time vs a plain synchronous torch.save + fsync, interleaved.
         plain, blocked, first_blocked = [], [], None
-        c = Checkpointer(run_dir=d / "run", policies={"persistent": TierPolicy(every_steps=1, keep=1)}, key=KEY)
+        c = Checkpointer(_every_step(d / "run", keep=1), key=KEY)
         for i in range(REPEATS + 1):
             b = c.save(i + 1, state)
             c.wait()
@@ -171,7 +180,7 @@ def main() -> None:
             keys = [k for k in state["model"] if k.endswith(".weight")]
             sub["model"] = {k: state["model"][k] for k in keys[: max(1, int(len(keys) * frac))]}
             sz = _nbytes(sub)
-            c = Checkpointer(run_dir=d / f"em{frac}", policies={"persistent": TierPolicy(every_steps=1)}, key=KEY)
+            c = Checkpointer(_every_step(d / f"em{frac}"), key=KEY)
             # As in a running trainer: one periodic save happened before the notice, so the
             # reusable host buffer exists.
             c.save(6, sub)
@@ -187,7 +196,7 @@ def main() -> None:
                          f"{dt / fl:.2f}"))
 
         # (4) restore (verify + load) vs the read floor, warm and cold page cache.
-        c = Checkpointer(run_dir=d / "r", policies={"persistent": TierPolicy(every_steps=1)}, key=KEY)
+        c = Checkpointer(_every_step(d / "r"), key=KEY)
         c.save(9, state)
         c.close()
         folder = d / "r" / step_name(9)

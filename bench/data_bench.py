@@ -112,7 +112,7 @@ def _plain(steps: int, batch_size: int) -> tuple[float, float]:
 
 
 def order_peak_bytes(n: int, batches: int = 10_000, batch_size: int = 64) -> int:
-    from trainer.sampler import DataOrder
+    from trainer.data.sampler import DataOrder
 
     tracemalloc.start()
     order = DataOrder(n, seed=0, batch_size=batch_size)

@@ -115,7 +115,7 @@ def _pair(name: str, work: Path, key: Path, nproc: int, settings: dict, resumed_
 
 
 def _snapshot(work: Path, gib: float) -> Check:
-    from trainer.checkpoint import SnapshotBuffer
+    from trainer.checkpoint.whole_model import SnapshotBuffer
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     n = int(gib * (1 << 30)) // 4 // 8

@@ -67,7 +67,7 @@ def _fs(path: Path) -> str:
 
 def main() -> None:
     from drill.gcs_emulator import StorageEmulator
-    from trainer.staging import Stager
+    from trainer.data.staging import Stager
 
     n = int(os.environ.get("BENCH_STAGING_OBJECTS", "16"))
     repeats = int(os.environ.get("BENCH_REPEATS", "3"))

@@ -28,9 +28,14 @@ BENCH_TASK_ARGS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "
 class _NeverDue:
     """The same loop with checkpointing switched off."""
 
-    gcs = None
     stats: dict[str, Any] = {"saves": 0, "blocked_s_total": 0.0}
     LIST_TIMEOUT_S = 60.0
+
+    def __init__(self, tiers: Any) -> None:
+        self.tiers = tiers
+
+    def bind(self, model: Any, optimizer: Any) -> None:
+        pass
 
     def restore(self, *, download: bool = True) -> None:
         return None
@@ -45,7 +50,7 @@ class _NeverDue:
         return 0.0  # the final save at the end of the run: outside the timed loop, skipped here
 
     def durable(self, step: int, *, deadline: float) -> Any:
-        from trainer.checkpointer import Durability
+        from trainer.checkpoint.checkpointer import Durability
 
         return Durability(step, {"persistent": "ok"})
 
@@ -67,7 +72,7 @@ def _one(variant: str, steps: int, every: int, root: Path) -> dict[str, Any]:
     made: list[Any] = []
 
     def make(c: RunConfig) -> Any:
-        made.append(_NeverDue() if variant == "none" else _default_checkpointer(c))
+        made.append(_NeverDue(c.tier_table()) if variant == "none" else _default_checkpointer(c))
         return made[0]
 
     out = run(cfg, make_checkpointer=make)

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="after preemption N the next VM gets a blank disk (repeatable)")
     p.add_argument("--steps", type=int, help="total training steps (default 300; soak 3000)")
     p.add_argument("--seed", type=int, default=0, help="seeds the preemption moments")
-    p.add_argument("--window", type=float, default=30.0, help="seconds from notice to hard power-off (default 30)")
+    p.add_argument("--window", type=float, default=DrillConfig.window_s,
+                   help=f"seconds from notice to hard power-off (default {DrillConfig.window_s:g}, a Spot VM's)")
     p.add_argument("--soak", action="store_true", help=f"the long setting: {SOAK}")
     p.add_argument("--keep", type=Path, help="keep VM state, journals and disks in this directory")
     p.add_argument("--nodes", type=int, default=1,

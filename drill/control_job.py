@@ -1,7 +1,7 @@
-"""The experiment's control job (`trainer.control`) as Cloud Run runs it, for the drill and tests.
+"""The experiment's control job (`trainer.cloud.control`) as Cloud Run runs it, for the drill and tests.
 
 `ControlJob(fake, settings, account=...)` makes the fake Google APIs (`drill.fake_gcp.FakeGcp`)
-start one execution of the job for every `jobs.run` call they accept: a `python -m trainer.control`
+start one execution of the job for every `jobs.run` call they accept: a `python -m trainer.cloud.control`
 process with the job's settings (`SPOTTRAIN_CONTROL`, built by `stacks.control.control_settings`
 as the stack builds them), its own metadata server (so its own token, which the fake maps to the
 job's service account: the stack's grants for that account are all it has), and the fakes'
@@ -66,7 +66,7 @@ class ControlJob:
                "SPOTTRAIN_COMPUTE_API": self.fake.compute_api, "STORAGE_EMULATOR_HOST": self.storage,
                "PYTHONPATH": str(self.pythonpath)}
         try:
-            proc = subprocess.run([sys.executable, "-m", "trainer.control"], env=env, cwd=self.pythonpath,
+            proc = subprocess.run([sys.executable, "-m", "trainer.cloud.control"], env=env, cwd=self.pythonpath,
                                   capture_output=True, text=True, timeout=self.timeout_s)
             run = Execution(job, proc.returncode, proc.stdout + proc.stderr)
         except subprocess.TimeoutExpired as e:

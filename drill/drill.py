@@ -42,6 +42,7 @@ from drill.net import free_port
 from drill.metadata_server import MetadataServer
 from drill.sandbox import REPO, Disk, Sandbox, disk_status
 from stacks.lock import this_python
+from trainer import shutdown_window
 
 DEVICE_NAME = "spottrain-checkpoints"
 MOUNT_DIR = "/mnt/spottrain"
@@ -79,8 +80,9 @@ class DrillConfig:
     """1-based preemptions after which the next VM gets a blank disk (restore from GCS)."""
     seed: int = 0
     """Seeds the preemption moments (the trainer's own seed stays the experiment's)."""
-    window_s: float = 30.0
-    """Seconds from the preemption notice to the hard power-off (GCE: 30 for Spot)."""
+    window_s: float = float(shutdown_window.window_s("spot"))
+    """Seconds from the preemption notice to the hard power-off (`trainer.shutdown_window`: 30
+    for Spot)."""
     checkpoint_every_steps: int | None = None
     """Periodic save cadence in the drill (default: steps // 6); replaces the experiment's."""
     disk_mb: int = 128
@@ -296,13 +298,13 @@ def project_fake(r: Rendered) -> FakeGcp:
 
 
 def control_job(fake: FakeGcp, rendered: list[Rendered], storage: str, image: Path) -> Any:
-    """The experiment's control job (`trainer.control`, run as its own account by `jobs.run`),
+    """The experiment's control job (`trainer.cloud.control`, run as its own account by `jobs.run`),
     with the settings the stack would give it for the drill's scripts; None when the scripts
     never ask for it. Every node's bad-input marker is included (the drill renders each node
     with a health port of its own, so with its own startup-script digest)."""
     from drill.control_job import ControlJob
     from stacks.control import control_settings
-    from trainer import scale
+    from trainer.cloud import scale
 
     r0 = rendered[0]
     t = r0.props.scale if r0.props is not None else None
@@ -415,7 +417,8 @@ class Deployment:
         fakes = {"GCE_METADATA_HOST": self.metadata.host, "GCE_METADATA_IP": self.metadata.host,
                  "STORAGE_EMULATOR_HOST": self.gcs.host, "SPOTTRAIN_RUN_API": self.compute.run_api,
                  "SPOTTRAIN_SECRETMANAGER_API": self.compute.secretmanager_api,
-                 "SPOTTRAIN_LOGGING_API": self.observability.logging_api}
+                 "SPOTTRAIN_LOGGING_API": self.observability.logging_api,
+                 "SPOTTRAIN_MONITORING_API": self.observability.monitoring_api}
         # The fakes' addresses are in PID 1's environment: the scripts get them, and units get
         # what they name in PassEnvironment= (on GCE they are unset: the defaults are real).
         image_files: dict[str, str | Path] = dict(self.image_files)
@@ -538,8 +541,8 @@ class Deployment:
         access 1 --secret S --out-file F` would; none when the scripts use no secret."""
         if not self.key_secret:
             return []
-        from trainer.checkpoint_key import fetch
-        from trainer.gce import Client
+        from trainer.checkpoint.key import fetch
+        from trainer.cloud.gce import Client
 
         path = self.root / "operator-checkpoint.key"
         fetch(self.key_secret, path, client=Client(token=lambda: (self.compute.token, 3600.0)), create=False,
@@ -551,8 +554,8 @@ class Deployment:
         Logging (docs/watch.md): every session across the recreated VMs, and how each ended."""
         from datetime import datetime, timedelta, timezone
 
-        from trainer.gce import Client
-        from trainer.logs import describe, list_entries, log_filter, report
+        from trainer.cloud.gce import Client
+        from trainer.cloud.logs import describe, list_entries, log_filter, report
 
         project = self.observability.project
         entries = list_entries(Client(token=lambda: (DRILL_TOKEN, 3600.0)), project,

@@ -1,6 +1,6 @@
 """A fake of Cloud Logging, Cloud Monitoring's time series and the Cloud Billing Catalog on loopback,
 speaking their real REST protocols, for the log shipper, `python -m trainer logs`, the metrics the
-trainer will write and `make prices`.
+trainer writes and `make prices`.
 
 It plugs beside `drill.fake_gcp.FakeGcp`: the same bearer token (pass `token=gcp.token`), the same
 error bodies (`drill.fake_gcp.Refused`), its own port; the clients are pointed here by

@@ -17,6 +17,8 @@ matches it first. What it can do:
   - `drop`: close the connection without an answer (a reset mid-request);
   - `after-forward`: forward it, then answer with `status` instead of the emulator's answer
     (the write happened but its response was lost);
+  - `flip`: forward it, then flip one byte in the middle of a successful answer's body, headers
+    untouched (bits corrupted in transit: the stored object is intact, a re-read gets it whole);
 - **down** (`down()` / `up()`): nothing listens; connections are refused;
 - **blackhole** (`blackhole()`): every new request is held without an answer until `up()`;
 - **generation preconditions**, which the emulator ignores: `ifGenerationMatch` on uploads,
@@ -134,7 +136,7 @@ class FaultProxy:
     # -- faults ----------------------------------------------------------------------------
     def add(self, method: str, pattern: str, action: str, *, status: int = 503, times: int | None = 1,
             after: int = 0) -> Rule:
-        if action not in ("status", "stall", "drop", "after-forward"):
+        if action not in ("status", "stall", "drop", "after-forward", "flip"):
             raise ValueError(f"unknown action {action!r}")
         rule = Rule(method, pattern, action, status=status, times=times, after=after)
         with self._lock:
@@ -409,6 +411,12 @@ class _Handler(BaseHTTPRequestHandler):
             p._record(method, tgt, f"forwarded {status}, answered {rule.status}")
             self._send(rule.status, [("Content-Type", "application/json")],
                        gcs_error(rule.status, f"injected {rule.status} after the request reached the server"))
+            return
+        if rule is not None and rule.action == "flip" and 200 <= status < 300 and data:
+            at = len(data) // 2
+            data = data[:at] + bytes([data[at] ^ 0x5A]) + data[at + 1:]
+            p._record(method, tgt, f"forwarded {status}, byte {at} flipped")
+            self._send(status, out_headers, data)
             return
         p._record(method, tgt, f"forwarded {status}")
         up = f"{p.upstream_host}:{p.upstream_port}"

@@ -469,7 +469,7 @@ def replay(segments: list[tuple[int, int, int]], props: Any, run_dir: Path, imag
     # The VMs' settings that touch the numbers (one CPU thread); no metadata server: off GCE.
     env.update(PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                GCE_METADATA_HOST=f"127.0.0.1:{free_port()}")
-    from trainer.checkpoint_key import create
+    from trainer.checkpoint.key import create
 
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     key = run_dir.parent / "reference-checkpoint.key"  # its own key: never the operator's default

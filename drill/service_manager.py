@@ -6,7 +6,8 @@ systemd's semantics, and nothing more:
 - boot: like `google_metadata_script_runner startup`, fetch `instance/attributes/startup-script`
   from the metadata server (or take a given file), run it under bash, and log every line to the
   journal and the serial console with a timestamp;
-- units: `/etc/systemd/system/NAME.service` files, parsed for Type, ExecStartPre, ExecStart,
+- units: `/etc/systemd/system/NAME.service` files and their drop-ins (`NAME.service.d/*.conf`),
+  parsed for Type, ExecStartPre, ExecStart,
   Environment, EnvironmentFile, PassEnvironment, WorkingDirectory, KillSignal, KillMode,
   TimeoutStopSec, SuccessExitStatus, Restart (no/on-failure/always), RestartSec and
   RestartPreventExitStatus; each unit runs in its own process group (its "cgroup"), its output
@@ -160,8 +161,11 @@ def _exit_statuses(value: str) -> set[int]:
 
 
 def parse_unit(path: Path) -> Unit:
+    """The unit file, then its drop-ins (`NAME.service.d/*.conf`, in name order) as systemd
+    reads them: a later assignment of a setting overrides an earlier one."""
     unit = Unit(name=path.name)
-    text = path.read_text().replace("\\\n", " ")
+    drop_ins = sorted(path.with_name(path.name + ".d").glob("*.conf"))
+    text = "\n".join(p.read_text() for p in [path, *drop_ins]).replace("\\\n", " ")
     section = ""
     for raw in text.splitlines():
         line = raw.strip()
@@ -351,6 +355,9 @@ class Service:
         """`status` is the exit status, or minus the signal number when `code` is killed."""
         shown = status if code == "exited" else signal.Signals(-status).name
         clean = self._clean(status, code)
+        # As systemd does: the exit is in the journal before the unit leaves "active" (a reader
+        # that sees the unit inactive finds the line there).
+        self.m.journal.log("systemd[1]", fields=self.about(), line=f"{self.unit.name}: Main process exited, code={code}, status={shown}")
         with self._cond:
             self.exec_main_status = status if code == "exited" else -status
             self.exec_main_code = code
@@ -362,7 +369,6 @@ class Service:
             self.state = "activating" if restart else ("failed" if self.result != "success" else "inactive")
             self.main = None
             self._cond.notify_all()
-        self.m.journal.log("systemd[1]", fields=self.about(), line=f"{self.unit.name}: Main process exited, code={code}, status={shown}")
         self.m.journal.event("unit-exited", unit=self.unit.name, code=code, status=status, clean=clean,
                              restarting=restart, stopping=stopping)
         if restart:

@@ -24,7 +24,10 @@ from stacks.checkpoint_key import secret_name
 from stacks.experiment import Experiment
 from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args
-from stacks.trainer_config import to_toml
+from stacks.trainer_config import to_toml, vm_config
+from trainer import shutdown_window
+from trainer.cloud.vm_info import PROVISIONING_KEY, PROVISIONING_MODELS
+from trainer.retry import IAM_GRANT
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 DEVICE_NAME = "spottrain-checkpoints"
@@ -46,8 +49,8 @@ EXIT_DIR = "/run/spottrain/exit"
 FINISHED_FILE = f"{MOUNT_DIR}/spottrain-finished"
 #: The experiment's checkpoint key on the VM: a tmpfs (never a disk), mode 0600, root only.
 CHECKPOINT_KEY_FILE = "/run/spottrain/checkpoint.key"
-#: Seconds of the shutdown window kept back from the trainer for the kernel's own power-off.
-STOP_SLACK_S = 5
+#: The trainer unit's drop-in that the startup script writes for this VM's shutdown window.
+WINDOW_CONF = "/etc/systemd/system/spottrain.service.d/window.conf"
 #: Interpreters tried in order for the image's Python with torch (Deep Learning VM images).
 PYTHONS = ("/opt/conda/bin/python3", "/usr/bin/python3", "python3")
 #: On the checkpoint disk: the shipped wheels installed, one directory per archive sha256, so that
@@ -55,12 +58,13 @@ PYTHONS = ("/opt/conda/bin/python3", "/usr/bin/python3", "python3")
 DEPS_ROOT = f"{MOUNT_DIR}/deps"
 #: Seconds the startup script waits for the NVIDIA driver (first boot installs it).
 DRIVER_TIMEOUT_S = 600
-#: Seconds the startup script keeps retrying a 403 on the code download, and its first wait
-#: (doubling to a minute). IAM grants "typically propagate in 2 minutes, but could potentially
-#: take 7 minutes or longer" (iam/docs/access-change-propagation): a first VM can meet its
-#: bucket before its grant. curl never retries a 403 itself.
-FORBIDDEN_RETRY_S = 600
-FORBIDDEN_FIRST_WAIT_S = 5
+#: Seconds the startup script keeps retrying a 403 on the code download, its first wait, the
+#: longest and the factor between two: the trainer's rule for a grant still propagating
+#: (`trainer.retry.IAM_GRANT`), which the script's bash loop mirrors. curl never retries a 403.
+FORBIDDEN_RETRY_S = int(IAM_GRANT.grace_s)
+FORBIDDEN_FIRST_WAIT_S = int(IAM_GRANT.grace_first_s)
+FORBIDDEN_MAX_WAIT_S = int(IAM_GRANT.grace_cap_s)
+FORBIDDEN_FACTOR = int(IAM_GRANT.factor)
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def _quote(text: str, allowed: str) -> str:
 
 @dataclass(frozen=True)
 class ScaleTarget:
-    """What the VM's own scale calls (`trainer.scale`) ask for, and of whom: the experiment's
+    """What the VM's own scale calls (`trainer.cloud.scale`) ask for, and of whom: the experiment's
     control job (`stacks.control`), which acts on the groups and the coordinator named here. The
     rest of the VM's settings (bucket, prefix, steps, run dir) come from `BootProps`, so the
     drill's overrides reach them too."""
@@ -149,8 +153,8 @@ def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
     )
 
 
-#: The log shipper's source (`trainer.log_shipper`): written verbatim by the startup script.
-LOG_SHIPPER = Path(__file__).resolve().parent.parent / "trainer" / "log_shipper.py"
+#: The log shipper's source (`trainer.cloud.log_shipper`): written verbatim by the startup script.
+LOG_SHIPPER = Path(__file__).resolve().parent.parent / "trainer" / "cloud" / "log_shipper.py"
 #: The trainer's unit, and the units whose output the shipper sends (flex-start adds its deadline's).
 TRAINER_UNIT = "spottrain.service"
 LOG_UNITS = (TRAINER_UNIT, "spottrain-finished.service")
@@ -161,7 +165,7 @@ LOG_CURSOR_FILE = "/var/lib/spottrain/logs.cursor"
 
 @dataclass(frozen=True)
 class LogShipping:
-    """The VM's log shipper (`trainer.log_shipper`, docs/watch.md): where its entries go and when
+    """The VM's log shipper (`trainer.cloud.log_shipper`, docs/watch.md): where its entries go and when
     it says the trainer stalled."""
 
     project: str
@@ -241,7 +245,33 @@ class BootProps:
 
     @property
     def window_s(self) -> int:
-        return R.SHUTDOWN_WINDOW_S[self.provisioning]
+        return shutdown_window.window_s(self.provisioning)
+
+
+@dataclass(frozen=True)
+class Window:
+    """The shutdown window of one provisioning model a VM of these scripts may have
+    (`trainer.shutdown_window`), as the startup script picks it by the VM's own."""
+
+    model: str  # as Compute Engine names it: the VM's `spottrain-provisioning` metadata
+    window_s: int
+    stop_timeout_s: int  # the trainer unit's TimeoutStopSec
+    budget_s: int  # the trainer's --preemption-budget-s
+
+
+def windows(props: BootProps) -> tuple[Window, ...]:
+    """The windows the scripts carry, the template's own provisioning first (a VM without the
+    metadata gets it), then a standard VM's: the on-demand fallback's template and a pool's
+    coordinator run the same scripts. Every trainer of a pool gets the budget of the pool's
+    shortest window: its emergency save's deadline counts from the earliest notice on any node
+    (`trainer.loop.finish`), and a worker's window closes first."""
+    kinds = [props.provisioning] + (["standard"] if props.provisioning != "standard" else [])
+    shortest = min(shutdown_window.trainer_budget_s(k) for k in kinds)
+    return tuple(Window(
+        model=PROVISIONING_MODELS[k], window_s=shutdown_window.window_s(k),
+        stop_timeout_s=shutdown_window.stop_timeout_s(k),
+        budget_s=shortest if props.pool is not None else shutdown_window.trainer_budget_s(k))
+        for k in kinds)
 
 
 def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = (),
@@ -268,7 +298,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         price_args=tuple(trainer_price_args(exp)),
         pool=layout(name, exp),
         nproc_per_node=exp.machine.gpu_count,
-        config=to_toml(exp.trainer.config),
+        config=to_toml(vm_config(exp.trainer.config, project=exp.gcp.project, experiment=name)),
         coordinator_price_args=tuple(coordinator_price_args(exp)) if exp.pool else (),
         # Passed with a pool, or when the experiment sets it: an unchanged single-VM experiment
         # renders byte-identical scripts.
@@ -320,13 +350,15 @@ class BootScripts:
 
 
 def scale_settings(props: BootProps) -> str:
-    """`trainer.scale.Settings` as JSON, deterministic (it is part of the startup script)."""
+    """`trainer.cloud.scale.Settings` as JSON, deterministic (it is part of the startup script)."""
     t = props.scale
     if t is None:
         return ""
     settings = {"job": t.job_path, "bucket": props.bucket, "prefix": f"runs/{props.name}",
                 "steps": props.steps, "run_dir": RUN_DIR, "run_duration_s": t.run_duration_s,
                 "stop_before_s": t.stop_before_s}
+    if props.checkpoint_key_secret:
+        settings["checkpoint_key_file"] = CHECKPOINT_KEY_FILE
     return json.dumps(settings, sort_keys=True)
 
 
@@ -390,8 +422,10 @@ def render(props: BootProps) -> BootScripts:
         "args": [*props.price_args, *props.args] if props.pool is None else list(props.args),
         "price_args": list(props.price_args),
         "coordinator_price_args": list(props.coordinator_price_args),
-        "window_s": props.window_s,
-        "stop_timeout_s": props.window_s - STOP_SLACK_S,
+        "windows": windows(props),
+        "window_conf": WINDOW_CONF,
+        "window_conf_dir": WINDOW_CONF.rsplit("/", 1)[0],
+        "provisioning_key": PROVISIONING_KEY,
         "bucket": props.bucket,
         "trainer_release": trainer,
         "releases": releases,
@@ -405,6 +439,8 @@ def render(props: BootProps) -> BootScripts:
         "driver_timeout_s": props.driver_timeout_s,
         "forbidden_retry_s": props.forbidden_retry_s,
         "forbidden_first_wait_s": props.forbidden_first_wait_s,
+        "forbidden_max_wait_s": FORBIDDEN_MAX_WAIT_S,
+        "forbidden_factor": FORBIDDEN_FACTOR,
         "pool": props.pool,
         "torchrun": props.torchrun,
         "nproc_per_node": props.pool.nproc_per_node if props.pool else props.nproc_per_node,

@@ -4,7 +4,8 @@ moment the notice can find the trainer in?
 State size: the declared `state_bytes`, or `param_count` x 16 bytes (fp32 weights 4 + Adam's
 two fp32 moments 8 = 12, plus 4 for a bf16/fp16 copy, scaler, RNG and pickle overhead: an
 honest upper estimate for the usual mixed-precision Adam run). The save must finish inside the
-window (30 s Spot, 120 s standard) minus a margin for the shutdown script, fsync and teardown.
+trainer's budget, the one the stack passes it: the window (30 s Spot, 120 s standard) less the
+margin and the unit's slack (`trainer.shutdown_window`).
 
 What the trainer does from the notice until the checkpoint is durable on the persistent disk,
 in order, each part at its worst (`trainer.train._emergency_save`, `Checkpointer._emergency`):
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 
 from stacks import gcp_rules as R
 from stacks.experiment import Experiment
+from trainer import shutdown_window
 
 BYTES_PER_PARAM = 16
 #: The trainer's resumable-upload chunk (`trainer.storage.GcsStore.CHUNK_SIZE`): an upload stops
@@ -87,7 +89,7 @@ class Budget:
         return (
             f"emergency save: {size_text(self.state_bytes or 0)} ({self.source}) at ~{self.write_mb_s:.0f} MB/s, "
             f"worst case {parts} = {self.seconds:.1f} s of {self.available_s} s available "
-            f"({self.window_s} s window - {R.SHUTDOWN_MARGIN_S} s margin): {verdict}"
+            f"({self.window_s} s window - {self.window_s - self.available_s} s margin): {verdict}"
         )
 
     def warning(self) -> str | None:
@@ -122,8 +124,8 @@ def estimate(exp: Experiment) -> Budget:
     shape = exp.machine.shape
     cap = R.pd_ssd_vm_write_cap_mb_s(shape.vcpus)
     write = min(exp.disk.checkpoint_disk_gb * R.PD_SSD_WRITE_MB_S_PER_GB, cap)
-    window = R.SHUTDOWN_WINDOW_S[exp.machine.provisioning]
-    available = window - R.SHUTDOWN_MARGIN_S
+    window = shutdown_window.window_s(exp.machine.provisioning)
+    available = shutdown_window.trainer_budget_s(exp.machine.provisioning)
     if exp.trainer.state_bytes is not None:
         size, source = exp.trainer.state_bytes, "declared state_bytes"
     elif exp.trainer.param_count is not None:

@@ -1,7 +1,7 @@
 """The experiment's control job: the only identity that may change the experiment's groups.
 
 Built for every experiment whose VMs stop paying by themselves (`group.stop_when_done`), ask for
-flex-start successors, or fall back to on demand (`trainer.control` runs in it):
+flex-start successors, or fall back to on demand (`trainer.cloud.control` runs in it):
 
 - A service account `<experiment>-control`.
 - A custom role `spottrain_<experiment>_control` with `compute.instanceGroupManagers.get` and
@@ -91,7 +91,7 @@ try:
 except TypeError:  # Python before 3.11.4: no extraction filters
     archive.extractall("/tmp/spottrain")
 sys.path.insert(0, "/tmp/spottrain")
-from trainer.control import main
+from trainer.cloud.control import main
 sys.exit(main())
 """
 
@@ -100,7 +100,7 @@ def control_settings(*, project: str, region: str, location: str, groups: tuple[
                      prefix: str, stop_markers: tuple[str, ...], coordinator: str | None = None,
                      flex_run_duration_s: int | None = None,
                      capacity: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`trainer.control.Settings` as the job receives it (the stack and the drill build it here)."""
+    """`trainer.cloud.control.Settings` as the job receives it (the stack and the drill build it here)."""
     return {"project": project, "region": region, "location": location, "groups": list(groups),
             "bucket": bucket, "prefix": prefix, "stop_markers": list(stop_markers),
             "coordinator": coordinator, "flex_run_duration_s": flex_run_duration_s, "capacity": capacity}

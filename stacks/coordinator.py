@@ -34,6 +34,7 @@ from constructs import Construct
 from stacks.boot import DEVICE_NAME
 from stacks.pool import COORDINATOR
 from stacks.vm_spec import VmSpec
+from trainer.cloud.vm_info import PROVISIONING_KEY
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ class Coordinator(Construct):
                 enable_vtpm=True,
                 enable_integrity_monitoring=True,
             ),
-            metadata=vm.metadata(role=COORDINATOR, gpus=p.trains),
+            # Its shutdown window (the startup script's) and its ledger's placement: standard.
+            metadata={**vm.metadata(role=COORDINATOR, gpus=p.trains), PROVISIONING_KEY: "STANDARD"},
             metadata_startup_script=vm.scripts.startup,
             depends_on=list(p.depends_on) or None,
         )

@@ -203,7 +203,7 @@ def _entry_bytes(name: str) -> int:
     """The size of a step line's entry, as the VM's shipper writes it."""
     import json
 
-    from trainer.log_shipper import entry
+    from trainer.cloud.log_shipper import entry
 
     record = {"__CURSOR": "s=0123456789abcdef;i=1a2b3c;b=" + "f" * 32 + ";m=9f8e7d;t=5f3e2d1c0b;x=0123456789abcdef",
               "__REALTIME_TIMESTAMP": "1767225600000000", "_BOOT_ID": "f" * 32, "_HOSTNAME": f"{name}-x1y2",

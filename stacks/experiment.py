@@ -435,7 +435,7 @@ class Trainer(Section):
     `precision = "bf16"`. Checked by the trainer's own model before anything is deployed, and
     written to /etc/spottrain/trainer.toml on the VM. The settings the stack sets from other
     fields (run_dir, local_dir, data_dir, gcs_uri, steps, task, health_port, health_host,
-    health_request, parallelism, the prices) are refused here, and so is a setting that `args` passes as a flag
+    health_request, parallelism, the prices, sinks.monitoring) are refused here, and so is a setting that `args` passes as a flag
     too. A change that alters the resume fingerprint (seed, task_args, batch_size...) is refused
     by the running job's checkpoints: `make review` says which."""
 

@@ -4,7 +4,7 @@
 - `<experiment>-od-group`: the same VM with standard provisioning (its own template), created at
   target size 0. From then on the check owns both groups' sizes: Terraform ignores `target_size`
   on both (`group.workers = 0` reaches the check as `paused`, and it takes both to zero).
-- The capacity check (`trainer.capacity`), which the experiment's control job (`stacks.control`)
+- The capacity check (`trainer.cloud.capacity`), which the experiment's control job (`stacks.control`)
   runs at each execution; Cloud Scheduler starts that job every `capacity.fallback_check_minutes`,
   and the job's account gets `roles/compute.viewer` for the Compute API's capacity advice (the
   narrowest documented role that includes `compute.advice.capacity`). Its state lives in
@@ -37,7 +37,7 @@ class FallbackProps:
 
 
 def check_settings(p: FallbackProps) -> dict[str, Any]:
-    """`trainer.capacity.Settings` as the control job receives it (`capacity` of its settings)."""
+    """`trainer.cloud.capacity.Settings` as the control job receives it (`capacity` of its settings)."""
     return {"project": p.project, "region": p.region, "location": p.location, "spot_group": p.spot_group,
             "od_group": p.od_group, "machine_type": p.machine_type, "zones": list(p.zones),
             "bucket": p.bucket, "state_object": f"runs/{p.name}/control/capacity.json",

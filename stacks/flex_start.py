@@ -6,7 +6,7 @@ group (`stacks.group`):
 
 - it starts at target size 0 and grows only through resize requests: one created here
   (`<experiment>-flex`, `resize_by` 1, the run duration of `capacity.flex_max_run_hours`), and
-  the next ones created by the VM itself before its end (`trainer.scale deadline`, then
+  the next ones created by the VM itself before its end (`trainer.cloud.scale deadline`, then
   `successor`): a job longer than 7 days continues VM after VM, each restoring from the bucket.
   Terraform ignores the target size after creation (the requests move it);
 - nothing repairs or autoheals a flex-start VM (`DO_NOTHING`): the trainer unit restarts a crashed

@@ -243,10 +243,7 @@ GPU_HOST_COPY_GB_S: dict[str, float] = {
 }
 
 
-#: Seconds between the ACPI soft-off and the hard power-off. A flex-start VM deleted at the end
-#: of its run duration is given no documented window: plan as for Spot (its trainer saves before
-#: the end anyway, `capacity.flex_stop_before_minutes`).
-SHUTDOWN_WINDOW_S = {"spot": 30, "standard": 120, "flex-start": 30}
+# The shutdown window by provisioning, and how it is shared out: `trainer.shutdown_window`.
 
 # --- flex-start (Dynamic Workload Scheduler) -----------------------------------------------------
 
@@ -256,9 +253,6 @@ FLEX_START_FAMILIES = ("a2", "a3", "g2")
 #: A flex-start VM runs at most 7 days (resize requests accept 10 minutes to 7 days).
 FLEX_START_MAX_RUN_S = 7 * 24 * 3600
 FLEX_START_MIN_RUN_S = 10 * 60
-#: Seconds of the window not available to the save: the shutdown script starting, the trainer
-#: noticing, fsync and unit teardown.
-SHUTDOWN_MARGIN_S = 10
 
 HEALTH_CHECK_RANGES = ("35.191.0.0/16", "130.211.0.0/22")
 #: What a health check accepts: healthy/unhealthy thresholds 1-10, check interval and timeout

@@ -27,7 +27,7 @@ from constructs import Construct
 from stacks import gcp_rules as R
 from stacks.boot import DEVICE_NAME
 from stacks.vm_spec import VmSpec
-from trainer.placement import PROVISIONING_KEY, PROVISIONING_MODELS
+from trainer.cloud.vm_info import PROVISIONING_KEY, PROVISIONING_MODELS
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class TrainerTemplate(Construct):
             metadata={
                 "startup-script": vm.scripts.startup,
                 **vm.metadata(role=props.role),
-                # The goodput ledger's placement of each session (`trainer.placement`).
+                # The goodput ledger's placement of each session (`trainer.cloud.vm_info`).
                 PROVISIONING_KEY: PROVISIONING_MODELS[vm.provisioning],
             },
             depends_on=list(props.depends_on) or None,

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if more:
         print(f"logs: {args[0]} holds several experiments; name one", file=sys.stderr)
         return 2
-    from trainer.logs import main as logs_main
+    from trainer.cloud.logs import main as logs_main
 
     return logs_main(["--project", e.spec.gcp.project, "--experiment", e.name, *args[1:]])
 

@@ -32,7 +32,7 @@ from stacks import gcp_rules as R
 from stacks.boot import needs_control
 from stacks.experiment import Experiment
 from stacks.load import ExperimentError, ExperimentFile, argument, display, load_all
-from trainer.gce import ApiError, Client
+from trainer.cloud.gce import ApiError, Client
 
 SERVICEUSAGE = "https://serviceusage.googleapis.com/v1"
 BASE_APIS = ("compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com")

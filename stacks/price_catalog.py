@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None, *, today: date | None = None,
             return 2
     current = json.loads(args.out.read_text()) if args.out.exists() else {}
     regions = args.regions or sorted(current.get("regions", {})) or [pricing.DEFAULT_REGION]
-    from trainer.gce import ApiError, Client
+    from trainer.cloud.gce import ApiError, Client
 
     if token is None:
         from stacks.preflight import adc_token

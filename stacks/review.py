@@ -457,7 +457,11 @@ def trainer_settings(stack: dict[str, Any] | None) -> Any:
     m = _RUN.search(trainer_sh or "")
     if m is None:
         return None
-    words = [w for w in shlex.split(m[1].replace("\\\n", " ")) if not w.startswith("${")]
+    # `${VAR:-default}` is what the VM passes unless its boot set VAR (the shutdown window's
+    # budget: the template's own provisioning's); any other variable is the VM's alone.
+    words = [re.sub(r"^\$\{[A-Z0-9_]+:-([^}]*)\}$", r"\1", w)
+             for w in shlex.split(m[1].replace("\\\n", " "))]
+    words = [w for w in words if not w.startswith("${")]
     args, _ = parser().parse_known_args(["run", *words])
     cli = {k: v for k, v in vars(args).items() if k in RunConfig.model_fields}
     config = _written_file(script, CONFIG_TOML) if "--config" in words else None

@@ -1,6 +1,6 @@
 """What a deployed run is measured by: the stack's log-based metrics (counted and extracted from
-the entries the VMs' log shipper writes, `trainer.log_shipper`) and the custom metrics the trainer
-will write itself. The alerts (`stacks.alerts`), the dashboard (`stacks.dashboard`), the cost
+the entries the VMs' log shipper writes, `trainer.cloud.log_shipper`) and the custom metrics the trainer
+writes itself. The alerts (`stacks.alerts`), the dashboard (`stacks.dashboard`), the cost
 estimate and the tests all take their names and filters from here; docs/watch.md lists them.
 
 Every log-based metric counts entries of one experiment (its `spottrain-experiment` label in the
@@ -22,13 +22,14 @@ LOG_ID = "spottrain"
 LABEL = "spottrain-experiment"
 #: Monitoring's prefix of a user-defined log-based metric.
 USER_PREFIX = "logging.googleapis.com/user/"
-#: The custom metrics the trainer writes (a sink of its event seam; resource `global`, labels
-#: `experiment` and `run`, a GAUGE DOUBLE point at most once a minute from the job's rank 0).
+#: The custom metrics the trainer writes (its sink `trainer.observe.sinks.monitoring`; resource
+#: `global`, labels `experiment` and `run`, a GAUGE DOUBLE point at most once a minute from the
+#: job's rank 0).
 CUSTOM_PREFIX = "custom.googleapis.com/spottrain/"
 CUSTOM_METRICS: dict[str, str] = {
     f"{CUSTOM_PREFIX}goodput": "the job's goodput so far, 0-1 (trainer.goodput's report)",
     f"{CUSTOM_PREFIX}cost_usd": "what the job has cost so far, USD (the ledger's cost_so_far)",
-    f"{CUSTOM_PREFIX}on_demand_cost_usd": "what the same VM hours would have cost on demand, USD",
+    f"{CUSTOM_PREFIX}on_demand_cost_usd": "what the same work would have cost on demand, USD (the ledger's on_demand_equivalent)",
     f"{CUSTOM_PREFIX}step": "the newest step the job completed",
 }
 #: Compute Engine's answers when a zone has no capacity for the VM the group asks for.

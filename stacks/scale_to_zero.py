@@ -7,7 +7,7 @@ keeps the next deploy from growing it again.
   the one group: `resource.name == "projects/P/zones/Z/instanceGroupManagers/G"` (or
   `regions/R/...`). For a pool, a binding on the coordinator instance itself (instances have their
   own allow policies), so the VM can stop that VM and no other.
-- Two data sources listing the stop markers the VM writes (`trainer.scale`): the finished marker of
+- Two data sources listing the stop markers the VM writes (`trainer.cloud.scale`): the finished marker of
   this step count and the bad-input marker of this startup script. When either exists, the
   group's target size is 0 (and a pool's coordinator is TERMINATED) whatever `group.workers` says,
   so the next `deploy` does not start a VM by surprise. More steps (a new finished marker name) or
@@ -27,7 +27,7 @@ from cdktn import Fn, Op, Token
 from cdktn_provider_google.data_google_storage_bucket_objects import DataGoogleStorageBucketObjects
 from constructs import Construct
 
-from trainer.scale import markers
+from trainer.cloud.scale import markers
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ScaleToZeroProps:
     bucket: str  # the bucket's name (a reference, so the data sources wait for it)
     prefix: str  # "runs/<experiment>"
     steps: int
-    script_digest: str  # trainer.scale.digest of the startup script
+    script_digest: str  # trainer.cloud.scale.digest of the startup script
     depends_on: tuple[Any, ...] = field(default_factory=tuple)  # the bucket resource
 
 

@@ -47,7 +47,7 @@ from stacks.pool_dns import PoolDns, PoolDnsProps
 from stacks.wheels import shipped_wheels
 from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
 from stacks.vm_spec import vm_spec
-from trainer import scale as vm_scale
+from trainer.cloud import scale as vm_scale
 
 
 def state_path(name: str) -> str:

@@ -35,11 +35,16 @@ STACK_SETTINGS: dict[str, str] = {
     "task": "trainer.task",
     "health_port": "trainer.health_port",
     "startup_grace_s": "group.initial_delay_sec",
+    "preemption_budget_s": "the stack from machine.provisioning: the VM's shutdown window",
     "health_host": "the stack: the group's health check reaches every address",
     "health_request": "the stack: the group's health check sends this request",
     "parallelism": "trainer.parallelism",
     "price_per_hour": "the stack from [cost] or the price catalog",
     "on_demand_price_per_hour": "the stack from [cost] or the price catalog",
+}
+#: Sinks of the trainer's events (`[trainer.config.sinks.NAME]`) the stack turns on itself.
+STACK_SINKS: dict[str, str] = {
+    "monitoring": "the stack: the run's goodput, cost and step as Cloud Monitoring metrics (docs/watch.md)",
 }
 #: Placeholders for what the stack sets, so that the trainer's cross-field rules can run.
 _PLACEHOLDERS = {"run_dir": "/mnt/spottrain/run", "gcs_uri": "gs://bucket/runs/experiment"}
@@ -81,6 +86,10 @@ def problems(config: dict[str, Any], *, steps: int, task: str, local_ssd: bool,
             source = STACK_SETTINGS[key]
             yield (f"config.{key}", f"is set by {source}; allowed: remove it here"
                    + (f" and set {source}" if source.startswith(("trainer.", "group.")) else ""))
+    sinks = config.get("sinks")
+    for name in sinks if isinstance(sinks, dict) else ():
+        if name in STACK_SINKS:
+            yield f"config.sinks.{name}", f"is set by {STACK_SINKS[name]}; allowed: remove it here"
     flags = flag_settings()
     for i, arg in enumerate(args):
         setting = flags.get(arg.split("=", 1)[0])
@@ -91,6 +100,8 @@ def problems(config: dict[str, Any], *, steps: int, task: str, local_ssd: bool,
             yield (f"args[{i}]", f"{arg.split('=', 1)[0]} sets {setting}, which [trainer.config] "
                    "sets too (the flag would win); allowed: one of the two")
     own = {k: v for k, v in _file_values(config).items() if k not in STACK_SETTINGS}
+    if isinstance(own.get("sinks"), dict):
+        own["sinks"] = {k: v for k, v in own["sinks"].items() if k not in STACK_SINKS}
     values = {**own, **_PLACEHOLDERS, "steps": steps, "task": task}
     if local_ssd:
         values["local_dir"] = "/mnt/localssd/run"
@@ -130,6 +141,14 @@ def _known(parent: list[str]) -> list[str]:
 
 
 # --- the file the VM's trainer reads ----------------------------------------------------------
+
+def vm_config(config: dict[str, Any], *, project: str, experiment: str) -> dict[str, Any]:
+    """`[trainer.config]` with the sinks the stack turns on (`STACK_SINKS`): the custom metrics
+    of the experiment's dashboard, written by the job's rank 0 (`trainer.observe.sinks.monitoring`)."""
+    sinks = dict(config.get("sinks") or {})
+    sinks["monitoring"] = {"project": project, "experiment": experiment, "run": f"runs/{experiment}"}
+    return {**config, "sinks": sinks}
+
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 

@@ -15,10 +15,10 @@ import tempfile
 _PRIVATE_TMP = tempfile.mkdtemp(prefix="spottrain-tests-")
 os.environ["TMPDIR"] = _PRIVATE_TMP  # read by child processes, the jsii runtime among them
 
-# One checkpoint key for the suite (`trainer.checkpoint_key`): trainer subprocesses, in-process runs
+# One checkpoint key for the suite (`trainer.checkpoint.key`): trainer subprocesses, in-process runs
 # and `status` all resolve SPOTTRAIN_CHECKPOINT_KEY_FILE, so no test creates or reads the per-user
 # ~/.config/spottrain/checkpoint.key. The same bytes in every pytest process: xdist workers share
-# some checkpoints (tests/trainer/test_sharded.py's saved_ws2).
+# some checkpoints (tests/trainer/checkpoint/test_sharded.py's saved_ws2).
 TEST_KEY = b"spottrain test suite checkpoint key, not a secret"
 _key_file = os.path.join(_PRIVATE_TMP, "checkpoint.key")
 with open(os.open(_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as _f:

@@ -15,3 +15,6 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by preemption after a successful sav
 #: EX_IOERR: trained to the final step (or the pause's) but its checkpoint could not be made durable on
 #: every durable tier within ``durable_timeout_s``; run again: the re-run writes the missing copies.
 EXIT_NOT_DURABLE = 74
+#: EX_NOPERM: paused at the spend cap (``max_usd``) after its checkpoint was made durable on every
+#: tier; run again with a higher cap to continue.
+EXIT_SPEND_CAP = 77

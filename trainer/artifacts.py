@@ -46,7 +46,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from trainer.storage import TMP_PREFIX, GcsStore, fsync_dir
+from trainer.checkpoint.stores import TMP_PREFIX, GcsStore, fsync_dir
 
 DIR = "artifacts"
 PREFIX = DIR + "/"

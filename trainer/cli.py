@@ -1,12 +1,12 @@
 """Command line: ``python -m trainer run|status|export|stage|logs|rendezvous ...`` (a stable contract).
 
 ``logs`` shows a run's sessions across VMs and how each ended, from Cloud Logging or a local file
-(trainer.logs).
+(trainer.cloud.logs).
 
 ``export`` writes a run's trained weights as a plain state dict in safetensors (trainer.export).
 
 ``stage`` copies a ``gs://`` prefix onto a local disk before training, verified and resumable
-(``trainer.staging``; its exit codes: 0 staged, 1 failed, run it again to resume, 2 bad input).
+(``trainer.data.staging``; its exit codes: 0 staged, 1 failed, run it again to resume, 2 bad input).
 
 ``rendezvous`` hosts the c10d rendezvous store of a multi-node job on a coordinator that does not
 train (when it trains, its torchrun agent hosts the store itself).
@@ -23,6 +23,9 @@ Exit codes of ``run``:
   durable tier within ``durable_timeout_s`` (GCS down or refusing, a full or read-only run dir):
   not finished. Run the same command again: it writes the missing copies, then exits 0 (or 75).
   A VM keeps its disk (it may hold the only copy) and its unit restarts the trainer.
+- 77: paused at the spend cap: what the job has cost so far reached ``max_usd`` and its
+  checkpoint is durable on every durable tier (``event=paused reason=max_usd``). Run again with a
+  higher ``max_usd`` to continue; a VM stops paying (its group goes to zero).
 - 69: a checkpoint tier stayed unreadable for ``wait_for_tiers_s`` (nothing trained; run again:
   docs/resume.md).
 - 2: bad input or a resume with other settings, or another trainer holds the run dir or the job's
@@ -41,8 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, startup_notice
-from trainer.config import ConfigError, load_export_config, load_run_config, load_status_config
+from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, retry, startup_notice
+from trainer.config import ConfigError, RunConfig, load_export_config, load_run_config, load_status_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +72,7 @@ def record_bad_input(lines: list[str]) -> None:
 
 def _stopped_before_loading(reason: str) -> int:
     """A notice before the trainer loaded: nothing trained or written yet, nothing to save."""
-    from trainer.progress import setup_logging  # light: no torch
+    from trainer.observe.progress import setup_logging  # light: no torch
 
     setup_logging(int(os.environ.get("RANK", "0"))).warning(
         "event=preempted step=none detail=notice during start-up (%s before the trainer loaded torch); "
@@ -118,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--startup-grace-s", type=float,
                    help="health answers 'ok starting' this long after start, then 'starting' until the first step "
                         "(default 900; the stack: group.initial_delay_sec)")
+    r.add_argument("--preemption-budget-s", type=float,
+                   help="seconds from a preemption notice by which the emergency save must be durable "
+                        "(default 20, a Spot VM's; the stack: the VM's shutdown window)")
     r.add_argument("--durable-timeout-s", type=float,
                    help="how long the final save keeps trying to be durable on every tier before exit 74 "
                         "(default 600)")
@@ -143,6 +149,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="also draw the job's timeline from the goodput ledger (needs matplotlib)")
     s.add_argument("--checkpoint-key-file", type=Path, help="the run's checkpoint key (as for run)")
+    s.add_argument("--watch", type=float, nargs="?", const=30.0, metavar="SECONDS",
+                   help="print the report again every SECONDS (default 30) until interrupted (Ctrl-C)")
+    s.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N reports")
 
     e = sub.add_parser("export", help="write a run's weights as a plain state dict in safetensors (+ JSON sidecar)")
     e.add_argument("--run-dir", type=Path, help="the run's run dir")
@@ -161,10 +170,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--health-port", type=int, help="answer the health check on this TCP port while staging")
     g.add_argument("--stall-timeout-s", type=float, default=600.0,
                    help="health answers 'stalled' after this long without a byte (default 600)")
-    g.add_argument("--forbidden-retry-s", type=float, default=600.0,
-                   help="keep retrying HTTP 403 this long: a new bucket grant takes minutes (default 600)")
+    g.add_argument("--forbidden-retry-s", type=float, default=retry.IAM_GRANT.grace_s,
+                   help="keep retrying HTTP 403 this long: a new bucket grant takes minutes "
+                        f"(default {retry.IAM_GRANT.grace_s:g})")
 
-    from trainer.logs import add_arguments as logs_arguments  # standard library only
+    from trainer.cloud.logs import add_arguments as logs_arguments  # standard library only
 
     lg = sub.add_parser("logs", help="a run's sessions across VMs and how each ended, from Cloud Logging or a file")
     logs_arguments(lg)
@@ -175,18 +185,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """`run`'s settings: its config file, then every flag that was given (flags win)."""
+    flags = {a.dest for a in _run_parser()._actions if a.dest not in ("help", "config")}
+    return load_run_config({k: getattr(args, k) for k in sorted(flags)}, args.config)
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["run"]
+
+
 def main(argv: list[str] | None = None) -> int:
     started = _process_start()
     args = parser().parse_args(argv)
     try:
         if args.command == "run":
-            cli = {k: getattr(args, k) for k in (
-                "run_dir", "steps", "seed", "gcs_uri", "task", "checkpoint_every_steps",
-                "checkpoint_every_seconds", "local_dir", "data_dir", "health_port", "price_per_hour",
-                "on_demand_price_per_hour", "parallelism", "global_batch_size", "stop_at_step",
-                "extend_steps", "init_from", "init_from_step", "init_from_optimizer", "data_workers",
-                "eval_every_steps", "checkpoint_key_file", "durable_timeout_s")}
-            cfg = load_run_config(cli, args.config)
+            cfg = run_config(args)
         elif args.command == "export":
             ecfg = load_export_config({k: getattr(args, k) for k in ("run_dir", "gcs_uri", "local_dir", "step", "out",
                                                                      "checkpoint_key_file")})
@@ -194,14 +209,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.health_port is not None and not 0 <= args.health_port <= 65535:
                 raise ConfigError([f"command line: health_port: must be 0..65535, got {args.health_port}"])
         elif args.command == "logs":
-            pass  # trainer.logs checks its own arguments
+            pass  # trainer.cloud.logs checks its own arguments
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
         else:
+            if args.count is not None and args.watch is None:
+                raise ConfigError(["command line: count: --count bounds --watch; give --watch too"])
             scfg = load_status_config({"run_dir": args.run_dir, "gcs_uri": args.gcs_uri,
                                        "local_dir": args.local_dir, "json_output": args.json,
-                                       "plot": args.plot, "checkpoint_key_file": args.checkpoint_key_file})
+                                       "plot": args.plot, "checkpoint_key_file": args.checkpoint_key_file,
+                                       "watch_s": args.watch, "count": args.count})
     except ConfigError as e:
         for line in e.lines:
             print(line, file=sys.stderr)
@@ -224,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_main(ecfg)
     if args.command == "stage":
-        from trainer.staging import main as stage_main
+        from trainer.data.staging import main as stage_main
 
         return stage_main(args)
     if args.command == "logs":
-        from trainer.logs import run as logs_run
+        from trainer.cloud.logs import run as logs_run
 
         return logs_run(args)
     if args.command == "rendezvous":

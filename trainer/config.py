@@ -21,7 +21,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
                       ValidationInfo, field_validator)
 
-from trainer.sampler import ORDER_VERSION
+from trainer.data.sampler import ORDER_VERSION
+from trainer.shutdown_window import trainer_budget_s
 
 DEFAULT_TASK = "trainer.tasks.gpt:build"
 DEFAULT_HEALTH_PORT = 8471
@@ -138,9 +139,11 @@ class RunConfig(BaseModel):
     durable on every durable tier (the run dir and GCS: written, then read back), saving again
     where a copy is missing. Past it the trainer exits 74; running it again writes the missing
     copies (the run only counts as finished, exit 0, once they are all there)."""
-    preemption_budget_s: float = Field(default=25.0, gt=0)
-    """Seconds from a preemption notice by which the emergency save must be durable (Spot VMs
-    get 30 s between the notice and the hard power-off)."""
+    preemption_budget_s: float = Field(default=float(trainer_budget_s("spot")), gt=0)
+    """Seconds from a preemption notice by which the emergency save must be durable; what is
+    still uploading then is abandoned. The default is a Spot VM's (its 30 s window less the unit's
+    margin and slack, `trainer.shutdown_window`); on a VM the stack sets it for the VM's
+    provisioning (a standard VM's window is 120 s)."""
     watch_metadata: bool = True
     """Follow the GCE metadata server's ``instance/preempted`` (fails quietly off GCE)."""
     batch_size: int = Field(default=16, gt=0)
@@ -203,6 +206,13 @@ class RunConfig(BaseModel):
     on_demand_price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """USD per hour of the same VM on demand, for ``status``'s on-demand comparison. Not part of
     the fingerprint. None: unknown."""
+    max_usd: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """A spend cap: once what the job has cost so far (the goodput ledger's cost, from each
+    session's ``price_per_hour``; checked at start and every ``progress_every_s``) reaches this
+    many USD, the run pauses as for ``stop_at_step``: its checkpoint durable on every tier, the
+    line ``event=paused reason=max_usd``, exit 77. On a VM the group then goes to zero until the
+    experiment changes (raise it and deploy to continue). Without a price the cost is unknown
+    and nothing is capped (said at start). Not part of the fingerprint. None: no cap."""
     data_workers: int = Field(default=0, ge=0)
     """Worker processes that load and collate batches ahead of the loop (a torch DataLoader over
     the trainer's own order, two batches prefetched per worker, pinned memory on CUDA). 0 loads
@@ -222,19 +232,24 @@ class RunConfig(BaseModel):
     """Write TensorBoard scalars (``train/loss``, ``lr``, throughput, ``eval/loss``, goodput)
     under ``RUN_DIR/tensorboard/`` and mirror them to ``GCS_URI/tensorboard/``. Not part of
     the fingerprint."""
+    sinks: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """More sinks of the run's events, one table each, config file only: e.g. ``[sinks.jsonl]
+    path = "/var/log/run-events.jsonl"`` writes every event as a JSON line (``trainer.observe.sinks``
+    lists them; a sink is one module there). The log line, the goodput ledger and TensorBoard are
+    sinks too and need no table. Not part of the fingerprint."""
     metrics_upload_every_s: float = Field(default=60.0, gt=0)
     """Seconds between uploads of this session's TensorBoard event file to the durable tier
     (each upload replaces the object; the last one is made when the session ends)."""
     checkpoint_key_file: Path | None = None
-    """The run's checkpoint key (``trainer.checkpoint_key``): every manifest is signed with it, and
+    """The run's checkpoint key (``trainer.checkpoint.key``): every manifest is signed with it, and
     only checkpoints whose HMAC verifies under it are loaded. Must exist when set. None: the
     environment's ``SPOTTRAIN_CHECKPOINT_KEY_FILE``, else the per-user
     ``~/.config/spottrain/checkpoint.key``, created on first use. On a VM the stack passes the
     experiment's key. Not part of the fingerprint."""
 
     def checkpoint_key(self) -> Any:
-        """The :class:`~trainer.checkpoint_key.CheckpointKey` of this run (``KeyProblem``: exit 2)."""
-        from trainer.checkpoint_key import resolve
+        """The :class:`~trainer.checkpoint.key.CheckpointKey` of this run (``KeyProblem``: exit 2)."""
+        from trainer.checkpoint.key import resolve
 
         return resolve(self.checkpoint_key_file, create_default=True)
 
@@ -250,7 +265,7 @@ class RunConfig(BaseModel):
     @classmethod
     def _init_from(cls, v: str | None) -> str | None:
         if v is not None and v.startswith("gs://"):
-            from trainer.storage import parse_gcs_uri
+            from trainer.checkpoint.stores import parse_gcs_uri
 
             try:
                 parse_gcs_uri(v)
@@ -266,6 +281,13 @@ class RunConfig(BaseModel):
         if v not in (None, False) and info.data.get("init_from") is None:
             raise ValueError("is set but there is no init_from (the run to start from)")
         return v
+
+    @field_validator("sinks")
+    @classmethod
+    def _sinks(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        from trainer.observe.sinks import validate
+
+        return validate(v)
 
     @field_validator("task_args")
     @classmethod
@@ -294,21 +316,31 @@ class RunConfig(BaseModel):
             raise ValueError("[tiers.gcs] is set but there is no gcs_uri (the GCS tier)")
         return v
 
-    def tier_policies(self) -> dict[str, Any]:
-        """Each tier's :class:`~trainer.checkpointer.TierPolicy`: its own cadence if it has one,
-        else the run-wide flags (both unset: automatic); its own ``keep``, else the run's."""
-        from trainer.checkpointer import TIERS, TierPolicy
+    def tier_cadence(self) -> dict[str, Any]:
+        """Each tier's :class:`~trainer.checkpoint.tiers.Cadence`: its own if it has one, else the
+        run-wide flags (both unset: automatic)."""
+        from trainer.checkpoint.tiers import TIER_NAMES, Cadence
 
-        policies = {}
-        for tier in TIERS:
+        out = {}
+        for tier in TIER_NAMES:
             own = self.tiers.get(tier, TierCadence())
             fixed = own.every_steps is not None or own.every_seconds is not None
-            policies[tier] = TierPolicy(
-                every_steps=own.every_steps if fixed else self.checkpoint_every_steps,
-                every_seconds=own.every_seconds if fixed else self.checkpoint_every_seconds,
-                keep=own.keep if own.keep is not None else self.keep,
-            )
-        return policies
+            out[tier] = Cadence(every_steps=own.every_steps if fixed else self.checkpoint_every_steps,
+                                every_seconds=own.every_seconds if fixed else self.checkpoint_every_seconds)
+        return out
+
+    def tier_keep(self) -> dict[str, int]:
+        """How many checkpoints each tier keeps: its own ``keep``, else the run's."""
+        from trainer.checkpoint.tiers import TIER_NAMES
+
+        return {t: k if (k := self.tiers.get(t, TierCadence()).keep) is not None else self.keep for t in TIER_NAMES}
+
+    def tier_table(self, *, gcs_client: Any = None) -> Any:
+        """This run's :class:`~trainer.checkpoint.tiers.Tiers` (``trainer.checkpoint.tiers.tier_table``)."""
+        from trainer.checkpoint.tiers import tier_table
+
+        return tier_table(self.run_dir, local_dir=self.local_dir, gcs_uri=self.gcs_uri, cadence=self.tier_cadence(),
+                          keep=self.tier_keep(), gcs_client=gcs_client)
 
     def accum_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step at ``world_size``; ValueError if
@@ -369,6 +401,10 @@ class StatusConfig(BaseModel):
     """Print one JSON object instead of the human report."""
     plot: Path | None = None
     """Also draw the job's timeline from the goodput ledger into this PNG file."""
+    watch_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """``--watch``: print the report again every this many seconds until interrupted. None: once."""
+    count: int | None = Field(default=None, ge=1)
+    """With ``--watch``: stop after this many reports. None: until interrupted."""
     checkpoint_key_file: Path | None = None
     """The run's checkpoint key, as for ``run`` (never created here). Without one, whole-model
     checkpoints are shown unauthenticated (nothing is unpickled either way) and sharded ones not

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -134,6 +135,12 @@ class World:
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def node_name() -> str:
+    """This VM's name (in the ledger, the writer lease, logs): ``SPOTTRAIN_NODE`` if set, else the
+    host name."""
+    return os.environ.get("SPOTTRAIN_NODE") or socket.gethostname()
 
 
 def _comm_device() -> torch.device:

@@ -2,7 +2,7 @@
 
 ``python -m trainer export --run-dir DIR | --gcs-uri URI [--local-dir D] [--step N] --out FILE.safetensors``
 reads the newest valid checkpoint (or step N) through the verified read-only path
-(``trainer.reader``), gathers a sharded one into full tensors, and writes:
+(``trainer.checkpoint.reader``), gathers a sharded one into full tensors, and writes:
 
 * ``FILE.safetensors``: the model's ``state_dict()`` with the names the model class itself uses
   (no ``module.``/``_orig_mod.``/FSDP wrapper parts), every tensor in its own storage, so that
@@ -11,7 +11,7 @@ reads the newest valid checkpoint (or step N) through the verified read-only pat
   under both names, each a copy: safetensors refuses tensors that share memory, and
   ``strict=True`` wants every key; loading copies both into the one shared parameter.
 * ``FILE.json`` next to it, the sidecar: ``step``, ``task``, ``task_args``, ``digest``
-  (``trainer.checkpoint.tensor_digest`` of the exported tensors, equal to ``status``'s
+  (``trainer.checkpoint.format.tensor_digest`` of the exported tensors, equal to ``status``'s
   ``model_digest``), ``source`` (the checkpoint folder or gs:// prefix), ``torch_version``, the
   layout it came from, and where the run itself started from (``init_from``), if anywhere.
 
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from trainer import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_FINISHED
-from trainer.storage import TMP_PREFIX, fsync_dir
+from trainer.checkpoint.stores import TMP_PREFIX, fsync_dir
 
 FORMAT = "spottrain-export"
 VERSION = 1
@@ -81,14 +81,14 @@ def write(out: Path, found: Any) -> dict[str, Any]:
     """Write ``found`` (a ``reader.RunCheckpoint``) to ``out`` and its sidecar; the sidecar."""
     from safetensors.torch import save_file
 
-    from trainer.checkpoint import tensor_digest
+    from trainer.checkpoint.format import tensor_digest
 
     tensors = plain_state_dict(found.model)
     fp = found.fingerprint
     sidecar = {
         "format": FORMAT, "version": VERSION,
         "step": found.step, "task": fp.get("task"), "task_args": fp.get("task_args"),
-        "digest": tensor_digest(tensors), "digest_function": "trainer.checkpoint.tensor_digest",
+        "digest": tensor_digest(tensors), "digest_function": "trainer.checkpoint.format.tensor_digest",
         "source": found.location, "tier": found.tier,
         "layout": "sharded" if found.sharded else "whole-model", "parallelism": fp.get("parallelism"),
         "seed": fp.get("seed"), "steps": fp.get("steps"), "init_from": fp.get("init_from"),
@@ -147,14 +147,14 @@ def _check_out(out: Path) -> None:
 
 def main(cfg: Any) -> int:
     """``python -m trainer export`` (``cfg``: ``config.ExportConfig``)."""
-    from trainer import reader
+    from trainer.checkpoint import reader
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
     try:
         _check_out(cfg.out)
         if cfg.run_dir is not None and cfg.gcs_uri is None and not cfg.run_dir.is_dir():
             raise ExportError(f"command line: run_dir: {cfg.run_dir} is not a directory")
-        from trainer.checkpoint_key import KeyProblem, resolve
+        from trainer.checkpoint.key import KeyProblem, resolve
 
         try:
             key = resolve(cfg.checkpoint_key_file, create_default=False)
@@ -185,11 +185,14 @@ def main(cfg: Any) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def auto_export(cfg: Any, step: int, log: logging.Logger) -> str | None:
+def auto_export(cfg: Any, step: int, log: logging.Logger, *, abort: Any = None) -> str | None:
     """Export step ``step`` of this run once (see the module docstring); where it is, or None
-    when it failed (logged). ``cfg``: the run's ``RunConfig``."""
-    from trainer import reader
-    from trainer.storage import GcsStore
+    when it failed (logged). ``cfg``: the run's ``RunConfig``; ``abort``: a ``threading.Event``
+    that gives up the uploads when set (a notice)."""
+    import contextlib
+
+    from trainer.checkpoint import reader
+    from trainer.checkpoint.stores import GcsStore
 
     key = f"{DIR}/step-{step:08d}"
     store = GcsStore(cfg.gcs_uri) if cfg.gcs_uri else None
@@ -212,11 +215,14 @@ def auto_export(cfg: Any, step: int, log: logging.Logger) -> str | None:
             stage = cfg.run_dir / f"{TMP_PREFIX}export-{uuid.uuid4().hex[:8]}"
             try:
                 sidecar = write(stage / MODEL, found)
-                store.put_file(stage / MODEL, f"{key}/{MODEL}")
-                try:
-                    store.put_file(stage / SIDECAR, f"{key}/{SIDECAR}")  # last: the export's commit record
-                except FileExistsError:
-                    pass  # another attempt's sidecar (its answer was lost): that export stands
+                if abort is not None and abort.is_set():
+                    raise InterruptedError("a notice came")
+                with store.aborting(abort) if abort is not None else contextlib.nullcontext():
+                    store.put_file(stage / MODEL, f"{key}/{MODEL}")
+                    try:
+                        store.put_file(stage / SIDECAR, f"{key}/{SIDECAR}")  # last: the export's commit record
+                    except FileExistsError:
+                        pass  # another attempt's sidecar (its answer was lost): that export stands
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
         log.info("event=export step=%d at=%s digest=%s", step, where, sidecar["digest"])

@@ -12,7 +12,7 @@ import signal
 import threading
 from datetime import timedelta
 
-from trainer.progress import setup_logging
+from trainer.observe.progress import setup_logging
 
 
 def serve(host: str, port: int, *, ready: threading.Event | None = None,

@@ -1,6 +1,6 @@
 """A preemption notice that arrives while `python -m trainer run` starts up.
 
-The trainer's own handlers (``trainer.preemption``) exist only once torch is loaded and the run
+The trainer's own handlers (``trainer.loop.preemption``) exist only once torch is loaded and the run
 is set up, seconds after the process started; until then a SIGTERM would kill it silently (exit
 143). ``install`` runs first thing in ``trainer/__main__``, before any heavy import: its handlers
 only remember the first notice, which start-up then acts on (exit 75 with a line saying it was

@@ -5,7 +5,7 @@ anything a tier holds: whole-model checkpoints are JSON and raw tensors, and a s
 DCP only after its manifest's HMAC verified under the run's checkpoint key
 (``--checkpoint-key-file``, as for ``run``; exit 2 without one for a sharded run). Checkpoints
 that do not authenticate are listed as invalid with the reason. ``--plot FILE.png`` also draws
-the job's timeline (``trainer.timeline``).
+the job's timeline (``trainer.observe.timeline``).
 ``--json`` prints one object: ``latest_step``, ``model_digest`` (sha256 over the newest valid
 checkpoint's model tensors in a canonical order, see ``state.model_digest``), ``tier``, ``tiers``
 (the checkpointer's per-tier description), ``failing`` (the checkpoint tiers whose writes the
@@ -18,6 +18,9 @@ node; ``ledger_errors`` and ``skipped_events`` say what the ledger could not wri
 stopped on an error: its ledger's ``failed`` event, e.g. bad input; None otherwise) and
 ``history`` (changes of the run: ``steps_changed`` and ``init_from`` events). With ``--gcs-uri``
 alone (a deployed run, from any machine) it reports the bucket and the ledger's copy there.
+The report begins with the run at a glance (``glance``: ``trainer.observe.glance``; in the JSON,
+``glance``). ``--watch [SECONDS]`` prints it again every SECONDS until interrupted, ``--count N``
+times at most.
 """
 from __future__ import annotations
 
@@ -25,46 +28,57 @@ import json
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
-from trainer.checkpointer import describe_failing
+from trainer.checkpoint.checkpointer import describe_failing
 from trainer.config import StatusConfig
-from trainer.goodput import merge, read_events, read_store_events, report
-from trainer.goodput import LEDGER_DIR, LEDGER_FILE
+from trainer.observe.glance import glance, lines as glance_lines
+from trainer.observe.goodput import report
+from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, merge, read_events, read_store_events
 
 
-def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None, *,
+            stand_in: bool = False) -> dict[str, Any]:
     """The report; ``events_out`` (if given) receives the job's ledger events. ``KeyProblem`` when
-    the key cannot be read (or a sharded run has none)."""
-    from trainer.checkpoint_key import resolve
-    from trainer.checkpointer import Checkpointer
-    from trainer.state import ResumeMismatch, model_digest
+    the key cannot be read (or a sharded run has none). ``stand_in``: ``cfg.run_dir`` only stands
+    in for the run dir of a run known by its bucket (left out of the report)."""
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.key import resolve
+    from trainer.checkpoint.sharded import Sharded
+    from trainer.checkpoint.tiers import tier_table
+    from trainer.loop.state import ResumeMismatch, model_digest
 
     log = logging.getLogger("trainer.status")
     key = resolve(cfg.checkpoint_key_file, create_default=False)
     if key is None:
         log.warning("no checkpoint key (--checkpoint-key-file): whole-model checkpoints are shown without "
                     "authentication, sharded ones not at all")
-    ckpt = Checkpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri, log=log, key=key)
+    table = tier_table(cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri)
+    ckpt = Checkpointer(table, key=key, log=log)
+    tiers = ckpt.describe().get("tiers", {})
+    sharded = _sharded(tiers)
+    if sharded:  # the same look with the sharded layout (KeyProblem without a key)
+        ckpt.close()
+        ckpt = Checkpointer(table, Sharded(), key=key, log=log)
+        tiers = ckpt.describe().get("tiers", {})
     error = None
     try:
-        tiers = ckpt.describe().get("tiers", {})
-        if _sharded(tiers):
-            return _collect_sharded(cfg, ckpt, log, events_out, key)
         try:
             restored = ckpt.restore(download=False)
         except ResumeMismatch as e:  # the newest verified checkpoint cannot be decoded
             restored, error = None, str(e)
-        events, skipped = _events(cfg, ckpt.gcs, log)
+        mirror = table.role("mirror")
+        events, skipped = _events(cfg, mirror.store if mirror is not None else None, log)
     finally:
         ckpt.close()
     if events_out is not None:
         events_out.extend(events)
     out: dict[str, Any] = {
         "latest_step": restored.step if restored else None,
-        "model_digest": model_digest(restored.state["model"]) if restored else None,
+        "model_digest": model_digest(restored.model) if restored and restored.model is not None else None,
         "tier": restored.tier if restored else None,
         "path": restored.path if restored else None,
         "tiers": tiers,
@@ -73,6 +87,12 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None) -
         "goodput": _goodput(events, skipped),
         **_story(events),
     }
+    fp = restored.state.get("fingerprint") if restored is not None and isinstance(restored.state, dict) else None
+    out["glance"] = glance(events, time.time(), fp.get("steps") if isinstance(fp, dict) else None)
+    if stand_in:  # the run dir is a stand-in (a run known by its bucket): not part of the report
+        out["tiers"].pop(table.roles.home, None)
+    if sharded:
+        out["sharded"] = True
     if error is not None:
         out["error"] = error
     if restored is not None and isinstance(restored.state, dict):
@@ -125,40 +145,10 @@ def _unknown(tiers: dict[str, Any]) -> dict[str, str]:
 
 
 def _sharded(tiers: dict[str, Any]) -> bool:
-    from trainer.checkpoint import OTHER_LAYOUT
+    from trainer.checkpoint.manifest import OTHER_LAYOUT
 
     return any(c["reason"].startswith(OTHER_LAYOUT + "a sharded")
                for t in tiers.values() for c in t.get("checkpoints", []))
-
-
-def _collect_sharded(cfg: StatusConfig, whole: Any, log: logging.Logger,
-                     events_out: list[dict[str, Any]] | None, key: Any) -> dict[str, Any]:
-    """The same report for a run with ``parallelism = "fsdp"`` (sharded checkpoints)."""
-    from trainer import sharded
-    from trainer.distributed import World
-    from trainer.state import model_digest
-
-    whole.close()
-    ckpt = sharded.ShardedCheckpointer(run_dir=cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri,
-                                       world=World(), log=log, key=key)  # KeyProblem without a key
-    try:
-        tiers = ckpt.describe().get("tiers", {})
-        found = sharded.inspect({n: t.store for n, t in ckpt._tiers.items()}, key=key)
-        events, skipped = _events(cfg, ckpt.gcs, log)
-    finally:
-        ckpt.close()
-    if events_out is not None:
-        events_out.extend(events)
-    step, tier, path, model, extras = found if found else (None, None, None, None, {})
-    out: dict[str, Any] = {
-        "latest_step": step, "model_digest": model_digest(model) if model is not None else None,
-        "tier": tier, "path": path, "tiers": tiers, "failing": failing_tiers(events),
-        "unknown_tiers": _unknown(tiers), "goodput": _goodput(events, skipped), "sharded": True,
-        **_story(events),
-    }
-    if isinstance(extras, dict):
-        out["data"], out["fingerprint"] = extras.get("data"), extras.get("fingerprint")
-    return out
 
 
 def _story(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -172,7 +162,7 @@ def _story(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _human(s: dict[str, Any]) -> str:
-    lines = []
+    lines = glance_lines(s["glance"])
     if s.get("error"):
         lines.append(s["error"])
     if s["latest_step"] is None:
@@ -251,7 +241,29 @@ def main(cfg: StatusConfig) -> int:
     if cfg.run_dir is not None and not cfg.run_dir.is_dir() and cfg.gcs_uri is None:
         print(f"command line: run_dir: {cfg.run_dir} is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from trainer.checkpoint_key import KeyProblem
+    if cfg.watch_s is None:
+        return _once(cfg)
+    # --watch: the report again every watch_s seconds, until interrupted or `count` reports.
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() and not cfg.json_output else ""
+    shown = 0
+    try:
+        while True:
+            if clear:
+                print(clear, end="")
+            elif shown and not cfg.json_output:
+                print()
+            code = _once(cfg)
+            shown += 1
+            sys.stdout.flush()
+            if code != EXIT_FINISHED or (cfg.count is not None and shown >= cfg.count):
+                return code
+            time.sleep(cfg.watch_s)
+    except KeyboardInterrupt:
+        return EXIT_FINISHED
+
+
+def _once(cfg: StatusConfig) -> int:
+    from trainer.checkpoint.key import KeyProblem
 
     events: list[dict[str, Any]] = []
     try:
@@ -259,8 +271,7 @@ def main(cfg: StatusConfig) -> int:
             # A run known only by its bucket (a deployed run, seen from a laptop): an empty stand-in
             # for its disk, never written, and left out of the report.
             with tempfile.TemporaryDirectory(prefix="spottrain-status-") as tmp:
-                s = collect(cfg.model_copy(update={"run_dir": Path(tmp) / "no-run-dir"}), events)
-            s["tiers"].pop("persistent", None)
+                s = collect(cfg.model_copy(update={"run_dir": Path(tmp) / "no-run-dir"}), events, stand_in=True)
         else:
             s = collect(cfg, events)
     except KeyProblem as e:
@@ -268,7 +279,7 @@ def main(cfg: StatusConfig) -> int:
         return EXIT_BAD_INPUT
     print(json.dumps(s, default=str, sort_keys=True) if cfg.json_output else _human(s))
     if cfg.plot is not None:
-        from trainer.timeline import PlotUnavailable, draw
+        from trainer.observe.timeline import PlotUnavailable, draw
 
         try:
             draw(events, cfg.plot)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -57,18 +58,23 @@ class Task:
     """What a task callable returns.
 
     ``model(*batch)`` must return the scalar loss, where ``batch`` is the collated micro-batch
-    (a tuple of tensors on the device), unless ``loss_fn(model, batch) -> loss`` is given.
+    (a tuple of tensors on the device), unless ``loss_fn(model, batch)`` is given. ``loss_fn`` may
+    return the loss, or ``(loss, {name: value})``: the task's own per-step metrics (accuracy, a
+    perplexity, a gradient-free statistic), each a number or a one-element tensor. The trainer
+    averages them over the gradient-accumulation micro-batches and the logging interval like the
+    loss, and shows them in the ``event=step`` line and in TensorBoard as ``train/NAME`` (and over
+    the eval set as ``eval/NAME``). They change nothing in training: exact resume holds with them.
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     dataset: Sequence[Any] | Dataset
     scheduler: Any | None = None  # torch.optim.lr_scheduler.LRScheduler (stepped once per step)
-    loss_fn: Callable[[torch.nn.Module, tuple], torch.Tensor] | None = None
+    loss_fn: Callable[[torch.nn.Module, tuple], Any] | None = None
     tokens_per_sample: int = 0  # for the tokens/s figure in the logs; 0 reports samples/s
     info: dict[str, Any] = field(default_factory=dict)  # free-form, logged once at start-up
     #: Optional held-out set, map-style like ``dataset``; evaluated with the same loss every
-    #: ``eval_every_steps`` (see ``trainer.evaluation``).
+    #: ``eval_every_steps`` (see ``trainer.loop.evaluation``).
     eval_dataset: Sequence[Any] | Dataset | None = None
     #: Or a callable ``evaluate(model) -> loss`` (a float, or a dict of named floats) run on every
     #: rank in its place; the trainer restores every RNG and module mode it could touch.
@@ -77,6 +83,31 @@ class Task:
 
 class TaskError(Exception):
     """The task could not be loaded or returned something unusable (a user error: exit 2)."""
+
+
+#: A metric's name: what a log line's ``key=value`` and a TensorBoard tag can carry.
+_METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]{0,63}$")
+#: Names the trainer's own figures use (``trainer.observe.progress.WINDOW_FIGURES``).
+RESERVED_METRICS = ("loss", "lr", "steps_per_s", "tokens_per_s", "samples_per_s", "eta_s")
+
+
+def loss_and_metrics(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """What ``loss_fn`` returned as (loss, metrics); ``TaskError`` for anything else."""
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise TaskError("task: loss_fn must return the loss or (loss, {name: value}), "
+                            f"got a tuple of {len(out)} ({', '.join(type(x).__name__ for x in out)})")
+        loss, metrics = out
+        for name, value in metrics.items():
+            if not (isinstance(name, str) and _METRIC_NAME.match(name)) or name in RESERVED_METRICS:
+                raise TaskError(f"task: loss_fn's metric name {name!r} is not allowed: letters, digits, _ . / - "
+                                f"(64 at most, not starting with a digit), and none of {', '.join(RESERVED_METRICS)}")
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    or torch.is_tensor(value) and value.numel() == 1):
+                raise TaskError(f"task: loss_fn's metric {name!r} must be a number or a one-element tensor, "
+                                f"got {type(value).__name__}")
+        return loss, metrics
+    return out, {}
 
 
 def load(spec: str) -> Callable[..., Task]:

@@ -29,7 +29,7 @@ from drill.chaos.rig import GUARD_S, Rig, Trainer
 
 MOMENTS = ("startup", "periodic", "emergency", "final", "restore")
 
-#: The trainer says it waits for a tier it cannot read (trainer.tier_wait).
+#: The trainer says it waits for a tier it cannot read (trainer.checkpoint.tier_wait).
 WAITING = r"\bevent=waiting_for_tier\b"
 #: Requests as the fault proxy names them (path?query object=NAME).
 DOWNLOAD = r"alt=media.* object=\S*/step-\d+/tensors\.bin"

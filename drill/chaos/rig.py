@@ -36,14 +36,18 @@ from drill.metadata_server import MetadataServer
 from drill.procs import power_off
 from drill.small_fs import SmallFs
 from drill.tiny_gpt import TASK_ARGS_TOML
+from trainer import shutdown_window
 
 REPO = Path(__file__).resolve().parents[2]
 TASK = "drill.chaos.task:build"
 STEPS = 20          # the job's total steps
 EVERY = 5           # periodic saves, every tier
 BATCH = 4           # samples per step (the task parks by samples)
-BUDGET_S = 8.0      # preemption_budget_s: the emergency save's deadline after a notice
-WINDOW_S = 12.0     # notice -> power-off (GCE gives a Spot VM 30 s; the budget is scaled with it)
+#: A Spot VM's shutdown window and its trainer's budget (`trainer.shutdown_window`: 30 s and 20 s),
+#: scaled down so that a scenario takes seconds: 12 s and 8 s.
+TIME_SCALE = 0.4
+WINDOW_S = shutdown_window.window_s("spot") * TIME_SCALE  # notice -> power-off
+BUDGET_S = shutdown_window.trainer_budget_s("spot") * TIME_SCALE  # preemption_budget_s
 WAIT_FOR_TIERS_S = 40.0  # wait_for_tiers_s: start-up's bound on an unknown tier (then exit 69)
 LEASE_TTL_S = 20.0  # lease_ttl_s: renewed every 5 s; a second writer gives up after two renewals
 DURABLE_TIMEOUT_S = 10.0  # durable_timeout_s (where the trainer has it): the final save's bound

@@ -51,7 +51,7 @@ class Refuse:  # what the trainer's own code imports, not torch's optional probe
             raise ModuleNotFoundError(f"not shipped to a GPU image: {{fullname}}")
         return None
 sys.meta_path.insert(0, Refuse())
-import trainer.train, trainer.sharded, trainer.tasks.gpt, bench.gpu_check
+import trainer.train, trainer.checkpoint.sharded, trainer.tasks.gpt, bench.gpu_check
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)

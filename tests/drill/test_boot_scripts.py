@@ -182,6 +182,45 @@ def test_bad_input_stays_stopped_says_why_and_stops_paying(tmp_path: Path) -> No
         assert after["group_size"] == 0
 
 
+def test_the_spend_cap_stops_the_unit_says_so_and_stops_paying(tmp_path: Path) -> None:
+    """`max_usd` in `[trainer.config]` reached on a VM: the trainer pauses (exit 77), the unit takes
+    it as success and is not restarted, the VM answers the health check "ok spend-cap" (no
+    recreation loop), its guest state says `spend-cap`, and it scales its group to zero with a
+    stop marker naming the cap; a VM brought back by hand trains nothing until the experiment
+    changes."""
+    from drill.drill import health_answer
+    from stacks.trainer_config import to_toml, vm_config
+
+    # The example's price (about $0.44 an hour) reaches a millionth of a dollar in milliseconds:
+    # the cap is reached at the trainer's first look at the ledger.
+    config = to_toml(vm_config({"max_usd": 1e-6, "progress_every_s": 0.5}, project="my-project-123456",
+                               experiment="example"))
+    with _deployment(tmp_path, extra={"config": config}) as dep:
+        assert dep.vm is not None and dep.group is not None
+        _, e0 = dep.boot()
+        ev = dep.vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT, STARTUP_GUARD_S,
+                               since=e0)
+        assert (ev["code"], ev["status"], ev["restarting"]) == ("exited", 77, False), dep.vm.tail()
+        show = dep.vm.exec(["systemctl", "show", "--property=ActiveState,NRestarts", UNIT]).stdout
+        assert show == "ActiveState=inactive\nNRestarts=0\n", show
+        assert "event=paused reason=max_usd" in dep.vm.journal()
+        assert health_answer(dep.r.health_port, 60) == "ok spend-cap: max_usd reached"
+        assert dep.wait_group_size(0), dep.vm.tail()
+        assert dep.metadata.guest_attributes()["spottrain/state"] == "spend-cap"
+        name = dep.r.gcs_uri.split("/", 3)[3]
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        bucket = storage.Client(project="p", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": dep.gcs.host}).bucket(dep.r.bucket)
+        markers = list(bucket.list_blobs(prefix=f"{name}/stop/bad-input-"))
+        assert len(markers) == 1 and "trainer.config.max_usd" in markers[0].download_as_bytes().decode()
+        dep.vm.power_off(10)
+
+        after = dep.boot_after_finish()  # someone resizes the group to 1 by hand
+        assert after["unit_started"] is False and after["group_size"] == 0
+
+
 class _ProxiedBucket:
     """The deployment's bucket behind the fault proxy: what `Deployment(gcs=...)` needs of it."""
 

@@ -8,7 +8,7 @@ import pytest
 
 from drill.fake_gcp import FakeGcp
 from drill.iam import Policy
-from trainer.gce import ApiError, Client
+from trainer.cloud.gce import ApiError, Client
 
 P, ZONE = "my-project-123456", "us-central1-a"
 VM = f"serviceAccount:exp-trainer@{P}.iam.gserviceaccount.com"

@@ -42,6 +42,18 @@ Nice=5
     assert u.ignored == ["Nice"]
 
 
+def test_drop_ins_override_the_unit_in_name_order(tmp_path: Path) -> None:
+    """systemd reads NAME.service.d/*.conf after the unit: the startup script's window.conf sets
+    the trainer unit's TimeoutStopSec and the trainer's budget that way."""
+    path = tmp_path / "x.service"
+    path.write_text("[Service]\nExecStart=/bin/true\nTimeoutStopSec=90\nEnvironment=A=1\n")
+    (tmp_path / "x.service.d").mkdir()
+    (tmp_path / "x.service.d" / "window.conf").write_text("[Service]\nTimeoutStopSec=115\nEnvironment=B=2\n")
+    (tmp_path / "x.service.d" / "a.conf").write_text("[Service]\nTimeoutStopSec=7\nEnvironment=A=3\n")
+    u = parse_unit(path)
+    assert u.timeout_stop_s == 115 and u.environment == {"A": "3", "B": "2"}
+
+
 def test_a_unit_without_exec_start_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "x.service"
     path.write_text("[Service]\nType=simple\n")

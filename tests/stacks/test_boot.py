@@ -71,13 +71,17 @@ def test_example_trainer_command_line():
                  "--checkpoint-every-steps \\\n  500"):
         assert part in scripts.trainer_sh
     assert "--local-dir" not in scripts.trainer_sh
-    assert "TimeoutStopSec=25" in scripts.unit  # inside the 30 s Spot window
+    # Inside the 30 s Spot window, and a standard VM's (the on-demand fallback) inside its 120 s:
+    # the startup script's drop-in for the unit (tests/stacks/test_shutdown_window.py).
+    assert "\nTimeoutStopSec=" not in scripts.unit
+    assert "  SPOT) model=SPOT window_s=30 stop_timeout_s=25 budget_s=20 ;;" in scripts.startup
+    assert "  STANDARD) model=STANDARD window_s=120 stop_timeout_s=115 budget_s=110 ;;" in scripts.startup
     assert "KillSignal=SIGTERM" in scripts.unit
     assert "Restart=on-failure" in scripts.unit
     assert "RestartPreventExitStatus=2" in scripts.unit
     assert "SuccessExitStatus=75" in scripts.unit
     assert "PassEnvironment=GCE_METADATA_HOST GCE_METADATA_IP STORAGE_EMULATOR_HOST" in scripts.unit
-    assert "at most 25 s" in scripts.shutdown
+    assert "s/^TimeoutStopSec=//p' /etc/systemd/system/spottrain.service.d/window.conf" in scripts.shutdown
     assert 'systemctl stop "$UNIT"' in scripts.shutdown
 
 
@@ -110,7 +114,9 @@ def test_a_user_release_needs_a_trainer_release():
 
 
 def test_standard_vms_get_the_longer_window():
-    assert "TimeoutStopSec=115" in render(props_for("standard")).unit
+    startup = render(props_for("standard")).startup
+    assert "  STANDARD) model=STANDARD window_s=120 stop_timeout_s=115 budget_s=110 ;;" in startup
+    assert "SPOT)" not in startup
 
 
 def test_rendering_is_deterministic():
@@ -152,7 +158,7 @@ def test_hostile_args_reach_the_trainer_verbatim_and_execute_nothing(tmp_path):
     assert [a.decode() for a in argv] == [
         "-m", "trainer", "run", "--run-dir", "/mnt/spottrain/run", "--steps", "7",
         "--gcs-uri", "gs://b/runs/x", "--task", "trainer.tasks.gpt:build", "--health-port", "9000",
-        "--startup-grace-s", "900", "--local-dir", "/mnt/localssd/run", *args,
+        "--startup-grace-s", "900", "--preemption-budget-s", "20", "--local-dir", "/mnt/localssd/run", *args,
     ]
     assert not canary.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
@@ -325,3 +331,49 @@ def test_the_unit_exits_with_the_ranks_own_status(tmp_path, ranks, status, expec
     proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, timeout=60,
                           capture_output=True, text=True)
     assert proc.returncode == expected, proc.stderr
+
+
+def test_the_code_downloads_403_loop_waits_as_the_trainers_grant_rule(tmp_path):
+    """The startup script's bash loop mirrors trainer.retry's 403 grace: run the rendered loop
+    against a bucket that answers 403 forever (curl and sleep stand-ins; sleep moves bash's own
+    clock) and it waits exactly what the trainer's Retry waits, then fails at the grace."""
+    from trainer import retry
+
+    scripts = render(BootProps(name="x", bucket="b", task="m:f", steps=1, health_port=8471,
+                               provisioning="spot", releases=RELEASES, checkpoint_key_secret="projects/p/secrets/k"))
+    start = scripts.startup.index("install_release() {")
+    function = scripts.startup[start:scripts.startup.index("\n}\n", start) + 3]
+    waits = tmp_path / "waits"
+    stubs = f"""
+log() {{ :; }}
+fail() {{ echo "FAILED: $*"; exit 1; }}
+METADATA=http://metadata STORAGE=http://storage BUCKET=b
+curl() {{ if [[ "$*" == *token* ]]; then echo '{{"access_token": "t"}}'; else printf 403; fi; }}
+mkdir() {{ :; }}
+mktemp() {{ echo {str(tmp_path)!r}; }}
+rm() {{ :; }}
+sleep() {{ echo "$1" >> {str(waits)!r}; SECONDS=$((SECONDS + $1)); }}
+"""
+    proc = subprocess.run(["bash", "-c", stubs + function + "install_release trainer o o sha dir"],
+                          capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert proc.returncode == 1 and "still HTTP 403 after 600 s" in proc.stdout, proc.stdout + proc.stderr
+    bash_waits = [float(w) for w in waits.read_text().split()]
+
+    class Forbidden(Exception):
+        code = retry.FORBIDDEN
+
+    now = [0.0]
+    trainer_waits: list[float] = []
+
+    def sleep(s: float) -> None:
+        trainer_waits.append(s)
+        now[0] += s
+
+    def refused() -> None:
+        raise Forbidden()
+
+    with pytest.raises(Forbidden):
+        retry.Retry(retry.IAM_GRANT, transient=retry.never, clock=lambda: now[0], sleep=sleep).call(refused)
+    assert bash_waits == trainer_waits
+    assert f"--forbidden-retry-s {int(retry.IAM_GRANT.grace_s)} \\\n" in scripts.startup  # the key fetch's too
+    assert f"--first-wait-s {int(retry.IAM_GRANT.grace_first_s)})" in scripts.startup

@@ -91,6 +91,6 @@ def test_unknown_size_says_what_to_declare():
 
 
 def test_the_upload_chunk_is_the_trainers():
-    from trainer.storage import GcsStore
+    from trainer.checkpoint.stores import GcsStore
 
     assert UPLOAD_CHUNK_BYTES == GcsStore.CHUNK_SIZE

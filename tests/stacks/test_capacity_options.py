@@ -61,7 +61,7 @@ def test_a_flex_start_vm_stops_before_its_end_and_asks_for_a_successor():
     settings = json.loads(scripts.scale_settings)
     assert settings["run_duration_s"] == 72 * 3600 and settings["stop_before_s"] == 600
     assert "spottrain-deadline.service" in scripts.startup
-    assert "trainer.scale --config /etc/spottrain/scale.json deadline" in scripts.startup
+    assert "trainer.cloud.scale --config /etc/spottrain/scale.json deadline" in scripts.startup
     plain = render(boot_props("example", variant({}, "example")))
     assert "spottrain-deadline" not in plain.startup
 

@@ -185,8 +185,8 @@ def test_a_one_byte_trainer_change_rolls_the_template(tmp_path, monkeypatch):
     assert old_sha not in t2["metadata"]["startup-script"]
     assert new_sha in t2["metadata"]["startup-script"]
     # Nothing else in the stack moved, but for the bad-input stop marker, which is named by the
-    # startup script's digest (new code may be the fix: trainer.scale).
-    from trainer.scale import digest
+    # startup script's digest (new code may be the fix: trainer.cloud.scale).
+    from trainer.cloud.scale import digest
 
     d1, d2 = digest(t1["metadata"]["startup-script"]), digest(t2["metadata"]["startup-script"])
     assert d1 != d2

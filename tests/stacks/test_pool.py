@@ -325,6 +325,10 @@ def test_torchrun_command_line_per_role(tmp_path, metadata, role, is_host):
         "-m", "trainer", "run", "--run-dir", "/mnt/spottrain/run", "--steps", "20000",
         "--gcs-uri", "gs://my-project-123456-l4-pool-ckpt/runs/l4-pool",
         "--task", "trainer.tasks.gpt:build", "--health-port", "8471", "--startup-grace-s", "900",
+        # Every trainer of a pool: the workers' (Spot) budget (tests/stacks/test_shutdown_window.py).
+        "--preemption-budget-s", "20",
+        # The VM's trainer config: the stack's sinks (Cloud Monitoring's custom metrics).
+        "--config", "/etc/spottrain/trainer.toml",
         "--checkpoint-key-file", "/run/spottrain/checkpoint.key", "--parallelism", "fsdp",
         *prices[role], "--checkpoint-every-steps", "500",
     ]

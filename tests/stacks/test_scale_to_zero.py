@@ -13,7 +13,7 @@ from stack_support import VARIANTS, unless_stopped, variant
 from drill.iam import Policy, Resource
 from stacks.boot import boot_props, render
 from stacks.control import COORDINATOR_PERMISSIONS, GROUP_PERMISSIONS
-from trainer import scale
+from trainer.cloud import scale
 
 pytestmark = pytest.mark.xdist_group("stacks")
 P = "my-project-123456"
@@ -132,8 +132,8 @@ def test_opting_out_creates_no_control_job_and_the_vm_only_says_so(synthesized):
     assert s.one("google_compute_instance_group_manager")["target_size"] == 1
     scripts = render(boot_props("no-stop", variant(VARIANTS["no-stop"], "no-stop")))
     assert scripts.scale_settings == ""
-    assert "stop_when_done = false" in scripts.stop_paying and "trainer.scale" not in scripts.stop_paying
-    assert "trainer.scale --config /etc/spottrain/scale.json honour" not in scripts.startup
+    assert "stop_when_done = false" in scripts.stop_paying and "trainer.cloud.scale" not in scripts.stop_paying
+    assert "trainer.cloud.scale --config /etc/spottrain/scale.json honour" not in scripts.startup
 
 
 def test_the_vm_gets_its_settings_the_wrapper_and_the_exit_0_hook(example, tmp_path):

@@ -274,7 +274,7 @@ def test_a_restarted_vm_reuses_its_code_and_a_recreated_one_fetches_it_again(dep
 
 def test_the_boot_ships_its_journal_to_cloud_logging_without_ever_waiting_for_it(deployment):
     """The startup script starts the log shipper first (spottrain-logs.service, the very file
-    trainer/log_shipper.py): the boot's, the trainer's and the shutdown script's lines reach the
+    trainer/cloud/log_shipper.py): the boot's, the trainer's and the shutdown script's lines reach the
     Logging API as structured entries, the emergency save's inside the window. A Logging API that
     is down delays nothing: the trainer starts, and the lines arrive once it answers."""
     from drill.fake_observability import FakeObservability
@@ -297,7 +297,7 @@ def test_the_boot_ships_its_journal_to_cloud_logging_without_ever_waiting_for_it
         assert logging_api.wait_for(lambda o: "step" in events(o, "trainer"), GUARD_S), vm.tail()
         assert [c[2] for c in logging_api.calls[:3]] == [503, 503, 503]
         assert vm.path("/etc/spottrain/log_shipper.py").read_text() == \
-            (REPO / "trainer" / "log_shipper.py").read_text()
+            (REPO / "trainer" / "cloud" / "log_shipper.py").read_text()
         first_boot = [e for e in logging_api.entries if e["jsonPayload"].get("event") == "boot"]
         assert [e["jsonPayload"]["fields"]["after"] for e in first_boot] == ["first"]
         step = next(e["jsonPayload"] for e in logging_api.entries if e["jsonPayload"].get("event") == "step")

@@ -93,15 +93,28 @@ def test_the_vm_reads_back_exactly_the_checked_settings(tmp_path):
     out = tmp_path / "trainer.toml"
     stub = f'write_if_changed() {{ printf "%s\\n" "$3" > {out}; }}\n'
     subprocess.run(["bash", "-c", stub + line], check=True, timeout=30)
-    assert tomllib.loads(out.read_text()) == CONFIG
+    monitoring = {"project": exp.gcp.project, "experiment": "x", "run": "runs/x"}
+    assert tomllib.loads(out.read_text()) == {**CONFIG, "sinks": {"monitoring": monitoring}}
     cfg = load_run_config({"run_dir": tmp_path, "steps": 7, "gcs_uri": "gs://b/x"}, out)
     assert (cfg.batch_size, cfg.precision, cfg.threads, cfg.grad_clip) == (8, "bf16", 2, None)
     assert cfg.task_args == CONFIG["task_args"] and cfg.tiers["gcs"].keep == 2
+    assert cfg.sinks["monitoring"] == {**monitoring, "every_s": 60.0, "timeout_s": 10.0}
 
 
-def test_no_config_renders_no_file_and_no_flag():
-    scripts = render(boot_props("x", variant({}, "x")))
-    assert "--config" not in scripts.trainer_sh and CONFIG_FILE not in scripts.startup
+def test_the_vm_always_gets_the_stacks_own_sinks_beside_the_users():
+    plain = variant({}, "x")
+    monitoring = {"project": plain.gcp.project, "experiment": "x", "run": "runs/x"}
+    assert tomllib.loads(boot_props("x", plain).config) == {"sinks": {"monitoring": monitoring}}
+    assert f"--config {CONFIG_FILE}" in render(boot_props("x", plain)).trainer_sh
+    own = variant({"trainer": {"config": {"sinks": {"jsonl": {"path": "/var/log/e.jsonl"}}}}}, "x")
+    assert tomllib.loads(boot_props("x", own).config)["sinks"] == {
+        "jsonl": {"path": "/var/log/e.jsonl"}, "monitoring": monitoring}
+
+
+def test_the_stacks_own_sinks_are_refused_in_the_config():
+    assert problems({"trainer": {"config": {"sinks": {"monitoring": {"project": "p-123456"}}}}}) == [
+        "x.toml: trainer.config.sinks.monitoring: is set by the stack: the run's goodput, cost and step as "
+        "Cloud Monitoring metrics (docs/watch.md); allowed: remove it here"]
 
 
 def test_toml_round_trip_of_awkward_values():

@@ -36,9 +36,12 @@ def test_the_coordinator_is_the_workers_vm(synthesized):
         assert vm[key] == template[key], key
     assert vm["network_interface"][0]["subnetwork"] == template["network_interface"][0]["subnetwork"]
     assert vm["metadata_startup_script"] == template["metadata"]["startup-script"]
-    # The metadata every VM carries; each its own role, and only a template its provisioning.
-    assert _without(vm["metadata"], "spottrain-role") == _without(
+    # The metadata every VM carries; each its own role and provisioning (the coordinator is on
+    # demand: its shutdown window is a standard VM's).
+    assert _without(vm["metadata"], "spottrain-role", "spottrain-provisioning") == _without(
         template["metadata"], "startup-script", "spottrain-role", "spottrain-provisioning")
+    assert (vm["metadata"]["spottrain-provisioning"], template["metadata"]["spottrain-provisioning"]) == \
+        ("STANDARD", "SPOT")
     assert (vm["metadata"]["spottrain-role"], template["metadata"]["spottrain-role"]) == \
         ("coordinator", "worker")
 

@@ -16,7 +16,7 @@ from drill.fake_observability import FakeObservability
 from stacks import alert_rules, run_metrics
 from stacks.dashboard import dashboard, metric_types
 from stacks.load import ExperimentError, parse
-from trainer.log_shipper import entry
+from trainer.cloud.log_shipper import entry
 
 pytestmark = pytest.mark.xdist_group("stacks")
 

@@ -215,7 +215,7 @@ class LogWatch(logging.Handler):
 @pytest.fixture
 def logwatch() -> Iterator[LogWatch]:
     h = LogWatch()
-    loggers = [logging.getLogger(n) for n in ("spottrain.checkpoint", "trainer.storage", "trainer.checkpoint")]
+    loggers = [logging.getLogger(n) for n in ("spottrain.checkpoint", "trainer.checkpoint")]
     old = [(lg.level, lg.propagate) for lg in loggers]
     for lg in loggers:
         lg.addHandler(h)
@@ -234,6 +234,12 @@ def _no_trainer_outlives_its_test() -> Iterator[None]:
 
     yield
     power_off_leftovers()
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the trainer caches (token shards' checks) stays in the test's own directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ a fork server for the many restarts. The fake GCE metadata server is the drill's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -39,10 +40,32 @@ progress_every_s = 0.5
 
 
 def run_key() -> Any:
-    """The suite's checkpoint key (tests/conftest.py), as a ``trainer.checkpoint_key.CheckpointKey``."""
-    from trainer.checkpoint_key import ENV, load
+    """The suite's checkpoint key (tests/conftest.py), as a ``trainer.checkpoint.key.CheckpointKey``."""
+    from trainer.checkpoint.key import ENV, load
 
     return load(Path(os.environ[ENV]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """One tier's cadence and retention, as the checkpoint tests write them."""
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    keep: int = 3
+
+
+def checkpointer(*, run_dir: Path, local_dir: Path | None = None, gcs_uri: str | None = None, gcs_client: Any = None,
+                 policies: dict[str, Policy] | None = None, layout: Any = None, **kw: Any) -> Any:
+    """A ``Checkpointer`` over the tier table of these places (``trainer.checkpoint.tiers.tier_table``)."""
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.tiers import Cadence, tier_table
+
+    policies = policies or {}
+    table = tier_table(run_dir, local_dir=local_dir, gcs_uri=gcs_uri, gcs_client=gcs_client,
+                       cadence={k: Cadence(p.every_steps, p.every_seconds) for k, p in policies.items()},
+                       keep={k: p.keep for k, p in policies.items()})
+    return Checkpointer(table, layout, **kw)
 
 
 def closed_metadata_host() -> str:
@@ -186,7 +209,7 @@ def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: b
 ZYGOTE_SRC = r"""
 import json, os, select, sys
 import torch, torch._dynamo  # noqa: F401  (what every trainer process would import)
-import trainer.cli, trainer.train, trainer.checkpointer, trainer.tasks.gpt  # noqa: F401
+import trainer.cli, trainer.train, trainer.checkpoint.checkpointer, trainer.tasks.gpt  # noqa: F401
 out = os.fdopen(os.dup(1), "w", buffering=1)
 children = set()
 print(json.dumps({"ready": os.getpid()}), file=out)

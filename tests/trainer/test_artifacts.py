@@ -6,7 +6,7 @@ from pathlib import Path
 
 import trainer.artifacts as artifacts_mod
 from trainer.artifacts import Artifacts, atomic
-from trainer.storage import GcsStore
+from trainer.checkpoint.stores import GcsStore
 
 
 def make(tmp_path: Path, gcs, name: str = "run") -> Artifacts:

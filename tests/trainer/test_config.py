@@ -110,16 +110,14 @@ def test_tiers_take_their_own_cadence_and_keep(tmp_path: Path) -> None:
     f.write_text('keep = 4\n[tiers.local]\nevery_steps = 5\nkeep = 2\n[tiers.gcs]\nevery_seconds = 900\n')
     cfg = load_run_config({"run_dir": tmp_path / "r", "steps": 10, "local_dir": tmp_path / "l",
                            "gcs_uri": "gs://b/p", "checkpoint_every_steps": 50}, f)
-    p = cfg.tier_policies()
-    assert (p["local"].every_steps, p["local"].every_seconds, p["local"].keep) == (5, None, 2)
-    assert (p["persistent"].every_steps, p["persistent"].every_seconds, p["persistent"].keep) == (50, None, 4)
-    assert (p["gcs"].every_steps, p["gcs"].every_seconds, p["gcs"].keep) == (None, 900, 4)
+    c, k = cfg.tier_cadence(), cfg.tier_keep()
+    assert [(n, c[n].every_steps, c[n].every_seconds, k[n]) for n in ("local", "persistent", "gcs")] == [
+        ("local", 5, None, 2), ("persistent", 50, None, 4), ("gcs", None, 900, 4)]
 
 
 def test_keep_reaches_tiers_on_the_automatic_interval(tmp_path: Path) -> None:
     cfg = RunConfig(run_dir=tmp_path, steps=10, keep=7)
-    p = cfg.tier_policies()
-    assert all(pol.automatic and pol.keep == 7 for pol in p.values())
+    assert all(t.cadence.automatic and t.keep == 7 for t in cfg.tier_table())
 
 
 def test_tier_settings_need_their_tier(tmp_path: Path) -> None:
@@ -172,3 +170,15 @@ def test_data_dir_from_file_or_flag_is_not_part_of_the_fingerprint(tmp_path: Pat
     b = load_run_config({"run_dir": tmp_path, "steps": 5, "data_dir": Path("/mnt/spottrain/data")}, cfg_file)
     assert a.data_dir == Path("/mnt/localssd/data") and b.data_dir == Path("/mnt/spottrain/data")
     assert a.fingerprint(dataset_len=10) == b.fingerprint(dataset_len=10)
+
+
+def test_every_run_flag_reaches_the_config() -> None:
+    """A flag the stack passes is never parsed and then dropped (`--preemption-budget-s` is how
+    a VM's trainer gets its shutdown window's budget, `--startup-grace-s` its grace)."""
+    from trainer.cli import parser, run_config
+
+    args = parser().parse_args(["run", "--run-dir", "/tmp/r", "--steps", "5", "--preemption-budget-s", "110",
+                                "--startup-grace-s", "1800"])
+    cfg = run_config(args)
+    assert (cfg.preemption_budget_s, cfg.startup_grace_s) == (110.0, 1800.0)
+    assert run_config(parser().parse_args(["run", "--run-dir", "/tmp/r", "--steps", "5"])).preemption_budget_s == 20.0

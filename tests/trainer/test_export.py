@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.checkpoint import tensor_digest
-from trainer.checkpointer import Checkpointer
+from trainer.checkpoint.format import tensor_digest
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.tiers import tier_table
 from trainer.cli import main
 from trainer.export import plain_state_dict
 from tests.trainer.support import REPO, run_key, trainer_env
@@ -33,7 +34,7 @@ class Tied(torch.nn.Module):
 def saved_run(tmp_path: Path, *steps: int, gcs=None) -> tuple[Path, dict[int, dict]]:
     """A run dir (and GCS prefix) holding whole-model checkpoints as the trainer saves them."""
     run = tmp_path / "run"
-    c = Checkpointer(run_dir=run, gcs_uri=gcs.uri if gcs else None, gcs_client=gcs.client if gcs else None,
+    c = Checkpointer(tier_table(run, gcs_uri=gcs.uri if gcs else None, gcs_client=gcs.client if gcs else None),
                      key=run_key())  # signed, as the trainer's are
     models = {}
     for step in steps:

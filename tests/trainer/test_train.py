@@ -125,3 +125,40 @@ def test_a_pause_whose_checkpoint_gcs_refuses_exits_74_and_status_says_why(tmp_p
     assert run(cfg.model_copy(update={"stop_at_step": None})).code == 0
     s = collect(StatusConfig(run_dir=tmp_path / "run", gcs_uri=gcs_proxy.uri))
     assert s["tiers"]["gcs"]["newest_valid"] == 6 and s["failing"] == {} and s["goodput"]["finished"]
+
+
+def test_the_spend_cap_pauses_with_the_state_durable_and_a_higher_cap_continues_exactly(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from trainer import EXIT_SPEND_CAP
+
+    example_task.FETCHES[0] = 0
+    assert run(_cfg(tmp_path / "ref")).code == 0
+    reference = collect(StatusConfig(run_dir=tmp_path / "ref"))["model_digest"]
+
+    # $3600 an hour: a dollar a second, so a few steps have cost something.
+    example_task.FETCHES[0] = 0
+    assert run(_cfg(tmp_path / "run", price_per_hour=3600.0, stop_at_step=6)).code == 75
+    spent = collect(StatusConfig(run_dir=tmp_path / "run"))["goodput"]["cost"]["cost_so_far"]
+    assert spent > 0
+    capsys.readouterr()
+    out = run(_cfg(tmp_path / "run", price_per_hour=3600.0, max_usd=spent / 2))
+    assert (out.code, out.steps_run) == (EXIT_SPEND_CAP, 0) and EXIT_SPEND_CAP == 77
+    line = next(x for x in capsys.readouterr().err.splitlines() if "event=paused" in x)
+    fields = dict(p.split("=", 1) for p in line.split() if "=" in p)
+    assert (fields["reason"], fields["step"]) == ("max_usd", "6")
+    assert float(fields["cost_usd"]) >= float(fields["max_usd"]) == pytest.approx(spent / 2, abs=1e-4)
+    s = collect(StatusConfig(run_dir=tmp_path / "run"))
+    assert s["latest_step"] == 6 and not s["goodput"]["finished"]
+    paused = [e for e in read_ledger(tmp_path / "run") if e["event"] == "paused"]
+    assert paused[-1]["reason"] == "max_usd" and paused[-1]["max_usd"] == pytest.approx(spent / 2)
+
+    # A cap above what it has cost goes on (the same weights as never paused).
+    out = run(_cfg(tmp_path / "run", price_per_hour=0.0, max_usd=1e9))
+    assert out.code == 0
+    assert collect(StatusConfig(run_dir=tmp_path / "run"))["model_digest"] == reference
+
+
+def read_ledger(run_dir: Path) -> list[dict]:
+    from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
+
+    return read_events(run_dir / LEDGER_DIR / LEDGER_FILE)

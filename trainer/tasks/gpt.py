@@ -6,7 +6,7 @@ everything the trainer restores: AdamW moments, a warmup+cosine LR schedule, dro
 
 By default it trains on the shipped corpus, character-level, holding out its last
 ``eval_fraction`` for evaluation. With ``data`` it trains on nanoGPT-format token shards
-(``trainer.token_shards``) instead: ``data = "train.bin"`` and ``eval_data = "val.bin"`` (a
+(``trainer.data.token_shards``) instead: ``data = "train.bin"`` and ``eval_data = "val.bin"`` (a
 file, a directory of ``.bin`` files or a glob, relative to the staged ``ctx.data_dir`` unless
 absolute), ``token_dtype`` (``uint16`` or ``uint32``), ``vocab_size`` (default 50304, GPT-2's
 vocabulary padded) and ``stride``.
@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from trainer.task import Task, TaskContext, TaskError
-from trainer.token_shards import TokenShardError, TokenShards, find_shards
+from trainer.data.token_shards import TokenShardError, TokenShards, find_shards
 
 
 class CharDataset:
@@ -110,9 +110,9 @@ def build(
     else:
         try:
             dataset = TokenShards(find_shards(data, ctx.data_dir), block_size=block_size, dtype=token_dtype,
-                                  stride=stride)
+                                  stride=stride, vocab_size=vocab_size)
             eval_dataset = (TokenShards(find_shards(eval_data, ctx.data_dir), block_size=block_size,
-                                        dtype=token_dtype) if eval_data is not None else None)
+                                        dtype=token_dtype, vocab_size=vocab_size) if eval_data is not None else None)
         except TokenShardError as e:
             raise TaskError(f"task_args: data: {e}") from None
     model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout).to(ctx.device)

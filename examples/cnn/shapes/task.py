@@ -18,10 +18,12 @@ from shapes.model import ResNet
 from trainer.task import Task, TaskContext
 
 
-def cross_entropy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The loss of one micro-batch: the model returns logits, the trainer wants the loss."""
+def cross_entropy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """The loss of one micro-batch (the model returns logits, the trainer wants the loss) and the
+    batch's accuracy, a metric of the task's own: in the step line and TensorBoard as ``acc``."""
     images, labels = batch
-    return F.cross_entropy(model(images), labels)
+    logits = model(images)
+    return F.cross_entropy(logits, labels), {"acc": (logits.argmax(dim=1) == labels).float().mean()}
 
 
 def build(

@@ -7,9 +7,10 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from trainer.checkpoint import MANIFEST, list_checkpoints, step_name
-from trainer.health import ask
-from trainer.storage import GcsStore
+from trainer.checkpoint.manifest import MANIFEST, step_name
+from trainer.checkpoint.whole_model import list_whole as list_checkpoints
+from trainer.observe.health import ask
+from trainer.checkpoint.stores import GcsStore
 from tests.trainer.support import TIMEOUT, start, status, trainer_env, write_config
 
 STEPS = 6
@@ -112,6 +113,34 @@ def test_sigterm_during_a_stalled_final_upload_saves_and_exits_75(tmp_path: Path
     assert _valid_on_gcs(gcs_proxy) == [STEPS]
 
 
+def test_the_export_after_finishing_stays_healthy_and_gives_way_to_a_notice(tmp_path: Path, gcs_proxy) -> None:
+    """A big model's export takes minutes after `event=finished`: the health check passes
+    meanwhile (autohealing must not recreate a finished VM), and a SIGTERM then is acted on at
+    once (exit 0: the final checkpoint is durable; the export is left for a re-run or by hand)."""
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    stall = gcs_proxy.proxy.add("POST", rf"object={_prefix(gcs_proxy)}/export/{step_name(STEPS)}/model[.]safetensors$",
+                                "stall", times=None)
+    env = trainer_env(**gcs_proxy.env)
+    args = ("--gcs-uri", gcs_proxy.uri, "--checkpoint-every-steps", "100")
+    p = start(run_dir, STEPS, config, *args, env=env)
+    port = int(p.wait_for(r"event=health_listening host=\S+ port=(\d+)").group(1))
+    assert gcs_proxy.proxy.wait_stalled(stall, timeout=TIMEOUT)  # the export's upload hangs
+    p.seen(rf"event=finished step={STEPS}")
+    assert ask("127.0.0.1", port) == f"ok finishing: exporting step {STEPS} (the final checkpoint is durable)"
+    p.signal(signal.SIGTERM)
+    assert p.wait() == 0, p.output[-3000:]
+    p.seen(rf"event=export ok=0 step={STEPS} interrupted=1")
+    assert stall.held >= 1  # it left while the upload was still held
+    gcs = GcsStore(gcs_proxy.uri, client=gcs_proxy.client(direct=True))
+    assert not gcs.list(f"export/{step_name(STEPS)}/model.json")
+
+    gcs_proxy.proxy.release(stall)  # a re-run of the finished job writes the export
+    p = start(run_dir, STEPS, config, *args, env=env)
+    assert p.wait() == 0, p.output[-3000:]
+    p.seen(rf"event=export step={STEPS} at=gs://")
+    assert gcs.list(f"export/{step_name(STEPS)}/model.json")
+
+
 def test_fsdp_final_checkpoint_refused_by_gcs_is_not_finished_until_a_rerun(tmp_path: Path, gcs_proxy) -> None:
     config = write_config(tmp_path, 'parallelism = "fsdp"\ndurable_timeout_s = 2\n')
     run_dir = tmp_path / "run"
@@ -126,7 +155,7 @@ def test_fsdp_final_checkpoint_refused_by_gcs_is_not_finished_until_a_rerun(tmp_
     p = start(run_dir, STEPS, config, *args, env=env)
     assert p.wait() == 0, p.output[-3000:]
     p.seen(rf"event=finished step={STEPS} \(already complete\)")
-    from trainer.sharded import list_sharded
+    from trainer.checkpoint.sharded import list_sharded
 
     assert [i.step for i in list_sharded(GcsStore(gcs_proxy.uri, client=gcs_proxy.client(direct=True)))
             if i.valid] == [STEPS]

@@ -14,10 +14,10 @@ import signal
 import sys
 from pathlib import Path
 
-from trainer.checkpoint import list_checkpoints
-from trainer.health import ask
-from trainer.lease import LEASE_KEY
-from trainer.storage import GcsStore
+from trainer.checkpoint.whole_model import list_whole as list_checkpoints
+from trainer.observe.health import ask
+from trainer.checkpoint.lease import LEASE_KEY
+from trainer.checkpoint.stores import GcsStore
 from tests.trainer.support import Proc, run_args, start, status, trainer_env, write_config
 
 STEPS = 40

@@ -62,3 +62,36 @@ def test_curves_continue_across_crash_preemption_and_lost_disk(tmp_path: Path, g
         assert got["eval/loss"] == ref["eval/loss"] and [s for s, _ in got["eval/loss"]] == [10, 20, 30, 40]
         assert [s for s, _ in got["lr"]] == [s for s, _ in got["throughput/steps_per_s"]] == list(range(1, STEPS + 1))
         assert got["goodput/goodput"] and all(0 < v <= 1 for _, v in got["goodput/goodput"])
+
+
+def test_the_tasks_own_metrics_reach_the_log_line_tensorboard_and_a_sink_and_change_no_weight(
+        tmp_path: Path, reference: dict) -> None:
+    """A loss_fn returning (loss, {name: value}): its metrics ride the event seam (the step line,
+    TensorBoard's train/NAME and eval/NAME, a [sinks.jsonl] file), and a run preempted and
+    resumed with them ends at the plain task's uninterrupted weights."""
+    import json
+    import math
+
+    events = tmp_path / "events.jsonl"
+    config = write_config(tmp_path, 'task = "tests.trainer.e2e.metrics_task:build"\n'
+                                    "eval_every_steps = 20\neval_batches = 2\n"
+                                    f'[sinks.jsonl]\npath = "{events}"\n')
+    run_dir = tmp_path / "run"
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10")
+    line = p.wait_for(r"event=step step=13/\S+ loss=(\S+) .* eta_s=\S+ ppl=(\S+) tokens=(\S+)$")
+    assert float(line.group(2)) == float(f"{math.exp(float(line.group(1))):.4g}")  # one step per line here
+    p.signal(signal.SIGTERM)
+    assert p.wait() == 75, p.output[-3000:]
+    p = run_to_end(run_dir, STEPS, config, "--checkpoint-every-steps", "10")
+    assert "ppl=" in p.wait_for(rf"event=step step={STEPS}/").string
+    assert status(run_dir)["model_digest"] == reference["model_digest"]  # the metrics changed nothing
+
+    got = scalars(run_dir / "tensorboard")
+    assert [s for s, _ in got["train/ppl"]] == list(range(1, STEPS + 1))
+    assert all(v == 4 * 32 for _, v in got["train/tokens"])  # batch_size 4 x block_size 32
+    assert [s for s, _ in got["eval/ppl"]] == [20, 40] and [s for s, _ in got["eval/loss"]] == [20, 40]
+
+    lines = [json.loads(x) for x in events.read_text().splitlines()]
+    steps = [e for e in lines if e["event"] == "Step"]
+    assert steps and all(set(e["metrics"]) == {"ppl", "tokens"} for e in steps)
+    assert [e["event"] for e in lines if e["event"] in ("preempted", "finish")] == ["preempted", "finish"]

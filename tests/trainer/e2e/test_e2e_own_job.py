@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.support import Proc, Zygote, run_args, status, trainer_env
-from trainer.checkpoint import tensor_digest
+from trainer.checkpoint.format import tensor_digest
 from trainer.cli import main as cli
-from trainer.reader import read
+from trainer.checkpoint.reader import read
 
 TASK = "tests.trainer.e2e.own_task:build"
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from drill.metadata_server import MetadataServer
-from trainer.health import ask
+from trainer.observe.health import ask
 from tests.trainer.support import TIMEOUT, run_to_end, start, status, trainer_env, write_config
 
 from tests.trainer.support import REFERENCE_STEPS as STEPS

@@ -22,7 +22,7 @@ STEPS = 40  # the reference run's (e2e conftest)
 
 
 def test_a_forged_checkpoint_in_the_bucket_is_never_loaded(tmp_path: Path, gcs_emulator, reference: dict) -> None:
-    from trainer.checkpoint import STATE
+    from trainer.checkpoint.whole_model import STATE
 
     config, run_dir = write_config(tmp_path), tmp_path / "run"
     env = trainer_env(**gcs_emulator.env)
@@ -58,7 +58,7 @@ def test_a_forged_checkpoint_in_the_bucket_is_never_loaded(tmp_path: Path, gcs_e
 
 @pytest.mark.xdist_group("torchrun")
 def test_a_forged_sharded_checkpoint_is_never_read(tmp_path: Path, gcs_emulator) -> None:
-    from trainer.sharded import DCP_METADATA, EXTRAS
+    from trainer.checkpoint.sharded import DCP_METADATA, EXTRAS
 
     config, run_dir = write_config(tmp_path, 'parallelism = "fsdp"\n'), tmp_path / "run"
     env = trainer_env(**gcs_emulator.env)
@@ -143,3 +143,60 @@ def test_without_a_key_a_sharded_run_is_refused_with_exit_2(tmp_path: Path) -> N
     out = Proc([*run_args(run_dir, 2, config)[:3], "status", "--run-dir", str(run_dir), "--json"], env=env)
     assert out.wait() == 2
     out.seen(r"command line: checkpoint_key_file: sharded checkpoints .*--checkpoint-key-file")
+
+
+def test_a_key_path_that_is_a_fifo_is_refused_at_start_up(tmp_path: Path) -> None:
+    """A FIFO (or a device) named as the key: start-up must not wait for a writer that never comes."""
+    fifo = tmp_path / "checkpoint.key"
+    os.mkfifo(fifo)
+    p = Proc(run_args(tmp_path / "run", 4, write_config(tmp_path), "--checkpoint-key-file", str(fifo)))
+    assert p.wait() == 2, p.output[-3000:]
+    assert "Traceback" not in p.output
+    p.seen(r"event=failed reason=bad_input checkpoint_key_file: \S*checkpoint\.key is not a regular file \(a FIFO\)")
+
+
+def test_garbage_objects_in_the_bucket_never_stop_the_job(tmp_path: Path, gcs_emulator) -> None:
+    """A bucket writer plants 200 KB of nested `[` as the newest manifest and as the writer lease:
+    the manifest is no checkpoint (GCS is not 'unknown'), the lease an unreadable one that is
+    taken over once nobody renews it; the run resumes from its newest authentic step and ends."""
+    from trainer.checkpoint.lease import LEASE_KEY
+
+    config, run_dir = write_config(tmp_path, "lease_ttl_s = 2\n"), tmp_path / "run"
+    env = trainer_env(**gcs_emulator.env)
+    gcs = ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
+    assert start(run_dir, STEPS, config, *gcs, "--stop-at-step", "20", env=env).wait() == 75
+    bucket_name, _, prefix = gcs_emulator.uri[len("gs://"):].partition("/")
+    bucket = gcs_emulator.client.bucket(bucket_name)
+    nested = b"[" * 200_000
+    bucket.blob(f"{prefix}/step-00000030/manifest.json").upload_from_string(nested)
+    bucket.blob(f"{prefix}/step-00000030/model.safetensors").upload_from_string(b"x")
+    bucket.blob(f"{prefix}/{LEASE_KEY}").upload_from_string(nested)
+
+    p = run_to_end(run_dir, STEPS, config, *gcs, env=env)
+    assert "Traceback" not in p.output and "RecursionError" not in p.output
+    p.seen(r"ignoring gcs checkpoint step 30 at gs://\S+: manifest is nested too deeply to be one")
+    p.seen(r"event=lease_acquired .*took_over=expired previous=unreadable lease object gs://\S+lease\.json")
+    p.seen(r"event=restore step=20 tier=persistent")
+    assert status(run_dir, "--gcs-uri", gcs_emulator.uri)["latest_step"] == STEPS
+
+
+def test_a_forged_final_checkpoint_never_finishes_the_run(tmp_path: Path, gcs_emulator) -> None:
+    """A bucket writer plants a well-formed manifest (every sha256 right, no HMAC) at the final step
+    before the run gets there: the trainer's own upload meets it and skips GCS (it is never
+    overwritten), and the read-back authenticates, so the final checkpoint is not durable: exit 74,
+    never `finished` (which would let scale-to-zero delete the disk holding the only authentic
+    final step)."""
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    env = trainer_env(**gcs_emulator.env)
+    gcs = ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
+    assert start(run_dir, STEPS, config, *gcs, "--stop-at-step", "20", env=env).wait() == 75
+    forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 20, STEPS, {})
+
+    p = start(run_dir, STEPS, config, *gcs, "--durable-timeout-s", "2", env=env)
+    assert p.wait() == 74, p.output[-4000:]
+    p.seen(rf"gcs holds a checkpoint at step {STEPS} that is never overwritten")
+    p.seen(rf"step {STEPS}\) is not durable .*gcs NOT DURABLE: unauthenticated: its manifest carries no HMAC")
+    assert not any("event=finished" in line for line in p.lines)
+    # Nothing deleted: the planted one stays (never deleted), the authentic final step is on disk.
+    assert f"step-{STEPS:08d}/manifest.json" in bucket_names(gcs_emulator.client, gcs_emulator.uri)
+    assert status(run_dir)["latest_step"] == STEPS

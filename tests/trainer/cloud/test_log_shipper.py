@@ -1,0 +1,287 @@
+"""trainer/cloud/log_shipper.py: the parse rule over the trainer's and the boot scripts' real lines, and
+the shipper itself, a real process following a journal (the drill's journalctl) into the loopback
+Logging API (drill/fake_observability.py) with the fake metadata server's token."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from drill.fake_observability import FakeObservability, Filter
+from drill.metadata_server import MetadataServer
+from tests.trainer.support import REPO, Proc, run_args, write_config
+from trainer import retry
+from trainer.cloud.log_shipper import (LABEL, RETRY, RETRY_CAP_S, SCRIPT_LINE, TRAINER_LINE, entry, parse_message)
+
+GUARD_S = 60.0  # a failure guard for waits, never a timing assertion
+TOKEN = "drill-fake-token"  # what drill.metadata_server hands out
+
+
+# --- the parse rule, over real lines ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trainer_lines(tmp_path_factory) -> list[str]:
+    """A real trainer's log: a fresh start, steps, a preemption notice (SIGTERM) and its emergency
+    save, then a restart that restores and finishes."""
+    tmp = tmp_path_factory.mktemp("run")
+    config = write_config(tmp)
+    first = Proc(run_args(tmp / "run", 40, config))
+    first.wait_for(r"event=step step=3/")
+    first.signal(signal.SIGTERM)
+    assert first.wait() == 75, first.output[-3000:]
+    second = Proc(run_args(tmp / "run", 40, config))
+    assert second.wait() == 0, second.output[-3000:]
+    return first.lines + second.lines
+
+
+def test_every_trainer_line_with_an_event_parses_into_its_fields(trainer_lines) -> None:
+    events = {}
+    for line in trainer_lines:
+        if "event=" not in line or not TRAINER_LINE.match(line):
+            continue
+        p = parse_message(line)
+        want = line.split("event=", 1)[1].split()[0]
+        assert p["event"] == want and p["level"] in ("INFO", "WARNING", "ERROR") and p["logger"].startswith("trainer"), line
+        events.setdefault(want, []).append(p)
+    assert {"start", "restore", "step", "preempted", "finished"} <= set(events), sorted(events)
+    step = events["step"][0]
+    assert step["step"] == 1 and step["fields"]["total_steps"] == 40
+    assert isinstance(step["fields"]["loss"], float) and isinstance(step["fields"]["steps_per_s"], float)
+    preempted = events["preempted"][0]
+    assert preempted["step"] >= 3 and isinstance(preempted["fields"]["seconds"], float)
+    restore = events["restore"][-1]
+    assert restore["step"] == preempted["step"]  # the second session restored the emergency save
+    assert events["finished"][-1]["step"] == 40
+    # Only the trainer's own lines are structured; the rest stays a message.
+    assert parse_message("Traceback (most recent call last):") == {}
+
+
+def test_a_boot_scripts_lines_parse_with_the_scripts_own_log_function(tmp_path) -> None:
+    from stacks.boot import BootProps, render
+
+    scripts = render(BootProps(name="x", bucket="b", task="t:build", steps=5, health_port=8471,
+                               provisioning="spot"))
+    log_fn = next(line for line in scripts.startup.splitlines() if line.startswith("log() {"))
+    out = subprocess.run(["bash", "-c", log_fn + '\nlog "event=boot after=preemption boot=1a2b3c4d"\n'
+                          'log "event=boot_failed FAILED: checkpoint disk not found"'],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert all(SCRIPT_LINE.match(line) for line in out), out
+    boot, failed = (parse_message(line) for line in out)
+    assert boot["event"] == "boot" and boot["fields"]["after"] == "preemption" and boot["logger"] == "spottrain-startup"
+    assert failed["event"] == "boot_failed" and failed["level"] == "ERROR"
+
+
+def _record(i: int, message: str, boot: str = "b" * 32, **fields: str) -> dict[str, str]:
+    return {"__CURSOR": f"s=test;i={i:x}", "__REALTIME_TIMESTAMP": str(int(time.time() * 1e6)),
+            "_BOOT_ID": boot, "_HOSTNAME": "example-group-abcd", "MESSAGE": message, "PRIORITY": "6", **fields}
+
+
+CFG = {"project": "my-project-123456", "experiment": "example", "run": "runs/example"}
+RESOURCE = {"type": "gce_instance", "labels": {"project_id": "my-project-123456", "instance_id": "1", "zone": "z-a"}}
+
+
+def test_a_journal_record_becomes_an_entry_with_the_run_fields() -> None:
+    unit = {"_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "0123456789abcdef" * 2}
+    e = entry(_record(1, "2026-01-02T03:04:05.678 WARNING trainer rank=1 event=tier_failing tier=gcs since=x",
+                      **unit), CFG, RESOURCE)
+    p = e["jsonPayload"]
+    assert (p["experiment"], p["run"], p["node"], p["session"], p["rank"], p["event"], p["source"]) == (
+        "example", "runs/example", "example-group-abcd", "0123456789ab", 1, "tier_failing", "trainer")
+    assert e["labels"] == {LABEL: "example"} and e["severity"] == "WARNING" and e["resource"] == RESOURCE
+    assert e["logName"] == "projects/my-project-123456/logs/spottrain" and e["timestamp"].endswith("Z")
+    # systemd's line about the unit belongs to the same session; a boot script's to none.
+    exited = entry(_record(2, "spottrain.service: Main process exited, code=exited, status=75/n/a", _PID="1",
+                           UNIT="spottrain.service", INVOCATION_ID="0123456789abcdef" * 2), CFG, RESOURCE)
+    assert exited["jsonPayload"]["session"] == "0123456789ab" and exited["jsonPayload"]["source"] == "systemd"
+    script = entry(_record(3, "startup-script: 2026-01-02T03:04:05.000Z spottrain-startup: event=boot after=first",
+                           SYSLOG_IDENTIFIER="google_metadata_script_runner"), CFG, RESOURCE)
+    assert "session" not in script["jsonPayload"] and script["jsonPayload"]["source"] == "startup"
+    assert script["jsonPayload"]["message"].startswith("2026-01-02T03:04:05.000Z spottrain-startup:")
+    # The same journal line twice is the same insertId (a batch sent again is deduplicated).
+    assert entry(_record(3, "x"), CFG, RESOURCE)["insertId"] == entry(_record(3, "y"), CFG, RESOURCE)["insertId"]
+
+
+# --- the shipper, a real process ------------------------------------------------------------------
+class Rig:
+    """A journal (the drill's JSON journal and journalctl stub), a systemctl that answers
+    is-active from a file, the fake metadata server and the fake Logging API; the shipper runs as
+    the VM runs it: `log_shipper.py CONFIG`."""
+
+    def __init__(self, root: Path, **cfg: Any) -> None:
+        self.root = root
+        bin_ = root / "bin"
+        bin_.mkdir(parents=True)
+        stub = (REPO / "drill" / "stubs" / "journalctl").read_text()
+        (bin_ / "journalctl").write_text(stub.replace("@PYTHON@", sys.executable).replace("@STATE@", str(root)))
+        (bin_ / "systemctl").write_text(f"#!/bin/sh\ncat {root}/unit-state\n")
+        for f in bin_.iterdir():
+            f.chmod(0o755)
+        self.set_trainer("active")
+        self.boot = open("/proc/sys/kernel/random/boot_id").read().strip().replace("-", "")
+        self.n = 0
+        self.logging = FakeObservability("my-project-123456", token=TOKEN).start()
+        self.metadata = MetadataServer(project_id="my-project-123456").start()
+        config = {**CFG, "stall_s": 3600, "drain_s": 10, "retry_s": 0.05, "cursor_file": str(root / "cursor"),
+                  "units": ["spottrain.service"], "identifiers": ["google_metadata_script_runner"], **cfg}
+        (root / "logs.json").write_text(json.dumps(config))
+        (root / "journal.jsonl").touch()
+        self.env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "GCE_METADATA_HOST": self.metadata.host,
+                    "SPOTTRAIN_LOGGING_API": self.logging.logging_api}
+        self.proc: subprocess.Popen[str] | None = None
+
+    def set_trainer(self, state: str) -> None:
+        (self.root / "unit-state").write_text(state + "\n")
+
+    def line(self, message: str, **fields: str) -> None:
+        self.n += 1
+        fields = fields or {"_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "c" * 32}
+        with open(self.root / "journal.jsonl", "a") as f:
+            f.write(json.dumps(_record(self.n, message, self.boot, **fields)) + "\n")
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "trainer" / "cloud" / "log_shipper.py"),
+                                      str(self.root / "logs.json")], env=self.env, stderr=subprocess.PIPE,
+                                     text=True)
+
+    def stop(self) -> str:
+        """SIGTERM once the trainer unit has stopped (the drain then ends with the journal)."""
+        assert self.proc is not None
+        self.set_trainer("inactive")
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=GUARD_S)
+        assert self.proc.returncode == 0, err
+        return err
+
+    def messages(self) -> list[str]:
+        return [e["jsonPayload"]["message"] for e in self.logging.entries]
+
+    def wait(self, n: int) -> None:
+        assert self.logging.wait_for(lambda o: len(o.entries) >= n, GUARD_S), self.messages()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.logging.stop()
+        self.metadata.stop()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    r = Rig(tmp_path)
+    yield r
+    r.close()
+
+
+def _step(n: int) -> str:
+    return f"2026-01-02T03:04:{n % 60:02d}.000 INFO trainer event=step step={n}/100 loss=2.0 steps_per_s=1.0"
+
+
+def test_it_ships_the_journal_and_a_restart_resumes_after_its_cursor(rig: Rig) -> None:
+    rig.line("startup-script: 2026-01-02T03:04:00.000Z spottrain-startup: event=boot after=first boot=1",
+             SYSLOG_IDENTIFIER="google_metadata_script_runner")
+    rig.line(_step(1))
+    rig.line("not ours", _SYSTEMD_UNIT="ssh.service")  # outside the matches: never shipped
+    rig.start()
+    rig.wait(2)
+    rig.line(_step(2))
+    rig.wait(3)
+    rig.stop()
+    assert (rig.root / "cursor").read_text().strip() == "s=test;i=4"
+    rig.line(_step(3))
+    rig.start()  # a restart (Restart=always, or a VM started again with its boot disk)
+    rig.wait(4)
+    rig.stop()
+    assert rig.messages() == ["2026-01-02T03:04:00.000Z spottrain-startup: event=boot after=first boot=1",
+                              _step(1), _step(2), _step(3)]
+    assert [e["jsonPayload"].get("step") for e in rig.logging.entries] == [None, 1, 2, 3]
+    f = Filter('labels."spottrain-experiment"="example" AND jsonPayload.event="step" AND jsonPayload.session="cccccccccccc"')
+    assert len(rig.logging.matching(f.text)) == 3
+
+
+def test_an_outage_is_retried_and_nothing_is_lost_or_shipped_twice(rig: Rig) -> None:
+    rig.logging.fail("POST", "entries:write", 503, times=2)
+    rig.logging.fail("POST", "entries:write", 403, times=1)  # the account's grant still propagating
+    rig.line(_step(1))
+    rig.start()
+    rig.wait(1)
+    rig.line(_step(2))
+    rig.wait(2)
+    err = rig.stop()
+    assert rig.messages() == [_step(1), _step(2)]
+    assert [c[2] for c in rig.logging.calls[:4]] == [503, 503, 403, 200]
+    assert "retrying" in err
+
+
+def test_the_shipper_retries_what_the_trainer_retries() -> None:
+    """It runs without the trainer package, so it mirrors trainer.retry's rule: the same
+    answers (and an expired token's 401, and 403 without end), waits doubling to the same cap."""
+    assert set(RETRY) == set(retry.RETRY_STATUS) | {401, retry.FORBIDDEN}
+    assert RETRY_CAP_S == retry.IAM_GRANT.grace_cap_s
+
+
+def test_a_batch_the_api_refuses_for_good_is_passed_over(rig: Rig) -> None:
+    rig.logging.fail("POST", "entries:write", 400, times=1)
+    rig.line(_step(1))
+    rig.start()
+    assert rig.logging.wait_for(lambda o: any(c[2] == 400 for c in o.calls), GUARD_S)
+    rig.line(_step(2))
+    rig.wait(1)
+    err = rig.stop()
+    assert rig.messages() == [_step(2)] and "passing over" in err
+
+
+def test_the_watchdog_says_stalled_while_the_trainer_unit_is_active_without_a_step(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, stall_s=1.5)
+    try:
+        rig.set_trainer("inactive")
+        rig.line(_step(1))
+        rig.start()
+        rig.wait(1)
+        rig.line(_step(2))  # the trainer unit is not running: no stall, however long
+        rig.wait(2)
+        rig.set_trainer("active")
+        assert rig.logging.wait_for(
+            lambda o: any(e["jsonPayload"].get("event") == "stalled" for e in o.entries), GUARD_S), rig.messages()
+        stalled = [e for e in rig.logging.entries if e["jsonPayload"].get("event") == "stalled"]
+        p = stalled[0]["jsonPayload"]
+        assert (p["source"], p["session"], p["fields"]["last_step"]) == ("logs", "cccccccccccc", 2)
+        assert stalled[0]["severity"] == "WARNING" and p["fields"]["stalled_s"] >= 1
+        assert [e["jsonPayload"].get("event") for e in rig.logging.entries][:2] == ["step", "step"]
+        rig.stop()
+    finally:
+        rig.close()
+
+
+def test_at_power_off_it_ships_until_the_trainer_has_stopped(rig: Rig) -> None:
+    rig.line(_step(1))
+    rig.start()
+    rig.wait(1)
+    assert rig.proc is not None
+    rig.proc.send_signal(signal.SIGTERM)  # the power-off began; the trainer still saves
+    rig.line("2026-01-02T03:05:00.000 WARNING trainer event=preempted step=1 persistent_ok=1 gcs_ok=1 seconds=2.5")
+    rig.wait(2)
+    assert rig.proc.poll() is None  # still there while the trainer unit is active
+    rig.set_trainer("inactive")
+    assert rig.proc.wait(GUARD_S) == 0
+    assert rig.messages()[-1].endswith("seconds=2.5")
+
+
+def test_logs_reads_a_trainers_own_log_into_its_sessions(trainer_lines, tmp_path: Path) -> None:
+    """The same parse rule over a local file: `python -m trainer logs --file` (a new session at
+    each event=start)."""
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(trainer_lines) + "\n")
+    out = subprocess.run([sys.executable, "-m", "trainer", "logs", "--file", str(log), "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (vm,) = json.loads(out.stdout)["vms"]
+    first, second = vm["sessions"]
+    assert first["ended"].startswith("preempted: emergency save of step ") and first["first_step"] == 0
+    assert second["ended"] == "finished at step 40" and second["first_step"] == first["last_step"]

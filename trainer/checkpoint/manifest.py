@@ -1,0 +1,204 @@
+"""The manifest: the commit record every checkpoint layout shares, and what a reason means.
+
+A checkpoint is a ``step-NNNNNNNN/`` folder (or remote prefix) whose ``manifest.json`` is written
+LAST on every tier: format, step, time, torch version, world size, meta (the layout's own, e.g.
+``meta.sharded``), the writer's session id, and the size and sha256 of every other file
+(``trainer.checkpoint.format.chunked_sha256``), plus a sha256 of the manifest itself and, with a
+checkpoint key (``trainer.checkpoint.key``), an HMAC-SHA256 over it. So an interrupted write or
+upload never produces a valid checkpoint, and whoever can write a bucket but does not hold the key
+cannot make a reader use a checkpoint of their making (docs/security.md). Each layout adds its file
+list to ``parse_manifest_header`` (``trainer.checkpoint.whole_model``, ``trainer.checkpoint.sharded``).
+
+Some checkpoints are *quarantined*: never loaded, overwritten or deleted (``quarantined``): one
+of the other layout (whole-model vs sharded), one of another format version (format 1: a pickled
+``state.pt``, recognised and never loaded), and an unauthenticated one (no HMAC, or one that does
+not verify with this key: forged, or written with a lost or rotated key). A restore that meets
+them refuses to start afresh beside them (``ResumeMismatch``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from typing import Any, Callable
+
+import torch
+
+from trainer import untrusted
+from trainer.checkpoint.key import CheckpointKey
+from trainer.manifest_auth import ALG, canonical as _canonical, named_key as _key_id, signed_body as _signed_body
+
+FORMAT = "spottrain-checkpoint"
+#: 2: JSON structure (``state.json``) and, with a key, an HMAC. 1: a pickled ``state.pt``.
+FORMAT_VERSION = 2
+MANIFEST = "manifest.json"
+HASH_NAME = "sha256-of-64MiB-chunk-sha256s"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+class ResumeMismatch(Exception):
+    """The checkpoint was written with other settings, another layout or format, or cannot be
+    loaded into this run; resuming would not continue that run (bad input: exit 2, nothing is
+    deleted, no fallback to an older checkpoint or a fresh start)."""
+
+
+class CheckpointInvalid(Exception):
+    """A checkpoint that must not be used; ``str(exc)`` is the reason for the log."""
+
+
+class CheckpointUnloadable(Exception):
+    """A checkpoint that verified (every sha256, and the HMAC with a key) but that this version
+    cannot decode: a resume mismatch, never corruption (nothing is deleted, no fallback)."""
+
+
+class StepOccupied(Exception):
+    """A quarantined checkpoint (see ``quarantined``) occupies the step a save would write on a tier: the save
+    skips that tier rather than overwrite it."""
+
+
+#: Reason prefix of a valid-looking checkpoint of the other layout (whole-model vs sharded): never
+#: deleted by retention, and a restore that meets one refuses to start afresh over it.
+OTHER_LAYOUT = "other layout: "
+#: Reason prefix of a checkpoint of another format version (an older spottrain's pickled
+#: ``state.pt``, or a newer one's): quarantined, like the other layout.
+OTHER_FORMAT = "other format: "
+#: Reason prefix of a manifest without a valid HMAC under this run's key: never loaded, never
+#: deleted or overwritten (it may be the run's own work under a lost or rotated key).
+UNAUTHENTICATED = "unauthenticated: "
+QUARANTINED = (OTHER_LAYOUT, OTHER_FORMAT, UNAUTHENTICATED)
+
+
+def other_layout(reason: str) -> bool:
+    return reason.startswith(OTHER_LAYOUT)
+
+
+def quarantined(reason: str) -> bool:
+    """A checkpoint that is never loaded, overwritten or deleted (see the module docstring)."""
+    return reason.startswith(QUARANTINED)
+
+
+def blocks_fresh_start(reason: str) -> bool:
+    """Quarantined checkpoints a run may not silently continue beside: the other layout and another
+    format (an unauthenticated one blocks only when nothing authentic is left to resume from)."""
+    return reason.startswith((OTHER_LAYOUT, OTHER_FORMAT))
+
+
+def layout_mismatch(this: str, found: list[str]) -> str:
+    """The message of a run whose tiers hold checkpoints of the other layout."""
+    return (f'cannot resume: this run has parallelism = "{this}", but its tiers hold checkpoints of '
+            f"the other layout ({'; '.join(found[:5])}); use the original parallelism, or a new "
+            "--run-dir/--gcs-uri for a new run (nothing was deleted)")
+
+
+def quarantine_mismatch(lines: list[str], key: CheckpointKey | None) -> str:
+    """The message of a run whose tiers hold quarantined checkpoints it must not start afresh beside:
+    other format versions (``key`` None) or unauthenticated ones with nothing authentic left."""
+    found = "; ".join(lines[:5]) + (f"; and {len(lines) - 5} more" if len(lines) > 5 else "")
+    if key is None:
+        return (f"cannot resume: the tiers hold checkpoints of another format ({found}); they are never "
+                "loaded; use the spottrain version that wrote them, or a new --run-dir/--gcs-uri for a new "
+                "run (nothing was deleted)")
+    return (f"cannot resume: no checkpoint on any tier is authentic under this run's checkpoint key {key.id} "
+            f"({key.source}), and the tiers hold checkpoints that are not ({found}). They are never loaded and "
+            "never deleted. If they are this run's own (its key was lost or rotated), run with the key that "
+            "wrote them (--checkpoint-key-file); otherwise someone without the key wrote them: remove them, "
+            "or use a new --run-dir/--gcs-uri for a new run. See docs/security.md")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: float, *,
+                   key: CheckpointKey | None = None, writer: str | None = None) -> bytes:
+    """The manifest's bytes. ``writer``: the writing session's id (a save id: two saves of one
+    step by one session hold the same state). ``key``: sign it (an HMAC over the canonical body,
+    everything but the self-checksum and the HMAC itself)."""
+    body: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "hash": HASH_NAME,
+        "step": step,
+        "created_unix": created_unix,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created_unix)),
+        "torch_version": torch.__version__,
+        "world_size": int(meta.get("world_size", 1)) if isinstance(meta.get("world_size", 1), int) else 1,
+        "meta": meta,
+        "files": files,
+    }
+    if writer is not None:
+        body["writer"] = writer
+    if key is not None:
+        body["auth"] = {"alg": ALG, "key_id": key.id}
+    canonical = _canonical(body)
+    body["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+    if key is not None:
+        body["hmac"] = key.sign(canonical)
+    return json.dumps(body, sort_keys=True, indent=1).encode()
+
+
+def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict:
+    """The checks every layout's manifest shares: JSON, format marker, version, file hash, the
+    self-checksum and, with a ``key``, the HMAC; raise ``CheckpointInvalid`` with the reason
+    (prefixed ``OTHER_FORMAT`` or ``UNAUTHENTICATED`` for checkpoints that are quarantined)."""
+    try:
+        m = untrusted.loads(data, limit=untrusted.MANIFEST_MAX_BYTES, what="manifest")
+    except untrusted.Garbage as e:
+        raise CheckpointInvalid(str(e)) from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointInvalid("manifest has no spottrain format marker")
+    version = m.get("version")
+    if version != FORMAT_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise CheckpointInvalid(f"unsupported checkpoint format version {version!r}")
+        if version < FORMAT_VERSION:
+            what = (f"checkpoint format {version}, written by an older spottrain: its state is a pickled "
+                    "state.pt, which this version never unpickles")
+        else:
+            what = f"checkpoint format {version}, written by a newer spottrain"
+        if key is not None and not (version > FORMAT_VERSION and key.verify(_signed_body(m), m.get("hmac"))):
+            raise CheckpointInvalid(UNAUTHENTICATED + what + " (and it carries no HMAC under this run's "
+                                    f"key {key.id}); never loaded, never deleted")
+        raise CheckpointInvalid(OTHER_FORMAT + what + "; use the spottrain version that wrote it, or a new "
+                                "--run-dir/--gcs-uri for a new run")
+    if m.get("hash") != HASH_NAME:
+        raise CheckpointInvalid(f"unsupported file hash {m.get('hash')!r}")
+    if m.get("manifest_sha256") != hashlib.sha256(_signed_body(m)).hexdigest():
+        raise CheckpointInvalid("manifest checksum mismatch (manifest corrupted)")
+    if key is not None:
+        if "hmac" not in m:
+            raise CheckpointInvalid(UNAUTHENTICATED + "its manifest carries no HMAC (written without a "
+                                    "checkpoint key, or forged); never loaded, never deleted")
+        if _key_id(m) != key.id:
+            raise CheckpointInvalid(UNAUTHENTICATED + f"its manifest names checkpoint key {_key_id(m)}, this "
+                                    f"run's key is {key.id} (a lost or rotated key, another run's, or forged); "
+                                    "never loaded, never deleted")
+        if not key.verify(_signed_body(m), m.get("hmac")):
+            raise CheckpointInvalid(UNAUTHENTICATED + "its manifest's HMAC does not verify with this run's "
+                                    f"checkpoint key {key.id} (altered or forged by someone without the key); "
+                                    "never loaded, never deleted")
+    return m
+
+
+def check_manifest_entries(m: dict, step: int | None) -> dict:
+    """Every file entry has a size and a sha256, and the manifest's step is the folder's."""
+    for name, info in m["files"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("size"), int)
+                and isinstance(info.get("sha256"), str)):
+            raise CheckpointInvalid(f"manifest entry for {name} is malformed")
+    if step is not None and m.get("step") != step:
+        raise CheckpointInvalid(f"manifest says step {m.get('step')!r}, folder says {step}")
+    return m
+
+
+#: A layout's manifest parser, called as ``parse(data, step, key=key)``: the whole-model layout's
+#: ``parse_manifest``, the sharded one's ``parse_sharded_manifest``.
+ManifestParser = Callable[..., dict]
+

@@ -1,0 +1,255 @@
+"""The experiment's control job: the one identity that changes the experiment's groups.
+
+A training VM runs the user's code and every package it imports, so it holds no Compute
+permission at all. What it may do is write into its bucket and start this job (Cloud Run,
+`roles/run.invoker` on this one job); the job runs the delivered, sha256-pinned trainer package
+(`stacks.control`) as its own service account. Why a job and not a role on the VM: IAM Conditions
+cannot name an instance group manager (iam/docs/conditions-resource-attributes lists no such
+resource type, and a condition on an attribute a resource does not provide "is never interpreted
+as granting access"), and a group has no allow policy of its own, so the only grant that lets
+anyone resize a group is one on the whole project. That grant belongs to code we ship, not to a
+VM that runs a model's dependencies. docs/security.md has the whole map.
+
+One execution (`python -m trainer.cloud.control`, settings in `SPOTTRAIN_CONTROL`, `Settings`), started
+by a VM (`trainer.cloud.scale`) or by Cloud Scheduler as a backstop:
+
+1. **Stopped** (a stop marker of `trainer.cloud.scale` is in the bucket): a pool's coordinator is stopped
+   and every group is resized to zero, each step tried whatever happened to the others; then each
+   is confirmed from the resource itself (the group's `targetSize`, the coordinator's `status`),
+   never from the operation (which needs `compute.zoneOperations.get`, project-wide). The outcome
+   goes to `<prefix>/control/outcome.json` for the VM that asked.
+2. **Capacity** (the on-demand fallback, `trainer.cloud.capacity`): one check; it also takes both groups
+   to zero when stopped.
+3. **Successor** (flex-start): `<prefix>/control/successor.json` names the VM whose successor is
+   wanted; if it is still a member of the group, one resize request of `resizeBy` 1 and the
+   stack's run duration, named after that VM (so asking twice makes one), confirmed with
+   `resizeRequests.get`; the answer is written back into the same object.
+
+Exit status: 0 done (or nothing to do), 1 a call failed (each failure logged, all tried), 2 bad
+settings.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from trainer.cloud import capacity as cap
+from trainer import untrusted
+from trainer.cloud.gce import ApiError, Client
+
+ENV = "SPOTTRAIN_CONTROL"
+EXIT_OK, EXIT_FAILED, EXIT_BAD = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Settings:
+    project: str
+    region: str
+    location: str  # zones/<zone> or regions/<region>: every group of the experiment
+    groups: tuple[str, ...]
+    bucket: str
+    prefix: str  # runs/<experiment>
+    stop_markers: tuple[str, ...]  # object names: any of them present means the job is done
+    coordinator: str | None = None  # a pool's coordinator, zones/<zone>/instances/<name>
+    flex_run_duration_s: int | None = None  # flex-start: the successor's run duration
+    capacity: dict[str, Any] | None = None  # the on-demand fallback's `trainer.cloud.capacity.Settings`
+    confirm_s: float = 600.0  # how long a change may take to show on the resource
+    poll_s: float = 2.0
+
+    @property
+    def outcome_object(self) -> str:
+        return outcome_object(self.prefix)
+
+    @property
+    def successor_object(self) -> str:
+        return successor_object(self.prefix)
+
+    def group_path(self, group: str) -> str:
+        return f"projects/{self.project}/{self.location}/instanceGroupManagers/{group}"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Settings":
+        data = json.loads(text)
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)}")
+        if not data.get("groups"):
+            raise ValueError("groups: at least one group is required")
+        return cls(**{**data, "groups": tuple(data["groups"]), "stop_markers": tuple(data["stop_markers"])})
+
+
+def outcome_object(prefix: str) -> str:
+    """Where an execution that found the job stopped reports what it did."""
+    return f"{prefix}/control/outcome.json"
+
+
+def successor_object(prefix: str) -> str:
+    """Where a flex-start VM asks for its successor, and the control job answers."""
+    return f"{prefix}/control/successor.json"
+
+
+def successor_name(group: str, instance: str) -> str:
+    """The resize request for `instance`'s successor: one per VM, a valid Compute name (<= 63)."""
+    name = f"{group}-after-{instance}"
+    if len(name) <= 63:
+        return name
+    return f"{name[:46]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Control:
+    def __init__(self, settings: Settings, client: Client,
+                 log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
+        self.s, self.c, self.log = settings, client, log
+        self.failures: list[str] = []
+
+    def say(self, event: str, **fields: Any) -> None:
+        self.log(json.dumps({"event": event, **fields}, sort_keys=True))
+
+    def fail(self, what: str, error: Exception) -> None:
+        line = f"{what}: {error}"
+        self.failures.append(line)
+        self.say("control_failed", what=what, error=str(error))
+
+    def run(self) -> int:
+        s = self.s
+        self.failures = []
+        markers = [m for m in s.stop_markers if self.c.object_exists(s.bucket, m)]
+        if s.capacity is not None:
+            check = cap.Check(cap.Settings.from_dict(s.capacity), self.c, log=self.log)
+            check.run()
+            for line in check.failures:
+                self.failures.append(line)
+        if markers:
+            self.stop(markers, resize=s.capacity is None)
+        elif s.flex_run_duration_s is not None:
+            self.successor()
+        return EXIT_FAILED if self.failures else EXIT_OK
+
+    # --- the job is done: nothing of it may keep running --------------------------------------
+    def stop(self, markers: list[str], resize: bool = True) -> None:
+        s = self.s
+        self.say("control_stop", markers=markers)
+        coordinator_asked = False
+        if s.coordinator:  # it hosts the rendezvous; its workers are going anyway
+            path = f"projects/{s.project}/{s.coordinator}"
+            try:
+                if self.c.compute_call("GET", path).get("status") != "TERMINATED":
+                    self.c.compute_call("POST", f"{path}/stop")
+                coordinator_asked = True
+            except ApiError as e:
+                self.fail(f"stop {s.coordinator}", e)
+        asked = []
+        for group in s.groups:
+            if not resize:  # the capacity check resized them; confirm what it did not fail at
+                if not any(f.startswith(f"{group}:") for f in self.failures):
+                    asked.append(group)
+                continue
+            try:
+                if int(self.c.compute_call("GET", s.group_path(group)).get("targetSize", -1)) != 0:
+                    self.c.compute_call("POST", f"{s.group_path(group)}/resize", query={"size": 0})
+                asked.append(group)
+            except ApiError as e:
+                self.fail(f"resize {group} to 0", e)
+        # Each change that was accepted, confirmed on the resource itself (not on its operation).
+        sizes: dict[str, int | None] = {g: None for g in s.groups}
+        for group in asked:
+            try:
+                answer = self.c.until(lambda: self.c.compute_call("GET", s.group_path(group)),
+                                      lambda g: int(g.get("targetSize", -1)) == 0, f"{group} at size 0",
+                                      s.confirm_s, s.poll_s)
+                sizes[group] = int(answer["targetSize"])
+                self.say("group_resized", group=group, target_size=0)
+            except ApiError as e:
+                self.fail(f"confirm {group} at size 0", e)
+        coordinator = None
+        if coordinator_asked:
+            try:
+                coordinator = self.c.until(
+                    lambda: self.c.compute_call("GET", f"projects/{s.project}/{s.coordinator}"),
+                    lambda i: i.get("status") == "TERMINATED", f"{s.coordinator} stopped",
+                    s.confirm_s, s.poll_s)["status"]
+                self.say("instance_stopped", instance=s.coordinator)
+            except ApiError as e:
+                self.fail(f"confirm {s.coordinator} stopped", e)
+        outcome = {"at": _now(), "markers": markers, "groups": sizes, "coordinator": coordinator,
+                   "failures": list(self.failures), "ok": not self.failures}
+        try:
+            self.c.write_object(s.bucket, s.outcome_object, json.dumps(outcome, sort_keys=True).encode())
+        except ApiError as e:
+            self.fail(f"write gs://{s.bucket}/{s.outcome_object}", e)
+
+    # --- flex-start: the next VM of the job ---------------------------------------------------
+    def successor(self) -> None:
+        s = self.s
+        raw = self.c.read_object(s.bucket, s.successor_object)
+        if raw is None:
+            return
+        try:
+            asked = untrusted.loads(raw, limit=untrusted.SMALL_MAX_BYTES, what="a successor request")
+            instance = str(asked["instance"])
+        except (ValueError, KeyError, TypeError):
+            self.fail(f"read gs://{s.bucket}/{s.successor_object}", ValueError("not a successor request"))
+            return
+        if "served" in asked or "refused" in asked:
+            return
+        group = s.groups[0]
+        answer: dict[str, Any] = {**asked, "at_answered": _now()}
+        try:
+            members = self.c.compute_call("POST", f"{s.group_path(group)}/listManagedInstances")
+            names = {m.get("name") or str(m.get("instance", "")).rsplit("/", 1)[-1]
+                     for m in members.get("managedInstances", [])}
+            if instance not in names:
+                answer["refused"] = f"{instance} is not a VM of {group}"
+                self.say("successor_refused", instance=instance, why=answer["refused"])
+            else:
+                name = successor_name(group, instance)
+                body = {"name": name, "resizeBy": 1,
+                        "requestedRunDuration": {"seconds": str(s.flex_run_duration_s)},
+                        "description": f"spottrain: the flex-start VM after {instance} (resumes from GCS)"}
+                try:
+                    self.c.compute_call("POST", f"{s.group_path(group)}/resizeRequests", body=body)
+                except ApiError as e:
+                    if e.code != 409:  # 409: this VM's successor was asked for already
+                        raise
+                self.c.until(lambda: self.c.compute_call("GET", f"{s.group_path(group)}/resizeRequests/{name}",
+                                                         ok404=True),
+                             lambda r: r is not None, f"resize request {name}", s.confirm_s, s.poll_s)
+                answer["served"] = name
+                self.say("successor_requested", instance=instance, resize_request=name,
+                         run_duration_s=s.flex_run_duration_s)
+        except ApiError as e:
+            self.fail(f"successor of {instance}", e)
+            answer["refused"] = str(e)
+        try:
+            self.c.write_object(s.bucket, s.successor_object, json.dumps(answer, sort_keys=True).encode())
+        except ApiError as e:
+            self.fail(f"write gs://{s.bucket}/{s.successor_object}", e)
+
+
+def main() -> int:
+    try:
+        settings = Settings.from_json(os.environ[ENV])
+    except (KeyError, ValueError, TypeError) as e:
+        print(f"{ENV}: {e!r}", file=sys.stderr)
+        return EXIT_BAD
+    control = Control(settings, Client())
+    try:
+        rc = control.run()
+    except ApiError as e:  # a read the whole run depends on (the markers, the state)
+        control.fail("control run", e)
+        rc = EXIT_FAILED
+    control.say("control_done", status=rc, failures=control.failures)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

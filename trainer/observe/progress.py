@@ -1,0 +1,127 @@
+"""Logs: structured ``key=value`` lines, the step window, and a live line when stderr is a terminal.
+
+Every line the trainer logs is ``TIME LEVEL LOGGER event=NAME key=value ...`` so that journald,
+Cloud Logging and tests can pick fields out of it. Terminal escape sequences that a library puts
+into its messages (torch's unpickling errors bold their advice) are removed from every line: in a
+journal or a log file they are noise (``setup_logging``).
+
+``StepWindow`` turns the steps into the figures of each logging interval (the mean loss and task
+metrics, the learning rate, steps/s, tokens/s or samples/s, the ETA): the ``Step`` event carries
+them (``trainer.observe.events``), and the log line (``trainer.observe.sinks.log``) and
+TensorBoard both show them. ``LiveLine`` is the progress bar a terminal gets.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from typing import Callable, TextIO
+
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+
+class _PlainFormatter(logging.Formatter):
+    """The log format, without terminal escape sequences (in messages and tracebacks)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return _ANSI.sub("", super().format(record))
+
+
+class _LiveAwareHandler(logging.StreamHandler):
+    """Clears the live progress line before a log line, so the two do not interleave."""
+
+    live: "LiveLine | None" = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.live is not None:
+            self.live.clear()
+        super().emit(record)
+
+
+def setup_logging(rank: int = 0, stream: TextIO | None = None) -> logging.Logger:
+    stream = stream or sys.stderr
+    handler = _LiveAwareHandler(stream)
+    prefix = f"rank={rank} " if rank else ""
+    handler.setFormatter(_PlainFormatter(
+        f"%(asctime)s.%(msecs)03d %(levelname)s %(name)s {prefix}%(message)s", "%Y-%m-%dT%H:%M:%S"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return logging.getLogger("trainer")
+
+
+class StepWindow:
+    """The figures of each logging interval: ``add`` after every step returns them at every
+    ``every``-th step and at the last one (None otherwise). ``step`` counts optimizer steps
+    completed; the task's metrics are averaged over the interval like the loss."""
+
+    def __init__(self, *, total_steps: int, start_step: int, every: int, tokens_per_step: int,
+                 samples_per_step: int = 1, clock: Callable[[], float] = time.monotonic):
+        self.total, self.every, self.clock = total_steps, every, clock
+        self.tokens_per_step = tokens_per_step
+        self.samples_per_step = samples_per_step  # the global batch: samples/s without tokens
+        self.unit = "tokens_per_s" if tokens_per_step else "samples_per_s"
+        self._mark_step, self._mark_time = start_step, clock()
+        self.rate = 0.0
+        self._sums: dict[str, float] = {}
+        self._n = 0
+
+    def add(self, step: int, loss: float, lr: float, metrics: dict[str, float] | None = None) -> dict[str, float] | None:
+        self._n += 1
+        for name, v in {"loss": loss, **(metrics or {})}.items():
+            self._sums[name] = self._sums.get(name, 0.0) + v
+        if not (step % self.every == 0 or step == self.total):
+            return None
+        now = self.clock()
+        dt = now - self._mark_time
+        if dt > 0 and step > self._mark_step:
+            self.rate = (step - self._mark_step) / dt
+        out = {name: total / self._n for name, total in self._sums.items()}
+        out.update({"lr": lr, "steps_per_s": self.rate,
+                    self.unit: self.rate * (self.tokens_per_step or self.samples_per_step),
+                    "eta_s": (self.total - step) / self.rate if self.rate > 0 else float("nan")})
+        self._sums, self._n = {}, 0
+        self._mark_step, self._mark_time = step, now
+        return out
+
+
+#: The window's own figures; every other key of a window is a metric of the task's.
+WINDOW_FIGURES = ("loss", "lr", "steps_per_s", "tokens_per_s", "samples_per_s", "eta_s")
+
+
+class LiveLine:
+    """A progress bar redrawn in place on a terminal (nothing otherwise); a log line first clears it."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._drawn = False
+        for h in logging.getLogger().handlers:
+            if isinstance(h, _LiveAwareHandler):
+                h.live = self if self.live else None
+
+    def draw(self, step: int, total: int, loss: float, rate: float) -> None:
+        if not self.live:
+            return
+        width = 30
+        done = int(width * step / max(1, total))
+        eta = (total - step) / rate if rate > 0 else 0.0
+        self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} "
+                          f"loss {loss:.4f} {rate:.1f} it/s eta {eta:.0f}s \x1b[K")
+        self.stream.flush()
+        self._drawn = True
+
+    def clear(self) -> None:
+        if self._drawn:
+            self.stream.write("\r\x1b[K")
+            self._drawn = False
+
+    def close(self) -> None:
+        self.clear()
+        for h in logging.getLogger().handlers:
+            if isinstance(h, _LiveAwareHandler) and h.live is self:
+                h.live = None

@@ -1,0 +1,124 @@
+"""The log line: each event as the ``event=NAME key=value`` line journald, Cloud Logging, the drill
+and the tests read (``trainer.observe.progress`` sets the format up), and the live line on a
+terminal.
+
+Rank 0 speaks for the job: the step lines, evaluations, checkpoint saves, the emergency save's
+verdict and a final checkpoint that is not durable are logged where they are known, on rank 0;
+what a node's session did (its restore, a notice during start-up, how it ended, a failure) every
+rank that emits it logs.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from trainer import EXIT_NOT_DURABLE
+from trainer.observe.bus import BaseSink, SinkContext
+from trainer.observe.events import (CapacityWait, CheckpointSaved, Eval, Event, Failed, Finished, InitFrom, Paused,
+                                    Preempted, Restored, Stalled, Step, StepsChanged, TierFailing, TierOk)
+from trainer.observe.progress import WINDOW_FIGURES, LiveLine
+from trainer.observe.sinks import register
+
+
+class LogSink(BaseSink):
+    name = "log"
+    handles = (Step, Eval, CheckpointSaved, Restored, StepsChanged, InitFrom, Preempted, Paused, Finished, Failed,
+               TierFailing, TierOk, Stalled, CapacityWait)
+
+    def __init__(self, log: logging.Logger, *, main: bool, stream: Any = None) -> None:
+        self.log, self.main = log, main
+        self.live = LiveLine(stream)
+        self._rate = 0.0  # steps/s of the last window, for the live line
+
+    def handle(self, ev: Event) -> None:
+        getattr(self, "_" + type(ev).__name__.lower())(ev)
+
+    def _step(self, ev: Step) -> None:
+        w = ev.window
+        if w is not None:
+            self._rate = w["steps_per_s"]
+            unit = "tokens_per_s" if "tokens_per_s" in w else "samples_per_s"
+            extra = "".join(f" {k}={v:.4g}" for k, v in w.items() if k not in WINDOW_FIGURES)
+            self.log.info("event=step step=%d/%d loss=%.4f lr=%.3e steps_per_s=%.2f %s=%.0f eta_s=%.0f%s",
+                          ev.step, ev.total, w["loss"], w["lr"], w["steps_per_s"], unit, w[unit], w["eta_s"], extra)
+        self.live.draw(ev.step, ev.total, ev.loss, self._rate)
+
+    def _eval(self, ev: Eval) -> None:
+        self.log.info("event=eval step=%d %s batches=%d seconds=%.3f", ev.step,
+                      " ".join(f"{k}={v:.4f}" for k, v in ev.values.items()), ev.batches, ev.seconds)
+
+    def _checkpointsaved(self, ev: CheckpointSaved) -> None:
+        self.log.info("event=checkpoint_save step=%d blocked_s=%.4f", ev.step, ev.blocked_s)
+
+    def _restored(self, ev: Restored) -> None:
+        if ev.tier:
+            self.log.info("event=restore step=%d tier=%s path=%s seconds=%.3f world_size=%d", ev.step, ev.tier,
+                          ev.path, ev.seconds, ev.world_size)
+        else:
+            self.log.info("event=restore step=0 (no checkpoint: starting %s)", ev.fresh_from or "fresh")
+
+    def _stepschanged(self, ev: StepsChanged) -> None:
+        self.log.warning("event=steps_changed step=%d from=%d to=%d (extend_steps)", ev.step, ev.before, ev.after)
+
+    def _initfrom(self, ev: InitFrom) -> None:
+        self.log.info("event=init_from source=%s step=%d location=%s layout=%s optimizer=%d digest=%s",
+                      ev.source, ev.step, ev.location, ev.layout, ev.optimizer, ev.digest)
+
+    def _preempted(self, ev: Preempted) -> None:
+        if ev.ok is not None:  # rank 0's verdict on the emergency save: the home tier's as 0/1 first
+            oks = list(ev.ok.items())
+            fields = " ".join([f"{oks[0][0]}_ok={int(bool(oks[0][1]))}"] + [f"{t}_ok={v}" for t, v in oks[1:]])
+            self.log.warning("event=preempted step=%d %s seconds=%.3f detail=%s", ev.step, fields, ev.seconds,
+                             ev.detail)
+        elif ev.step is None:
+            self.log.warning("event=preempted step=none detail=%s", ev.detail)
+        elif ev.detail:
+            self.log.warning("event=preempted step=%d detail=%s", ev.step, ev.detail)
+
+    def _paused(self, ev: Paused) -> None:
+        if ev.reason == "max_usd":
+            self.log.warning("event=paused reason=max_usd step=%d cost_usd=%.6g max_usd=%.6g (the spend cap: run "
+                             "again with a higher max_usd to continue)", ev.step, ev.cost_usd or 0.0, ev.max_usd or 0.0)
+        else:
+            self.log.warning("event=paused step=%d (stop_at_step; run again without it to continue)", ev.step)
+
+    def _finished(self, ev: Finished) -> None:
+        self.log.info("event=finished step=%d%s", ev.step, " (already complete)" if ev.again else "")
+
+    def _failed(self, ev: Failed) -> None:
+        if ev.reason == "exception":
+            self.log.error("event=failed reason=exception\n%s", ev.trace or ev.detail)
+        elif ev.reason == "not_durable":
+            if self.main:
+                self.log.error("event=not_durable step=%d detail=%s; exit %d: run the same command again, it "
+                               "writes the missing copies", ev.step, ev.detail, EXIT_NOT_DURABLE)
+        elif ev.reason == "lease_lost":
+            pass  # logged when it was found out (event=stopped), before the save to the own disks
+        else:
+            self.log.error("event=failed reason=%s %s", ev.reason, ev.detail)
+
+    def _tierfailing(self, ev: TierFailing) -> None:
+        from trainer.checkpoint.checkpointer import describe_failing
+
+        self.log.warning("event=tier_failing tier=%s %s", ev.tier, describe_failing(
+            {ev.tier: {"since": ev.since, "failures": ev.failures, "error": ev.error}}))
+
+    def _tierok(self, ev: TierOk) -> None:
+        self.log.info("event=tier_ok tier=%s", ev.tier)
+
+    def _stalled(self, ev: Stalled) -> None:
+        self.log.warning("event=stalled step=%d seconds=%.0f (no step completed for that long: the health check "
+                         "answers stalled, so the group recreates the VM)", ev.step, ev.seconds)
+
+    def _capacitywait(self, ev: CapacityWait) -> None:
+        waited = "unknown" if ev.waited_s is None else f"{ev.waited_s:.0f}"
+        self.log.info("event=capacity_wait zone=%s provisioning=%s waited_s=%s", ev.zone, ev.provisioning, waited)
+
+    def close(self, timeout: float) -> bool:
+        self.live.close()
+        return True
+
+
+@register("log", default=True)
+def make(ctx: SinkContext) -> LogSink:
+    return LogSink(ctx.log, main=ctx.is_main)
