@@ -358,3 +358,20 @@ def restore_logging():
     for h in handlers:
         root.addHandler(h)
     root.setLevel(level)
+
+
+class SleepClock:
+    """A clock that moves only when the code under test sleeps through it: ``clock()`` is now,
+    ``clock.sleep(s)`` records ``s`` in ``sleeps`` and advances (False: not interrupted)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> bool:
+        self.sleeps.append(s)
+        self.now += s
+        return False

@@ -13,26 +13,19 @@ import urllib.error
 import pytest
 import torch
 
+from tests.trainer.support import SleepClock
+
 from trainer import retry
 from trainer.retry import Backoff, Policy, Retry
 
 GUARD_S = 60.0  # a failure guard for a join, never a timing assertion
 
 
-class Clock:
+class Clock(SleepClock):
     """Monotonic time that advances by exactly what the retry sleeps."""
 
     def __init__(self) -> None:
-        self.now = 1000.0
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> bool:
-        self.sleeps.append(s)
-        self.now += s
-        return False
+        super().__init__(start=1000.0)
 
 
 class Status(Exception):

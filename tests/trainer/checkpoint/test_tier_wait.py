@@ -1,27 +1,16 @@
-"""trainer/tier_wait.py: start-up decides nothing while a tier is unknown; bounded; says why."""
+"""trainer/checkpoint/tier_wait.py: start-up decides nothing while a tier is unknown; bounded; says why."""
 from __future__ import annotations
 
 import logging
 
 import pytest
 
+from tests.trainer.support import SleepClock
 from trainer.checkpoint.tier_wait import WAITS, Stopped, StillUnknown, TierUnknown, until_known
 
 
-class Clock:
+class Clock(SleepClock):
     """Time that moves only when the wait sleeps (the sleeps are what is under test)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> bool:
-        self.sleeps.append(s)
-        self.now += s
-        return False
 
 
 def test_waits_with_backoff_then_returns_what_the_attempt_found(caplog) -> None:
