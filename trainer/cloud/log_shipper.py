@@ -276,8 +276,8 @@ class Shipper:
         self._node, self._boot = "", ""
 
     # --- journal ---------------------------------------------------------------------------
-    def journal_command(self, cursor: Optional[str]) -> List[str]:
-        cmd = ["journalctl", "--follow", "--no-tail", "--output=json", "--all"]
+    def journal_command(self, cursor: Optional[str], *, follow: bool = True) -> List[str]:
+        cmd = ["journalctl", *(["--follow", "--no-tail"] if follow else []), "--output=json", "--all"]
         cmd.append(f"--after-cursor={cursor}" if cursor else "--boot")
         matches: List[str] = []
         for unit in self.cfg.get("units", [self.trainer_unit]):
@@ -305,8 +305,13 @@ class Shipper:
 
     def _reader(self) -> None:
         cursor = self._read_cursor()
-        while not self.stopping.is_set():
-            cmd = self.journal_command(cursor)
+        caught_up = False
+        while not caught_up:
+            # Once stopping, journalctl may be gone before it handed over the last lines (the
+            # power-off's SIGTERM can reach it too): one read to the journal's end, from the last
+            # record queued, is what the drain then waits for.
+            caught_up = self.stopping.is_set()
+            cmd = self.journal_command(cursor, follow=not caught_up)
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          stdin=subprocess.DEVNULL)
             assert self.proc.stdout is not None
@@ -322,7 +327,7 @@ class Shipper:
                         self._read.append(cursor)
             rc = self.proc.wait()
             if self.stopping.is_set():
-                return
+                continue
             err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace").strip()
             self.say(f"spottrain-logs: journalctl exited {rc}: {err[:300]}; reading again"
                      + ("" if cursor is None else " from the last entry read"))
@@ -403,7 +408,7 @@ class Shipper:
         over the unit's last lines (systemd's "Main process exited ... status=0", which is how
         `trainer logs` tells how a session ended) when the trainer is already inactive."""
         if self._drain_to is None:
-            cmd = [c for c in self.journal_command(None) if c not in ("--follow", "--no-tail")]
+            cmd = self.journal_command(None, follow=False)
             try:
                 out = subprocess.run([*cmd, "--lines=1"], capture_output=True, text=True, timeout=10)
                 last = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}

@@ -145,9 +145,18 @@ class Rig:
             f.write(json.dumps(_record(self.n, message, self.boot, **fields)) + "\n")
 
     def start(self) -> None:
+        # Its own process group, as a unit's cgroup: a test can signal the shipper and its journalctl.
         self.proc = subprocess.Popen([sys.executable, str(REPO / "trainer" / "cloud" / "log_shipper.py"),
                                       str(self.root / "logs.json")], env=self.env, stderr=subprocess.PIPE,
-                                     text=True)
+                                     text=True, start_new_session=True)
+
+    def journalctl(self) -> int:
+        """The pid of the shipper's `journalctl --follow`."""
+        assert self.proc is not None
+        children = [int(c) for t in Path(f"/proc/{self.proc.pid}/task").iterdir()
+                    for c in (t / "children").read_text().split()]
+        [pid] = [c for c in children if "--follow" in Path(f"/proc/{c}/cmdline").read_text()]
+        return pid
 
     def stop(self) -> str:
         """SIGTERM once the trainer unit has stopped (the drain then ends with the journal)."""
@@ -271,6 +280,25 @@ def test_at_power_off_it_ships_until_the_trainer_has_stopped(rig: Rig) -> None:
     rig.set_trainer("inactive")
     assert rig.proc.wait(GUARD_S) == 0
     assert rig.messages()[-1].endswith("seconds=2.5")
+
+
+def test_lines_its_journalctl_never_handed_over_are_shipped_when_the_power_off_kills_it(rig: Rig) -> None:
+    """The power-off's SIGTERM may reach the shipper's journalctl too (a unit's whole cgroup, were
+    it not KillMode=mixed): the shutdown script's last line, written but not yet read, still
+    reaches Cloud Logging."""
+    rig.line(_step(1))
+    rig.start()
+    rig.wait(1)
+    assert rig.proc is not None
+    follower = rig.journalctl()
+    os.kill(follower, signal.SIGSTOP)  # it has not read what comes next, and never will
+    rig.line("shutdown-script: 2026-01-02T03:05:01.000Z spottrain-shutdown: event=shutdown reason=preemption "
+             "trainer_status=75 stop_s=3", SYSLOG_IDENTIFIER="google_metadata_script_runner")
+    rig.set_trainer("inactive")
+    os.killpg(rig.proc.pid, signal.SIGTERM)
+    os.kill(follower, signal.SIGCONT)  # the pending SIGTERM ends it before it reads again
+    assert rig.proc.wait(GUARD_S) == 0
+    assert [e["jsonPayload"].get("event") for e in rig.logging.entries] == ["step", "shutdown"]
 
 
 def test_logs_reads_a_trainers_own_log_into_its_sessions(trainer_lines, tmp_path: Path) -> None:
