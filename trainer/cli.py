@@ -131,6 +131,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--eval-every-steps", type=int, help="evaluate the task's eval set every K steps")
     r.add_argument("--extend-steps", action="store_const", const=True,
                    help="resume a run whose checkpoint has another --steps total (raise it: extend the run)")
+    r.add_argument("--allow-rollback", action="store_const", const=True,
+                   help="resume although the run's ledger records a newer checkpoint in the bucket than any "
+                        "tier holds (you deleted them, to go back)")
     r.add_argument("--init-from", metavar="SOURCE",
                    help="start this new run from another run's checkpoint (its run dir or gs:// prefix)")
     r.add_argument("--init-from-step", type=int, help="the step of --init-from to start from (default: newest)")

@@ -83,6 +83,10 @@ class RunConfig(BaseModel):
     its step and trains on to the new ``steps`` (no lower than the step it reached), recorded as
     ``steps_changed`` in the ledger; the task is built with the new total (``ctx.steps``). See
     docs/runs.md for what an LR schedule does then. Without it, another ``steps`` is exit 2."""
+    allow_rollback: bool = False
+    """Resume even though this run's ledger records a newer checkpoint durable in the bucket than
+    any tier holds now (they were deleted: set it when you did that yourself, to go back). Without
+    it such a restore is exit 2, naming the step (``trainer.loop.rollback``)."""
     init_from: str | None = None
     """Start this NEW run from another run's checkpoint: its run dir (a path) or its ``gs://``
     prefix; or from a weights file, ``FILE.safetensors`` (a path or ``gs://`` object; what
@@ -252,6 +256,22 @@ class RunConfig(BaseModel):
         from trainer.checkpoint.key import resolve
 
         return resolve(self.checkpoint_key_file, create_default=True)
+
+    def run_identity(self) -> str | None:
+        """What this run's manifests are signed for: its durable location (``gs://BUCKET/PREFIX``);
+        None without a bucket (a disk a bucket writer cannot reach needs no binding)."""
+        if self.gcs_uri is None:
+            return None
+        from trainer.checkpoint.stores import parse_gcs_uri
+        from trainer.manifest_auth import run_uri
+
+        return run_uri(*parse_gcs_uri(self.gcs_uri))
+
+    def run_key(self) -> Any:
+        """The checkpoint key bound to this run (``CheckpointKey.run``): the trainer's own
+        checkpointer signs with it and refuses another run's checkpoints copied into its tiers."""
+        key = self.checkpoint_key()
+        return None if key is None else key.bound_to(self.run_identity())
 
     @field_validator("task")
     @classmethod

@@ -54,3 +54,18 @@ def unauthentic(m: Any, secret: bytes) -> str | None:
     if not verify(secret, signed_body(m), m.get("hmac")):
         return "its manifest's HMAC does not verify with this run's checkpoint key"
     return None
+
+
+def run_uri(bucket: str, prefix: str) -> str:
+    """A run's identity as signed into its manifests: its durable location, ``gs://BUCKET/PREFIX``."""
+    return f"gs://{bucket}/{prefix.strip('/')}"
+
+
+def other_run(m: dict, run: str | None) -> str | None:
+    """Why an authentic manifest is not ``run``'s (signed for another run), or None. A manifest
+    that names no run (written before runs were bound, or by a run without a bucket) is not
+    refused: it names none to compare."""
+    named = m.get("run")
+    if run is None or named is None or named == run:
+        return None
+    return f"signed for the run at {str(named)[:200]!r}, this run is {run!r}"

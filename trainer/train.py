@@ -150,7 +150,7 @@ def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:
     if why is not None:  # every rank has the same PyTorch: every rank refuses, before any collective
         raise host_copy.Unsupported(f"{cfg.source_of('parallelism')}: parallelism: 'fsdp' cannot run here: "
                                     f"{why}; allowed: 'ddp', or an image with a newer PyTorch")
-    key = cfg.checkpoint_key()
+    key = cfg.run_key()
     if key is None:
         raise KeyProblem(NEEDS_KEY)  # before the collective that builds the layout's groups
     return Checkpointer(cfg.tier_table(), Sharded(world, run_dir=cfg.run_dir,
@@ -163,5 +163,5 @@ def _default_checkpointer(cfg: RunConfig) -> Any:
     are offered at a restore)."""
     from trainer.checkpoint.checkpointer import Checkpointer
 
-    return Checkpointer(cfg.tier_table(), key=cfg.checkpoint_key(), mtbf_s=cfg.mtbf_s,
+    return Checkpointer(cfg.tier_table(), key=cfg.run_key(), mtbf_s=cfg.mtbf_s,
                         log=logging.getLogger("trainer.checkpoint"))

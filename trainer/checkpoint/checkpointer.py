@@ -90,9 +90,10 @@ from trainer.checkpoint.format import (VERIFY_READS, CheckpointInfo, check_check
 from trainer.checkpoint.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
 from trainer.checkpoint.key import CheckpointKey
 from trainer.checkpoint.layout import Layout, Refs, Staged, Written
-from trainer.checkpoint.manifest import (MANIFEST, OTHER_FORMAT, OTHER_LAYOUT, CheckpointInvalid, CheckpointUnloadable,
-                                         ResumeMismatch, StepOccupied, layout_mismatch, other_layout,
-                                         quarantine_mismatch, quarantined, step_name)
+from trainer.checkpoint.manifest import (MANIFEST, OTHER_FORMAT, OTHER_LAYOUT, OTHER_RUN, CheckpointInvalid,
+                                         CheckpointUnloadable, ResumeMismatch, StepOccupied, layout_mismatch,
+                                         other_layout, other_run_mismatch, quarantine_mismatch, quarantined,
+                                         step_name)
 from trainer.checkpoint.stores import UploadAborted, is_unreachable
 from trainer.checkpoint.tier_wait import TierUnknown
 from trainer.checkpoint.tiers import Tier, Tiers
@@ -190,6 +191,10 @@ class _Upload:
         return self.source.step
 
 
+
+def _no_quarantine() -> dict[str, list[str]]:
+    return {"format": [], "unauthenticated": [], "other_run": []}
+
 class Checkpointer:
     """Asynchronous multi-tier checkpointing of one layout; see the module docstring."""
 
@@ -219,9 +224,12 @@ class Checkpointer:
         self._schedule = {t.name: _Schedule(YoungDalyPolicy(mtbf_s=mtbf_s) if t.cadence.automatic else None)
                           for t in tiers}
         #: What the last survey met: the quick-checked copies (rank 0) and the quarantined
-        #: checkpoints that are not of the other layout ("format", "unauthenticated").
+        #: checkpoints that are not of the other layout ("format", "unauthenticated", "other_run").
         self._infos: dict[tuple[str, int], CheckpointInfo] = {}
-        self._quarantined: dict[str, list[str]] = {"format": [], "unauthenticated": []}
+        self._quarantined: dict[str, list[str]] = _no_quarantine()
+        #: Every step the last survey of this process listed on some tier, valid or not (None: no
+        #: survey yet): what the rollback guard (``trainer.loop.rollback``) asks.
+        self.steps_seen: set[int] | None = None
         self._thread: threading.Thread | None = None  # the disk writer of the newest save
         self._reserver: threading.Thread | None = None
         # The uploader: its thread, the upload it runs, the queue, and a condition over all of it,
@@ -810,7 +818,8 @@ class Checkpointer:
         other: list[str] = []
         unknown: dict[str, str] = {}
         self._infos = {}
-        self._quarantined = {"format": [], "unauthenticated": []}
+        self._quarantined = _no_quarantine()
+        seen: set[int] = set()
         for rank, t in enumerate(self.tiers):
             try:
                 infos = self._list(t)
@@ -820,13 +829,15 @@ class Checkpointer:
                 unknown[t.name] = f"{type(e).__name__}: {e}"
                 continue
             for i in infos:
+                seen.add(i.step)
                 if i.valid:
                     candidates.append((i.step, rank, t.name))
                     self._infos[(t.name, i.step)] = i
                 elif other_layout(i.reason):
                     other.append(f"{t.name} step {i.step}: {i.reason[len(OTHER_LAYOUT):]}")
                 elif quarantined(i.reason):
-                    what = "format" if i.reason.startswith(OTHER_FORMAT) else "unauthenticated"
+                    what = ("format" if i.reason.startswith(OTHER_FORMAT) else
+                            "other_run" if i.reason.startswith(OTHER_RUN) else "unauthenticated")
                     self._quarantined[what].append(f"{t.name} step {i.step} at {i.location}: {i.reason}")
                     self.log.warning("refusing %s checkpoint step %d at %s: %s", t.name, i.step, i.location, i.reason)
                 else:
@@ -834,6 +845,7 @@ class Checkpointer:
                                      t.name, i.step, i.location, i.reason)
         if unknown and not tolerate_unknown:
             raise TierUnknown(unknown)
+        self.steps_seen = seen
         candidates.sort(key=lambda c: (-c[0], c[1]))
         return [(s, n) for s, _, n in candidates], other
 
@@ -875,6 +887,9 @@ class Checkpointer:
             if self._quarantined["unauthenticated"] and download:
                 # Never a fresh start over them: they may be this run's work under a lost key.
                 raise ResumeMismatch(quarantine_mismatch(self._quarantined["unauthenticated"], self.key))
+            if self._quarantined["other_run"] and download:
+                # Nor over another run's: they may be this run's own, moved here from elsewhere.
+                raise ResumeMismatch(other_run_mismatch(self._quarantined["other_run"], self.key and self.key.run))
             if g.rank == 0:
                 self.log.info("no valid checkpoint on any tier; starting from scratch")
             return None

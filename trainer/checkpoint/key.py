@@ -38,7 +38,7 @@ import stat
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,6 +64,15 @@ class CheckpointKey:
 
     secret: bytes = field(repr=False)
     source: str = ""
+    #: The run this key signs for (its durable location, ``gs://BUCKET/PREFIX``): written into
+    #: every manifest it signs, and a manifest signed for another run is refused (one key serves
+    #: every run of an experiment, so an authentic checkpoint could be copied between them).
+    #: None: unbound (a run without a bucket, or a reader such as ``status`` or ``init_from``).
+    run: str | None = None
+
+    def bound_to(self, run: str | None) -> "CheckpointKey":
+        """This key, signing for and accepting only ``run``'s checkpoints (and unbound ones)."""
+        return replace(self, run=run)
 
     @property
     def id(self) -> str:

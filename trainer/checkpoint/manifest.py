@@ -4,7 +4,7 @@ A checkpoint is a ``step-NNNNNNNN/`` folder (or remote prefix) whose ``manifest.
 LAST on every tier: format, step, time, torch version, world size, meta (the layout's own, e.g.
 ``meta.sharded``), the writer's session id, and the size and sha256 of every other file
 (``trainer.checkpoint.format.chunked_sha256``), plus a sha256 of the manifest itself and, with a
-checkpoint key (``trainer.checkpoint.key``), an HMAC-SHA256 over it. So an interrupted write or
+checkpoint key (``trainer.checkpoint.key``), the run it belongs to and an HMAC-SHA256 over it. So an interrupted write or
 upload never produces a valid checkpoint, and whoever can write a bucket but does not hold the key
 cannot make a reader use a checkpoint of their making (docs/security.md). Each layout adds its file
 list to ``parse_manifest_header`` (``trainer.checkpoint.whole_model``, ``trainer.checkpoint.sharded``).
@@ -12,8 +12,9 @@ list to ``parse_manifest_header`` (``trainer.checkpoint.whole_model``, ``trainer
 Some checkpoints are *quarantined*: never loaded, overwritten or deleted (``quarantined``): one
 of the other layout (whole-model vs sharded), one of another format version (format 1: a pickled
 ``state.pt``, recognised and never loaded), and an unauthenticated one (no HMAC, or one that does
-not verify with this key: forged, or written with a lost or rotated key). A restore that meets
-them refuses to start afresh beside them (``ResumeMismatch``).
+not verify with this key: forged, or written with a lost or rotated key), and one signed for
+another run (an authentic checkpoint of a run under the same key, copied here). A restore that
+meets them refuses to start afresh beside them (``ResumeMismatch``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 
 from trainer import untrusted
 from trainer.checkpoint.key import CheckpointKey
-from trainer.manifest_auth import ALG, canonical as _canonical, named_key as _key_id, signed_body as _signed_body
+from trainer.manifest_auth import ALG, canonical as _canonical, named_key as _key_id, other_run as _other_run, \
+    signed_body as _signed_body
 
 FORMAT = "spottrain-checkpoint"
 #: 2: JSON structure (``state.json``) and, with a key, an HMAC. 1: a pickled ``state.pt``.
@@ -67,7 +69,10 @@ OTHER_FORMAT = "other format: "
 #: Reason prefix of a manifest without a valid HMAC under this run's key: never loaded, never
 #: deleted or overwritten (it may be the run's own work under a lost or rotated key).
 UNAUTHENTICATED = "unauthenticated: "
-QUARANTINED = (OTHER_LAYOUT, OTHER_FORMAT, UNAUTHENTICATED)
+#: Reason prefix of an authentic manifest signed for another run (``CheckpointKey.run``): copied
+#: here from a run under the same key, or this run was moved; never loaded, deleted or overwritten.
+OTHER_RUN = "another run's: "
+QUARANTINED = (OTHER_LAYOUT, OTHER_FORMAT, UNAUTHENTICATED, OTHER_RUN)
 
 
 def other_layout(reason: str) -> bool:
@@ -107,6 +112,15 @@ def quarantine_mismatch(lines: list[str], key: CheckpointKey | None) -> str:
             "or use a new --run-dir/--gcs-uri for a new run. See docs/security.md")
 
 
+def other_run_mismatch(lines: list[str], run: str | None) -> str:
+    """The message of a run whose tiers hold only checkpoints signed for another run."""
+    found = "; ".join(lines[:5]) + (f"; and {len(lines) - 5} more" if len(lines) > 5 else "")
+    return (f"cannot resume: no checkpoint on any tier belongs to this run ({run}), and the tiers hold checkpoints "
+            f"signed for another run ({found}). They are never loaded and never deleted. If this run was moved "
+            "here from that location, run it there (--gcs-uri), or start a new run from them with --init-from; "
+            "otherwise someone who can write the bucket copied them here: remove them. See docs/security.md")
+
+
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -137,6 +151,8 @@ def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: 
         body["writer"] = writer
     if key is not None:
         body["auth"] = {"alg": ALG, "key_id": key.id}
+        if key.run is not None:
+            body["run"] = key.run
     canonical = _canonical(body)
     body["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
     if key is not None:
@@ -184,6 +200,11 @@ def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict
             raise CheckpointInvalid(UNAUTHENTICATED + "its manifest's HMAC does not verify with this run's "
                                     f"checkpoint key {key.id} (altered or forged by someone without the key); "
                                     "never loaded, never deleted")
+        # Bound only under a key: the HMAC is what makes the run name the writer's word.
+        why = _other_run(m, key.run)
+        if why is not None:
+            raise CheckpointInvalid(OTHER_RUN + why + " (copied here from another run under the same key, or "
+                                    "this run was moved); never loaded, never deleted")
     return m
 
 

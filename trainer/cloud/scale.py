@@ -13,7 +13,7 @@ without a human (the exit-2 path calls it through `/etc/spottrain/stop_paying.sh
    the bucket to hold a checkpoint at least as new as the newest on this VM's disk. A checkpoint in
    the bucket counts only when it is authentic and complete: its manifest's HMAC verifies under the
    run's checkpoint key (`checkpoint_key_file`, on the VM; `trainer.manifest_auth`, as the trainer
-   judges it), its step is its folder's, and every file it lists is there with the listed size. A
+   judges it), it is signed for this run (not another run's copied in), its step is its folder's, and every file it lists is there with the listed size. A
    name is never enough: whoever can write the bucket can plant one. Otherwise it refuses (exit 3):
    the VM stays, idle and paying, and the log says why.
 2. It writes a stop marker into the bucket, create-only: `<prefix>/stop/finished-steps-<steps>.json`
@@ -193,6 +193,9 @@ class Scaler:
         why = manifest_auth.unauthentic(m, secret)
         if why is not None:
             return "unauthenticated: " + why
+        why = manifest_auth.other_run(m, manifest_auth.run_uri(self.s.bucket, self.s.prefix))
+        if why is not None:
+            return "another run's: " + why
         if m.get("step") != step or not isinstance(m.get("files"), dict):
             return f"its manifest says step {m.get('step')!r}"
         for name, info in m["files"].items():

@@ -31,7 +31,7 @@ from trainer.checkpoint.checkpointer import describe_failing
 from trainer.data.batches import Batches
 from trainer.data.sampler import DataOrder
 from trainer.distributed import World, node_name
-from trainer.loop import parallel, precision, restore, state
+from trainer.loop import parallel, precision, restore, rollback, state
 from trainer.loop.finish import Finish
 from trainer.loop.step import Job
 from trainer.loop.writers import Writers
@@ -211,6 +211,7 @@ class Session:
         cfg, world = self.cfg, self.world
         t0 = time.monotonic()
         saved, (tier, path) = self.until_known(lambda: restore.newest(self.ckpt, world))
+        self._refuse_rollback(saved)
         start = 0
         if saved is not None:
             steps_changed = self._check_settings(saved, job.fingerprint)
@@ -239,6 +240,20 @@ class Session:
         self.preempt.step_completed(start)
         self._progress_at = time.monotonic()
         return start
+
+    def _refuse_rollback(self, saved: dict | None) -> None:
+        """Exit 2 on every rank when the restore went back past a step this run recorded durable
+        in its bucket (``trainer.loop.rollback``)."""
+        why = None
+        if self.world.is_main and self.ckpt is not None:
+            why, note = rollback.refusal(self.cfg.run_dir, restored_step=None if saved is None else int(saved["step"]),
+                                         steps_seen=self.ckpt.steps_seen, tiers=[t.name for t in self.ckpt.tiers],
+                                         allow=self.cfg.allow_rollback)
+            if note is not None:
+                self.log.warning(note)
+        why = self.world.broadcast(why)
+        if why is not None:
+            raise state.ResumeMismatch(why)
 
     def _check_settings(self, saved: dict, fingerprint: dict) -> bool:
         """The checkpoint's settings against this run's (exit 2 on a difference); True when the

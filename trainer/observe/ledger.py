@@ -358,7 +358,8 @@ class Ledger:
             return
         with self._lock:
             for ev in sorted(missing_here, key=_key):
-                self._write_line(ev)
+                # Marked: as trustworthy as the bucket, not as this disk (trainer.loop.rollback).
+                self._write_line({**ev, "recovered": True})
         for ev in local:
             if _key(ev) not in remote_keys and ev["session"] != self.session:
                 self._mirror.put(ev)

@@ -105,13 +105,17 @@ class World:
     def main(self, *argv: str, **changes: Any) -> int:
         return scale.main(["--config", str(self.config(**changes)), *argv])
 
-    def put_checkpoint(self, step: int, *, secret: bytes | None = None, files: bool = True) -> None:
-        """An authentic checkpoint of ``step`` (signed with the run's key, or ``secret``), as the
-        trainer uploads it: its files, then its manifest; ``files`` False leaves them out."""
+    def put_checkpoint(self, step: int, *, secret: bytes | None = None, files: bool = True,
+                       run: str | None = None) -> None:
+        """An authentic checkpoint of ``step`` (signed with the run's key, or ``secret``; for this
+        run, or ``run``), as the trainer uploads it: its files, then its manifest; ``files`` False
+        leaves them out."""
         from trainer.checkpoint.key import CheckpointKey
         from trainer.checkpoint.manifest import build_manifest
+        from trainer.manifest_auth import run_uri
 
-        key = CheckpointKey(secret or Path(self.settings.checkpoint_key_file).read_bytes())
+        key = CheckpointKey(secret or Path(self.settings.checkpoint_key_file).read_bytes(),
+                            run=run or run_uri(self.bucket_name, self.prefix))
         data = b"weights" * 100
         if files:
             self.bucket.blob(f"{self.prefix}/step-{step:08d}/model.bin").upload_from_string(data)
@@ -314,8 +318,8 @@ def test_a_settings_file_with_an_unknown_key_is_bad_input(tmp_path: Path, capsys
 
 def test_a_planted_checkpoint_never_lets_the_disk_go(world, capsys) -> None:
     """A bucket writer without the key plants `{}` at step 99999999, a well-formed manifest without
-    an HMAC at the final step, one signed with another key, or an authentic manifest whose files
-    are missing: neither `stop bad-input`, `stop finished` nor the boot's `honour` scales to zero
+    an HMAC at the final step, one signed with another key, another run's authentic checkpoint, or
+    an authentic manifest whose files are missing: neither `stop bad-input`, `stop finished` nor the boot's `honour` scales to zero
     (which would delete the disk holding the newest authentic step)."""
     from drill.attacker import forge
 
@@ -329,6 +333,7 @@ def test_a_planted_checkpoint_never_lets_the_disk_go(world, capsys) -> None:
     forged = forge(w.bucket.blob(f"{w.prefix}/step-00000050/manifest.json").download_as_bytes(), 150, {})
     w.plant(150, forged)
     w.put_checkpoint(120, secret=b"another run's key, 32 bytes long")
+    w.put_checkpoint(130, run="gs://another-bucket/runs/other")  # the same key, another run's, copied here
     assert w.main("stop", "finished") == scale.EXIT_REFUSED
     assert w.main("stop", "bad-input", "--detail", "trainer.args: bad") == scale.EXIT_REFUSED
     w.bucket.blob(w.markers["bad-input"]).upload_from_string(b"{}")  # a marker, planted as well
@@ -337,6 +342,7 @@ def test_a_planted_checkpoint_never_lets_the_disk_go(world, capsys) -> None:
     assert "step 99999999: manifest has" in err or "step 99999999: unauthenticated" in err
     assert "step 150: unauthenticated: its manifest carries no HMAC" in err
     assert "step 120: unauthenticated: its manifest names checkpoint key" in err
+    assert "step 130: another run's: signed for the run at 'gs://another-bucket/runs/other'" in err
     assert "step 200: model.bin is missing" in err
     assert w.gcp.group("exp-group").target_size == 2 and w.gcp.calls_to("POST", ":run") == []
     # The disk's own step, authentic and complete in the bucket: now it may go.

@@ -10,6 +10,8 @@ changed) is a resume mismatch: exit 2 naming the step, the tier and the reason, 
 from __future__ import annotations
 
 import os
+import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -200,3 +202,97 @@ def test_a_forged_final_checkpoint_never_finishes_the_run(tmp_path: Path, gcs_em
     # Nothing deleted: the planted one stays (never deleted), the authentic final step is on disk.
     assert f"step-{STEPS:08d}/manifest.json" in bucket_names(gcs_emulator.client, gcs_emulator.uri)
     assert status(run_dir)["latest_step"] == STEPS
+
+
+def _copy_step(client, src_uri: str, dst_uri: str, step: int) -> None:
+    """Copy one checkpoint, object by object, as anyone who can write the bucket can."""
+    src_bucket, _, src_prefix = src_uri[len("gs://"):].partition("/")
+    dst_bucket, _, dst_prefix = dst_uri[len("gs://"):].partition("/")
+    folder = f"step-{step:08d}/"
+    source, target = client.bucket(src_bucket), client.bucket(dst_bucket)
+    for blob in client.list_blobs(src_bucket, prefix=f"{src_prefix}/{folder}"):
+        name = blob.name[len(src_prefix) + 1:]
+        source.copy_blob(blob, target, f"{dst_prefix}/{name}")
+
+
+def test_another_runs_authentic_checkpoint_copied_in_is_never_resumed(tmp_path: Path, gcs_emulator,
+                                                                      reference: dict) -> None:
+    """Runs of one experiment share its checkpoint key. Another run's step 30 (authentic under
+    that key, same settings), copied into this run's prefix, names the run it was signed for: it
+    is refused, never overwritten, and this run resumes its own step 20 and ends as an
+    uninterrupted run does."""
+    config = write_config(tmp_path)
+    env = trainer_env(**gcs_emulator.env)
+    other_uri = gcs_emulator.uri + "-other"
+    assert start(tmp_path / "other", STEPS, config, "--gcs-uri", other_uri, "--checkpoint-every-steps", "10",
+                 "--stop-at-step", "30", env=env).wait() == 75
+    run_dir, gcs = tmp_path / "run", ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
+    assert start(run_dir, STEPS, config, *gcs, "--stop-at-step", "20", env=env).wait() == 75
+    _copy_step(gcs_emulator.client, other_uri, gcs_emulator.uri, 30)
+
+    p = run_to_end(run_dir, STEPS, config, *gcs, env=env)
+    p.seen(r"refusing gcs checkpoint step 30 at gs://\S+: another run's: signed for the run at 'gs://\S+-other'")
+    p.seen(r"event=restore step=20 tier=persistent")
+    assert "step-00000030/manifest.json" in bucket_names(gcs_emulator.client, gcs_emulator.uri)
+    final = status(run_dir, "--gcs-uri", gcs_emulator.uri)
+    assert final["latest_step"] == STEPS and final["model_digest"] == reference["model_digest"]
+
+
+def test_only_another_runs_checkpoints_never_make_a_fresh_start(tmp_path: Path, gcs_emulator) -> None:
+    """A run whose bucket holds only another run's checkpoints (copied in, or the run moved here)
+    refuses to start afresh over them: exit 2, naming them; nothing deleted."""
+    config = write_config(tmp_path)
+    env = trainer_env(**gcs_emulator.env)
+    other_uri = gcs_emulator.uri + "-moved-from"
+    assert start(tmp_path / "other", STEPS, config, "--gcs-uri", other_uri, "--checkpoint-every-steps", "10",
+                 "--stop-at-step", "10", env=env).wait() == 75
+    _copy_step(gcs_emulator.client, other_uri, gcs_emulator.uri, 10)
+
+    p = start(tmp_path / "run", STEPS, config, "--gcs-uri", gcs_emulator.uri, env=env)
+    assert p.wait() == 2, p.output[-4000:]
+    p.seen(r"cannot resume: no checkpoint on any tier belongs to this run \(gs://\S+\), and the tiers hold "
+           r"checkpoints signed for another run")
+    assert "Traceback" not in p.output
+    assert "step-00000010/manifest.json" in bucket_names(gcs_emulator.client, gcs_emulator.uri)
+
+
+def _recorded_in_bucket(run_dir: Path) -> list[int]:
+    """The steps the run's ledger (on its own disk) recorded durable in the bucket."""
+    from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
+
+    return [e["step"] for e in read_events(run_dir / LEDGER_DIR / LEDGER_FILE)
+            if e["event"] == "durable" and e.get("tier") == "gcs"]
+
+
+def test_deleting_the_newest_checkpoints_from_the_bucket_never_rolls_the_run_back(tmp_path: Path,
+                                                                                  gcs_emulator) -> None:
+    """The fast tier (a local SSD) goes with the VM, and the persistent disk saves seldom: after a
+    crash the bucket holds the only copies. Someone who can write the bucket deletes them. The
+    run's ledger, on its own disk, recorded them durable in the bucket: the restore refuses to
+    start afresh (exit 2, naming the newest), and does so only when told to (--allow-rollback)."""
+    config = write_config(tmp_path, "[tiers.persistent]\nevery_steps = 100000\n")
+    env = trainer_env(**gcs_emulator.env)
+    run_dir, local = tmp_path / "run", tmp_path / "ssd"
+    gcs = ("--gcs-uri", gcs_emulator.uri, "--local-dir", str(local), "--checkpoint-every-steps", "10")
+    p = start(run_dir, 1_000_000, config, *gcs, env=env)
+    p.wait_for(r"checkpoint step \d+ durable on gcs")
+    deadline = time.monotonic() + 120
+    while not _recorded_in_bucket(run_dir):  # the ledger line follows the log line, on the same thread
+        assert time.monotonic() < deadline and p.p.poll() is None, p.output[-4000:]
+        time.sleep(0.05)  # polling a file the trainer appends to
+    p.kill()  # the VM is gone, and its local SSD with it
+    shutil.rmtree(local)
+    newest = max(_recorded_in_bucket(run_dir))
+    bucket_name, _, prefix = gcs_emulator.uri[len("gs://"):].partition("/")
+    for blob in gcs_emulator.client.list_blobs(bucket_name, prefix=f"{prefix}/step-"):
+        blob.delete()
+
+    p = start(run_dir, 1_000_000, config, *gcs, env=env)
+    assert p.wait() == 2, p.output[-4000:]
+    p.seen(rf"cannot resume: this run's ledger \(\S+ledger\.jsonl\) records step {newest} durable in the bucket "
+           r".* resuming would roll the run back to a fresh start")
+    assert "Traceback" not in p.output
+
+    p = start(run_dir, 1_000_000, config, *gcs, "--allow-rollback", "--stop-at-step", "5", env=env)
+    assert p.wait() == 75, p.output[-4000:]
+    p.seen(rf"event=rollback step={newest} to=None allowed=1")
