@@ -794,15 +794,16 @@ class Checkpointer:
                 self._verified.discard((t.name, i.step))
 
     # ------------------------------------------------------------------------------ restoring
-    def newest_valid_step(self) -> int | None:
-        """The newest step that passes the quick check (manifest, sizes) on any tier, or None.
+    def newest_valid_step(self, excluding: set[int] = frozenset()) -> int | None:  # type: ignore[assignment]
+        """The newest step that passes the quick check (manifest, sizes) on any tier, or None;
+        ``excluding``: steps whose every copy here already failed full verification.
 
         Cheap (listings only): in a multi-node job every node leader answers it, so that the node
         whose disk holds the newest checkpoint restores for everyone. Raises ``TierUnknown``
         when a tier cannot be listed.
         """
         candidates, _ = self._survey()
-        return candidates[0][0] if candidates else None
+        return next((s for s, _ in candidates if s not in excluding), None)
 
     def _list(self, t: Tier) -> list[CheckpointInfo]:
         with t.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):
@@ -884,6 +885,8 @@ class Checkpointer:
                 restored = self._restore_step(found, [n for s, n in candidates if s == found], download, t_start)
                 if restored is not None:
                     return restored
+            if step is not None:
+                return None  # that step only (a node of a multi-node restore asked): not usable here
             if self._quarantined["unauthenticated"] and download:
                 # Never a fresh start over them: they may be this run's work under a lost key.
                 raise ResumeMismatch(quarantine_mismatch(self._quarantined["unauthenticated"], self.key))

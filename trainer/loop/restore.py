@@ -4,7 +4,9 @@
 its checkpointer. Several nodes with the whole-model layout negotiate: each node leader offers the
 newest step its own tiers hold (a node's disk may hold a checkpoint newer than the remote tier has:
 the previous rank 0 wrote it there before the world was re-formed), the leader with the newest
-restores and broadcasts the state (rank 0 on a tie), and a tier any leader cannot read makes every
+restores and broadcasts the state (rank 0 on a tie); when that step fails full verification on that
+node, the leaders negotiate again without it, so another node's older checkpoint (or the remote
+tier's) is the fallback, never a fresh start; and a tier any leader cannot read makes every
 rank wait (``TierUnknown``: unknown is not empty). A ``ResumeMismatch`` on the restoring rank
 reaches every rank, so none is left waiting.
 """
@@ -22,38 +24,49 @@ def newest(ckpt: Any, world: World) -> tuple[dict | None, tuple[str, str]]:
     if ckpt is not None and (ckpt.layout.in_place or not world.distributed):
         restored = ckpt.restore()
         return (restored.state, (restored.tier, restored.path)) if restored else (None, ("", ""))
-    # Each leader offers its newest step, or the tiers it cannot read: then every rank waits.
-    offer: tuple[str, Any] | None = None
-    if ckpt is not None:
-        try:
-            offer = ("step", ckpt.newest_valid_step())
-        except tier_wait.TierUnknown as e:
-            offer = ("unknown", e.tiers)
-    offers = world.all_gather(offer)
-    unknown = {f"{t} (rank {r})": why for r, o in enumerate(offers) if o and o[0] == "unknown"
-               for t, why in o[1].items()}
-    if unknown:
-        raise tier_wait.TierUnknown(unknown)
-    steps = [o[1] if o else None for o in offers]
-    best = max((s for s in steps if s is not None), default=None)
-    src = 0 if best is None or steps[0] == best else steps.index(best)
-    payload: tuple[str, Any] | None = None
-    if world.rank == src:
-        try:
-            restored = ckpt.restore()
-        except tier_wait.TierUnknown as e:
-            payload = ("unknown", e.tiers)
-        except ResumeMismatch as e:  # every rank must hear it, or the others wait below
-            payload = ("mismatch", str(e))
-        else:
-            payload = ("state", (restored.state, (restored.tier, f"{node_name()}:{restored.path}"))
-                       if restored else None)
-    payload = world.broadcast(payload, src=src)
-    assert payload is not None
-    if payload[0] == "unknown":
-        raise tier_wait.TierUnknown(payload[1])
-    if payload[0] == "mismatch":
-        raise ResumeMismatch(payload[1])
+    # Each leader offers its newest step (or the tiers it cannot read: then every rank waits); the
+    # leader with the newest restores it. A step that fails full verification there is struck off
+    # that node's offers and the negotiation runs again, so the fallback spans every node's
+    # checkpoints, not only the chosen node's own tiers.
+    failed: set[int] = set()
+    while True:
+        offer: tuple[str, Any] | None = None
+        if ckpt is not None:
+            try:
+                offer = ("step", ckpt.newest_valid_step(excluding=failed))
+            except tier_wait.TierUnknown as e:
+                offer = ("unknown", e.tiers)
+        offers = world.all_gather(offer)
+        unknown = {f"{t} (rank {r})": why for r, o in enumerate(offers) if o and o[0] == "unknown"
+                   for t, why in o[1].items()}
+        if unknown:
+            raise tier_wait.TierUnknown(unknown)
+        steps = [o[1] if o else None for o in offers]
+        best = max((s for s in steps if s is not None), default=None)
+        src = 0 if best is None or steps[0] == best else steps.index(best)
+        payload: tuple[str, Any] | None = None
+        if world.rank == src:
+            try:
+                restored = ckpt.restore(step=best)  # best None: the newest, or a fresh start
+            except tier_wait.TierUnknown as e:
+                payload = ("unknown", e.tiers)
+            except ResumeMismatch as e:  # every rank must hear it, or the others wait below
+                payload = ("mismatch", str(e))
+            else:
+                if restored is None and best is not None:
+                    payload = ("unusable", best)
+                    failed.add(best)
+                else:
+                    payload = ("state", (restored.state, (restored.tier, f"{node_name()}:{restored.path}"))
+                               if restored else None)
+        payload = world.broadcast(payload, src=src)
+        assert payload is not None
+        if payload[0] == "unknown":
+            raise tier_wait.TierUnknown(payload[1])
+        if payload[0] == "mismatch":
+            raise ResumeMismatch(payload[1])
+        if payload[0] == "state":
+            break
     saved, where = payload[1] if payload[1] is not None else (None, ("", ""))
     if saved is not None and world.is_main and src != 0:
         ckpt.mark_restored(int(saved["step"]))

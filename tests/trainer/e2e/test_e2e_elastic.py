@@ -11,6 +11,7 @@ the loss: 2 ranks up to the restored step, then 1 rank to the end.
 """
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -206,6 +207,45 @@ def test_the_node_holding_the_newest_checkpoint_restores_for_everyone(tmp_path: 
     assert done
 
     # The same path in one place: 1 process to step 10, then 2 to the end.
+    ref = tmp_path / "ref"
+    assert Proc(_args(ref, config, "--stop-at-step", "10")).wait() == 75
+    two = Proc([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                *_args(ref, config)[2:]], new_session=True)
+    assert two.wait() == 0, two.output[-3000:]
+    assert done[0]["model_digest"] == status(ref)["model_digest"]
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_a_newest_checkpoint_that_fails_verification_falls_back_to_another_nodes(tmp_path: Path) -> None:
+    """Node a's disk holds step 15, which passes the quick check (manifest, sizes) but not full
+    verification (a byte flipped on the disk), and nothing older; node b's disk holds step 10; no
+    GCS. a is chosen for 15, fails it, and the leaders negotiate again without it: the job resumes
+    from b's step 10, not from scratch, and ends as a run that took that path."""
+    config = _config(tmp_path)
+    assert Proc(_args(tmp_path / "a", config, "--stop-at-step", "15")).wait() == 75
+    assert Proc(_args(tmp_path / "b", config, "--stop-at-step", "10")).wait() == 75
+    for old in ("step-00000005", "step-00000010"):
+        shutil.rmtree(tmp_path / "a" / old)
+    payload = max((f for f in (tmp_path / "a" / "step-00000015").iterdir() if f.name != "manifest.json"),
+                  key=lambda f: f.stat().st_size)
+    with open(payload, "r+b") as f:  # bit rot: same size, other bytes
+        f.seek(payload.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    port = free_port()
+    a = agent(tmp_path / "a", config, port, "a", True)
+    b = agent(tmp_path / "b", config, port, "b", False)
+    try:
+        assert [p.wait() for p in (a, b)] == [0, 0], a.output[-3000:] + b.output[-3000:]
+    finally:
+        a.kill()
+        b.kill()
+    assert a.seen(r"checkpoint step 15 is unusable")
+    for p in (a, b):
+        assert p.seen(r"event=restore step=10 tier=persistent path=b:\S+ seconds=\S+ world_size=2")
+    done = [s for s in (status(tmp_path / n) for n in ("a", "b")) if s["latest_step"] == STEPS]
+    assert done
     ref = tmp_path / "ref"
     assert Proc(_args(ref, config, "--stop-at-step", "10")).wait() == 75
     two = Proc([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
