@@ -93,7 +93,7 @@ class Wandb:
         d = self.ctx.run_dir / STATE_DIR
         d.mkdir(parents=True, exist_ok=True)
         self.run = self.wandb.init(project=self.s["project"], entity=self.s["entity"], name=self.s["name"],
-                                   id=run_id or self.wandb.util.generate_id(), resume="allow", dir=str(d),
+                                   id=run_id, resume="allow", dir=str(d),
                                    config={"steps": self.ctx.cfg.steps, "task": self.ctx.cfg.task})
         return str(self.run.id)
 
