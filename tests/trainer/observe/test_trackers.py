@@ -215,6 +215,18 @@ def test_a_missing_tracker_package_is_bad_input_naming_the_table(tmp_path: Path,
     assert not (tmp_path / "run" / "trackers").exists()
 
 
+def test_a_tracking_uri_mlflow_cannot_open_is_bad_input_naming_the_field(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # MLflow 3 refuses its file store unless asked for it: every session would crash at start.
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = (tmp_path / "mlruns").as_uri()
+    out = run(_cfg(tmp_path / "run", sinks={"mlflow": {"experiment": "demo", "tracking_uri": uri}}))
+    assert out.code == 2
+    assert out.reason.startswith(f"sinks.mlflow.tracking_uri: MLflow 3.17.2 cannot use {uri} here: ")
+    assert "MLFLOW_ALLOW_FILE_STORE" in out.reason
+    assert not (tmp_path / "run" / "trackers").exists()
+
+
 class _Sessions:
     """Sessions of the sink alone, driven by the loop's own events, on one run dir and bucket."""
 

@@ -77,7 +77,8 @@ class MlflowSettings(BaseModel):
     experiment: str = Field(min_length=1, max_length=500)
     """The MLflow experiment (created when missing)."""
     tracking_uri: str | None = None
-    """The tracking server; None: MLflow's default (``MLFLOW_TRACKING_URI``, else ./mlruns)."""
+    """The tracking server (``http://HOST:PORT``); None: MLflow's default (``MLFLOW_TRACKING_URI``, else
+    ``sqlite:///mlflow.db`` in the working directory, which mlflow-skinny cannot open)."""
     name: str | None = None
     """The run's name; None: MLflow picks one."""
     mirror_every_s: float = Field(default=60.0, gt=0)
@@ -109,7 +110,15 @@ class Mlflow:
         from mlflow.tracking import MlflowClient
 
         self.mlflow, self.s = mlflow, settings
-        self.client = MlflowClient(tracking_uri=settings["tracking_uri"])
+        try:
+            self.client = MlflowClient(tracking_uri=settings["tracking_uri"])
+        except Exception as e:  # noqa: BLE001 - it reaches nothing yet: a URI this MLflow cannot use
+            # (a scheme it lacks, such as sqlite: in mlflow-skinny, or its file store, which MLflow 3
+            # refuses without MLFLOW_ALLOW_FILE_STORE=true) is bad input, said once at start, not a
+            # crash of every session.
+            uri = settings["tracking_uri"] or "MLflow's default"
+            raise SinkUnavailable(f"sinks.mlflow.tracking_uri: MLflow {getattr(mlflow, '__version__', '?')} cannot "
+                                  f"use {uri} here: {' '.join(str(e).split())[:1000]}") from None
         self.run_id = ""
 
     def open(self, run_id: str | None) -> str:
