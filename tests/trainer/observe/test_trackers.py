@@ -197,8 +197,8 @@ def test_a_paused_and_preempted_run_continues_one_mlflow_run_with_one_point_per_
     (experiment,) = [e for e in client.search_experiments() if e.name == "demo"]
     (only,) = client.search_runs([experiment.experiment_id])
     assert only.info.run_id == _state(run_dir, "mlflow")["run_id"]
-    # Paused: ended, not finished. Preempted: still running (the notice stopped the sink at once).
-    assert statuses == {1: "KILLED", 2: "RUNNING", 3: "FINISHED"}
+    # Paused and preempted: ended, not finished (after a notice, with the time the save left).
+    assert statuses == {1: "KILLED", 2: "KILLED", 3: "FINISHED"}
     points = mlflow_points(mlflow_uri, only.info.run_id)
     assert len(points) == len(set(points))
     steps = sorted({s for s, key in points if key == "train/loss"})
@@ -276,3 +276,24 @@ def test_steps_trained_again_after_a_crash_are_not_sent_twice_and_a_lost_disk_us
         == [state["run_id"]]
     assert client.get_run(state["run_id"]).info.status == "FINISHED"
 
+
+def test_a_notice_during_the_last_step_ends_the_mlflow_run_finished(tmp_path: Path, mlflow_uri: str) -> None:
+    """The emergency save of the last step completes the run (exit 0): its tracker run is finished,
+    not left running nor killed, though the notice stopped the sink before ``Finished``."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+    ctx = SinkContext(cfg=RunConfig(run_dir=run_dir, steps=3, task="x:y"), run_dir=run_dir, session="s", rank=0,
+                      is_main=True, is_node_leader=True, log=logging.getLogger("test"), settings={})
+    sink = trackers.TrackerSink("t", trackers.Mlflow(mlflow, {"experiment": "demo", "tracking_uri": mlflow_uri,
+                                                              "name": None}, ctx), ctx)
+    sink.handle(ev.Restored(step=0, seconds=0.0, world_size=1, startup_s=0.0))
+    window = {"loss": 1.0, "lr": 0.1, "steps_per_s": 2.0, "samples_per_s": 8.0}
+    for s in (1, 2, 3):
+        sink.handle(ev.Step(step=s, total=3, loss=1.0, lr=0.1, window=window))
+    sink.handle(ev.Notice(reason="SIGTERM", step=3))
+    sink.handle(ev.Finished(step=3, blocked_s=0.0, productive_s=1.0))
+    assert sink.close(timeout=30)
+    run_id = _state(run_dir, "t")["run_id"]
+    assert MlflowClient(tracking_uri=mlflow_uri).get_run(run_id).info.status == "FINISHED"
