@@ -20,8 +20,10 @@ last interval may be sent again).
 
 How it stays out of the loop: ``handle`` queues; a thread of its own makes every tracker call.
 A failing tracker drops its points (logged on the 1st, 2nd, 4th, ... failure), never stops the
-run. A preemption notice stops the thread at once (the window is the emergency save's); a
-normal end sends what is queued, for at most ``CLOSE_S``, and ends the tracker run.
+run. A preemption notice stops the thread at once and drops what is queued (the window is the
+emergency save's); once the save is over, the time it left (at most ``CLOSE_S``) ends the
+tracker run as not finished (MLflow's; W&B's own exit hook ends its run with the exit status).
+A normal end sends what is queued, for at most ``CLOSE_S``, and ends the tracker run.
 """
 from __future__ import annotations
 
@@ -46,7 +48,11 @@ QUEUE_MAX = 10_000
 
 
 class Tracker(Protocol):
-    """One tracker's calls, made on the sink's thread only."""
+    """One tracker's calls, made one at a time on the sink's threads, never on the loop's."""
+
+    #: Whether the tracker's own exit hook ends a run left open when the process exits (W&B's
+    #: does, with the process's exit status); one that does not gets its run ended after a notice.
+    exit_ends_run: bool
 
     def open(self, run_id: str | None) -> str:
         """Start or continue the tracker run ``run_id`` (None: a new one); its id."""
@@ -77,7 +83,8 @@ class MlflowSettings(BaseModel):
     experiment: str = Field(min_length=1, max_length=500)
     """The MLflow experiment (created when missing)."""
     tracking_uri: str | None = None
-    """The tracking server; None: MLflow's default (``MLFLOW_TRACKING_URI``, else ./mlruns)."""
+    """The tracking server (``http://HOST:PORT``); None: MLflow's default (``MLFLOW_TRACKING_URI``, else
+    ``sqlite:///mlflow.db`` in the working directory, which mlflow-skinny cannot open)."""
     name: str | None = None
     """The run's name; None: MLflow picks one."""
     mirror_every_s: float = Field(default=60.0, gt=0)
@@ -85,6 +92,8 @@ class MlflowSettings(BaseModel):
 
 
 class Wandb:
+    exit_ends_run = True
+
     def __init__(self, wandb: Any, settings: dict[str, Any], ctx: SinkContext) -> None:
         self.wandb, self.s, self.ctx = wandb, settings, ctx
         self.run: Any = None
@@ -93,7 +102,7 @@ class Wandb:
         d = self.ctx.run_dir / STATE_DIR
         d.mkdir(parents=True, exist_ok=True)
         self.run = self.wandb.init(project=self.s["project"], entity=self.s["entity"], name=self.s["name"],
-                                   id=run_id or self.wandb.util.generate_id(), resume="allow", dir=str(d),
+                                   id=run_id, resume="allow", dir=str(d),
                                    config={"steps": self.ctx.cfg.steps, "task": self.ctx.cfg.task})
         return str(self.run.id)
 
@@ -105,11 +114,21 @@ class Wandb:
 
 
 class Mlflow:
+    exit_ends_run = False
+
     def __init__(self, mlflow: Any, settings: dict[str, Any], ctx: SinkContext) -> None:
         from mlflow.tracking import MlflowClient
 
         self.mlflow, self.s = mlflow, settings
-        self.client = MlflowClient(tracking_uri=settings["tracking_uri"])
+        try:
+            self.client = MlflowClient(tracking_uri=settings["tracking_uri"])
+        except Exception as e:  # noqa: BLE001 - it reaches nothing yet: a URI this MLflow cannot use
+            # (a scheme it lacks, such as sqlite: in mlflow-skinny, or its file store, which MLflow 3
+            # refuses without MLFLOW_ALLOW_FILE_STORE=true) is bad input, said once at start, not a
+            # crash of every session.
+            uri = settings["tracking_uri"] or "MLflow's default"
+            raise SinkUnavailable(f"sinks.mlflow.tracking_uri: MLflow {getattr(mlflow, '__version__', '?')} cannot "
+                                  f"use {uri} here: {' '.join(str(e).split())[:1000]}") from None
         self.run_id = ""
 
     def open(self, run_id: str | None) -> str:
@@ -154,6 +173,8 @@ class TrackerSink(BaseSink):
         self._q: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=QUEUE_MAX)
         self.dropped = 0              # points a slow tracker left no room for
         self._stop = threading.Event()
+        self._noticed = False         # a preemption notice stopped the thread
+        self._opened = False          # the tracker run was started or continued
         self._thread: threading.Thread | None = None
 
     def mirror_to(self, store: Any) -> None:
@@ -161,6 +182,8 @@ class TrackerSink(BaseSink):
 
     # --- the loop's side: queue, nothing else -----------------------------------------------------
     def handle(self, ev: Event) -> None:
+        if isinstance(ev, Finished):  # also after a notice: the tracker run ends finished
+            self.finished = True
         if self._stop.is_set():
             return
         if isinstance(ev, Notice):
@@ -169,9 +192,7 @@ class TrackerSink(BaseSink):
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"{self.name}-sink", daemon=True)
                 self._thread.start()
-        elif isinstance(ev, Finished):
-            self.finished = True
-        else:
+        elif not isinstance(ev, Finished):
             points = scalars(ev)
             if points:
                 self._queue(ev.step, points)  # type: ignore[attr-defined]
@@ -186,7 +207,7 @@ class TrackerSink(BaseSink):
     def _run(self) -> None:
         state = self._load()
         self.run_id, self.last_step = state.get("run_id"), int(state.get("last_step", -1))
-        if not self._call("open", lambda: self._opened(self.tracker.open(self.run_id))):
+        if not self._call("open", lambda: self._started(self.tracker.open(self.run_id))):
             self._stop.set()  # no tracker run: the points have nowhere to go (said once)
             return
         while not self._stop.is_set():
@@ -207,9 +228,9 @@ class TrackerSink(BaseSink):
             self._call("finish", lambda: self.tracker.finish(self.finished))
             self._save(mirror=True)
 
-    def _opened(self, run_id: str) -> None:
+    def _started(self, run_id: str) -> None:
         new = run_id != self.run_id
-        self.run_id = run_id
+        self.run_id, self._opened = run_id, True
         self._save(mirror=True)
         self.log.info("event=tracker tracker=%s run_id=%s %s (points after step %d)", self.name, run_id,
                       "new" if new else "continued", self.last_step)
@@ -262,6 +283,7 @@ class TrackerSink(BaseSink):
     # --- lifecycle ----------------------------------------------------------------------------------
     def flush(self, timeout: float) -> bool:
         """Only ever called when a notice leaves little time: stop at once, drop what is queued."""
+        self._noticed = True
         self._stop.set()
         try:
             self._q.put_nowait(None)  # wakes the thread; a full queue wakes it anyway
@@ -270,13 +292,22 @@ class TrackerSink(BaseSink):
         return True
 
     def close(self, timeout: float) -> bool:
+        end = time.monotonic() + max(0.0, min(timeout, CLOSE_S))
         if self._thread is not None and not self._stop.is_set():
             try:
-                self._q.put(None, timeout=max(0.0, min(timeout, CLOSE_S)))
+                self._q.put(None, timeout=max(0.0, end - time.monotonic()))
             except queue.Full:  # a tracker that slow gets no more time: the run ends anyway
                 self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=max(0.0, min(timeout, CLOSE_S)))
+            self._thread.join(timeout=max(0.0, end - time.monotonic()))
+            if (self._noticed and self._opened and not self.tracker.exit_ends_run and not self._thread.is_alive()
+                    and time.monotonic() < end):
+                # After a notice the emergency save is over by now: what time it left ends the
+                # tracker run, which would otherwise show running until the next session.
+                ender = threading.Thread(target=self._call, args=("finish", lambda: self.tracker.finish(self.finished)),
+                                         name=f"{self.name}-sink-end", daemon=True)
+                ender.start()
+                ender.join(timeout=max(0.0, end - time.monotonic()))
         return True
 
 
