@@ -73,6 +73,9 @@ def wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
                 "WANDB_NAME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
+    # A session's end waits at most CLOSE_S for the tracker; W&B's first init takes seconds on a
+    # loaded machine, and what is under test is what reaches the run, not how fast.
+    monkeypatch.setattr(trackers, "CLOSE_S", 120.0)
     # W&B copies the process's console into the run by wrapping sys.stdout and sys.stderr; the
     # exit hook run in this process (a session's end) would leave the wrappers of a run it ended
     # writing to a service that is gone.
