@@ -20,7 +20,8 @@ run's value in each tree, the medians, the ratio after/before of the medians, an
 two trees' ranges overlap (a first reading of noise: ranges that do not overlap deserve a second
 look, ranges that do are not a difference the rounds can show). A cell equal in every run of
 both trees (a size, a count) is left out; text cells are shown when they differ. `--json PATH`
-keeps every run's output and timings.
+keeps every run's output, timings and load, rewritten after each run; `--from-json PATH` prints
+the table again from such a file (of a session cut short, say) without running anything.
 """
 from __future__ import annotations
 
@@ -153,15 +154,25 @@ def side_by_side(runs: list[Run], benches: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("before", type=Path, help="the tree measured as 'before' (a repository checkout with .venv)")
-    p.add_argument("after", type=Path, help="the tree measured as 'after'")
-    p.add_argument("--bench", action="append", required=True, metavar='"NAME [ARGS]"',
+    p.add_argument("before", type=Path, nargs="?", help="the tree measured as 'before' (a checkout with .venv)")
+    p.add_argument("after", type=Path, nargs="?", help="the tree measured as 'after'")
+    p.add_argument("--bench", action="append", default=[], metavar='"NAME [ARGS]"',
                    help="a benchmark module stem and its arguments; repeat for several")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every benchmark once in each tree")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment for every run")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     p.add_argument("--json", type=Path, help="write every run (output, timings, load) here")
+    p.add_argument("--from-json", type=Path, help="print the table from a --json file of an earlier session; run nothing")
     a = p.parse_args(argv)
+    if a.from_json:
+        saved = json.loads(a.from_json.read_text())
+        runs = [Run(**r) for r in saved["runs"]]
+        print(f"Trees: before {saved['trees']['before']}, after {saved['trees']['after']}; "
+              f"{max(r.round for r in runs)} rounds run.\n")
+        print(side_by_side(runs, list(dict.fromkeys(r.bench for r in runs))))
+        return 0
+    if a.before is None or a.after is None or not a.bench:
+        p.error("BEFORE, AFTER and at least one --bench are needed (or --from-json)")
     trees = {"before": a.before.resolve(), "after": a.after.resolve()}
     for label, tree in trees.items():
         if not (tree / "bench").is_dir() or not (tree / ".venv" / "bin" / "python").exists():
@@ -184,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(r)
                 print(f"round {rnd} {name} {label}: exit {r.code}, {r.wall_s:.0f} s, load {r.load_before} -> "
                       f"{r.load_after}", file=sys.stderr, flush=True)
-    if a.json:
-        a.json.write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "benches": a.bench,
-                                      "rounds": a.rounds, "env": {k: v for k, v in env.items() if "KEY" not in k},
-                                      "runs": [asdict(r) for r in runs]}, indent=1))
+                if a.json:  # after every run: a session cut short keeps what it measured
+                    a.json.write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "benches": a.bench,
+                                                  "rounds": a.rounds,
+                                                  "env": {k: v for k, v in env.items() if "KEY" not in k},
+                                                  "runs": [asdict(r) for r in runs]}, indent=1))
     print(f"Trees: before {trees['before']}, after {trees['after']}; {a.rounds} rounds, the first tree of a round "
           f"alternating; {os.cpu_count()} CPUs; {time.monotonic() - t0:.0f} s in all.\n")
     print(side_by_side(runs, [s[0] for s in specs]))
