@@ -82,9 +82,16 @@ def parse_tables(text: str) -> dict[str, dict[str, dict[str, str]]]:
     return tables
 
 
-def _number(cell: str) -> float | None:
+def _number(cell: str) -> str | None:
+    """The cell's first number as the benchmark printed it (its precision is the benchmark's)."""
     m = _NUMBER.search(cell.replace("**", ""))
-    return float(m.group(0)) if m else None
+    return m.group(0) if m else None
+
+
+def _like(x: float, printed: list[str]) -> str:
+    """``x`` with as many decimals as the most precise of ``printed``."""
+    decimals = max(len(t.partition(".")[2]) for t in printed)
+    return f"{x:.{decimals}f}"
 
 
 def run_one(tree: Path, name: str, spec: list[str], env: dict[str, str], label: str, rnd: int,
@@ -101,10 +108,6 @@ def run_one(tree: Path, name: str, spec: list[str], env: dict[str, str], label: 
     run = Run(label, name, rnd, code, time.monotonic() - t0, load0, _load(), out, err[-3000:])
     run.cells = parse_tables(out) if code == 0 else {}
     return run
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
 
 
 def side_by_side(runs: list[Run], benches: list[str]) -> str:
@@ -136,19 +139,21 @@ def side_by_side(runs: list[Run], benches: list[str]) -> str:
                     texts = {t: [str(v) for v in vs] for t, vs in vals.items()}
                     nums = {t: [_number(v) for v in vs] for t, vs in texts.items()}
                     numeric = all(x is not None for xs in nums.values() for x in xs)
-                    if numeric and len({x for xs in nums.values() for x in xs}) == 1:
+                    if numeric and len({float(x) for xs in nums.values() for x in xs if x is not None}) == 1:
                         continue  # equal everywhere: a size, a count, a constant
                     if not numeric:
                         if len({x for xs in texts.values() for x in xs}) > 1:
                             lines.append(f"| {row} | {col} | {'; '.join(texts['before'])} | {'; '.join(texts['after'])} "
                                          "| | | | |")
                         continue
-                    b, a = ([float(x) for x in nums[t] if x is not None] for t in ("before", "after"))
+                    shown = {t: [x for x in nums[t] if x is not None] for t in nums}
+                    b, a = ([float(x) for x in shown[t]] for t in ("before", "after"))
                     mb, ma = statistics.median(b), statistics.median(a)
+                    every = shown["before"] + shown["after"]
                     ratio = f"{ma / mb:.3f}" if mb else "—"
                     overlap = "yes" if max(b) >= min(a) and max(a) >= min(b) else "**no**"
-                    lines.append(f"| {row} | {col} | {', '.join(_fmt(x) for x in b)} | {', '.join(_fmt(x) for x in a)} "
-                                 f"| {_fmt(mb)} | {_fmt(ma)} | {ratio} | {overlap} |")
+                    lines.append(f"| {row} | {col} | {', '.join(shown['before'])} | {', '.join(shown['after'])} "
+                                 f"| {_like(mb, every)} | {_like(ma, every)} | {ratio} | {overlap} |")
     return "\n".join(lines)
 
 

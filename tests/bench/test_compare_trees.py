@@ -38,12 +38,12 @@ def test_the_trees_take_turns_and_the_table_gives_after_over_before(
     assert code == 0
     assert log.read_text().split() == ["old", "new", "new", "old"]  # the first tree alternates
     out = capsys.readouterr().out
-    assert "| write | seconds | 2, 2 | 3, 3 | 2 | 3 | 1.500 | **no** |" in out
+    assert "| write | seconds | 2.0, 2.0 | 3.0, 3.0 | 2.0 | 3.0 | 1.500 | **no** |" in out
     assert "size" not in out.split("after / before")[1]  # equal in every run: left out
     assert "verdict" not in out.split("after / before")[1]
     # The saved runs print the same table again, running nothing.
     assert compare_trees.main(["--from-json", str(tmp_path / "runs.json")]) == 0
-    assert "| write | seconds | 2, 2 | 3, 3 | 2 | 3 | 1.500 | **no** |" in capsys.readouterr().out
+    assert "| write | seconds | 2.0, 2.0 | 3.0, 3.0 | 2.0 | 3.0 | 1.500 | **no** |" in capsys.readouterr().out
     assert len(log.read_text().split()) == 4
 
 
