@@ -10,7 +10,8 @@ from bench import checkpoint_bench
 
 
 def test_every_measure_runs_on_a_small_state_and_the_emergency_saves_are_durable(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        logging_restored: None) -> None:
     monkeypatch.setenv("SPOTTRAIN_BENCH_GB", "0.02")  # one 16 MiB tensor
     monkeypatch.setenv("SPOTTRAIN_BENCH_DIR", str(tmp_path))
     checkpoint_bench.main()

@@ -9,7 +9,8 @@ from bench import trainer_bench
 
 
 def test_every_variant_runs_the_real_loop_and_only_the_checkpointing_ones_save(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str],
+        logging_restored: None) -> None:
     trainer_bench.main(["--steps", "4", "--rounds", "1", "--every", "2"])
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line}
