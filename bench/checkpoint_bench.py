@@ -208,7 +208,7 @@ def main() -> None:
                 if cache == "cold":
                     _drop_cache(folder)
                 t0 = time.perf_counter()
-                rc = Checkpointer(run_dir=d / "r", key=KEY)
+                rc = Checkpointer(tier_table(d / "r"), key=KEY)  # the default tiers, as a restarted run
                 r = rc.restore()
                 rs.append(time.perf_counter() - t0)
                 assert r is not None and r.step == 9

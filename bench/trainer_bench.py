@@ -20,6 +20,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 BENCH_TASK_ARGS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "stride": 16}
@@ -30,6 +31,9 @@ class _NeverDue:
 
     stats: dict[str, Any] = {"saves": 0, "blocked_s_total": 0.0}
     LIST_TIMEOUT_S = 60.0
+    layout = SimpleNamespace(in_place=False)  # whole-model: the loop loads what restore returns
+    on_durable: Any = None  # the session sets these hooks on any checkpointer
+    on_tier_health: Any = None
 
     def __init__(self, tiers: Any) -> None:
         self.tiers = tiers
