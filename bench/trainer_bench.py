@@ -34,6 +34,7 @@ class _NeverDue:
     layout = SimpleNamespace(in_place=False)  # whole-model: the loop loads what restore returns
     on_durable: Any = None  # the session sets these hooks on any checkpointer
     on_tier_health: Any = None
+    steps_seen: set[int] | None = None  # no survey: nothing for the rollback guard to compare
 
     def __init__(self, tiers: Any) -> None:
         self.tiers = tiers
