@@ -193,8 +193,9 @@ class RunConfig(BaseModel):
     check answers ``ok waiting``, so the group does not recreate the VM."""
     lease_ttl_s: float = Field(default=120.0, gt=0)
     """Seconds the job's writer lease on ``gcs_uri`` lasts without renewal (renewed every quarter
-    of it). A trainer that died without releasing it delays a trainer on another VM by at most
-    this long; the same VM and run dir take it over at once."""
+    of it), by Cloud Storage's clock. A trainer that died without releasing it delays a trainer
+    on another VM by at most this long; its restart on the same VM, run dir and boot takes it
+    over at once."""
     log_every_steps: int = Field(default=10, gt=0)
     """One structured log line every this many steps."""
     progress_every_s: float = Field(default=60.0, gt=0)
