@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer import retry, untrusted
-from trainer.checkpoint.stores import GcsStore, UploadAborted, is_unreachable
+from trainer.checkpoint.stores import TMP_PREFIX, GcsStore, UploadAborted, is_unreachable
 from trainer.checkpoint.tier_wait import TierUnknown
 
 LOCK_FILE = ".trainer.lock"
@@ -305,7 +305,8 @@ class Lease:
         if self.record is None:
             return
         doc = {"lease": self.store.location(LEASE_KEY), "incarnation": self.incarnation, "boot": boot_id()}
-        tmp = self.record.with_name(f"{self.record.name}.tmp-{self.incarnation[:8]}")
+        # A leftover of a crash here is cleaned with the run dir's other temporaries.
+        tmp = self.record.with_name(f"{TMP_PREFIX}{self.record.name}-{self.incarnation[:8]}")
         try:
             tmp.write_text(json.dumps(doc) + "\n")
             os.replace(tmp, self.record)
