@@ -26,8 +26,8 @@ Exit codes of ``run``:
 - 77: paused at the spend cap: what the job has cost so far reached ``max_usd`` and its
   checkpoint is durable on every durable tier (``event=paused reason=max_usd``). Run again with a
   higher ``max_usd`` to continue; a VM stops paying (its group goes to zero).
-- 69: a checkpoint tier stayed unreadable for ``wait_for_tiers_s`` (nothing trained; run again:
-  docs/resume.md).
+- 69: a checkpoint tier stayed unreadable for ``wait_for_tiers_s``, or a verified checkpoint's load
+  kept failing on I/O, memory or a peer (nothing trained; run again: docs/resume.md).
 - 2: bad input or a resume with other settings, or another trainer holds the run dir or the job's
   GCS lease (restarting cannot fix it).
 - 1: failed (also: a notice whose emergency save reached no tier that outlives the VM).

@@ -192,13 +192,15 @@ class RunConfig(BaseModel):
     Part of the fingerprint."""
     wait_for_tiers_s: float = Field(default=900.0, gt=0)
     """Seconds start-up waits for a configured tier it cannot list or read (GCS answering 403
-    while a new VM's IAM grant propagates, up to ~7 minutes; GCS down) before it exits 69
-    without training: it never chooses where to resume without every tier. Meanwhile the health
-    check answers ``ok waiting``, so the group does not recreate the VM."""
+    while a new VM's IAM grant propagates, up to ~7 minutes; GCS down; a verified checkpoint whose
+    load failed on I/O, memory or a peer) before it exits 69 without training: it never chooses
+    where to resume without every tier. Meanwhile the health check answers ``ok waiting``, so the
+    group does not recreate the VM."""
     lease_ttl_s: float = Field(default=120.0, gt=0)
     """Seconds the job's writer lease on ``gcs_uri`` lasts without renewal (renewed every quarter
-    of it). A trainer that died without releasing it delays a trainer on another VM by at most
-    this long; the same VM and run dir take it over at once."""
+    of it), by Cloud Storage's clock. A trainer that died without releasing it delays a trainer
+    on another VM by at most this long; its restart on the same VM, run dir and boot takes it
+    over at once."""
     log_every_steps: int = Field(default=10, gt=0)
     """One structured log line every this many steps."""
     progress_every_s: float = Field(default=60.0, gt=0)

@@ -48,6 +48,7 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None, *
     from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.checkpoint.key import resolve
     from trainer.checkpoint.sharded import Sharded
+    from trainer.checkpoint.tier_wait import TierUnknown
     from trainer.checkpoint.tiers import tier_table
     from trainer.loop.state import ResumeMismatch, model_digest
 
@@ -70,6 +71,8 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None, *
             restored = ckpt.restore(download=False)
         except ResumeMismatch as e:  # the newest verified checkpoint cannot be decoded
             restored, error = None, str(e)
+        except TierUnknown as e:  # nor read just now (I/O, memory): say so, as for any unknown tier
+            restored, error = None, f"cannot read the newest checkpoint just now: {e}"
         mirror = table.role("mirror")
         events, skipped = _events(cfg, mirror.store if mirror is not None else None, log)
     finally:

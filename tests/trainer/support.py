@@ -375,3 +375,47 @@ class SleepClock:
         self.sleeps.append(s)
         self.now += s
         return False
+
+
+def failing_shard_reads(kind: str, times: int) -> list[int]:
+    """Make the next ``times`` reads of a DCP shard file in this process fail as a disk or the
+    memory fails them: the file object DCP opened raises ``OSError(EIO)`` (``kind="eio"``: what a
+    read(2) that meets a bad sector returns) or ``MemoryError`` (``"memory"``: its buffer cannot be
+    allocated) from ``read``, inside DCP's own reader. Returns the count of reads still to fail.
+    (No fault-injecting block device exists here: no device-mapper in this kernel.)"""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    left = [times]
+    create_stream = filesystem.FileSystem.create_stream
+
+    class Failing:
+        def __init__(self, stream: Any) -> None:
+            self._s = stream
+
+        def _fail(self) -> None:
+            if left[0] > 0:
+                left[0] -= 1
+                if kind == "eio":
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+                raise MemoryError()
+
+        def read(self, *a: Any) -> Any:
+            self._fail()
+            return self._s.read(*a)
+
+        def readinto(self, b: Any) -> Any:
+            self._fail()
+            return self._s.readinto(b)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._s, name)
+
+    @contextlib.contextmanager
+    def failing(self: Any, path: Any, mode: str) -> Any:
+        with create_stream(self, path, mode) as stream:
+            yield Failing(stream) if str(path).endswith(".distcp") and "r" in mode else stream
+
+    filesystem.FileSystem.create_stream = failing  # type: ignore[method-assign]
+    return left

@@ -47,6 +47,28 @@ def test_sigterm_mid_accumulation_resumes_exactly(tmp_path: Path, monkeypatch: p
     assert s["goodput"]["preemptions"] == 1 and s["goodput"]["finished"]
 
 
+def test_a_sharded_checkpoint_the_disk_fails_to_read_is_tried_again_never_bad_input(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verified FSDP checkpoint whose shard read meets EIO: start-up tries the restore again
+    (a disk error says nothing about the checkpoint) and continues from it; a disk that keeps
+    failing ends in 69 (try again later), never 2 (stop for good), and nothing is deleted."""
+    from torch.distributed.checkpoint import filesystem
+
+    from tests.trainer.support import failing_shard_reads
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", filesystem.FileSystem.create_stream)  # undone after
+    for name in ("once", "always"):
+        assert run(_cfg(tmp_path / name, parallelism="fsdp", stop_at_step=7)).code == 75
+    left = failing_shard_reads("eio", 1)
+    out = run(_cfg(tmp_path / "once", parallelism="fsdp"))
+    assert (out.code, out.steps_run, left) == (0, 23, [0])
+    left = failing_shard_reads("eio", 10**9)
+    out = run(_cfg(tmp_path / "always", parallelism="fsdp", wait_for_tiers_s=2))
+    assert (out.code, out.steps_run) == (69, 0) and left[0] < 10**9
+    monkeypatch.undo()
+    assert collect(StatusConfig(run_dir=tmp_path / "always"))["latest_step"] == 7
+
+
 def test_resume_with_other_accumulation_is_refused(tmp_path: Path) -> None:
     assert run(_cfg(tmp_path / "run")).code == 0
     assert run(_cfg(tmp_path / "run").model_copy(update={"grad_accum_steps": 2})).code == 2

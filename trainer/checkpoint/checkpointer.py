@@ -47,7 +47,10 @@ empty: a trainer's restore raises ``TierUnknown`` rather than choose without it
 ``export``) only notes it. What is never a reason to fall back or start afresh (a
 ``ResumeMismatch``, exit 2, nothing deleted): a checkpoint that verified but cannot be decoded or
 does not fit the model, checkpoints of the other layout or another format version, and
-unauthenticated checkpoints when nothing authentic is left.
+unauthenticated checkpoints when nothing authentic is left. A verified checkpoint whose load failed
+for a reason outside it (an I/O error, memory running out, a peer rank failing:
+``manifest.unreadable``) is neither: the tier is unknown (``TierUnknown`` on every rank), and
+start-up tries the restore again.
 
 Same step twice: a save that finds a folder of its step already on a tier keeps it when the same
 session wrote it (the manifest's ``writer``: same session and step, same state), replaces it
@@ -91,9 +94,9 @@ from trainer.checkpoint.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed
 from trainer.checkpoint.key import CheckpointKey
 from trainer.checkpoint.layout import Layout, Refs, Staged, Written
 from trainer.checkpoint.manifest import (MANIFEST, OTHER_FORMAT, OTHER_LAYOUT, OTHER_RUN, CheckpointInvalid,
-                                         CheckpointUnloadable, ResumeMismatch, StepOccupied, layout_mismatch,
-                                         other_layout, other_run_mismatch, quarantine_mismatch, quarantined,
-                                         step_name)
+                                         CheckpointUnloadable, CheckpointUnreadable, ResumeMismatch, StepOccupied,
+                                         layout_mismatch, other_layout, other_run_mismatch, quarantine_mismatch,
+                                         quarantined, step_name)
 from trainer.checkpoint.stores import UploadAborted, is_unreachable
 from trainer.checkpoint.tier_wait import TierUnknown
 from trainer.checkpoint.tiers import Tier, Tiers
@@ -927,6 +930,10 @@ class Checkpointer:
             if unloadable:
                 why = unloadable[0][1] if g.size == 1 else "; ".join(f"rank {r}: {w}" for r, w in unloadable)
                 raise ResumeMismatch(f"cannot resume from step {step} on {tier} ({location}): {why}"[:3000])
+            unread = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] == "unreadable"]
+            if unread:  # every rank raises it together: start-up tries the restore again, then exits 69
+                why = unread[0][1] if g.size == 1 else "; ".join(f"rank {r}: {w}" for r, w in unread)
+                raise TierUnknown({tier: f"step {step} ({location}): {why}"[:3000]})
             invalid = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] == "invalid"]
             if invalid:
                 if g.rank == 0:
@@ -1075,8 +1082,9 @@ class Checkpointer:
 
     def _load(self, folder: Path, download: bool) -> tuple[Any, Any]:
         """("ok", (state, full model or None)), or ("invalid", why) for a copy that does not verify
-        (another copy may), or ("unloadable", why) for one that verified but cannot be loaded
-        here (a resume mismatch: no fallback)."""
+        (another copy may), ("unloadable", why) for one that verified but cannot be loaded
+        here (a resume mismatch: no fallback), or ("unreadable", why) for one that verified but
+        could not be loaded just now (I/O, memory, a peer: unknown, tried again)."""
         try:
             if download:
                 return "ok", (self.layout.load(folder, key=self.key), None)
@@ -1084,6 +1092,8 @@ class Checkpointer:
             return "ok", (state, model)
         except CheckpointUnloadable as e:
             return "unloadable", str(e)
+        except CheckpointUnreadable as e:
+            return "unreadable", str(e)
         except TierUnknown:
             raise
         except CheckpointInvalid as e:

@@ -12,13 +12,18 @@ starting one by hand) would collide in their saves and double the ledger. Two me
   write of the trainer (checkpoint uploads, retention, the ledger mirror) first asks
   ``Lease.check`` (``GcsStore.guard``), so a trainer without the lease writes nothing there.
 
-The holder is named by host and run dir (a job under torchrun: its rendezvous id, as every rank 0
-it may have speaks for the same job). A trainer that finds the lease:
+Each trainer process is its own incarnation (a random id in the lease document): a second trainer
+named like the first (every torchrun job of a pool has the experiment's rendezvous id) is still
+another writer. The holder's name (host and run dir, and the rendezvous id under torchrun) is for
+humans. A trainer that finds the lease:
 
-* absent, or its own (a restart on the same VM, or the group's replacement of it, which keeps the
-  instance name): takes it at once;
-* another's, not renewed for ``ttl`` (by Cloud Storage's clock, or unchanged for ``ttl`` while
-  watched): takes it over (the holder died without releasing it);
+* absent, or its predecessor's (the run dir records which incarnation took the lease on which
+  boot; a trainer that holds the run dir's lock on that same boot knows that incarnation is dead,
+  since the kernel drops the lock only when its holder ends): takes it at once;
+* another's, not renewed for ``ttl``: takes it over (the holder died without releasing it). The
+  lease's age is judged by Cloud Storage's clock only: the lease's ``updated`` against the
+  ``updated`` the store gives ``lease-clock.json`` as the taker overwrites it, then counted on by
+  the taker's monotonic clock. A VM whose wall clock is wrong cannot take a live lease;
 * another's and renewed while watched (twice, so that a last renewal of a dying holder does not
   count): a live trainer writes the job; exits 2 naming it (a human must choose).
 
@@ -36,6 +41,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -44,12 +50,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer import retry, untrusted
-from trainer.checkpoint.stores import GcsStore, UploadAborted, is_unreachable
+from trainer.checkpoint.stores import TMP_PREFIX, GcsStore, UploadAborted, is_unreachable
 from trainer.checkpoint.tier_wait import TierUnknown
 
 LOCK_FILE = ".trainer.lock"
 LEASE_KEY = "lease.json"
+#: Overwritten by a trainer waiting for the lease: the ``updated`` Cloud Storage gives it is the
+#: store's clock now, against which the lease's own ``updated`` is judged.
+CLOCK_KEY = "lease-clock.json"
+#: In the run dir: which lease (object and incarnation) this run dir's trainer took, on which boot.
+LEASE_RECORD = ".trainer.lease"
+RECORD_MAX_BYTES = 4096
 DEFAULT_TTL_S = 120.0
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 def _iso(t: float) -> str:
@@ -127,13 +140,13 @@ class LeaseLost(UploadAborted):
 
 
 def holder_id(run_dir: Path) -> str:
-    """Who this trainer is to the lease: the job's rendezvous under torchrun, else host:run dir."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id:
-        return f"torchrun job {run_id}"
+    """Who this trainer is to a human reading the lease: host and run dir, and under torchrun the
+    job's rendezvous id too. A name only: which trainer holds the lease is its ``incarnation``."""
     from trainer.distributed import node_name
 
-    return f"{node_name()}:{Path(run_dir).resolve()}"
+    where = f"{node_name()}:{Path(run_dir).resolve()}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchrun job {run_id} on {where}" if run_id else where
 
 
 def describe_holder(doc: dict[str, Any]) -> str:
@@ -141,18 +154,51 @@ def describe_holder(doc: dict[str, Any]) -> str:
             f"{doc.get('started', '?')}, renewed {doc.get('renewed', '?')})")
 
 
+def boot_id() -> str | None:
+    """This machine's boot (the kernel's random id, new at every boot), or None."""
+    try:
+        return BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """The run dir's lease record, or None (absent, not a regular file, unreadable, garbage)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, RECORD_MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        doc = untrusted.loads(data, limit=RECORD_MAX_BYTES, what=str(path))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 class Lease:
     """The writer lease on one GCS prefix (see the module docstring)."""
 
     def __init__(self, store: GcsStore, *, holder: str, started: float, ttl_s: float = DEFAULT_TTL_S,
-                 log: logging.Logger | None = None, op_timeout_s: float = 60.0,
+                 log: logging.Logger | None = None, op_timeout_s: float = 60.0, record: Path | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        """``record``: the run dir's lease record, given only by a trainer that holds the run
+        dir's lock. ``wall`` only stamps the document for humans: no decision reads it."""
         self.store, self.holder, self.ttl_s = store, holder, ttl_s
         self.log = log or logging.getLogger("trainer.lease")
         self.op_timeout_s = op_timeout_s
+        self.record = record
         self.clock, self.wall = clock, wall
-        self._me = {"holder": holder, "pid": os.getpid(), "host": socket.gethostname(), "started": _iso(started),
-                    "ttl_s": ttl_s}
+        self.incarnation = uuid.uuid4().hex  # this process, and nobody else
+        self._me = {"holder": holder, "incarnation": self.incarnation, "pid": os.getpid(),
+                    "host": socket.gethostname(), "started": _iso(started), "ttl_s": ttl_s}
         self._gen: int | None = None
         self._nonce = ""
         self._renewed_at: float | None = None  # monotonic send time of the last write that landed
@@ -229,11 +275,56 @@ class Lease:
         return True
 
     # -- acquire, renew, release -------------------------------------------------------------
+    def _store_now(self) -> tuple[float | None, float]:
+        """Cloud Storage's clock now (None: its answer had none), and this process's monotonic
+        clock once it answered."""
+        try:
+            with self._bounded():
+                stamp = self.store.stamp(CLOCK_KEY, json.dumps(self._me).encode())
+        except Exception as e:
+            if is_unreachable(e):
+                raise TierUnknown({"gcs": f"writer lease: {type(e).__name__}: {e}"}) from e
+            raise
+        return stamp, self.clock()
+
+    def _predecessor(self) -> str | None:
+        """The incarnation that held this lease from this run dir on this boot, if any: it is
+        dead (this process holds the run dir's lock, which the kernel drops only when its holder
+        ends). A copy of the disk on another machine has another boot, so it is nobody's."""
+        doc = read_record(self.record) if self.record is not None else None
+        boot = boot_id()
+        if doc is None or boot is None or doc.get("boot") != boot or \
+                doc.get("lease") != self.store.location(LEASE_KEY):
+            return None
+        inc = doc.get("incarnation")
+        return inc if isinstance(inc, str) and inc else None
+
+    def _remember(self) -> None:
+        """Record in the run dir that this incarnation holds the lease (atomically; a record that
+        cannot be written only costs a successor the wait for the lease to expire)."""
+        if self.record is None:
+            return
+        doc = {"lease": self.store.location(LEASE_KEY), "incarnation": self.incarnation, "boot": boot_id()}
+        # A leftover of a crash here is cleaned with the run dir's other temporaries.
+        tmp = self.record.with_name(f"{TMP_PREFIX}{self.record.name}-{self.incarnation[:8]}")
+        try:
+            tmp.write_text(json.dumps(doc) + "\n")
+            os.replace(tmp, self.record)
+        except OSError as e:
+            self.log.warning("event=lease_record ok=0 file=%s error=%r (a restart here waits for the lease to "
+                             "expire)", self.record, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
     def acquire(self, *, sleep: Callable[[float], bool], on_wait: Callable[[str], None]) -> None:
         """Take the lease (see the module docstring). Raises ``LeaseHeld`` for a live holder,
         ``TierUnknown`` when Cloud Storage does not answer, and ``InterruptedError`` when
         ``sleep`` reports a preemption notice."""
-        watched: tuple[int, float] | None = None  # (generation, monotonic first seen)
+        predecessor = self._predecessor()
+        # (generation, q): the lease has been at that generation since monotonic time q at the
+        # latest, so its age at t is at least t - q. First seen: its age by Cloud Storage's clock
+        # (the lease's `updated` against the store's now), then counted on by the monotonic clock.
+        quiet: tuple[int, float] | None = None
         renewals = 0
         while True:
             cur = self._read()
@@ -241,23 +332,29 @@ class Lease:
                 if self._write(0):
                     self.log.info("event=lease_acquired holder=%s object=%s ttl_s=%g", self.holder,
                                   self.store.location(LEASE_KEY), self.ttl_s)
+                    self._remember()
                     return
                 continue  # someone created it meanwhile: look again
             doc, gen, updated = cur
-            now = self.clock()
-            if watched is not None and watched[0] != gen:
-                renewals += 1
-                watched = (gen, now)
-            elif watched is None:
-                watched = (gen, now)
+            inc = doc.get("incarnation")
+            own = isinstance(inc, str) and inc != "" and inc in (self.incarnation, predecessor)
+            if quiet is None or quiet[0] != gen:
+                if quiet is not None:
+                    renewals += 1
+                since = self.clock()
+                if not own and updated is not None:
+                    stamp, answered = self._store_now()
+                    if stamp is not None:
+                        since = min(since, answered - (stamp - updated))
+                quiet = (gen, since)
             ttl = _ttl(doc, self.ttl_s)
-            stale_by_gcs = updated is not None and self.wall() - updated > ttl
-            stale_watched = now - watched[1] > ttl
-            if doc.get("holder") == self.holder or stale_by_gcs or stale_watched:
+            age = self.clock() - quiet[1]
+            if own or age > ttl:
                 if self._write(gen):
-                    how = "own" if doc.get("holder") == self.holder else "expired"
                     self.log.info("event=lease_acquired holder=%s object=%s took_over=%s previous=%s",
-                                  self.holder, self.store.location(LEASE_KEY), how, describe_holder(doc))
+                                  self.holder, self.store.location(LEASE_KEY), "own" if own else "expired",
+                                  describe_holder(doc))
+                    self._remember()
                     return
                 continue
             if renewals >= 2:
@@ -265,10 +362,7 @@ class Lease:
                     f"another trainer is writing this job: the writer lease {self.store.location(LEASE_KEY)} is "
                     f"held and renewed by {describe_holder(doc)}. Two trainers on one job would collide: stop "
                     "that one (or give this one another gcs_uri)")
-            left = ttl - (now - watched[1])
-            if updated is not None:
-                left = min(left, ttl - (self.wall() - updated))
-            left = max(0.0, left)
+            left = max(0.0, ttl - age)
             # The health answer first: whoever reads the line below may ask it at once.
             on_wait(f"for the writer lease held by {doc.get('holder', '?')} (expires in {left:.0f}s)")
             self.log.warning("event=waiting_for_lease holder=%s expires_in_s=%.0f (taking it over if it is "

@@ -55,6 +55,38 @@ class CheckpointUnloadable(Exception):
     cannot decode: a resume mismatch, never corruption (nothing is deleted, no fallback)."""
 
 
+class CheckpointUnreadable(Exception):
+    """A checkpoint that verified but could not be loaded just now: an I/O error, memory running
+    out, a peer rank or the process group failing (``unreadable``). It says nothing about the
+    checkpoint: unknown, not bad. The restore is tried again (start-up's wait for a tier, then exit
+    69), never a fallback to an older checkpoint, never bad input."""
+
+
+#: What a gloo collective raises when a peer died, hung or closed its socket: a plain
+#: ``RuntimeError`` whose message names gloo's transport (NCCL's are ``DistError``s).
+_GLOO_TRANSPORT = re.compile(r"gloo/transport/")
+
+
+def unreadable(exc: BaseException) -> bool:
+    """Whether a load failed for a reason outside the checkpoint (see ``CheckpointUnreadable``):
+    ``OSError``, ``MemoryError``, torch's out-of-memory, ``torch.distributed.DistError``, gloo's
+    transport errors, also as the cause of another error. DCP's ``CheckpointException`` carries
+    each failing rank's error: unreadable only when every one of them is (a rank that found the
+    checkpoint does not fit has the answer)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        failures = [e for e, _ in exc.failures.values()]
+        return bool(failures) and all(unreadable(e) for e in failures)
+    if isinstance(exc, (CheckpointUnreadable, OSError, MemoryError, torch.OutOfMemoryError,
+                        torch.distributed.DistError)):
+        return True
+    if isinstance(exc, RuntimeError) and _GLOO_TRANSPORT.search(str(exc)):
+        return True
+    cause = exc.__cause__
+    return cause is not None and cause is not exc and unreadable(cause)
+
+
 class StepOccupied(Exception):
     """A quarantined checkpoint (see ``quarantined``) occupies the step a save would write on a tier: the save
     skips that tier rather than overwrite it."""

@@ -70,9 +70,9 @@ from trainer.checkpoint.format import (CheckpointInfo, _hash_file, _verify_file,
                                        read_manifest)
 from trainer.checkpoint.host_copy import HostCopy
 from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written
-from trainer.checkpoint.manifest import (MANIFEST, OTHER_LAYOUT, CheckpointInvalid,
-                                         CheckpointUnloadable, StepOccupied, build_manifest,
-                                         check_manifest_entries, parse_manifest_header, step_name)
+from trainer.checkpoint.manifest import (MANIFEST, OTHER_LAYOUT, CheckpointInvalid, CheckpointUnloadable,
+                                         CheckpointUnreadable, StepOccupied, build_manifest,
+                                         check_manifest_entries, parse_manifest_header, step_name, unreadable)
 from trainer.checkpoint.stores import TMP_PREFIX, Store, fsync_dir
 from trainer.checkpoint.tiers import Tier
 
@@ -168,12 +168,18 @@ def _try(fn: Callable[[], Any]) -> str | None:
     try:
         fn()
         return None
-    except CheckpointException as e:
+    except (CheckpointException, Exception) as e:  # noqa: BLE001
+        return _error_text(e)
+
+
+def _error_text(e: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
         # It carries each failing rank's whole traceback; the last line is the actual error.
         lines = [x.strip() for x in str(e).splitlines() if x.strip()]
         return lines[-1] if lines else type(e).__name__
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
+    return f"{type(e).__name__}: {e}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,13 +477,23 @@ class Sharded:
         """Load a verified folder's shards into the bound model and optimizer (resharded to this
         world size; a collective) and return rank 0's extras. A checkpoint that does not fit them
         (every file matched its sha256 under an authentic manifest, so this is no corruption:
-        another architecture or settings) is ``CheckpointUnloadable``."""
-        err = _try(lambda: self.load_into(folder, self._model, self._optimizer))
-        if err is not None:
+        another architecture or settings) is ``CheckpointUnloadable``; a load that failed for a
+        reason outside the checkpoint (I/O, memory, a peer: ``manifest.unreadable``) is
+        ``CheckpointUnreadable``, tried again."""
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            self.load_into(folder, self._model, self._optimizer)
+            return _load_extras(folder / EXTRAS)
+        except CheckpointUnloadable:
+            raise
+        except (CheckpointException, Exception) as e:  # noqa: BLE001
+            err = _error_text(e)
+            if unreadable(e):
+                raise CheckpointUnreadable(f"the checkpoint verified but could not be loaded just now: {err}") from None
             raise CheckpointUnloadable(
                 "the checkpoint verified but does not fit this model and optimizer (use the original code and "
-                f"settings, or a new --run-dir/--gcs-uri for a new run; nothing was deleted): {err}")
-        return _load_extras(folder / EXTRAS)
+                f"settings, or a new --run-dir/--gcs-uri for a new run; nothing was deleted): {err}") from None
 
     def load_into(self, folder: Path, model: Any, optimizer: Any | None) -> None:
         """Load a verified checkpoint folder's shards into ``model`` (and ``optimizer``; None:
@@ -513,6 +529,9 @@ class Sharded:
                 _load_state_dict(full, storage_reader=dcp.FileSystemReader(str(folder)),
                                  planner=_EmptyStateDictLoadPlanner(), no_dist=True)
         except Exception as e:  # noqa: BLE001 - verified, yet DCP cannot read it: not this version's
+            if unreadable(e):  # or not just now
+                raise CheckpointUnreadable(f"DCP could not read the verified checkpoint just now ({_error_text(e)})") \
+                    from None
             raise CheckpointUnloadable(f"DCP cannot read the verified checkpoint ({type(e).__name__}: {e})") from None
         return full["model"], _load_extras(folder / EXTRAS)
 

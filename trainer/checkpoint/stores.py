@@ -733,6 +733,17 @@ class GcsStore:
         except gexc.NotFound:  # deleted between the metadata and the content
             return None
 
+    def stamp(self, key: str, data: bytes) -> float | None:
+        """Cloud Storage's clock now (Unix seconds): the ``updated`` it gives ``key`` as this call
+        overwrites it with ``data``, or None when its answer has none. The writer lease judges a
+        lease's age by this clock (the one that stamped the lease), never by this VM's."""
+        def write() -> float | None:
+            blob = self._bucket.blob(self._object(key))
+            blob.upload_from_string(data, content_type="application/json", retry=None, timeout=self._timeout())
+            return blob.updated.timestamp() if blob.updated is not None else None
+
+        return self._retry(f"write {key}", write)
+
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
         """Write ``key`` only if it is at ``generation`` (0: only if it does not exist); the new
         generation. Raises ``google.api_core.exceptions.PreconditionFailed`` otherwise (also

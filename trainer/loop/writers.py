@@ -12,10 +12,11 @@ at once.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable
 
 from trainer.checkpoint import tier_wait
-from trainer.checkpoint.lease import FollowerLease, Lease, LeaseHeld, RunDirBusy, RunDirLock, holder_id
+from trainer.checkpoint.lease import LEASE_RECORD, FollowerLease, Lease, LeaseHeld, RunDirBusy, RunDirLock, holder_id
 from trainer.distributed import World
 
 
@@ -54,8 +55,12 @@ class Writers:
             return False
         if self.lease is None and tier is not None:
             if self.world.is_main:
+                # The run dir's lease record only while this process holds the run dir's lock:
+                # that is what proves the incarnation it names has ended.
+                record = Path(self.cfg.run_dir) / LEASE_RECORD if self.run_lock is not None else None
                 self.lease = Lease(tier.store, holder=holder_id(self.cfg.run_dir), started=self.started,
-                                   ttl_s=self.cfg.lease_ttl_s, log=self.log, op_timeout_s=op_timeout_s)
+                                   ttl_s=self.cfg.lease_ttl_s, log=self.log, op_timeout_s=op_timeout_s,
+                                   record=record)
             else:
                 self.lease = FollowerLease()
             for remote in tiers.remotes if tiers is not None else []:  # refused until held

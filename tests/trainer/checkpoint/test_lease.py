@@ -6,11 +6,13 @@ import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint.lease import LEASE_KEY, LOCK_FILE, Lease, LeaseHeld, LeaseLost, RunDirBusy, RunDirLock
+from trainer.checkpoint.lease import (LEASE_KEY, LEASE_RECORD, LOCK_FILE, Lease, LeaseHeld, LeaseLost, RunDirBusy,
+                                     RunDirLock, holder_id)
 from trainer.checkpoint.stores import GcsStore
 from trainer.checkpoint.tier_wait import TierUnknown
 
@@ -21,9 +23,9 @@ def store(gcs) -> GcsStore:
     return s
 
 
-def lease(gcs, holder: str, ttl: float = 1.0) -> Lease:
+def lease(gcs, holder: str, ttl: float = 1.0, **kw) -> Lease:
     st = store(gcs)
-    le = Lease(st, holder=holder, started=0.0, ttl_s=ttl, op_timeout_s=5.0)
+    le = Lease(st, holder=holder, started=0.0, ttl_s=ttl, op_timeout_s=5.0, **kw)
     st.guard = le.check
     return le
 
@@ -66,7 +68,7 @@ def test_a_live_holder_makes_a_second_trainer_exit_naming_it(gcs_proxy) -> None:
     a.release()
 
 
-def test_a_dead_holder_is_taken_over_after_the_ttl_and_its_own_restart_at_once(gcs_proxy) -> None:
+def test_a_dead_holder_is_taken_over_after_the_ttl(gcs_proxy) -> None:
     dead = lease(gcs_proxy, "vm-a:/run", ttl=1.0)
     dead.acquire(sleep=no_wait, on_wait=lambda s: None)  # then "SIGKILLed": never renewed, never released
     waits: list[str] = []
@@ -76,10 +78,75 @@ def test_a_dead_holder_is_taken_over_after_the_ttl_and_its_own_restart_at_once(g
     b.check()
     doc = json.loads(store(gcs_proxy).read_versioned(LEASE_KEY)[0])
     assert doc["holder"] == "vm-b:/run" and doc["pid"] == os.getpid() and doc["host"] == socket.gethostname()
-    # The same VM and run dir (a restart after a crash) take their own lease over at once.
-    again = lease(gcs_proxy, "vm-b:/run", ttl=1.0)
-    again.acquire(sleep=lambda s: pytest.fail("waited for its own lease"), on_wait=lambda s: None)
+    assert doc["incarnation"] == b.incarnation != dead.incarnation
+
+
+def test_a_restart_on_the_same_run_dir_takes_its_predecessors_lease_at_once(gcs_proxy, tmp_path: Path) -> None:
+    """The run dir records which lease its trainer took; a successor holding the run dir's lock
+    on the same boot knows its predecessor is dead (the kernel dropped the lock) and takes that
+    lease at once. A copy of the disk on another machine (another boot) waits like anyone."""
+    record = tmp_path / "run" / LEASE_RECORD
+    record.parent.mkdir()
+    crashed = lease(gcs_proxy, "vm-b:/run", ttl=30.0, record=record)
+    crashed.acquire(sleep=no_wait, on_wait=lambda s: None)  # then SIGKILLed: the lease stays live
+    assert json.loads(record.read_text())["incarnation"] == crashed.incarnation
+    again = lease(gcs_proxy, "vm-b:/run", ttl=30.0, record=record)
+    again.acquire(sleep=lambda s: pytest.fail("waited for its predecessor's lease"), on_wait=lambda s: None)
     again.check()
+    doc = json.loads(store(gcs_proxy).read_versioned(LEASE_KEY)[0])
+    assert doc["incarnation"] == again.incarnation == json.loads(record.read_text())["incarnation"]
+    # The same record on a clone of the disk booted elsewhere names the live holder: not its own.
+    cloned = json.loads(record.read_text())
+    cloned["boot"] = "another machine's boot"
+    record.write_text(json.dumps(cloned))
+    again.start()
+    clone = lease(gcs_proxy, "vm-b:/run", ttl=30.0, record=record)
+    with pytest.raises(LeaseHeld, match=r"held and renewed by vm-b:/run \(pid "):
+        clone.acquire(sleep=_renewed(gcs_proxy), on_wait=lambda s: None)
+    again.check()
+    again.release()
+
+
+def test_a_second_incarnation_of_a_pool_job_does_not_take_its_live_lease(
+        gcs_proxy, tmp_path: Path, monkeypatch) -> None:
+    """Every torchrun job of a pool has the same rendezvous id (the experiment's name): a second
+    deployment on the same prefix, or a duplicated pool, is named like the first one and must
+    still find its lease held."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "pool")
+    monkeypatch.setenv("SPOTTRAIN_NODE", "pool-node-0")
+    first = lease(gcs_proxy, holder_id(tmp_path / "run"), ttl=2.0)
+    first.acquire(sleep=no_wait, on_wait=lambda s: None)
+    first.start()
+    second = lease(gcs_proxy, holder_id(tmp_path / "run"), ttl=2.0)
+    assert second.holder == first.holder
+    with pytest.raises(LeaseHeld, match=r"held and renewed by torchrun job pool "):
+        second.acquire(sleep=_renewed(gcs_proxy), on_wait=lambda s: None)
+    first.check()
+    first.release()
+
+
+def test_a_taker_whose_clock_runs_ahead_does_not_take_a_live_lease(gcs_proxy) -> None:
+    """A VM whose wall clock runs ten TTLs ahead of Cloud Storage's: the lease's age is judged by
+    the store's clock, so a live holder's lease is not expired to it."""
+    a = lease(gcs_proxy, "vm-a:/run", ttl=2.0)
+    a.acquire(sleep=no_wait, on_wait=lambda s: None)
+    a.start()
+    b = lease(gcs_proxy, "vm-b:/run", ttl=2.0, wall=lambda: time.time() + 20.0)
+    with pytest.raises(LeaseHeld, match=r"held and renewed by vm-a:/run "):
+        b.acquire(sleep=_renewed(gcs_proxy), on_wait=lambda s: None)
+    a.check()
+    a.release()
+
+
+def test_a_lease_expired_by_the_stores_clock_is_taken_at_once_by_a_taker_whose_clock_lags(gcs_proxy) -> None:
+    """The converse: a dead holder's lease older than its TTL by Cloud Storage's clock is taken
+    without waiting, by a VM whose wall clock runs an hour behind."""
+    dead = lease(gcs_proxy, "vm-a:/run", ttl=1.0)
+    dead.acquire(sleep=no_wait, on_wait=lambda s: None)  # never renewed
+    threading.Event().wait(1.5)  # the lease ages past its TTL (the store's clock and ours both run)
+    b = lease(gcs_proxy, "vm-b:/run", ttl=1.0, wall=lambda: time.time() - 3600.0)
+    b.acquire(sleep=lambda s: pytest.fail("waited for a lease the store says expired"), on_wait=lambda s: None)
+    b.check()
 
 
 def test_a_lost_answer_on_create_is_recognised_as_our_own_write(gcs_proxy) -> None:
@@ -130,6 +197,19 @@ def test_run_dir_lock_on_a_read_only_disk_locks_the_directory(small_fs) -> None:
     with pytest.raises(RunDirBusy, match="holder not recorded"):
         RunDirLock(fs.path).acquire(started=0.0)
     first.release()
+
+
+def _renewed(gcs):
+    """The acquire loop's pause, until the live holder has renewed the lease once more (never a
+    notice)."""
+    st = store(gcs)
+
+    def pause(seconds: float) -> bool:
+        gen = st.read_versioned(LEASE_KEY)[1]
+        assert _wait(lambda: st.read_versioned(LEASE_KEY)[1] != gen), "the holder stopped renewing"
+        return False
+
+    return pause
 
 
 def _wait(cond, timeout: float = 30.0) -> bool:

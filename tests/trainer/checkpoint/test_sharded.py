@@ -167,6 +167,22 @@ def worker(mode: str, args: dict) -> None:
         c.save(4, extras_for(4, sched, rngs) if world.is_main else None, meta={}, every_tier=True)
         second = c.durable(4, deadline=time.monotonic() + GUARD)  # its manifest upload gets 403
         (out / f"durable-{world.rank}.json").write_text(json.dumps([first.tiers, second.tiers]))
+    elif mode == "load-failing":  # this rank's first shard read fails (a disk's EIO, memory running out)
+        from tests.trainer.support import failing_shard_reads
+        from trainer.checkpoint.manifest import ResumeMismatch
+        from trainer.checkpoint.tier_wait import TierUnknown
+
+        left = failing_shard_reads(args["kind"], 1) if world.rank == int(args["failing_rank"]) else [0]
+        try:
+            first = f"restored step {c.restore().step}"
+        except TierUnknown as e:
+            first = f"unknown: {e}"
+        except ResumeMismatch as e:
+            first = f"mismatch: {e}"
+        r = c.restore()  # as start-up tries it again
+        record("loaded.pt")
+        (out / f"attempts-{world.rank}.json").write_text(json.dumps({"first": first, "then": r.step if r else None,
+                                                                     "faults_left": left[0]}))
     elif mode == "load":
         r = c.restore()
         record("loaded.pt")
@@ -485,6 +501,85 @@ def test_checkpoint_of_another_model_is_a_resume_mismatch(saved_ws2: Path, tmp_p
     with pytest.raises(ResumeMismatch, match=r"cannot resume from step 4 .*Size mismatch .*model\.0\.weight"):
         c.restore()  # not a fallback to step 2, nor a fresh start: the run would be lost
     c.close()
+
+
+def test_a_disk_error_on_one_rank_while_loading_is_unknown_then_loads_never_a_mismatch(saved_ws2: Path,
+                                                                                         tmp_path: Path) -> None:
+    """World size 2: rank 1's shard read meets EIO once. DCP hands that rank's error to every
+    rank; it says nothing about the checkpoint, so every rank's restore says the tier is unknown
+    (start-up waits and tries again), and the next try loads step 4 exactly."""
+    run, out = tmp_path / "run", tmp_path / "out"
+    shutil.copytree(saved_ws2 / "run", run)
+    out.mkdir()
+    launch(2, "load-failing", run_dir=run, out=out, kind="eio", failing_rank=1)
+    for rank in range(2):
+        got = json.loads((out / f"attempts-{rank}.json").read_text())
+        assert got["first"].startswith("unknown: persistent: step 4 "), got
+        assert "OSError: [Errno 5] Input/output error" in got["first"] and got["then"] == 4
+    assert json.loads((out / "attempts-1.json").read_text())["faults_left"] == 0
+    assert_same_state(torch.load(out / "loaded.pt", weights_only=False),
+                      torch.load(saved_ws2 / "out" / "full-4.pt", weights_only=False))
+    assert [i.step for i in list_sharded(_dir_store(run)) if i.valid] == [4, 2]  # nothing deleted
+
+
+def test_memory_running_out_while_loading_is_unknown_then_loads(saved_ws2: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint import filesystem
+
+    from tests.trainer.support import failing_shard_reads
+    from trainer.checkpoint.tier_wait import TierUnknown
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_ws2 / "run", run)
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", filesystem.FileSystem.create_stream)  # undone after
+    left = failing_shard_reads("memory", 1)
+    model, opt, _ = make(seed=99)
+    c = ckpt(run, World(), model=model, opt=opt)
+    try:
+        with pytest.raises(TierUnknown, match=r"persistent: step 4 .*MemoryError"):
+            c.restore()  # not a fallback to step 2, nor exit 2
+        assert left == [0]
+        r = c.restore()
+        assert r is not None and r.step == 4
+        assert_same_state(full_state(model, opt), torch.load(saved_ws2 / "out" / "full-4.pt", weights_only=False))
+    finally:
+        c.close()
+
+
+def _failures(*errors: BaseException) -> BaseException:
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException("load failed", {r: (e, traceback.StackSummary()) for r, e in enumerate(errors)})
+
+
+# What gloo raised in a survivor when its peer died, and when its peer hung (torch 2.13, recorded).
+GLOO_PEER_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                    "peer [127.0.0.1]:10132. This is typically caused by a remote worker crashing.")
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                "3000ms for recv operation to complete")
+
+
+@pytest.mark.parametrize("error, outside", [
+    (OSError(5, "Input/output error"), True),
+    (MemoryError(), True),
+    (torch.OutOfMemoryError("CUDA out of memory"), True),
+    (torch.distributed.DistBackendError("NCCL communicator was aborted"), True),
+    (RuntimeError(GLOO_PEER_CLOSED), True),
+    (RuntimeError(GLOO_TIMEOUT), True),
+    (_failures(OSError(5, "Input/output error"), RuntimeError(GLOO_PEER_CLOSED)), True),
+    (RuntimeError("Size mismatch for model.0.weight"), False),
+    (RuntimeError("Missing key in checkpoint state_dict: model.3.weight."), False),
+    (KeyError("optim"), False),
+    (_failures(OSError(5, "Input/output error"), RuntimeError("Size mismatch for model.0.weight")), False),
+], ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v))
+def test_what_a_load_error_says_about_the_checkpoint(error: BaseException, outside: bool) -> None:
+    """I/O, memory and peers say nothing about a verified checkpoint; a shape or a key that does
+    not fit does (every rank's error counts: one that does not fit has the answer)."""
+    from trainer.checkpoint.manifest import unreadable
+
+    assert unreadable(error) is outside
 
 
 def _forge_on_disk(run: Path, src: int, step: int, replace: dict[str, bytes]) -> None:

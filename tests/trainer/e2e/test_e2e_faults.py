@@ -237,6 +237,49 @@ def test_two_run_dirs_on_one_gcs_prefix_never_write_it_at_once(tmp_path: Path, g
     assert "event=waiting_for_lease" not in b.output
 
 
+def _pool_job(tmp_path: Path, run_dir: Path, config: Path, gcs, **env: str) -> Proc:
+    """One torchrun job of a pool (as trainer.sh starts it: c10d rendezvous, the experiment's name
+    as rendezvous id) on a rendezvous of its own, parked in step 2 while its gate flag exists."""
+    from drill.net import free_port
+
+    argv = run_args(run_dir, 400, config, "--task", GATE, "--gcs-uri", gcs.uri)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=pool", "--max-restarts=0", "-m", *argv[2:]]
+    flag = tmp_path / f"gate-{run_dir.name}"
+    flag.touch()
+    return Proc(cmd, env=trainer_env(GATE_FLAG=str(flag), GATE_AFTER="4", SPOTTRAIN_NODE="pool-0",
+                                     TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **gcs.env, **env), new_session=True)
+
+
+def test_a_second_incarnation_of_a_pool_job_exits_2_and_the_first_keeps_its_lease(tmp_path: Path, gcs_proxy) -> None:
+    """Two torchrun jobs with the same rendezvous id (a pool deployed twice on one prefix, or a
+    duplicated pool): the same holder name, two incarnations. The second must not take the
+    first one's live lease as its own."""
+    config = write_config(tmp_path, "lease_ttl_s = 2\n")
+    first = _pool_job(tmp_path, tmp_path / "a", config, gcs_proxy)
+    try:
+        first.wait_for(r"event=step step=1/")
+        first.seen(r"event=lease_acquired holder=torchrun job pool\b")
+        reason = tmp_path / "bad-input"
+        second = _pool_job(tmp_path, tmp_path / "b", config, gcs_proxy, SPOTTRAIN_BAD_INPUT_FILE=str(reason))
+        try:
+            got = second.wait_for(r"event=(failed reason=bad_input|lease_acquired) .*").group(0)
+            assert got.startswith("event=failed"), got
+            second.wait()
+        finally:
+            second.kill()
+        assert "held and renewed by torchrun job pool on pool-0:" in reason.read_text(), second.output[-3000:]
+        assert "event=restore" not in second.output
+        assert "event=lease_lost" not in first.output
+        first.signal(signal.SIGTERM, group=True)
+        (tmp_path / "gate-a").unlink()
+        first.wait()
+        first.seen(r"event=preempted step=\d+ persistent_ok=1 gcs_ok=True")
+        first.seen(r"event=lease_released ok=1")
+    finally:
+        first.kill()
+
+
 def test_a_holder_that_died_is_replaced_after_the_ttl(tmp_path: Path, gcs_proxy) -> None:
     config = write_config(tmp_path, "lease_ttl_s = 3\n")
     gate = tmp_path / "gate"
