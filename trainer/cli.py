@@ -30,7 +30,9 @@ Exit codes of ``run``:
   kept failing on I/O, memory or a peer (nothing trained; run again: docs/resume.md).
 - 2: bad input or a resume with other settings, or another trainer holds the run dir or the job's
   GCS lease (restarting cannot fix it).
-- 1: failed (also: a notice whose emergency save reached no tier that outlives the VM).
+- 1: failed (also: a notice whose emergency save reached no tier that outlives the VM). Also data
+  workers that kept dying, once the step reached is durable on every tier (``event=failed
+  reason=data_workers``): run again, it resumes from that step with new workers.
 
 With ``SPOTTRAIN_BAD_INPUT_FILE`` set (the VM's trainer.sh sets it), an exit 2 of ``run`` also
 writes its reason there, for the VM's state output (health answer, guest attributes, stop marker);

@@ -225,7 +225,9 @@ class RunConfig(BaseModel):
     each batch in the training process when the step needs it. Not part of the fingerprint: the
     weights are bit-identical with any number of workers, so it may change across a resume.
     With workers, the dataset is indexed in other processes: ``ds[i]`` must not rely on the
-    training process's RNG or state (it must be a pure function of ``i`` anyway)."""
+    training process's RNG or state (it must be a pure function of ``i`` anyway). A worker that
+    dies (the OOM killer) is replaced at the position, nothing lost; at the 4th death within 10
+    minutes the step is saved and the trainer exits 1 to be restarted (``event=data_workers_died``)."""
     eval_every_steps: int | None = Field(default=None, gt=0)
     """Evaluate the task's eval set (or eval callable) every K optimizer steps and at the end;
     logged as ``event=eval`` and written to TensorBoard as ``eval/loss``. Its randomness is

@@ -108,18 +108,19 @@ def train(s: Session) -> Outcome:
     step_fn = StepFn(cfg, job, mixed, device)
     evaluator = Evaluator(job.task, cfg, step_fn, world, sharded=job.in_place, interrupted=lambda: s.preempt.requested)
     t_loop, cpu_loop = time.monotonic(), time.process_time()
-    done, stop, lost, capped = start, False, False, False
+    done, stop, lost, capped, starved = start, False, False, False, False
     for step in range(start, cfg.steps):
         t0 = time.monotonic()
         loss, metrics = step_fn()
         s.productive_s += time.monotonic() - t0
         done = step + 1
         s.completed(done, loss, job.lr, metrics)
-        stop, due, lost, capped = world.any_flags(s.preempt.requested, world.is_main and s.ckpt.due(done),
-                                                  s.writers.lost, s.capped is not None)
+        stop, due, lost, capped, starved = world.any_flags(s.preempt.requested, world.is_main and s.ckpt.due(done),
+                                                           s.writers.lost, s.capped is not None,
+                                                           job.batches.failure is not None)
         if not (stop or lost) and evaluator.due(done):
             s.evaluated(done, evaluator())
-        if stop or lost or capped or done == cfg.steps or done == cfg.stop_at_step:
+        if stop or lost or capped or starved or done == cfg.steps or done == cfg.stop_at_step:
             break
         if due:
             s.finish.save(done)
@@ -133,6 +134,9 @@ def train(s: Session) -> Outcome:
         code, reason = EXIT_BAD_INPUT, s.finish.lost_lease(done)
     elif capped and done < cfg.steps:
         code, reason = s.finish.pause(done, cap=s.spend_cap()), ""
+    elif starved and done < cfg.steps and done != cfg.stop_at_step:  # data workers that kept dying
+        why = job.batches.failure or "the data workers of another rank kept dying"
+        code, reason = s.finish.workers_failed(done, why), ""
     elif done < cfg.steps:
         code, reason = s.finish.pause(done), ""
     else:

@@ -1,5 +1,6 @@
 """How a session saves and how it ends: the periodic save, the final checkpoint, a pause, the
-emergency save on a notice, and the stop after a lost lease; each returns the exit status.
+emergency save on a notice, the stop after a lost lease, and the stop after data workers that kept
+dying; each returns the exit status.
 
 The run is finished (exit 0) only once the final checkpoint is durable on every durable tier; a
 pause exits 75 only once its checkpoint is. Both keep saving where a copy is missing, with growing
@@ -19,7 +20,7 @@ from trainer import EXIT_FAILED, EXIT_FINISHED, EXIT_NOT_DURABLE, EXIT_PREEMPTED
 from trainer.distributed import World
 from trainer.loop.step import Job
 from trainer.observe.bus import Bus
-from trainer.observe.events import CheckpointSaved, Failed, Finished, Notice, Paused, Preempted
+from trainer.observe.events import CheckpointSaved, Failed, Finished, Notice, Paused, Preempted, Progress
 
 #: The durability retries' waits: 1 s doubling to a minute, no jitter (every rank decides together).
 DURABLY = retry.Policy(first_s=1.0, cap_s=60.0, jitter=0.0)
@@ -128,6 +129,22 @@ class Finish:
                "would collide: stop one of them")
         self.bus.emit(Failed("lease_lost", why, step=step))
         return why
+
+    def workers_failed(self, step: int, why: str) -> int:
+        """The data workers (of some rank) kept dying: the state in memory, ``step`` just
+        completed, durable on every tier as for a pause; then exit 1, which the VM's unit (or a
+        pool's torchrun) restarts, new workers and all, from this checkpoint: nothing is lost. 74
+        when it does not get durable (restarted too); a notice meanwhile takes the emergency path."""
+        durable = self._durably(step)
+        if durable is None:
+            return EXIT_FAILED if self._emergency(step) == "failed" else EXIT_PREEMPTED
+        if not durable.ok:
+            return self._not_durable(step, durable, "the checkpoint after the data workers failed")
+        if self.world.is_node_leader:
+            self.bus.emit(Progress(step, self.productive()))  # the goodput ledger's productive time up to it
+            self.bus.emit(Failed("data_workers", f"{why}; step {step} is saved and durable: the next session "
+                                 "resumes from it with new workers", step=step))
+        return EXIT_FAILED
 
     # ------------------------------------------------------------------ durability
     def _durably(self, step: int) -> Any:

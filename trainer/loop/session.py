@@ -28,7 +28,7 @@ from trainer import task as tasks
 from trainer.artifacts import Artifacts
 from trainer.checkpoint import tier_wait
 from trainer.checkpoint.checkpointer import describe_failing
-from trainer.data.batches import Batches
+from trainer.data.batches import Batches, WorkersDied
 from trainer.data.sampler import DataOrder
 from trainer.distributed import World, node_name
 from trainer.loop import parallel, precision, restore, rollback, state
@@ -37,8 +37,9 @@ from trainer.loop.step import Job
 from trainer.loop.writers import Writers
 from trainer.observe import sinks
 from trainer.observe.bus import Bus, SinkContext
-from trainer.observe.events import (CapacityWait, CheckpointDurable, Eval, Failed, Goodput, InitFrom, Notice, Preempted,
-                                    Progress, Restored, SessionStarted, Stalled, Step, StepsChanged, TierFailing, TierOk)
+from trainer.observe.events import (CapacityWait, CheckpointDurable, DataWorkersDied, Eval, Failed, Goodput, InitFrom,
+                                    Notice, Preempted, Progress, Restored, SessionStarted, Stalled, Step, StepsChanged,
+                                    TierFailing, TierOk)
 from trainer.observe.health import Health, HealthServer
 from trainer.observe.ledger import new_session_id, session_start_fields
 from trainer.observe.progress import StepWindow
@@ -192,7 +193,7 @@ class Session:
         data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size, rank=world.rank,
                          world_size=world.size)
         self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
-                               log=self.log.getChild("data"))
+                               log=self.log.getChild("data"), on_died=self._workers_died)
         job = Job(task, model, data, self.batches, mixed.scaler, cfg.fingerprint(dataset_len=len(task.dataset),
                   device=device.type), accum, world, in_place=cfg.parallelism == "fsdp")
         if world.is_node_leader:
@@ -301,6 +302,11 @@ class Session:
         if self.world.is_main:
             window = self._window.add(step, loss, lr, metrics) if self._window is not None else None
             self.bus.emit(Step(step, self.cfg.steps, loss, lr, metrics, window))
+
+    def _workers_died(self, died: WorkersDied) -> None:
+        """This rank's data workers died inside step ``done + 1`` (restarted at the position, or
+        given up: the loop sees ``batches.failure`` after the step)."""
+        self.bus.emit(DataWorkersDied(self.done, died.consumed, died.describe(), died.deaths, died.restarted))
 
     def evaluated(self, step: int, result: Any) -> None:
         if result is not None and self.world.is_main:

@@ -175,6 +175,23 @@ class Stalled(Event):
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True)
+class DataWorkersDied(Event):
+    """Data workers of this rank died under the loop after ``step`` (the OOM killer, a crash):
+    ``died`` their pids and how (``1234:SIGKILL``), ``consumed`` the data position their batches
+    come from again, ``deaths`` within the window (``trainer.data.batches.RESTART_WINDOW_S``).
+    ``restarted``: new workers took over at the position, nothing lost; False: they kept dying,
+    the step finishes with batches made in the training process, then the session saves and
+    stops (``Failed`` ``data_workers``, exit 1: the unit restarts it)."""
+
+    kind: ClassVar[str] = "data_workers_died"
+    step: int
+    consumed: int
+    died: str
+    deaths: int
+    restarted: bool
+
+
 # ------------------------------------------------------------------------------ checkpoints
 
 
@@ -280,7 +297,8 @@ class Finished(Event):
 @dataclasses.dataclass(frozen=True)
 class Failed(Event):
     """The session stopped on an error: ``reason`` ``bad_input``, ``tier_unknown``, ``exception``,
-    ``not_durable`` or ``lease_lost``; ``detail`` says what (the ledger keeps 500 characters)."""
+    ``not_durable``, ``lease_lost`` or ``data_workers`` (they kept dying; the step reached is
+    saved); ``detail`` says what (the ledger keeps 500 characters)."""
 
     kind: ClassVar[str] = "failed"
     not_recorded: ClassVar[tuple[str, ...]] = ("trace", "step")
@@ -294,5 +312,5 @@ class Failed(Event):
 
 
 __all__ = ["Event", "SessionStarted", "CapacityWait", "Restored", "StepsChanged", "InitFrom", "Step", "Eval",
-           "Progress", "Goodput", "Stalled", "CheckpointSaved", "CheckpointDurable", "TierFailing", "TierOk",
-           "Notice", "Preempted", "Paused", "Finished", "Failed"]
+           "Progress", "Goodput", "Stalled", "DataWorkersDied", "CheckpointSaved", "CheckpointDurable", "TierFailing",
+           "TierOk", "Notice", "Preempted", "Paused", "Finished", "Failed"]

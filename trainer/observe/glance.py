@@ -20,6 +20,7 @@ _DOING = {
     "steps_changed": "starting", "init_from": "starting", "progress": "training", "checkpoint": "training",
     "durable": "training", "tier_ok": "training", "tier_failing": "training (a checkpoint tier is failing)",
     "stalled": "stalled (no step finished within the stall limit)",
+    "data_workers_died": "training (a data worker died)",
     "preemption_notice": "saving after a preemption notice",
 }
 #: Events that end a session: no trainer runs after them until a new session starts.

@@ -4,6 +4,7 @@ workers stuck on slow samples."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -84,3 +85,65 @@ def test_a_notice_does_not_wait_for_workers_busy_on_slow_samples(tmp_path: Path)
     finally:
         p.kill()
         (slow / "workers").unlink(missing_ok=True)
+
+
+def test_a_worker_killed_by_sigkill_costs_nothing(tmp_path: Path, reference: dict) -> None:
+    """A data worker SIGKILLed at step 5 of a run that has saved nothing yet: new workers take over
+    at the position, the same session trains to the end and its weights are the uninterrupted
+    reference's, bit for bit; the death is in the log and the ledger."""
+    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "100", "--data-workers", "2")
+    try:
+        pids = [int(x) for x in p.wait_for(r"event=data_workers workers=2 from=0 pids=([\d,]+)").group(1).split(",")]
+        p.wait_for(r"event=step step=5/")
+        os.kill(pids[0], signal.SIGKILL)
+        died = p.wait_for(r"event=data_workers_died step=(\d+) consumed=(\d+) died=(\S+) deaths=1 restarted=1")
+        step, consumed = int(died.group(1)), int(died.group(2))
+        assert died.group(3) == f"{pids[0]}:SIGKILL" and step >= 5 and consumed >= step * 4, died.group(0)
+        new = p.wait_for(rf"event=data_workers workers=2 from={consumed} pids=([\d,]+)").group(1)
+        assert pids[0] not in {int(x) for x in new.split(",")}
+        assert p.wait() == 0, p.output[-3000:]
+    finally:
+        p.kill()
+    assert "event=failed" not in p.output and p.output.count("event=restore ") == 1, p.output[-3000:]
+    s = status(run_dir)
+    assert s["latest_step"] == STEPS and s["model_digest"] == reference["model_digest"]
+    from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
+
+    told = [e for e in read_events(run_dir / LEDGER_DIR / LEDGER_FILE) if e["event"] == "data_workers_died"]
+    assert [(e["step"], e["consumed"], e["died"], e["restarted"]) for e in told] == \
+        [(step, consumed, f"{pids[0]}:SIGKILL", True)]
+
+
+def test_workers_that_keep_dying_save_the_step_and_exit_to_be_restarted(tmp_path: Path, reference: dict) -> None:
+    """From step 5 on every data worker is SIGKILLed at its first sample: three restarts, then
+    the workers are given up; the step finishes with batches made in the trainer, is saved durably
+    and the trainer exits 1 (the unit restarts it). The next session resumes from that step and
+    ends at the reference's weights, bit for bit."""
+    die = tmp_path / "die"
+    config = write_config(tmp_path, 'task = "tests.trainer.e2e.dying_data_task:build"\ndata_workers = 2\n')
+    run_dir = tmp_path / "run"
+    from tests.trainer.support import trainer_env
+
+    env = trainer_env(DIE_FILE=str(die))
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "100", env=env)
+    try:
+        p.wait_for(r"event=step step=5/")
+        die.touch()
+        assert p.wait() == 1, p.output[-3000:]
+    finally:
+        p.kill()
+    deaths = [(int(m.group(1)), int(m.group(2))) for m in
+              (re.search(r"deaths=(\d+) restarted=(\d)", line) for line in p.lines if "event=data_workers_died" in line)
+              if m]
+    assert deaths == [(1, 1), (2, 1), (3, 1), (4, 0)], p.output[-3000:]
+    saved = int(p.seen(r"event=failed reason=data_workers data workers died 4 times within \d+s "
+                       r"\(last: [\d,]+:SIGKILL[^)]*\); step (\d+) is saved and durable").group(1))
+    assert saved >= 5 and "Traceback" not in p.output, p.output[-3000:]
+    s = status(run_dir)
+    assert s["latest_step"] == saved and s["data"]["consumed"] == saved * 4
+
+    die.unlink()  # the memory is back: the restarted trainer resumes with workers
+    p = run_to_end(run_dir, STEPS, config, "--checkpoint-every-steps", "100", env=env)
+    assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
+    assert status(run_dir)["model_digest"] == reference["model_digest"]

@@ -67,6 +67,9 @@ LEDGER_RECORDS = [
     (ev.CapacityWait("us-central1-a", "SPOT", 1.7e9, waited_s=30.0),
      {"event": "placement", "zone": "us-central1-a", "provisioning": "SPOT", "boot_time": 1.7e9}),
     (ev.Stalled(7, 601.0), {"event": "stalled", "step": 7, "seconds": 601.0}),
+    (ev.DataWorkersDied(5, 24, "1234:SIGKILL", 1, True),
+     {"event": "data_workers_died", "step": 5, "consumed": 24, "died": "1234:SIGKILL", "deaths": 1,
+      "restarted": True}),
 ]
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from trainer import EXIT_NOT_DURABLE
 from trainer.observe.bus import BaseSink, SinkContext
-from trainer.observe.events import (CapacityWait, CheckpointSaved, Eval, Event, Failed, Finished, InitFrom, Paused,
-                                    Preempted, Restored, Stalled, Step, StepsChanged, TierFailing, TierOk)
+from trainer.observe.events import (CapacityWait, CheckpointSaved, DataWorkersDied, Eval, Event, Failed, Finished,
+                                    InitFrom, Paused, Preempted, Restored, Stalled, Step, StepsChanged, TierFailing,
+                                    TierOk)
 from trainer.observe.progress import WINDOW_FIGURES, LiveLine
 from trainer.observe.sinks import register
 
@@ -23,7 +24,7 @@ from trainer.observe.sinks import register
 class LogSink(BaseSink):
     name = "log"
     handles = (Step, Eval, CheckpointSaved, Restored, StepsChanged, InitFrom, Preempted, Paused, Finished, Failed,
-               TierFailing, TierOk, Stalled, CapacityWait)
+               TierFailing, TierOk, Stalled, CapacityWait, DataWorkersDied)
 
     def __init__(self, log: logging.Logger, *, main: bool, stream: Any = None) -> None:
         self.log, self.main = log, main
@@ -109,6 +110,13 @@ class LogSink(BaseSink):
     def _stalled(self, ev: Stalled) -> None:
         self.log.warning("event=stalled step=%d seconds=%.0f (no step completed for that long: the health check "
                          "answers stalled, so the group recreates the VM)", ev.step, ev.seconds)
+
+    def _dataworkersdied(self, ev: DataWorkersDied) -> None:
+        what = ("new workers start at the position: nothing lost" if ev.restarted else
+                "given up: the step finishes with batches made in the trainer, which then saves and exits 1 to be "
+                "restarted")
+        self.log.warning("event=data_workers_died step=%d consumed=%d died=%s deaths=%d restarted=%d (%s)", ev.step,
+                         ev.consumed, ev.died, ev.deaths, ev.restarted, what)
 
     def _capacitywait(self, ev: CapacityWait) -> None:
         waited = "unknown" if ev.waited_s is None else f"{ev.waited_s:.0f}"
