@@ -106,3 +106,20 @@ def test_a_flipped_upload_is_refused_by_the_servers_crc32c_check_and_nothing_is_
     assert seen.outcome.startswith("request byte ") and seen.outcome.endswith("flipped, forwarded 400"), seen
     b.blob("u").upload_from_string(data, retry=None, if_generation_match=0)  # the next upload lands whole
     assert _bucket(gcs_proxy, direct=True).blob("u").download_as_bytes() == data
+
+
+def test_a_flipped_chunk_of_a_resumable_upload_leaves_nothing_corrupt(gcs_proxy) -> None:
+    """Over 8 MiB an upload is resumable and its last chunk carries the whole object's crc32c
+    (x-goog-hash): Cloud Storage refuses to finish it. The emulator ignores that header and stores
+    the bytes; the client then compares the crc32c it reports, deletes the object and raises
+    DataCorruption. Either way nothing corrupt stays (RELIABILITY.md says which the matrix runs)."""
+    from google.cloud.storage.exceptions import DataCorruption
+
+    blob = _bucket(gcs_proxy).blob("big")
+    blob.chunk_size = 4 << 20
+    data = bytes(range(256)) * ((9 << 20) // 256)
+    gcs_proxy.proxy.add("PUT", r"upload_id=", "flip-request", times=1)
+    with pytest.raises(DataCorruption):
+        blob.upload_from_string(data, retry=None, if_generation_match=0)
+    assert _bucket(gcs_proxy, direct=True).get_blob("big") is None
+    assert [s.method for s in gcs_proxy.proxy.seen() if "flipped" in s.outcome] == ["PUT"]
