@@ -53,7 +53,7 @@ lifecycle: setup
 	$(PY) -m drill.lifecycle $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(LIFECYCLE_ARGS)
 
 ## chaos: the promise under real faults, fault x moment, against the real trainer; prints the table
-## RELIABILITY.md records (about 10-15 min; needs root). CHAOS_CELLS="gcs-*:startup,pd-full" runs a part;
+## RELIABILITY.md records (about 30 min; needs root). CHAOS_CELLS="gcs-*:startup,pd-full" runs a part;
 ## CHAOS_ARGS="--record RELIABILITY.md" writes a full run's table into it.
 chaos: setup
 	$(PY) -m drill.chaos $(if $(CHAOS_CELLS),--cells '$(CHAOS_CELLS)') $(CHAOS_ARGS)

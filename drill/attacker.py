@@ -11,7 +11,14 @@ with the trainer's code: what it forges is what a real attacker could forge.
   sha256s and the self-checksum recomputed; its HMAC (which needs the key) dropped, or kept as it
   was (``keep_hmac``: a signature of other content, which must not verify); ``legacy`` rewrites it
   as checkpoint format 1, whose ``state.pt`` older trainers unpickled;
-- ``forge_in_bucket(...)``: a whole forged checkpoint planted in the bucket, manifest last.
+- ``forge_in_bucket(...)``: a whole forged checkpoint planted in the bucket, manifest last;
+- ``copy_step(...)``: another run's authentic checkpoint copied into a run's prefix, object by
+  object (a replay: its signature is genuine);
+- ``plant(...)`` and ``delete_step(...)``: any bytes as any object of a run's prefix, and a
+  checkpoint's every object deleted.
+
+``intact(...)`` is the other side, for the harness: whether a checkpoint in the bucket still
+holds what its manifest lists (sizes and sha256s), read the way anyone can.
 """
 from __future__ import annotations
 
@@ -24,7 +31,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bucket_names", "code_running_pickle", "forge", "forge_in_bucket", "state_file"]
+__all__ = ["bucket_names", "chunked_sha256", "code_running_pickle", "copy_step", "delete_step", "forge",
+           "forge_in_bucket", "intact", "plant", "state_file"]
 
 _HASH_CHUNK = 64 << 20  # the manifest's per-file digest: sha256 over the 64 MiB chunks' sha256s
 
@@ -52,7 +60,7 @@ def code_running_pickle(marker: Path, *, torch_save: bool = True) -> bytes:
     return buf.getvalue()
 
 
-def _chunked_sha256(data: bytes) -> str:
+def chunked_sha256(data: bytes) -> str:
     parts = [data[i : i + _HASH_CHUNK] for i in range(0, len(data), _HASH_CHUNK)]
     return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in parts)).hexdigest()
 
@@ -75,7 +83,7 @@ def forge(manifest: bytes, step: int, replace: dict[str, bytes], *, legacy: bool
         m.pop("auth", None)
         m["files"] = {k: v for k, v in m["files"].items() if k == "tensors.bin"}
     for name, data in replace.items():
-        m["files"][name] = {"size": len(data), "sha256": _chunked_sha256(data)}
+        m["files"][name] = {"size": len(data), "sha256": chunked_sha256(data)}
     mac = m.pop("hmac", None)
     m.pop("manifest_sha256", None)
     m["manifest_sha256"] = hashlib.sha256(json.dumps(m, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -121,3 +129,51 @@ def read_manifest(client: Any, uri: str, step: int) -> bytes:
 def bucket_names(client: Any, uri: str) -> set[str]:
     bucket_name, prefix = _split(uri)
     return {b.name[len(prefix) + 1:] for b in client.list_blobs(bucket_name, prefix=prefix + "/step-")}
+
+
+def copy_step(client: Any, src_uri: str, dst_uri: str, step: int) -> None:
+    """Copy ``step-<step>/`` of the prefix ``src_uri`` into the prefix ``dst_uri``, object by object
+    and manifest last, as anyone who can write both can: nothing in it changes."""
+    src_bucket, src_prefix = _split(src_uri)
+    dst_bucket, dst_prefix = _split(dst_uri)
+    folder = f"step-{step:08d}/"
+    source, target = client.bucket(src_bucket), client.bucket(dst_bucket)
+    blobs = sorted(client.list_blobs(src_bucket, prefix=f"{src_prefix}/{folder}"),
+                   key=lambda b: b.name.endswith("/manifest.json"))
+    assert blobs, f"no checkpoint under {src_uri}/{folder}"
+    for blob in blobs:
+        source.copy_blob(blob, target, f"{dst_prefix}/{blob.name[len(src_prefix) + 1:]}")
+
+
+def plant(client: Any, uri: str, name: str, data: bytes) -> None:
+    """``data`` as the object ``name`` of the prefix ``uri`` (replacing whatever is there)."""
+    bucket_name, prefix = _split(uri)
+    client.bucket(bucket_name).blob(f"{prefix}/{name}").upload_from_string(data)
+
+
+def delete_step(client: Any, uri: str, step: int) -> list[str]:
+    """Delete every object of ``step-<step>/`` of the prefix ``uri``; the names deleted."""
+    bucket_name, prefix = _split(uri)
+    gone = []
+    for blob in client.list_blobs(bucket_name, prefix=f"{prefix}/step-{step:08d}/"):
+        blob.delete()
+        gone.append(blob.name[len(prefix) + 1:])
+    return gone
+
+
+def intact(client: Any, uri: str, step: int) -> str | None:
+    """Why ``step-<step>/`` of the prefix ``uri`` does not hold what its manifest lists (a file
+    missing, of another size or sha256), or None when it does (or is not there at all)."""
+    bucket_name, prefix = _split(uri)
+    folder = f"{prefix}/step-{step:08d}/"
+    objects = {b.name[len(folder):]: b for b in client.list_blobs(bucket_name, prefix=folder)}
+    if "manifest.json" not in objects:
+        return None
+    files = json.loads(objects["manifest.json"].download_as_bytes())["files"]
+    for name, info in files.items():
+        if name not in objects:
+            return f"{name} is missing"
+        data = objects[name].download_as_bytes()
+        if len(data) != info["size"] or chunked_sha256(data) != info["sha256"]:
+            return f"{name} is not what its manifest lists ({len(data)} bytes, manifest: {info['size']})"
+    return None

@@ -19,6 +19,9 @@ matches it first. What it can do:
     (the write happened but its response was lost);
   - `flip`: forward it, then flip one byte in the middle of a successful answer's body, headers
     untouched (bits corrupted in transit: the stored object is intact, a re-read gets it whole);
+  - `flip-request`: flip one byte in the middle of the request's body, then forward it (bits
+    corrupted on the way up: a multipart upload's payload, whose crc32c in the request's metadata
+    part the server checks, as Cloud Storage does);
 - **down** (`down()` / `up()`): nothing listens; connections are refused;
 - **blackhole** (`blackhole()`): every new request is held without an answer until `up()`;
 - **generation preconditions**, which the emulator ignores: `ifGenerationMatch` on uploads,
@@ -66,7 +69,7 @@ class Rule:
 
     method: str          # "GET", "POST", "PUT", "PATCH", "DELETE" or "*"
     pattern: str         # re.search over the target: path?query object=NAME
-    action: str          # "status", "stall", "drop", "after-forward"
+    action: str          # "status", "stall", "drop", "after-forward", "flip", "flip-request"
     status: int = 503
     times: int | None = 1
     after: int = 0
@@ -136,7 +139,7 @@ class FaultProxy:
     # -- faults ----------------------------------------------------------------------------
     def add(self, method: str, pattern: str, action: str, *, status: int = 503, times: int | None = 1,
             after: int = 0) -> Rule:
-        if action not in ("status", "stall", "drop", "after-forward", "flip"):
+        if action not in ("status", "stall", "drop", "after-forward", "flip", "flip-request"):
             raise ValueError(f"unknown action {action!r}")
         rule = Rule(method, pattern, action, status=status, times=times, after=after)
         with self._lock:
@@ -384,6 +387,11 @@ class _Handler(BaseHTTPRequestHandler):
             p._record(method, tgt, "dropped")
             self._drop()
             return
+        flipped = ""
+        if rule is not None and rule.action == "flip-request" and body:
+            at = len(body) // 2
+            body = body[:at] + bytes([body[at] ^ 0x5A]) + body[at + 1:]
+            flipped = f"request byte {at} flipped, "
         is_write = method in ("POST", "PUT", "PATCH", "DELETE")
         lock = p._write_lock if is_write and "ifGenerationMatch" in path else None
         try:
@@ -418,7 +426,7 @@ class _Handler(BaseHTTPRequestHandler):
             p._record(method, tgt, f"forwarded {status}, byte {at} flipped")
             self._send(status, out_headers, data)
             return
-        p._record(method, tgt, f"forwarded {status}")
+        p._record(method, tgt, f"{flipped}forwarded {status}")
         up = f"{p.upstream_host}:{p.upstream_port}"
         me = f"127.0.0.1:{p.port}"
         out_headers = [(k, v.replace(up, me) if k.lower() == "location" else v) for k, v in out_headers]

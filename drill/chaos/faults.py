@@ -15,17 +15,28 @@ Moments (`MOMENTS`), each with what the harness does (drill.chaos.matrix):
   disk, or the disk's own copy).
 
 A fault is injected with `inject(rig, moment)`, may need `ready(rig, moment, trainer)` once the
-trainer runs (a trigger on the first download, a stalled request to be in flight), and is taken
-away with `remove(rig)`.
+trainer runs (a trigger on the first download, a stalled request to be in flight, the trainer's
+reaction to be seen), and is taken away with `remove(rig)` (an attacker's objects stay: removing
+them is someone's decision, not the job's). `observed(rig)` adds what the fault did to the
+table's notes.
+
+Families: Cloud Storage failing (down, blackhole, 403, bursts, stalls, lost answers), bytes
+corrupted in transit, the disks (full, read-only, corrupt), two writers, and whoever can write
+the bucket without holding the checkpoint key (forged, replayed, garbage and oversized objects,
+deleted checkpoints, for checkpoints, manifests, the lease, the ledger and the stop marker). A
+fault with ``nproc`` 2 runs its cells under torchrun with two ranks (DDP, gloo on CPU).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from drill.attacker import code_running_pickle, forge_in_bucket, read_manifest, state_file
-from drill.chaos.rig import GUARD_S, Rig, Trainer
+from drill.attacker import (code_running_pickle, copy_step, delete_step, forge_in_bucket, plant, read_manifest,
+                            state_file)
+from drill.chaos.rig import EVERY, GUARD_S, LEASE_TTL_S, STEPS, Rig, Trainer
 
 MOMENTS = ("startup", "periodic", "emergency", "final", "restore")
 
@@ -38,6 +49,15 @@ UPLOAD_TENSORS = r"object=\S*/step-\d+/tensors\.bin"
 LISTING = r"/o\?\S*prefix=[^&\s]*step-"
 MANIFEST = r"object=\S*/step-\d+/manifest\.json"
 LEASE = r"object=\S*/lease\.json"
+#: The trainer finds its writer lease replaced (trainer.checkpoint.lease).
+LEASE_LOST = r"\bevent=lease_lost\b"
+
+#: Garbage as a bucket writer plants it: deep enough to exhaust a parser's recursion (a naive
+#: `json.loads` raises RecursionError), and objects just over the trainer's size bounds
+#: (trainer.untrusted: 16 MiB for a manifest, 1 MiB for the lease and a ledger event).
+NESTED = b"[" * 200_000
+OVERSIZED_MANIFEST = b" " * ((16 << 20) + 1)
+OVERSIZED_SMALL = b" " * ((1 << 20) + 1)
 
 GCS_NA_RESTORE_WRITES = "a restore writes nothing to GCS"
 
@@ -51,6 +71,11 @@ class Fault:
     na: dict[str, str]            # moment -> why there is no cell
     waits: bool = False           # at start-up/restore the trainer should wait for it (removed then)
     blank_pd: tuple[str, ...] = ()  # moments whose next boot gets a blank persistent disk
+    #: moment -> why the job cannot finish there while the fault stays (an attacker's object the
+    #: trainer never overwrites): the cell then checks that no trainer exits 0, that nothing is
+    #: lost and that the final step is on the persistent disk (drill.chaos.matrix).
+    unfinishable: dict[str, str] = field(default_factory=dict)
+    nproc: int = 1                # ranks on the VM: 2 runs the trainer under torchrun (DDP, gloo)
 
     def moments(self) -> list[str]:
         return [m for m in MOMENTS if m not in self.na]
@@ -62,8 +87,20 @@ class Fault:
         """After the trainer started (or was let go) at ``moment``: what must be in place before
         the harness goes on. Default: nothing."""
 
+    def met(self, rig: Rig, moment: str, t: Trainer) -> None:
+        """Right after the injection at a moment of the first run, the trainer still parked: wait
+        until it has met the fault, when it meets it on a thread of its own. Default: nothing."""
+
     def remove(self, rig: Rig) -> None:
         raise NotImplementedError
+
+    def observed(self, rig: Rig) -> list[str]:
+        """What the fault did, for the table's notes. Default: nothing to add."""
+        return []
+
+    def missed(self, rig: Rig) -> str | None:
+        """Why the fault never struck (then the cell proved nothing: a violation), or None."""
+        return None
 
     #: Final save: a preemption notice comes while the fault holds the save (a stalled request).
     notice_in_final: ClassVar[bool] = False
@@ -137,6 +174,32 @@ class StallListing(_Gcs):
 class LostAnswer(_Gcs):
     def inject(self, rig: Rig, moment: str) -> None:
         rig.proxy.add("POST", LEASE if moment == "startup" else MANIFEST, "after-forward", status=503, times=1)
+
+
+class GcsFlip(_Gcs):
+    """Bits corrupted in transit, the stored objects intact: at start-up the newest step's manifest
+    (the survey's quick check), at restore its tensors.bin, each read twice in a row with a byte
+    flipped (the third read is whole); during saves the next upload of a tensors.bin arrives with
+    a byte flipped."""
+
+    READS = 2
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        if moment in ("startup", "restore"):
+            newest = max(rig.steps_in_bucket())
+            name = r"manifest\.json" if moment == "startup" else r"tensors\.bin"
+            self.rule = rig.proxy.add("GET", rf"alt=media.* object=\S*/step-{newest:08d}/{name}", "flip",
+                                      times=self.READS)
+        else:
+            self.rule = rig.proxy.add("POST", UPLOAD_TENSORS, "flip-request", times=1)
+
+    def observed(self, rig: Rig) -> list[str]:
+        hit = [f"{s.path.rsplit('/', 2)[-2]}/{s.path.rsplit('/', 1)[-1]}: {s.outcome}"
+               for s in rig.proxy.seen() if "flipped" in s.outcome]
+        return [f"flipped: {'; '.join(hit)}"] if hit else []
+
+    def missed(self, rig: Rig) -> str | None:
+        return None if self.rule.hits else "no request was corrupted (the trainer never made a matching one)"
 
 
 def _held(rig: Rig, rule: Any, t: Trainer) -> bool:
@@ -214,7 +277,7 @@ class Tampered(Fault):
 
     def inject(self, rig: Rig, moment: str) -> None:
         client = rig.client()
-        genuine = max(_gcs_steps(rig))
+        genuine = max(rig.steps_in_bucket())
         self.forged = genuine + 1  # newer than anything authentic: a trainer that believed it would take it
         payload = code_running_pickle(rig.marker)
         name = "state.pt" if self.legacy else state_file(read_manifest(client, rig.uri, genuine))
@@ -230,11 +293,136 @@ class TamperedHmac(Tampered):
     keep_hmac = True
 
 
-def _gcs_steps(rig: Rig) -> list[int]:
-    prefix = rig.uri.split("/", 3)[3] + "/"
-    return sorted({int(b.name[len(prefix):].split("/")[0].removeprefix("step-"))
-                   for b in rig.client().list_blobs(rig.emulator.bucket, prefix=prefix + "step-")
-                   if b.name.endswith("/manifest.json")})
+#: The step the run saves next at each moment with a save (drill.chaos.matrix): the periodic
+#: cell's second save, the emergency save at the notice (step 13), the final save.
+SAVED_AT = {"periodic": 3 * EVERY, "emergency": 13, "final": STEPS}
+
+
+class Replay(Fault):
+    """Another run's authentic checkpoint (signed with the experiment's key, which every run of it
+    shares) copied into this run's prefix: a run of the same task, settings and data, stopped
+    once it has saved that step (drill.chaos.rig.Rig.other_run)."""
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        # At a save, the step it is about to write; at start-up, newer than anything of the run's.
+        self.forged = SAVED_AT.get(moment) or 3 * EVERY
+        assert self.forged > max(rig.steps_in_bucket(), default=0) or moment in SAVED_AT
+        copy_step(rig.client(), rig.other_run(self.forged), rig.uri, self.forged)
+
+    def remove(self, rig: Rig) -> None:
+        pass  # an attacker's objects stay in the bucket
+
+
+class GarbageManifest(Fault):
+    """Two planted steps: 200 KB of nested `[` as a manifest (with a payload object beside it), and
+    a manifest one byte over the trainer's 16 MiB bound at the next step."""
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        step = SAVED_AT.get(moment) or max(rig.steps_in_bucket()) + 1
+        client = rig.client()
+        plant(client, rig.uri, f"step-{step:08d}/tensors.bin", b"x" * 1024)
+        plant(client, rig.uri, f"step-{step:08d}/manifest.json", NESTED)
+        plant(client, rig.uri, f"step-{step + 1:08d}/manifest.json", OVERSIZED_MANIFEST)
+        self.forged = step
+
+    def remove(self, rig: Rig) -> None:
+        pass
+
+
+class DeleteCheckpoints(Fault):
+    """Every checkpoint of the run in the bucket deleted, the newest included (the persistent
+    disk intact)."""
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        self.deleted = rig.steps_in_bucket()
+        for step in self.deleted:
+            delete_step(rig.client(), rig.uri, step)
+
+    def remove(self, rig: Rig) -> None:
+        pass
+
+    def observed(self, rig: Rig) -> list[str]:
+        return [f"deleted from GCS: step {', '.join(map(str, self.deleted))}"]
+
+
+class GarbageLease(Fault):
+    """``lease.json`` replaced by 200 KB of nested `[` (mid-run: the live lease; at start-up: the
+    one the next boot finds)."""
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        from trainer.checkpoint.lease import LEASE_KEY
+
+        plant(rig.client(), rig.uri, LEASE_KEY, NESTED)
+        self.lost_seen: bool | None = None
+
+    def met(self, rig: Rig, moment: str, t: Trainer) -> None:
+        # The holder's next renewal (every ttl/4) finds it replaced.
+        self.lost_seen = t.wait_for(LEASE_LOST, LEASE_TTL_S) is not None
+
+    def missed(self, rig: Rig) -> str | None:
+        return "the holder never found its lease replaced (no event=lease_lost)" if self.lost_seen is False else None
+
+    def observed(self, rig: Rig) -> list[str]:
+        out = [f"{t.role} found its lease replaced: wrote nothing more to GCS" for t in rig.trainers
+               if t.find(LEASE_LOST)]
+        out += [f"{t.role} took the unreadable lease over once nobody renewed it" for t in rig.trainers
+                if t.find(r"event=lease_acquired .*took_over=expired previous=unreadable")]
+        return out
+
+    def remove(self, rig: Rig) -> None:
+        pass
+
+
+class PlantedLedger(Fault):
+    """Goodput events planted in the ledger's bucket copy (``goodput/<session>/<seq>.json``): a
+    well-formed one claiming step 99999999 durable in the bucket (were it trusted, every restore
+    would refuse as a rollback: exit 2 for good), 200 KB of nested `[` and one over 1 MiB.
+    Scripted in drill.chaos.matrix: a boot that copies them back, then one that restores after it."""
+
+    FORGED_STEP = 99_999_999
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        import json
+
+        from trainer.observe.ledger import LEDGER_DIR
+
+        client, session = rig.client(), "9999999999999-forged00"
+        event = {"session": session, "seq": 0, "event": "durable", "tier": "gcs", "step": self.FORGED_STEP,
+                 "t": time.time(), "e": 0.0}
+        plant(client, rig.uri, f"{LEDGER_DIR}/{session}/000000.json", json.dumps(event).encode())
+        plant(client, rig.uri, f"{LEDGER_DIR}/{session}/000001.json", NESTED)
+        plant(client, rig.uri, f"{LEDGER_DIR}/{session}/000002.json", OVERSIZED_SMALL)
+
+    def missed(self, rig: Rig) -> str | None:
+        from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
+
+        events = read_events(rig.run_dir / LEDGER_DIR / LEDGER_FILE)
+        if any(e.get("step") == self.FORGED_STEP for e in events):
+            return None
+        return "the forged event never reached the run dir's ledger (the guard never read it)"
+
+    def observed(self, rig: Rig) -> list[str]:
+        from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
+
+        marked = [e.get("recovered") is True for e in read_events(rig.run_dir / LEDGER_DIR / LEDGER_FILE)
+                  if e.get("step") == self.FORGED_STEP]
+        if not marked:
+            return []
+        return ["the forged event copied back into the run dir's ledger, " + (
+            "marked recovered (not counted)" if all(marked) else "NOT marked recovered")]
+
+    def remove(self, rig: Rig) -> None:
+        pass
+
+
+class NotTheTrainers(Fault):
+    """An object `trainer run` never reads: every moment is n/a, with the reason."""
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        raise AssertionError("no cell")
+
+    def remove(self, rig: Rig) -> None:
+        pass
 
 
 # ------------------------------------------------------------------------------ two writers
@@ -254,6 +442,13 @@ class SecondVm(SecondTrainer):
     pass
 
 
+_NO_BUCKET_READ_IN_RUN = ("the ledger's bucket copy is read once per session, when its mirror starts: events planted "
+                          "during a session are met by the next one (the start-up and restore cells)")
+_STOP_MARKER = ("`trainer run` never reads a stop marker: only the VM's stop path (`python -m trainer.cloud.scale "
+                "honour` at boot, before the trainer starts; `stop`) and the control job do, by the object's presence "
+                "alone (never parsed: garbage or size change nothing). A planted one stops the job, which "
+                "docs/security.md lists among what a bucket writer can do; tests/trainer/cloud/test_scale.py covers "
+                "honour and the stop path")
 _SAVES_ONLY = "the trainer reads a checkpoint only when it starts: a forgery planted during the run is met at the next start-up"
 _TWO_WRITERS = ("who may write is settled when a trainer starts (run-dir lock, GCS lease) whatever the "
                 "first one is doing: the start-up and restore cells")
@@ -289,6 +484,17 @@ FAULTS: dict[str, Fault] = {f.key: f for f in [
                "the write reached Cloud Storage but its answer was lost (a reset after the request)",
                "the proxy forwards the write, then answers 503 (start-up: the lease's creation; saves: the manifest)",
                {"restore": GCS_NA_RESTORE_WRITES}, blank_pd=("startup",)),
+    GcsFlip("gcs-flip", "bytes flipped in transit (GCS)",
+            "bits corrupted between the VM and Cloud Storage (a faulty NIC, router or middlebox: what the client's "
+            "crc32c and the manifest's sha256 are for); the stored objects intact",
+            "the fault proxy flips one byte in the middle of a body, headers untouched. Start-up: the first two reads "
+            "of the newest step's manifest (the survey's quick check); restore: the first two downloads of its "
+            "tensors.bin (both on a blank disk: the checkpoints only in GCS); saves: the next upload of a "
+            "tensors.bin, a multipart request whose metadata carries the payload's crc32c, which Cloud Storage and "
+            "the emulator check (400, nothing stored). Uploads over 8 MiB go resumable with the crc32c in the last "
+            "chunk's x-goog-hash, which Cloud Storage checks; the emulator stores the bytes and the client, seeing "
+            "another crc32c, deletes them: not exercised here (the matrix's checkpoints are about 200 KB)",
+            {}, blank_pd=("startup", "restore")),
     PdFull("pd-full", "PD full (ENOSPC)",
            "the persistent disk full (logs, data, leftovers)",
            "a real ext4 filled to the last block (at restore: a blank disk, full before the download)",
@@ -325,4 +531,77 @@ FAULTS: dict[str, Fault] = {f.key: f for f in [
                  "a genuine checkpoint copied to a newer step with its state replaced by the pickle, sha256s "
                  "recomputed, the genuine manifest's HMAC kept",
                  {"periodic": _SAVES_ONLY, "emergency": _SAVES_ONLY, "final": _SAVES_ONLY}, blank_pd=("restore",)),
+    Replay("replay", "replay: another run's authentic checkpoint copied in",
+           "a bucket writer without the key copying a checkpoint signed with the experiment's key, which every run "
+           "of the experiment shares, from another run's prefix into this run's",
+           "another run of the experiment (same task, settings and data, its own prefix) stopped once it saved a "
+           "step, that step copied object by object, unchanged, into the cell's prefix: step 15, newer than anything "
+           "of the run's (start-up: disk intact; restore: blank disk), or the step a save is about to write "
+           "(periodic 15, emergency 13, final 20)",
+           {}, blank_pd=("restore",),
+           unfinishable={"final": "the other run's step 20 occupies the run's final step in GCS, which the trainer "
+                                  "never overwrites, and the final save's read-back refuses it (another run's): "
+                                  "exit 74 on every boot until someone removes it, never 0 (docs/security.md: a "
+                                  "bucket writer can keep a run from finishing)"}),
+    GarbageManifest("garbage-manifest", "garbage and oversized manifests",
+                    "a bucket writer planting objects no parser should choke on (or a broken tool writing into the "
+                    "prefix)",
+                    "200 KB of nested `[` as step N's manifest.json (a 1 KB tensors.bin beside it) and 16 MiB + 1 byte "
+                    "as step N+1's: N the step after the run's newest (start-up: disk intact; restore: blank disk), "
+                    "or the step a save is about to write (periodic 15, emergency 13, final 20)",
+                    {}, blank_pd=("restore",)),
+    DeleteCheckpoints("delete-checkpoints", "checkpoints deleted from the bucket (the newest too)",
+                      "a bucket writer (or a lifecycle rule, a human) deleting the run's checkpoints",
+                      "every checkpoint of the run in GCS deleted, the newest included, the persistent disk intact: "
+                      "before the next boot (start-up), or while the run trains (at the moment's start)",
+                      {"restore": "with a blank persistent disk the run's own record of what was durable (its "
+                                  "ledger) is gone too, and its bucket copy is the deleter's to delete or forge: a "
+                                  "restore cannot tell deleted checkpoints from ones never written and resumes what "
+                                  "is left (docs/security.md: Object Versioning with a retention period is the "
+                                  "cure); with the disk intact, the start-up cell"}),
+    GarbageLease("garbage-lease", "garbage writer lease",
+                 "a bucket writer replacing the writer lease (lease.json) with bytes no parser should choke on",
+                 "200 KB of nested `[` as lease.json. Start-up: before the next boot, which finds an unreadable "
+                 "lease nobody renews; emergency and final: the live lease replaced before the notice or the last "
+                 "step, the harness going on once the holder's renewal found it (event=lease_lost)",
+                 {"periodic": "the lease is renewed on its own thread (every ttl/4), not with the saves: a "
+                              "replacement found mid-run stops the run at its next step, whose two outcomes are the "
+                              "emergency cell's (a notice too) and the final cell's (none)",
+                  "restore": "the lease is taken before the restore begins: the start-up cell"}),
+    PlantedLedger("planted-ledger", "planted ledger events in the bucket",
+                  "a bucket writer planting goodput events in the ledger's bucket copy",
+                  "in goodput/<session>/: a well-formed event claiming step 99999999 durable in the bucket, 200 KB "
+                  "of nested `[` and 1 MiB + 1 byte. Boot 1 copies them back (event=ledger_recover) and is stopped "
+                  "by a notice at its second step; boot 2 restores with them in its ledger (were the forged one "
+                  "trusted, every restore would refuse as a rollback: exit 2). Start-up: disk intact; restore: "
+                  "blank disk (the whole ledger comes back from the bucket)",
+                  {"periodic": _NO_BUCKET_READ_IN_RUN, "emergency": _NO_BUCKET_READ_IN_RUN,
+                   "final": _NO_BUCKET_READ_IN_RUN}, blank_pd=("restore",)),
+    NotTheTrainers("stop-marker", "planted or garbage stop marker",
+                   "a bucket writer creating the job's stop marker (`<prefix>/stop/...`), garbage or not",
+                   "not injected: no cell", {m: _STOP_MARKER for m in MOMENTS}),
 ]}
+
+
+# ------------------------------------------------------------------------------ world size 2
+
+_WS2_SAMPLE = ("world size 2 runs a sample of the matrix (torchrun and two ranks make a cell about twice as long): "
+               "the moments where the ranks must agree (an emergency save's verdict, a restore's fallback, a lost "
+               "lease); the others are the world size 1 row's")
+
+
+def _ws2(key: str, moments: tuple[str, ...]) -> Fault:
+    """The fault ``key`` at ``moments``, two ranks on the VM (torchrun, DDP, gloo on CPU)."""
+    base = FAULTS[key]
+    return dataclasses.replace(
+        base, key=f"ws2-{key}", title=f"{base.title}, world size 2",
+        injects=f"{base.injects}; two ranks under torchrun (DDP, gloo on CPU), rank 0 saving",
+        na={m: base.na.get(m, _WS2_SAMPLE) for m in MOMENTS if m not in moments},
+        blank_pd=tuple(m for m in base.blank_pd if m in moments),
+        unfinishable={m: why for m, why in base.unfinishable.items() if m in moments}, nproc=2)
+
+
+for _f in [_ws2("gcs-down", ("emergency", "restore")), _ws2("gcs-flip", ("restore",)),
+           _ws2("pd-corrupt", ("restore",)), _ws2("tampered-hmac", ("startup",)),
+           _ws2("garbage-lease", ("final",))]:
+    FAULTS[_f.key] = _f

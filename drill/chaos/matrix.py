@@ -19,7 +19,15 @@ Every cell must keep the promise (`Result.violations`):
   exits 0 (read back by the harness at once), and the job's final model equals the uninterrupted
   reference run's (`model_digest`, on each durable tier);
 - no trainer hangs (one without a notice is powered off after `GUARD_S`) or crashes (exit 1
-  with a traceback); two trainers never train one job at once.
+  with a traceback); two trainers never train one job at once;
+- no corrupt copy is kept: every step a trainer reported durable on GCS that is still in the
+  bucket holds exactly what its manifest lists (read back by the harness: sizes and sha256s);
+- the fault struck (a fault that never met the trainer proves nothing: `Fault.missed`).
+
+Where a fault keeps the job from finishing by design (`Fault.unfinishable`: an attacker's object
+at the final step, which the trainer never overwrites), exit 0 must not happen at all, one next
+boot shows it persists, and the final model is checked on the persistent disk only; the cell
+says why in its notes.
 """
 from __future__ import annotations
 
@@ -30,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from drill.attacker import intact
 from drill.chaos.faults import FAULTS, MOMENTS, WAITING, Fault
-from drill.chaos.rig import EVERY, STEPS, Rig, Trainer, key_env
+from drill.chaos.rig import EVERY, STEPS, Rig, Trainer, key_env, reference_name
 from drill.gcs_emulator import StorageEmulator
 
 BOOTS = 3  # next boots at most (one with the fault, then after it is gone)
@@ -96,6 +105,13 @@ class Cell:
         self.first: Trainer | None = None
         self.boots: list[Trainer] = []
         self.forged_step: int | None = None
+        self.injected = False
+        self.unfinishable = fault.unfinishable.get(moment)
+
+    def inject(self) -> None:
+        self.fault.inject(self.rig, self.moment)
+        self.injected = True
+        self.forged_step = getattr(self.fault, "forged", None)
 
     # --- synchronisation ------------------------------------------------------------------
     def must(self, ok: object, what: str, t: Trainer) -> None:
@@ -151,7 +167,8 @@ class Cell:
         if moment == "periodic":
             t = self.first = rig.start("first", park=[6, 17])
             self.settle(t, 6)
-            fault.inject(rig, moment)  # from before the next periodic save to after the notice
+            self.inject()  # from before the next periodic save to after the notice
+            fault.met(rig, moment, t)
             rig.release(6)
             self.park(t, 17)
             got = sorted({(int(m.group(1)), m.group(2)) for m in t.find(r"checkpoint step (\d+) durable on (\w+)")
@@ -162,7 +179,8 @@ class Cell:
         elif moment == "final":
             t = self.first = rig.start("first", park=[STEPS])
             self.settle(t, STEPS)
-            fault.inject(rig, moment)
+            self.inject()
+            fault.met(rig, moment, t)
             rig.release(STEPS)
             if fault.notice_in_final:
                 fault.ready(rig, moment, t)
@@ -171,7 +189,8 @@ class Cell:
             t = self.first = rig.start("first", park=[13])
             self.settle(t, 13)
             if moment == "emergency":
-                fault.inject(rig, moment)
+                self.inject()
+                fault.met(rig, moment, t)
             t.notice(rig.metadata)
             rig.release(13)
         t.finish()
@@ -190,10 +209,10 @@ class Cell:
             fault.remove(rig)
         rig.next_boot(blank_pd=moment in fault.blank_pd)
         if at_boot:
-            fault.inject(rig, moment)
-            self.forged_step = getattr(fault, "forged", None)
+            self.inject()
         present = at_boot
-        for i in range(1, BOOTS + 1):
+        # One boot shows that a job that cannot finish stays unfinished (and never exits 0).
+        for i in range(1, (1 if self.unfinishable else BOOTS) + 1):
             t = rig.start(f"boot {i}")
             self.boots.append(t)
             if present:
@@ -211,7 +230,9 @@ class Cell:
             self.ended(t)
             if t.rc == 0:
                 break
-        if not any(t.rc == 0 for t in self.boots):
+        if self.unfinishable:
+            self.r.notes.append(f"cannot finish: {self.unfinishable}")
+        elif not any(t.rc == 0 for t in self.boots):
             self.r.violations.append("the job never finished (no boot exited 0)")
 
     # --- the checks -----------------------------------------------------------------------
@@ -228,13 +249,25 @@ class Cell:
             r.violations.append(f"{r.lost} step(s) lost: the first run completed step {r.stopped}, "
                                 f"the next boot resumed from {r.resumed}")
         if self.forged_step is not None:
-            name = f"step-{self.forged_step:08d}"
-            why = [m.group(1) for t in runs for m in t.find(rf"refusing \w+ checkpoint step {self.forged_step} at \S+: "
-                                                              r"([^;(]+)")]
+            why = [m.group(1) for t in self.rig.trainers for m in t.find(
+                rf"(?:refusing|ignoring) \w+ checkpoint step {self.forged_step} at \S+: ([^;(]+)")]
             if why:
-                r.notes.append(f"forged step {self.forged_step} refused: {why[0].strip()}")
-            if any(x[1] is not None and (x[1][0] == self.forged_step or name in x[1][1]) for x in restores):
-                r.violations.append(f"a boot loaded the forged checkpoint (step {self.forged_step})")
+                r.notes.append(f"planted step {self.forged_step} refused: {why[0].strip()}")
+            removed = [m.group(1) for t in self.rig.trainers for m in t.find(
+                rf"removing partial upload of step {self.forged_step} on gcs \((.*)\)$")]
+            if removed:
+                r.notes.append(f"planted step {self.forged_step} replaced by the run's own (garbage, not a "
+                               f"checkpoint: {removed[0]})")
+            # The job's own copy of that step on a disk (it trained it) is no forgery: only a
+            # restore of that step from the bucket, or of one the job never trained, is.
+            # (Garbage at a step the run then saved was replaced by the run's own copy: any tier's.)
+            own = {s for t in self.rig.trainers for s in t.steps()}
+            for t in runs:
+                m = t.find(r"\bevent=restore step=(\d+)(?: tier=(\S+))?")
+                if m and int(m[0].group(1)) == self.forged_step and (self.forged_step not in own or (
+                        m[0].group(2) not in ("persistent", "local") and not removed)):
+                    r.violations.append(f"{t.role} loaded the planted checkpoint (step {self.forged_step}, "
+                                        f"{m[0].group(2)})")
         if rig.marker.exists():
             r.unpickled = "YES (trainer run)"
             r.violations.append("the forged checkpoint's pickle ran (trainer run)")
@@ -243,6 +276,8 @@ class Cell:
         if rig.marker.exists() and r.unpickled == "no":
             r.unpickled = "YES (trainer status)"
             r.violations.append("the forged checkpoint's pickle ran (trainer status)")
+        if self.unfinishable:  # the bucket's final step is the attacker's: the disk's must be the job's
+            digests.pop("gcs")
         r.digest_equal = all(d == (STEPS, self.reference) for d in digests.values())
         if not r.digest_equal:
             r.violations.append("the final model is not the reference's on every tier (" + ", ".join(
@@ -251,6 +286,25 @@ class Cell:
         trained = [t.role for t in runs if t.steps()]
         if len(trained) > 1 and self.fault.key.startswith("second-"):
             r.violations.append(f"two trainers trained the job: {', '.join(trained)}")
+        r.violations += self.corrupt_in_bucket()
+        if self.injected:
+            r.notes += self.fault.observed(rig)
+            missed = self.fault.missed(rig)
+            if missed:
+                r.violations.append(f"the fault never struck: {missed}")
+
+    def corrupt_in_bucket(self) -> list[str]:
+        """Every step a trainer reported durable on GCS that is still there must hold what its
+        manifest lists (a copy corrupted on the way up, kept, would fail a later restore)."""
+        durable = {int(m.group(1)) for t in self.rig.trainers
+                   for m in t.find(r"checkpoint step (\d+) durable on gcs\b")}
+        client = self.rig.client()
+        bad = []
+        for step in sorted(durable & set(self.rig.steps_in_bucket())):
+            why = intact(client, self.rig.uri, step)
+            if why:
+                bad.append(f"step {step} in GCS, reported durable, is corrupt: {why}")
+        return bad
 
     def run(self) -> Result:
         t0 = time.monotonic()
@@ -329,20 +383,55 @@ def _both_at_once(c: Cell, run_dir_b: object, local_b: bool) -> None:
         c.r.violations.append("; ".join(bad))
 
 
+# ------------------------------------------------------------------------------------ the ledger
+
+
+def _ledger_copied_back(c: Cell) -> None:
+    """Boot 1 copies the planted events back into its run dir's ledger (marked as the bucket's)
+    and is stopped by a notice at its second step; boot 2 restores with them in its ledger, which
+    the rollback guard reads: they must not count (boot 2 resumes boot 1's step, and finishes)."""
+    rig = c.rig
+    c.first_run()
+    rig.next_boot(blank_pd=c.moment in c.fault.blank_pd)
+    c.inject()
+    b1 = rig.start("boot 1", park=[2])  # its second step (drill.chaos.task counts this process's)
+    c.boots.append(b1)
+    c.park(b1, 2)
+    c.must(b1.wait_for(r"\bevent=ledger_recover events=\d+ from=gcs", SYNC_S), "the ledger's copy back from GCS", b1)
+    b1.notice(rig.metadata)
+    rig.release(2)
+    b1.finish()
+    c.ended(b1)
+    saved = max(b1.steps(), default=None)
+    rig.next_boot()
+    b2 = rig.start("boot 2")
+    c.boots.append(b2)
+    b2.finish()
+    c.ended(b2)
+    got = b2.restored()
+    if got is None or got[0] != saved:
+        c.r.violations.append(f"boot 2 resumed from {got and got[0]}, boot 1 completed step {saved}")
+    if b2.rc != 0:
+        c.r.violations.append("the job never finished (boot 2 did not exit 0)")
+
+
 SCRIPTS: dict[tuple[str, str], Callable[[Cell], None]] = {
     ("second-trainer", "startup"): lambda c: _second_writer_startup(c, None, "the second trainer on the run dir"),
     ("second-trainer", "restore"): lambda c: _both_at_once(c, None, True),
     ("second-vm", "startup"): lambda c: _second_writer_startup(c, c.rig.dir / "other-vm", "the second VM"),
     ("second-vm", "restore"): lambda c: _both_at_once(c, c.rig.dir / "other-vm", False),
+    ("planted-ledger", "startup"): _ledger_copied_back,
+    ("planted-ledger", "restore"): _ledger_copied_back,
 }
 
 
 # ------------------------------------------------------------------------------------ the run
 
 
-def reference_digest(workdir: Path, emulator: StorageEmulator, env: dict[str, str]) -> str:
-    """The uninterrupted run's final model digest (same task, settings and cadence)."""
-    with Rig(workdir, emulator, "reference", env) as rig:
+def reference_digest(workdir: Path, emulator: StorageEmulator, env: dict[str, str], nproc: int = 1) -> str:
+    """The uninterrupted run's final model digest (same task, settings, cadence and world size);
+    its checkpoints stay in the bucket (the replay cells copy them)."""
+    with Rig(workdir, emulator, reference_name(nproc), env, nproc=nproc) as rig:
         t = rig.start("reference")
         rc = t.finish()
         step, digest = rig.newest("persistent")
@@ -357,16 +446,17 @@ def run_matrix(selected: list[tuple[str, str]], workdir: Path, log: Callable[[st
     env = key_env(workdir)
     results: list[Result] = []
     with StorageEmulator("spottrain-chaos", quiet=True) as emulator:
-        reference = None
+        references: dict[int, str] = {}  # world size -> the uninterrupted run's digest
         for n, (key, moment) in enumerate(selected, 1):
             fault = FAULTS[key]
             if moment in fault.na:
                 results.append(Result(key, moment, na=fault.na[moment]))
                 continue
-            if reference is None:
-                reference = reference_digest(workdir, emulator, env)
-                log(f"chaos: reference digest {reference[:16]}")
-            with Rig(workdir, emulator, f"{key}-{moment}", env) as rig:
+            if fault.nproc not in references:
+                references[fault.nproc] = reference_digest(workdir, emulator, env, fault.nproc)
+                log(f"chaos: reference digest (world size {fault.nproc}) {references[fault.nproc][:16]}")
+            reference = references[fault.nproc]
+            with Rig(workdir, emulator, f"{key}-{moment}", env, nproc=fault.nproc) as rig:
                 r = Cell(rig, fault, moment, reference, log).run()
             results.append(r)
             exits = ", ".join(f"{role} {code}" for role, code in r.exits)

@@ -74,7 +74,8 @@ def fault_model() -> str:
     """RELIABILITY.md's fault model (generated from drill.chaos.faults; a test keeps the file current)."""
     lines = ["| fault | what it reproduces | how `make chaos` injects it | moments with a cell |", "|---|---|---|---|"]
     for f in FAULTS.values():
-        lines.append(f"| {_cell(f.title)} | {_cell(f.reproduces)} | {_cell(f.injects)} | {', '.join(f.moments())} |")
+        moments = ", ".join(f.moments()) or "none (n/a at every moment)"
+        lines.append(f"| {_cell(f.title)} | {_cell(f.reproduces)} | {_cell(f.injects)} | {moments} |")
     return "\n".join(lines)
 
 

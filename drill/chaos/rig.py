@@ -12,7 +12,9 @@ the real trainer processes run against them.
   sends SIGTERM, as GCE does at the start of a Spot VM's shutdown window; what is still running
   `WINDOW_S` later is powered off (SIGKILL).
 - **Trainer processes**: `python -m trainer run` with the chaos config (`config()`), read line by
-  line; the harness synchronises on their log lines, on the task's park files
+  line; with ``nproc`` 2, under `torchrun --standalone --nproc-per-node 2` (DDP, gloo on CPU: two
+  ranks on one VM), whose exit status is the ranks' own when they agree (as `trainer.sh` reads it,
+  `trainer.exit_status`). The harness synchronises on their log lines, on the task's park files
   (`drill.chaos.task`) and on the proxy's held requests, never on sleeps (timeouts are guards).
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ WAIT_FOR_TIERS_S = 40.0  # wait_for_tiers_s: start-up's bound on an unknown tier
 LEASE_TTL_S = 20.0  # lease_ttl_s: renewed every 5 s; a second writer gives up after two renewals
 DURABLE_TIMEOUT_S = 10.0  # durable_timeout_s (where the trainer has it): the final save's bound
 GUARD_S = 150.0     # a trainer without a notice that runs longer is hung: powered off, a violation
+REFERENCE = "reference"  # the uninterrupted run's name
 PD_BYTES = 32 << 20
 SSD_BYTES = 8 << 20
 
@@ -65,6 +68,10 @@ wait_for_tiers_s = {wait}
 lease_ttl_s = {ttl}
 {extra}
 """ + TASK_ARGS_TOML
+
+
+def reference_name(nproc: int) -> str:
+    return REFERENCE if nproc == 1 else f"{REFERENCE}-ws{nproc}"
 
 
 def config() -> str:
@@ -89,6 +96,11 @@ def key_env(folder: Path) -> dict[str, str]:
     return {"SPOTTRAIN_CHECKPOINT_KEY_FILE": str(path)}
 
 
+def run_uri(emulator: StorageEmulator, name: str) -> str:
+    """The bucket prefix of the cell (or reference run) ``name``."""
+    return f"gs://{emulator.bucket}/chaos/{name}"
+
+
 @contextlib.contextmanager
 def _environ(**values: str) -> Iterator[None]:
     """This process's environment with ``values``, for what reads it (the storage client, the key)."""
@@ -110,10 +122,12 @@ def _environ(**values: str) -> Iterator[None]:
 class Trainer:
     """One `python -m trainer run` process, its output read line by line (and copied to ``log``)."""
 
-    def __init__(self, role: str, argv: list[str], env: dict[str, str], log: Path, run_dir: Path) -> None:
+    def __init__(self, role: str, argv: list[str], env: dict[str, str], log: Path, run_dir: Path,
+                 exit_dir: Path | None = None, nproc: int = 1) -> None:
         self.role = role
         self.log = log
         self.run_dir = run_dir
+        self.exit_dir, self.nproc = exit_dir, nproc
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                   env=env, cwd=REPO, start_new_session=True)
         self.lines: list[str] = []
@@ -179,7 +193,7 @@ class Trainer:
         else:
             left, why = guard, f"hung: powered off after {guard:.0f}s"
         try:
-            self.rc = self.p.wait(timeout=max(0.0, left))
+            self.rc = self._ranks_status(self.p.wait(timeout=max(0.0, left)))
         except subprocess.TimeoutExpired:
             self.killed = why
             power_off(self.p.pid)
@@ -188,6 +202,15 @@ class Trainer:
         with self._cond:
             self._cond.wait_for(lambda: self._eof, 10)
         return self.rc
+
+    def _ranks_status(self, rc: int) -> int:
+        """torchrun's status, or the ranks' own when every rank recorded the same one (what
+        `trainer.sh`'s ranks_status reads: torchrun exits 1 whenever a rank exits non-zero)."""
+        if rc == 0 or self.exit_dir is None:
+            return rc
+        codes = [f.read_text().strip() for f in self.exit_dir.glob("rank-*")]
+        agreed = len(codes) == self.nproc and len(set(codes)) == 1 and codes[0].isdigit()
+        return int(codes[0]) if agreed else rc
 
     def kill(self) -> None:
         if self.alive():
@@ -224,6 +247,7 @@ class Rig:
     emulator: StorageEmulator
     name: str
     env: dict[str, str]                  # the matrix's (the checkpoint key)
+    nproc: int = 1                       # ranks on the VM (torchrun above 1)
     pd: SmallFs = field(init=False)
     ssd: SmallFs = field(init=False)
     proxy: FaultProxy = field(init=False)
@@ -239,7 +263,7 @@ class Rig:
         self.marker = self.dir / "RAN-ATTACKER-CODE"  # created by the forged checkpoints' payload if unpickled
         self.config_file = self.dir / "trainer.toml"
         self.config_file.write_text(config())
-        self.uri = f"gs://{self.emulator.bucket}/chaos/{self.name}"
+        self.uri = run_uri(self.emulator, self.name)
         self.pd = SmallFs(self.dir / "pd", PD_BYTES, fstype="ext4")
         self.ssd = SmallFs(self.dir / "ssd", SSD_BYTES)
         self.proxy = FaultProxy(self.emulator.host)
@@ -282,15 +306,38 @@ class Rig:
         for k in park:
             (self.park / f"hold-{k}").touch()
             (self.park / f"parked-{k}").unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "trainer", "run", "--run-dir", str(run_dir or self.run_dir),
+        launcher = [sys.executable] if self.nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+            f"--nproc-per-node={self.nproc}", "--max-restarts=0"]  # as trainer.sh runs it
+        argv = [*launcher, "-m", "trainer", "run", "--run-dir", str(run_dir or self.run_dir),
                 "--steps", str(STEPS), "--seed", "0", "--health-port", "0", "--config", str(self.config_file),
                 "--task", TASK, "--gcs-uri", self.uri]
         if local:
             argv += ["--local-dir", str(self.ssd.path)]
-        t = Trainer(role, argv, self.trainer_env(park), self.dir / f"{role.replace(' ', '-')}.log",
-                    run_dir or self.run_dir)
+        env, exit_dir = self.trainer_env(park), None
+        if self.nproc > 1:
+            exit_dir = self.dir / f"exit-{role.replace(' ', '-')}"
+            env["SPOTTRAIN_EXIT_DIR"] = str(exit_dir)
+        t = Trainer(role, argv, env, self.dir / f"{role.replace(' ', '-')}.log", run_dir or self.run_dir,
+                    exit_dir, self.nproc)
         self.trainers.append(t)
         return t
+
+    def other_run(self, stop_at: int) -> str:
+        """Another run of the same experiment (same task, settings, data and checkpoint key; its own
+        prefix and run dir), run until it has saved ``stop_at`` on every tier (a pause, or the
+        final step): the source of a replay. Not one of the cell's trainers. Its prefix."""
+        uri = f"{self.uri}-other-run"
+        run_dir = self.dir / "other-run"
+        argv = [sys.executable, "-m", "trainer", "run", "--run-dir", str(run_dir), "--steps", str(STEPS), "--seed", "0",
+                "--health-port", "0", "--config", str(self.config_file), "--task", TASK, "--gcs-uri", uri,
+                "--stop-at-step", str(stop_at)]
+        with open(self.dir / "other-run.log", "w") as log:
+            rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=self.trainer_env(), cwd=REPO,
+                                timeout=GUARD_S).returncode
+        if rc != (0 if stop_at == STEPS else 75):
+            raise RuntimeError(f"the other run exited {rc} (see {self.dir / 'other-run.log'})")
+        return uri
 
     def parked(self, t: Trainer, step: int, timeout: float = GUARD_S) -> bool:
         """Block until ``t`` parks at ``step`` (a file the task creates); False if it ends first."""
@@ -315,6 +362,13 @@ class Rig:
             self.pd.__enter__()
 
     # --- what the tiers hold (read directly, never through the faults) --------------------
+    def steps_in_bucket(self, uri: str | None = None) -> list[int]:
+        """The steps with a manifest under ``uri`` (default: the cell's prefix), oldest first."""
+        bucket, _, prefix = (uri or self.uri).removeprefix("gs://").partition("/")
+        return sorted({int(b.name[len(prefix) + 1:].split("/")[0].removeprefix("step-"))
+                       for b in self.client().list_blobs(bucket, prefix=prefix + "/step-")
+                       if b.name.endswith("/manifest.json")})
+
     def client(self) -> Any:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage

@@ -2,8 +2,10 @@
 steps, so that the harness injects a fault at an exact, known point of the run instead of racing it.
 
 ``CHAOS_PARK_DIR`` names a folder, ``CHAOS_PARK_STEPS`` the steps to park at (comma-separated,
-counted from this process's first step: the chaos matrix parks only a run that starts fresh) and
-``CHAOS_PARK_BATCH`` the run's samples per step (``batch_size``; one process, no accumulation).
+counted from this process's first step: a run that resumed step N parks at ``k`` before step
+N + k; a resumed run loads only the samples after its position) and ``CHAOS_PARK_BATCH`` the
+run's samples per step per rank (``batch_size``; no accumulation). Under torchrun every rank
+parks (each counts the samples it loads) and the same hold file holds them all.
 Before loading the first sample of step ``k`` (steps ``1..k-1`` are done, and any periodic save
 they triggered has been handed to the checkpointer), the loader creates ``DIR/parked-k`` and waits
 while ``DIR/hold-k`` exists; the harness creates the hold files before it starts the trainer and

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from drill.chaos.faults import FAULTS, MOMENTS
+from drill.chaos.faults import FAULTS, MOMENTS, NotTheTrainers
 from drill.chaos.matrix import Result, cells
 from drill.chaos.report import row, table
 from drill.chaos.rig import REPO
@@ -22,8 +22,10 @@ def test_every_fault_has_a_cell_or_a_reason_at_every_moment() -> None:
     for fault in FAULTS.values():
         assert set(fault.na) <= set(MOMENTS), fault.key
         assert all(reason.strip() for reason in fault.na.values()), fault.key
-        assert fault.moments(), f"{fault.key} has no cell at all"
+        # Only what `trainer run` never reads may have no cell at all (its reasons say who reads it).
+        assert fault.moments() or isinstance(fault, NotTheTrainers), f"{fault.key} has no cell at all"
         assert set(fault.blank_pd) <= set(fault.moments()), fault.key
+        assert set(fault.unfinishable) <= set(fault.moments()), fault.key
     assert len(cells()) == len(FAULTS) * len(MOMENTS)
 
 
@@ -69,3 +71,20 @@ def test_reliability_md_shows_the_current_fault_model() -> None:
 
     assert embedded((REPO / "RELIABILITY.md").read_text(), "fault-model") == fault_model(), (
         "RELIABILITY.md is stale: python -m drill.chaos --fault-model (or a full run with --record)")
+
+
+def test_the_harness_finds_a_copy_in_the_bucket_that_is_not_what_its_manifest_lists(gcs_proxy) -> None:
+    """The check behind "no corrupt copy kept" (drill.attacker.intact), which the matrix applies to
+    every step a trainer reported durable on GCS: it must see one flipped byte."""
+    import json
+
+    from drill.attacker import chunked_sha256, intact, plant
+
+    client, data = gcs_proxy.client(direct=True), bytes(range(256)) * 16
+    manifest = {"files": {"tensors.bin": {"size": len(data), "sha256": chunked_sha256(data)}}}
+    plant(client, gcs_proxy.uri, "step-00000005/manifest.json", json.dumps(manifest).encode())
+    plant(client, gcs_proxy.uri, "step-00000005/tensors.bin", data)
+    assert intact(client, gcs_proxy.uri, 5) is None
+    assert intact(client, gcs_proxy.uri, 6) is None  # not there at all: nothing to judge
+    plant(client, gcs_proxy.uri, "step-00000005/tensors.bin", data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    assert intact(client, gcs_proxy.uri, 5) == "tensors.bin is not what its manifest lists (4096 bytes, manifest: 4096)"

@@ -79,3 +79,47 @@ def test_generation_preconditions_are_enforced(gcs_proxy) -> None:
     with pytest.raises(gexc.PreconditionFailed):
         b.blob("lease").delete(if_generation_match=gen, retry=None)  # it moved on
     assert b.get_blob("lease") is not None
+
+
+def test_a_flipped_download_keeps_its_headers_so_the_client_sees_the_corruption(gcs_proxy) -> None:
+    from google.cloud.storage.exceptions import DataCorruption
+
+    b = _bucket(gcs_proxy)
+    data = bytes(range(256)) * 64
+    b.blob("f").upload_from_string(data)
+    gcs_proxy.proxy.add("GET", r"alt=media object=f$", "flip", times=1)
+    with pytest.raises(DataCorruption):
+        b.blob("f").download_as_bytes(retry=None)
+    assert b.blob("f").download_as_bytes(retry=None) == data  # stored intact: the next read is whole
+
+
+def test_a_flipped_upload_is_refused_by_the_servers_crc32c_check_and_nothing_is_stored(gcs_proxy) -> None:
+    """A multipart upload carries the payload's crc32c in its metadata part: Cloud Storage (and
+    the emulator) compute it over what arrived and refuse the upload (400) when it differs."""
+    b = _bucket(gcs_proxy)
+    data = bytes(range(256)) * 64  # the body's middle byte lies in the payload, not the metadata
+    gcs_proxy.proxy.add("POST", r"object=u$", "flip-request", times=1)
+    with pytest.raises(gexc.BadRequest, match="(?i)crc32c"):
+        b.blob("u").upload_from_string(data, retry=None, if_generation_match=0)
+    assert _bucket(gcs_proxy, direct=True).get_blob("u") is None
+    [seen] = gcs_proxy.proxy.seen("POST", "object=u$")
+    assert seen.outcome.startswith("request byte ") and seen.outcome.endswith("flipped, forwarded 400"), seen
+    b.blob("u").upload_from_string(data, retry=None, if_generation_match=0)  # the next upload lands whole
+    assert _bucket(gcs_proxy, direct=True).blob("u").download_as_bytes() == data
+
+
+def test_a_flipped_chunk_of_a_resumable_upload_leaves_nothing_corrupt(gcs_proxy) -> None:
+    """Over 8 MiB an upload is resumable and its last chunk carries the whole object's crc32c
+    (x-goog-hash): Cloud Storage refuses to finish it. The emulator ignores that header and stores
+    the bytes; the client then compares the crc32c it reports, deletes the object and raises
+    DataCorruption. Either way nothing corrupt stays (RELIABILITY.md says which the matrix runs)."""
+    from google.cloud.storage.exceptions import DataCorruption
+
+    blob = _bucket(gcs_proxy).blob("big")
+    blob.chunk_size = 4 << 20
+    data = bytes(range(256)) * ((9 << 20) // 256)
+    gcs_proxy.proxy.add("PUT", r"upload_id=", "flip-request", times=1)
+    with pytest.raises(DataCorruption):
+        blob.upload_from_string(data, retry=None, if_generation_match=0)
+    assert _bucket(gcs_proxy, direct=True).get_blob("big") is None
+    assert [s.method for s in gcs_proxy.proxy.seen() if "flipped" in s.outcome] == ["PUT"]
