@@ -7,7 +7,8 @@ matches it first. What it can do:
 
 - **rules** (`add()`), each matching a method and a regular expression searched in the request's
   *target*: its path with the query string, then ` object=NAME` when the request names an object
-  (in the path, in `name=`, or in a multipart upload's metadata part), so that
+  (in the path, in `name=`, in a multipart upload's metadata part or in the JSON that starts a
+  resumable upload; not in a resumable upload's later chunks), so that
   `r"object=runs/x/step-00000010/manifest.json"` picks one upload. A rule acts on the first
   `times` matching requests (None: all), after skipping `after` of them:
   - `status`: answer with that HTTP status and a GCS-shaped JSON error, without forwarding
@@ -333,8 +334,9 @@ def target(path: str, body: bytes, headers: dict[str, str], method: str = "GET")
     name = _path_object(method, u.path.split("/"))
     if name is None:
         name = parse_qs(u.query).get("name", [None])[0]
-    if name is None and "uploadType=multipart" in u.query:
-        name = _multipart_name(body, headers)
+    if name is None and ("uploadType=multipart" in u.query
+                         or ("uploadType=resumable" in u.query and "upload_id=" not in u.query)):
+        name = _multipart_name(body, headers)  # a resumable upload names it in its first request's JSON
     return path if name is None else f"{path} object={name}"
 
 
