@@ -210,12 +210,14 @@ def _parts(gcs_proxy) -> list[str]:
 
 
 def test_a_large_object_is_uploaded_in_parts_composed_and_downloaded_in_slices(gcs_proxy, tmp_path: Path) -> None:
-    s, src = _streamed(gcs_proxy), _source(tmp_path)
-    gcs_proxy.proxy.add("POST", r"object=.*/\.tmp-parts/.*/02$", "status", status=503)  # one part: once
+    s, src = _streamed(gcs_proxy), _source(tmp_path, size=(34 << 20) + 12345)  # parts over 8 MiB: resumable
+    failed = gcs_proxy.proxy.add("POST", r"object=.*/\.tmp-parts/.*/02$", "status", status=503)  # one part: once
     s.put_file(src, "step-1/state.bin")
     p = gcs_proxy.proxy
+    assert failed.hits == 1  # and retried alone
     assert len(p.seen("POST", r"/compose\?ifGenerationMatch=0.* object=.*step-1/state.bin$")) == 1
     assert len({x.path.rpartition("/")[2] for x in p.seen("POST", r"object=.*/\.tmp-parts/")}) == 4
+    assert len(p.seen("PUT", r"upload_id=")) > 4 * 8  # the parts, resumable, in 256 KiB chunks
     stored = gcs_proxy.client(direct=True).bucket(gcs_proxy.bucket).blob(s._object("step-1/state.bin"))
     assert stored.download_as_bytes() == src.read_bytes()
     assert _parts(gcs_proxy) == [] and s.list("") == ["step-1/state.bin"]
