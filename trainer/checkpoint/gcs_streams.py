@@ -38,7 +38,6 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, ContextManager, TypeVar
 
@@ -90,25 +89,33 @@ class _Either:
 def _run(store: GcsStore, tasks: list[Callable[[], T]]) -> list[T]:
     """``tasks`` on threads of their own, each under the caller's deadline and abort; their
     results in order. The first failure stops the others (at their next chunk or request) and
-    is raised once every task has ended."""
+    is raised once every task has ended. The threads are daemons, as every thread of an upload
+    is: one stuck in a request never holds the process at its exit (an executor's would)."""
     if len(tasks) == 1:
         return [tasks[0]()]
     deadline, stop = store._deadline(), threading.Event()
     abort = _Either(getattr(store._local, "abort", None), stop)
+    results: list[Any] = [None] * len(tasks)
+    errors: list[BaseException | None] = [None] * len(tasks)
 
-    def run(task: Callable[[], T]) -> T:
-        with store.deadline(deadline), store.aborting(abort):  # type: ignore[arg-type]
-            return task()
-
-    with ThreadPoolExecutor(max_workers=len(tasks), thread_name_prefix="gcs-stream") as pool:
-        futures = [pool.submit(run, t) for t in tasks]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        if any(f.exception() is not None for f in done):
+    def run(i: int) -> None:
+        try:
+            with store.deadline(deadline), store.aborting(abort):  # type: ignore[arg-type]
+                results[i] = tasks[i]()
+        except BaseException as e:  # noqa: BLE001 - raised by the caller, below
+            errors[i] = e
             stop.set()
-    errors = [e for f in futures if (e := f.exception()) is not None]
-    if errors:  # the failure, not the aborts it caused in the other streams
-        raise next((e for e in errors if not isinstance(e, UploadAborted)), errors[0])
-    return [f.result() for f in futures]
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"gcs-stream-{i}", daemon=True)
+               for i in range(len(tasks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [e for e in errors if e is not None]
+    if failed:  # the failure, not the aborts it caused in the other streams
+        raise next((e for e in failed if not isinstance(e, UploadAborted)), failed[0])
+    return results
 
 
 # --- sliced download ---------------------------------------------------------------------------

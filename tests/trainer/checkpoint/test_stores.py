@@ -361,3 +361,33 @@ def test_a_composite_upload_past_its_deadline_composes_nothing(gcs_proxy, tmp_pa
     assert s.list("") == []
     s.clean_temporaries()
     assert _parts(gcs_proxy) == []
+
+
+_EXITS = """
+import sys, threading
+from pathlib import Path
+from trainer.checkpoint.stores import GcsStore
+s = GcsStore(sys.argv[1], streams=4)
+s.PARALLEL_MIN_BYTES, s.CHUNK_SIZE = 1 << 20, 256 << 10
+threading.Thread(target=s.put_file, args=(Path(sys.argv[2]), "k"), daemon=True).start()
+sys.stdin.readline()
+"""
+
+
+def test_a_stream_stuck_in_a_request_never_holds_the_process_at_its_exit(gcs_proxy, tmp_path: Path) -> None:
+    # An emergency upload's thread is abandoned at its deadline and the trainer exits: its streams
+    # must not keep the process alive (an executor's threads are joined at exit).
+    import subprocess
+    import sys
+
+    held = gcs_proxy.proxy.add("*", r"object=.*/\.tmp-parts/.*/01$", "stall")
+    proc = subprocess.Popen([sys.executable, "-c", _EXITS, gcs_proxy.uri, str(_source(tmp_path))],
+                            env={**os.environ, **gcs_proxy.env, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+                            stdin=subprocess.PIPE, text=True)
+    try:
+        assert gcs_proxy.proxy.wait_stalled(held)
+        proc.communicate("exit\n", timeout=60)
+        assert proc.returncode == 0 and held.held == 1  # gone while its request is still held
+    finally:
+        proc.kill()
+        gcs_proxy.proxy.release(held)
