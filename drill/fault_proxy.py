@@ -7,7 +7,8 @@ matches it first. What it can do:
 
 - **rules** (`add()`), each matching a method and a regular expression searched in the request's
   *target*: its path with the query string, then ` object=NAME` when the request names an object
-  (in the path, in `name=`, or in a multipart upload's metadata part), so that
+  (in the path, in `name=`, in a multipart upload's metadata part or in the JSON that starts a
+  resumable upload; not in a resumable upload's later chunks), so that
   `r"object=runs/x/step-00000010/manifest.json"` picks one upload. A rule acts on the first
   `times` matching requests (None: all), after skipping `after` of them:
   - `status`: answer with that HTTP status and a GCS-shaped JSON error, without forwarding
@@ -25,9 +26,15 @@ matches it first. What it can do:
 - **down** (`down()` / `up()`): nothing listens; connections are refused;
 - **blackhole** (`blackhole()`): every new request is held without an answer until `up()`;
 - **generation preconditions**, which the emulator ignores: `ifGenerationMatch` on uploads,
-  metadata patches and deletes is checked against the object's current generation (412 when it
-  differs; 0 means "must not exist"), serialised so that two writers racing for one object see
-  what Cloud Storage would show them;
+  composes, metadata patches, deletes and reads (a download pinned to a generation) is checked
+  against the object's current generation (412 when it differs; 0 means "must not exist"), and
+  so is the generation a compose names for each source (404 when it is no longer there), and
+  the check and its request are atomic against every write, so that two writers racing for one
+  object, or a reader racing a writer, see what Cloud Storage would show them;
+- **bandwidth** (`limit(bytes_per_s)`): every connection carries request and response bodies at
+  no more than that rate each way, as Cloud Storage limits one stream; parallel connections each
+  get the whole rate. Bodies are stored and forwarded, so the emulator (one thread) never waits
+  on a slow client;
 - **IAM**, which the emulator ignores too: with `authorize` set (e.g. `FakeGcp.storage_gate`),
   every request is first asked of it, and a refusal is answered 403 as Cloud Storage would.
 
@@ -40,6 +47,7 @@ import json
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Callable, NamedTuple
@@ -92,6 +100,8 @@ class FaultProxy:
     """The proxy; a context manager. `host` is the value for STORAGE_EMULATOR_HOST."""
 
     def __init__(self, upstream: str, *, port: int | None = None) -> None:
+        #: Bytes per second of each connection, each way (None: as fast as loopback goes).
+        self.rate: float | None = None
         u = urlsplit(upstream)
         self.upstream_host, self.upstream_port = u.hostname or "127.0.0.1", u.port or 80
         self.port = port or free_port()
@@ -146,6 +156,12 @@ class FaultProxy:
             self.rules.append(rule)
         return rule
 
+    def limit(self, bytes_per_s: float | None) -> None:
+        """Carry each connection's bodies at ``bytes_per_s`` at most, each way (None: no limit)."""
+        if bytes_per_s is not None and bytes_per_s <= 0:
+            raise ValueError(f"bytes_per_s {bytes_per_s}; allowed: more than 0, or None")
+        self.rate = bytes_per_s
+
     def clear(self) -> None:
         """Remove every rule and release what they hold."""
         with self._lock:
@@ -161,8 +177,6 @@ class FaultProxy:
 
     def wait_stalled(self, rule: Rule, count: int = 1, timeout: float = 60.0) -> bool:
         """Block until `rule` holds at least `count` requests at once; False after `timeout`."""
-        import time
-
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if rule.held >= count:
@@ -253,7 +267,7 @@ class FaultProxy:
         return str(json.loads(data).get("generation"))
 
     def precondition(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> str | None:
-        """The 412 message when this write's ifGenerationMatch does not hold, else None."""
+        """The 412 message when this request's ifGenerationMatch does not hold, else None."""
         u = urlsplit(path)
         q = parse_qs(u.query)
         want = q.get("ifGenerationMatch", [None])[0]
@@ -267,9 +281,8 @@ class FaultProxy:
         except ValueError:
             return None
         bucket = unquote(parts[b + 1])
-        if len(parts) > b + 3 and parts[b + 2] == "o":
-            name = unquote("/".join(parts[b + 3:]))
-        else:
+        name = _path_object(method, parts)
+        if name is None:
             name = q.get("name", [None])[0] or _multipart_name(body, headers)
             if name is None:
                 return None
@@ -280,20 +293,53 @@ class FaultProxy:
             return f"{name} is at generation {current}, not {want}"
         return None
 
+    def compose_sources(self, method: str, path: str, body: bytes) -> str | None:
+        """The 404 message when a compose names a source at a generation it no longer has (the
+        emulator composes whatever is there now), else None."""
+        bucket = _compose_bucket(method, path)
+        if bucket is None:
+            return None
+        try:
+            sources = json.loads(body or b"{}").get("sourceObjects") or []
+        except ValueError:
+            return None
+        for src in sources:
+            want = src.get("generation")
+            if want is not None and self._generation(bucket, src["name"]) != str(want):
+                return f"No such object: {bucket}/{src['name']}#{want}"
+        return None
 
-def target(path: str, body: bytes, headers: dict[str, str]) -> str:
+
+def _compose_bucket(method: str, path: str) -> str | None:
+    parts = urlsplit(path).path.split("/")
+    if method != "POST" or parts[-1:] != ["compose"] or "b" not in parts:
+        return None
+    return unquote(parts[parts.index("b") + 1])
+
+
+def _path_object(method: str, parts: list[str]) -> str | None:
+    """The object a JSON API path names (`.../b/B/o/NAME`), or None; a compose
+    (`POST .../o/NAME/compose`) names the object it creates."""
+    if "b" not in parts:
+        return None
+    b = parts.index("b")
+    if len(parts) <= b + 3 or parts[b + 2] != "o":
+        return None
+    rest = parts[b + 3:]
+    if method == "POST" and len(rest) > 1 and rest[-1] == "compose":
+        rest = rest[:-1]
+    return unquote("/".join(rest))
+
+
+def target(path: str, body: bytes, headers: dict[str, str], method: str = "GET") -> str:
     """What rules match: the path, then ` object=NAME` when the request names an object."""
     u = urlsplit(path)
-    parts = u.path.split("/")
-    name = None
-    if "b" in parts:
-        b = parts.index("b")
-        if len(parts) > b + 3 and parts[b + 2] == "o":
-            name = unquote("/".join(parts[b + 3:]))
+    name = _path_object(method, u.path.split("/"))
     if name is None:
         name = parse_qs(u.query).get("name", [None])[0]
-    if name is None and "uploadType=multipart" in u.query:
-        name = _multipart_name(body, headers)
+    if name is None and ("uploadType=multipart" in u.query
+                         or ("uploadType=resumable" in u.query and "upload_id=" not in u.query)):
+        name = _multipart_name(body, headers)  # a resumable upload names it in its first request's JSON
     return path if name is None else f"{path} object={name}"
 
 
@@ -301,6 +347,27 @@ def _multipart_name(body: bytes, headers: dict[str, str]) -> str | None:
     """The object name in a multipart upload's JSON part."""
     m = re.search(rb'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body[:65536])
     return json.loads(b'"' + m.group(1) + b'"') if m else None
+
+
+#: Bodies move in blocks of this size, each followed by the wait the rate asks for.
+_PACE_BLOCK = 64 << 10
+
+
+class _Pace:
+    """Holds one body's transfer to ``rate`` bytes per second (None: no waits): after each block,
+    a wait until the time that many bytes take at that rate since the body began."""
+
+    def __init__(self, rate: float | None, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], object] = time.sleep) -> None:
+        self.rate, self._clock, self._sleep = rate, clock, sleep
+        self.start, self.moved = clock(), 0
+
+    def after(self, n: int) -> None:
+        self.moved += n
+        if self.rate:
+            wait = self.start + self.moved / self.rate - self._clock()
+            if wait > 0:
+                self._sleep(wait)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -323,7 +390,18 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def _read(self, n: int, pace: "_Pace") -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            chunk = self.rfile.read(min(_PACE_BLOCK, n - len(out)))
+            if not chunk:
+                break
+            out += chunk
+            pace.after(len(chunk))
+        return bytes(out)
+
     def _body(self) -> bytes:
+        pace = _Pace(self.owner.rate)
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             out = b""
             while True:
@@ -332,10 +410,10 @@ class _Handler(BaseHTTPRequestHandler):
                     while self.rfile.readline().strip():
                         pass
                     return out
-                out += self.rfile.read(size)
+                out += self._read(size, pace)
                 self.rfile.readline()
         n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
+        return self._read(n, pace) if n else b""
 
     def _send(self, status: int, headers: list, body: bytes) -> None:
         self.send_response(status)
@@ -343,7 +421,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        pace = _Pace(self.owner.rate)
+        view = memoryview(body)
+        for at in range(0, len(view), _PACE_BLOCK):
+            self.wfile.write(view[at:at + _PACE_BLOCK])
+            pace.after(min(_PACE_BLOCK, len(view) - at))
 
     def _drop(self) -> None:
         self.close_connection = True
@@ -356,7 +438,7 @@ class _Handler(BaseHTTPRequestHandler):
         p, method, path = self.owner, self.command, self.path
         body = self._body()
         headers = {k: v for k, v in self.headers.items()}
-        tgt = target(path, body, headers)
+        tgt = target(path, body, headers, method)
         if p._blackhole.is_set():
             p._record(method, tgt, "blackholed")
             p._unblock.wait()
@@ -392,19 +474,30 @@ class _Handler(BaseHTTPRequestHandler):
             at = len(body) // 2
             body = body[:at] + bytes([body[at] ^ 0x5A]) + body[at + 1:]
             flipped = f"request byte {at} flipped, "
-        is_write = method in ("POST", "PUT", "PATCH", "DELETE")
-        lock = p._write_lock if is_write and "ifGenerationMatch" in path else None
+        # Every write, and every request with a precondition, holds the lock from its check to
+        # its answer: no write lands between a precondition's check and its request.
+        conditional = "ifGenerationMatch" in path
+        lock = p._write_lock if method in ("POST", "PUT", "PATCH", "DELETE") or conditional else None
         try:
             if lock is not None:
                 lock.acquire()
             try:
-                why = p.precondition(method, path, body, headers) if lock is not None else None
+                why = p.precondition(method, path, body, headers) if conditional else None
             except RuntimeError as e:
                 why = None
                 p._record(method, tgt, f"precondition unchecked ({e})")
             if why is not None:
                 p._record(method, tgt, "precondition 412")
                 self._send(412, [("Content-Type", "application/json")], gcs_error(412, why))
+                return
+            try:
+                gone = p.compose_sources(method, path, body)
+            except RuntimeError as e:
+                gone = None
+                p._record(method, tgt, f"compose sources unchecked ({e})")
+            if gone is not None:
+                p._record(method, tgt, "compose source 404")
+                self._send(404, [("Content-Type", "application/json")], gcs_error(404, gone))
                 return
             try:
                 status, out_headers, data = p.forward(method, path, headers, body)

@@ -360,7 +360,8 @@ def storage_checks(method: str, path: str, body: bytes, exists: Callable[[str, s
     """What Cloud Storage checks for one JSON API request (storage/docs/json_api, and
     storage/docs/access-control/iam-json): reads `storage.objects.get`, listing
     `storage.objects.list` on the bucket, an upload `storage.objects.create` and, when it replaces
-    an object, `storage.objects.delete` too; deletes and metadata updates their own. A request
+    an object, `storage.objects.delete` too; a compose `storage.objects.create`, `storage.objects.get`
+    on every source (and the delete when it replaces an object); deletes and metadata updates their own. A request
     this model does not know is an error, never allowed by default."""
     from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -398,6 +399,18 @@ def storage_checks(method: str, path: str, body: bytes, exists: Callable[[str, s
             return [("storage.buckets.get", bucket(b))]
         if rest == ["o"] and method == "GET":
             return [("storage.objects.list", bucket(b))]
+        if rest[:1] == ["o"] and len(rest) >= 3 and rest[-1] == "compose" and method == "POST":
+            # Compose: create the object, read every source, and replace what is there.
+            name = "/".join(rest[1:-1])
+            try:
+                sources = [str(src["name"]) for src in json.loads(body or b"{}").get("sourceObjects") or []]
+            except (ValueError, TypeError, KeyError) as e:
+                raise PolicyError(f"storage compose not modelled: {method} {path}: {e}") from None
+            checks = [("storage.objects.create", obj(b, name))]
+            checks += [("storage.objects.get", obj(b, src)) for src in sources]
+            if q.get("ifGenerationMatch", [None])[0] != "0" and exists(b, name):
+                checks.append(("storage.objects.delete", obj(b, name)))
+            return checks
         if rest[:1] == ["o"] and len(rest) >= 2:
             name = "/".join(rest[1:])
             verb = {"GET": "get", "DELETE": "delete", "PATCH": "update", "PUT": "update"}.get(method)

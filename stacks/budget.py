@@ -14,12 +14,13 @@ in order, each part at its worst (`trainer.train._emergency_save`, `Checkpointer
    the stated throughput);
 2. **a periodic save still writing**: the emergency save reuses its host buffer, so it waits for
    that save's disk writes (the local SSD tier if any, then the persistent disk: the whole state,
-   when the notice came just as it began) and for its upload chunk in flight to stop;
+   when the notice came just as it began) and for its upload chunks in flight to stop (one
+   per stream: `trainer.config.gcs_streams` of them for a state of 64 MiB or more);
 3. **the copy to host**: the state from device memory into the host buffer, over one GPU's PCIe
    link (DDP: rank 0 copies it all; FSDP: each GPU its shard, in parallel);
 4. **the disk write**: the state onto the persistent disk. PD-SSD writes about 0.48 MB/s per
    provisioned GB, capped per VM by its vCPU count, and its writes count against the VM's network
-   egress cap, which the upload chunk still in flight shares.
+   egress cap, which the upload chunks still in flight share.
 
 The estimate is a warning, never an error: it is a model of the machine, not a measurement. The
 warning names the part that dominates and what shrinks it.
@@ -40,9 +41,22 @@ from stacks.experiment import Experiment
 from trainer import shutdown_window
 
 BYTES_PER_PARAM = 16
-#: The trainer's resumable-upload chunk (`trainer.storage.GcsStore.CHUNK_SIZE`): an upload stops
-#: between chunks, so at most one is still in flight when the emergency save begins.
+#: The trainer's resumable-upload chunk (`trainer.checkpoint.stores.GcsStore.CHUNK_SIZE`): an
+#: upload stops between chunks, so at most one per stream is still in flight when the emergency
+#: save begins.
 UPLOAD_CHUNK_BYTES = 32 << 20
+#: Files from this size up are uploaded in parallel streams (`GcsStore.PARALLEL_MIN_BYTES`).
+PARALLEL_MIN_BYTES = 64 << 20
+
+
+def upload_streams(exp: Experiment, size: int) -> int:
+    """The streams the trainer uploads a state of ``size`` bytes in (``gcs_streams``, or 1)."""
+    from trainer.config import RunConfig
+
+    value = exp.trainer.config.get("gcs_streams")
+    streams = value if isinstance(value, int) and not isinstance(value, bool) else \
+        int(RunConfig.model_fields["gcs_streams"].default)
+    return streams if size >= PARALLEL_MIN_BYTES else 1
 
 STEP, PERIODIC, COPY, WRITE = "the step in flight", "a periodic save still writing", "the copy to host", \
     "the disk write"
@@ -66,6 +80,7 @@ class Budget:
     #: Notes on how each part was reckoned, by part.
     how: dict[str, str] = field(default_factory=dict)
     disk_cap_mb_s: float = 0.0  # the VM's PD write cap (a bigger disk goes no faster)
+    in_flight_s: float = 0.0  # of the periodic part: the upload chunks in flight, which no disk speeds up
 
     @property
     def fits(self) -> bool | None:
@@ -108,7 +123,7 @@ class Budget:
         if part == COPY:
             return "shard the state (parallelism = \"fsdp\" over several GPUs) or shrink it"
         # Disk-bound: both the periodic save's write and the emergency write scale with disk speed.
-        disk_s = sum(s for n, s in self.parts if n in (PERIODIC, WRITE))
+        disk_s = sum(s for n, s in self.parts if n in (PERIODIC, WRITE)) - self.in_flight_s
         rest = (self.seconds or 0.0) - disk_s
         if rest >= self.available_s:
             return "no disk is fast enough alone: shrink the state or shorten the step"
@@ -146,13 +161,14 @@ def estimate(exp: Experiment) -> Budget:
 
     mb = size / 1e6
     egress = R.vm_egress_mb_s(shape.vcpus)
-    chunk = UPLOAD_CHUNK_BYTES / 1e6
+    chunk = UPLOAD_CHUNK_BYTES * upload_streams(exp, size) / 1e6  # what is in flight, every stream's
     local = exp.disk.local_ssd_count * R.LOCAL_SSD_WRITE_MB_S_PER_DEVICE
     step_s = 1.0 / exp.cost.steps_per_second
-    periodic_s = (mb / local if local else 0.0) + mb / write + chunk / egress
+    in_flight_s = chunk / egress
+    periodic_s = (mb / local if local else 0.0) + mb / write + in_flight_s
     copy_s = per_gpu / 1e9 / R.GPU_HOST_COPY_GB_S.get(exp.machine.gpu_type, 12.0)
-    write_s = max(mb / write, (mb + chunk) / egress)  # the PD and the last chunk share the egress
+    write_s = max(mb / write, (mb + chunk) / egress)  # the PD and the last chunks share the egress
     parts = ((STEP, step_s), (PERIODIC, periodic_s), (COPY, copy_s), (WRITE, write_s))
     how = {STEP: f"1 / cost.steps_per_second {exp.cost.steps_per_second:g}",
            PERIODIC: ("local SSD, then " if local else "") + "its whole disk write"}
-    return Budget(size, source, write, window, available, sum(s for _, s in parts), parts, how, cap)
+    return Budget(size, source, write, window, available, sum(s for _, s in parts), parts, how, cap, in_flight_s)

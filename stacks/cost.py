@@ -14,7 +14,9 @@ its most nodes.
 
 The checkpoint bucket's storage is its own section (`storage_estimate`): the checkpoints the
 trainer keeps, plus what soft delete (and versioning, when on) keeps of every checkpoint it
-rotates out, given the save interval and the retention.
+rotates out, given the save interval and the retention, and, for a checkpoint uploaded in
+parallel streams (a composite upload: `trainer.checkpoint.gcs_streams`), what soft delete keeps
+of the parts it deletes after each upload.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from stacks.budget import BYTES_PER_PARAM, size_text
 from stacks.experiment import Experiment
 from stacks.load import ExperimentError, ExperimentFile, argument, display, load_all
 from stacks.policy_cost import policy_lines
+from trainer.checkpoint.stores import GcsStore
+from trainer.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -269,6 +273,8 @@ class StorageEstimate:
     interval_source: str
     retention_days: float  # how long a rotated checkpoint stays billed
     retention_source: str
+    parts_days: float  # how long the deleted parts of each save's composite upload stay billed (0: none)
+    parts_source: str
     run_days: float  # a run shorter than the retention never fills it
     price_gb_month: float
     location: str
@@ -285,7 +291,7 @@ class StorageEstimate:
     def retained_gb(self) -> float:
         """Rotated checkpoints still billed at the fullest: the saves of the last retention
         window (or of the whole run, when shorter)."""
-        days = min(self.retention_days, self.run_days)
+        days = min(self.retention_days, self.run_days) + min(self.parts_days, self.run_days)
         return self.saves_per_day * days * (self.checkpoint_bytes or 0) / 1e9
 
     @property
@@ -296,7 +302,7 @@ class StorageEstimate:
     def retention_cost(self) -> float:
         """What the run's rotated checkpoints cost over their retention, each billed that long."""
         days_per_month = pricing.HOURS_PER_MONTH / 24
-        return (self.run_saves * (self.checkpoint_bytes or 0) / 1e9 * self.retention_days
+        return (self.run_saves * (self.checkpoint_bytes or 0) / 1e9 * (self.retention_days + self.parts_days)
                 / days_per_month * self.price_gb_month)
 
 
@@ -338,6 +344,14 @@ def _interval(exp: Experiment) -> tuple[float, str]:
     return DEFAULT_CHECKPOINT_INTERVAL_S, "assumed default; the trainer logs its own"
 
 
+def _streams(exp: Experiment) -> tuple[int, str]:
+    """The trainer's streams per large checkpoint file to the bucket, and where that comes from."""
+    value = exp.trainer.config.get("gcs_streams")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, "trainer.config.gcs_streams"
+    return int(RunConfig.model_fields["gcs_streams"].default), "the trainer's default"
+
+
 def storage_estimate(exp: Experiment, run_hours: float) -> StorageEstimate:
     t = exp.trainer
     if t.state_bytes is not None:
@@ -356,10 +370,14 @@ def storage_estimate(exp: Experiment, run_hours: float) -> StorageEstimate:
         parts.append(f"versions {b.noncurrent_days} d")
     location = b.bucket_location.upper()
     kind = "multi-region" if location in pricing.GCS_MULTI_REGIONS else "region"
+    streams, streams_source = _streams(exp)
+    composite = streams > 1 and size is not None and size >= GcsStore.PARALLEL_MIN_BYTES
+    parts_days = float(b.soft_delete_days) if composite else 0.0
     return StorageEstimate(
         checkpoint_bytes=size, size_source=source, keep=TRAINER_KEEP, interval_s=interval,
         interval_source=interval_source, retention_days=retention,
-        retention_source=" + ".join(parts), run_days=run_hours / 24,
+        retention_source=" + ".join(parts), parts_days=parts_days,
+        parts_source=f"{streams} streams ({streams_source})", run_days=run_hours / 24,
         price_gb_month=pricing.GCS_STANDARD_GB_MONTH[kind], location=location)
 
 
@@ -378,8 +396,10 @@ def storage_lines(exp: Experiment, run_hours: float) -> list[str]:
                 "checkpoint for their retention"]
     every = _interval_text(st.interval_s)
     if st.retention_days:
+        parts = (f", and the parts of each save's upload in {st.parts_source} {st.parts_days:g} d"
+                 if st.parts_days else "")
         retained = (f"{st.retention_source}: each rotated checkpoint stays billed "
-                    f"{st.retention_days:g} d: up to {_size(st.retained_gb)} at once "
+                    f"{st.retention_days:g} d{parts}: up to {_size(st.retained_gb)} at once "
                     f"({_money(st.retained_gb * st.price_gb_month)}/month while it lasts), "
                     f"{_money(st.retention_cost)} over this run's {st.run_saves:,.0f} saves")
     else:
@@ -395,7 +415,9 @@ def storage_lines(exp: Experiment, run_hours: float) -> list[str]:
     if st.retained_gb > 10 * st.kept_gb:
         lines.append(f"  note              retention holds {st.retained_gb / st.kept_gb:,.0f}x "
                      "what the trainer keeps: a longer GCS interval or a shorter (or no) soft "
-                     "delete lowers it")
+                     "delete lowers it" + (", and so does trainer.config.gcs_streams = 1 (uploads "
+                                           "in one stream leave no parts), at the cost of upload "
+                                           "speed" if st.parts_days else ""))
     return lines
 
 

@@ -121,6 +121,14 @@ class RunConfig(BaseModel):
     tiers: dict[Literal["local", "persistent", "gcs"], TierCadence] = Field(default_factory=dict)
     """Per-tier overrides, config file only: e.g. ``[tiers.local] every_steps = 50`` and
     ``[tiers.gcs] every_seconds = 900`` save to the local SSD often and to GCS rarely."""
+    gcs_streams: int = Field(default=8, ge=1, le=32)
+    """Connections one checkpoint file of 64 MiB or more uses at once to and from the bucket
+    (Cloud Storage limits what one stream carries): an upload goes up as that many parts at once,
+    composed into the file's object, a download comes down as that many ranged reads, each with
+    the single stream's preconditions, retries and deadline (docs/durability.md). Smaller files
+    use one. At most 32 (one compose's limit). 1: one stream per file, and no temporary parts
+    (which a bucket with soft delete keeps, billed, for its retention). Not part of the
+    fingerprint."""
     mtbf_s: float = Field(default=6 * 3600, gt=0)
     """Expected seconds between preemptions, for the automatic checkpoint interval."""
     health_port: int | None = Field(default=DEFAULT_HEALTH_PORT, ge=0, le=65535)
@@ -364,7 +372,7 @@ class RunConfig(BaseModel):
         from trainer.checkpoint.tiers import tier_table
 
         return tier_table(self.run_dir, local_dir=self.local_dir, gcs_uri=self.gcs_uri, cadence=self.tier_cadence(),
-                          keep=self.tier_keep(), gcs_client=gcs_client)
+                          keep=self.tier_keep(), gcs_client=gcs_client, gcs_streams=self.gcs_streams)
 
     def accum_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step at ``world_size``; ValueError if

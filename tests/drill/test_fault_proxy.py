@@ -123,3 +123,57 @@ def test_a_flipped_chunk_of_a_resumable_upload_leaves_nothing_corrupt(gcs_proxy)
         blob.upload_from_string(data, retry=None, if_generation_match=0)
     assert _bucket(gcs_proxy, direct=True).get_blob("big") is None
     assert [s.method for s in gcs_proxy.proxy.seen() if "flipped" in s.outcome] == ["PUT"]
+
+
+def test_compose_preconditions_are_enforced(gcs_proxy) -> None:
+    b = _bucket(gcs_proxy)
+    for name, data in (("p0", b"ab"), ("p1", b"cd"), ("whole", b"old")):
+        b.blob(name).upload_from_string(data)
+    p0, p1 = b.get_blob("p0"), b.get_blob("p1")
+    with pytest.raises(gexc.PreconditionFailed):  # create-only, and "whole" exists
+        b.blob("whole").compose([p0, p1], if_generation_match=0, retry=None)
+    b.blob("p1").upload_from_string(b"XY")  # the source generation named is gone
+    with pytest.raises(gexc.NotFound):
+        b.blob("new").compose([p0, p1], if_generation_match=0, retry=None)
+    b.blob("new").compose([p0, b.get_blob("p1")], if_generation_match=0, retry=None)
+    assert b.blob("new").download_as_bytes() == b"abXY" and b.blob("whole").download_as_bytes() == b"old"
+
+
+def test_a_read_pinned_to_a_generation_fails_once_the_object_moved_on(gcs_proxy) -> None:
+    b = _bucket(gcs_proxy)
+    b.blob("k").upload_from_string(b"first")
+    gen = b.get_blob("k").generation
+    assert b.blob("k").download_as_bytes(if_generation_match=gen, retry=None) == b"first"
+    b.blob("k").upload_from_string(b"second")
+    with pytest.raises(gexc.PreconditionFailed):
+        b.blob("k").download_as_bytes(if_generation_match=gen, retry=None)
+
+
+def test_a_limited_connection_carries_every_byte(gcs_proxy) -> None:
+    b = _bucket(gcs_proxy)
+    gcs_proxy.proxy.limit(256 << 20)
+    data = bytes(range(256)) * (4 << 10) + b"tail"  # 1 MiB and a bit, in many paced blocks each way
+    b.blob("paced").upload_from_string(data, retry=None)
+    assert b.blob("paced").download_as_bytes(retry=None) == data
+    with pytest.raises(ValueError):
+        gcs_proxy.proxy.limit(0)
+
+
+def test_the_pace_waits_what_the_rate_asks_from_the_body_start() -> None:
+    from drill.fault_proxy import _Pace
+
+    now, waits = [100.0], []
+
+    def sleep(s: float) -> None:
+        waits.append(s)
+        now[0] += s
+
+    pace = _Pace(1000.0, clock=lambda: now[0], sleep=sleep)
+    pace.after(500)             # 500 bytes at 1000 B/s: half a second from the start
+    now[0] += 2.0               # the sender was slow itself: nothing to wait for
+    pace.after(500)
+    pace.after(3000)            # 4000 bytes in all are due at start + 4 s
+    assert waits == [0.5, 1.5]
+    free = _Pace(None, clock=lambda: now[0], sleep=sleep)
+    free.after(10 ** 9)
+    assert waits == [0.5, 1.5]

@@ -2,6 +2,8 @@
 bindings read from a synthesized stack's JSON."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from drill.iam import Condition, Policy, PolicyError, Resource, accounts
@@ -103,5 +105,14 @@ def test_what_cloud_storage_checks_for_each_request():
     assert checks("POST", "/upload/storage/v1/b/b/o?uploadType=media&name=runs/exp/control/outcome.json"
                           "&ifGenerationMatch=0") == [("storage.objects.create", o)]
     assert checks("DELETE", "/storage/v1/b/b/o/runs%2Fexp%2Fcontrol%2Foutcome.json") == [("storage.objects.delete", o)]
+    # A compose creates its object and reads every source (a composite upload's parts).
+    parts = json.dumps({"sourceObjects": [{"name": "runs/exp/.tmp-parts/s.bin.1/00", "generation": 5},
+                                          {"name": "runs/exp/.tmp-parts/s.bin.1/01"}]}).encode()
+    part = "projects/_/buckets/b/objects/runs/exp/.tmp-parts/s.bin.1/"
+    assert checks("POST", "/storage/v1/b/b/o/runs%2Fexp%2Fcontrol%2Foutcome.json/compose?ifGenerationMatch=0",
+                  parts) == [("storage.objects.create", o), ("storage.objects.get", part + "00"),
+                             ("storage.objects.get", part + "01")]
+    assert ("storage.objects.delete", o) in checks(
+        "POST", "/storage/v1/b/b/o/runs%2Fexp%2Fcontrol%2Foutcome.json/compose", parts)
     with pytest.raises(PolicyError):
-        checks("POST", "/storage/v1/b/b/o/x/compose")
+        checks("POST", "/storage/v1/b/b/o/x/rewriteTo/b/b/o/y")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from stack_support import variant
 
-from stacks.budget import BYTES_PER_PARAM, COPY, PERIODIC, STEP, UPLOAD_CHUNK_BYTES, WRITE, estimate
+from stacks.budget import (BYTES_PER_PARAM, COPY, PARALLEL_MIN_BYTES, PERIODIC, STEP, UPLOAD_CHUNK_BYTES, WRITE,
+                           estimate)
 
 GPT2_SMALL = {"trainer": {"param_count": 124_000_000}}
 MB = 124_000_000 * BYTES_PER_PARAM / 1e6  # its state
@@ -27,9 +28,10 @@ def test_every_part_of_the_worst_case_is_counted_in_order():
     parts = dict(b.parts)
     assert [p for p, _ in b.parts] == [STEP, PERIODIC, COPY, WRITE]  # the order they happen in
     assert parts[STEP] == 1.0  # 1 / cost.steps_per_second
-    assert parts[PERIODIC] == pytest.approx(MB / 240 + UPLOAD_CHUNK_BYTES / 1e6 / 2000)
+    # ... and the upload chunk in flight of each of its 8 streams (the trainer's gcs_streams) to stop
+    assert parts[PERIODIC] == pytest.approx(MB / 240 + 8 * UPLOAD_CHUNK_BYTES / 1e6 / 2000)
     assert parts[COPY] == pytest.approx(1.984 / 24)  # one L4 over PCIe 4.0
-    assert parts[WRITE] == pytest.approx(MB / 240)
+    assert parts[WRITE] == pytest.approx(MB / 240)  # (1984 + 8 x 33.6 MB) / 2000 MB/s of egress is less
     assert b.seconds == pytest.approx(sum(parts.values()))
     assert b.fits is True and b.warning() is None
     assert "worst case the step in flight 1.0 s" in b.describe() and ": fits" in b.describe()
@@ -42,10 +44,11 @@ def test_the_disk_write_alone_would_fit_but_the_worst_case_does_not():
     assert b.fits is False
     warning = b.warning()
     assert warning.startswith("WARNING: emergency save: 1.98 GB")
-    assert "DOES NOT FIT. Most of it is a periodic save still writing (13.8 s)" in warning
-    # Both disk writes must fit beside the step and the copy: 2 x 1984 MB in 18.9 s.
-    assert "raise disk.checkpoint_disk_gb to at least 438" in warning
-    assert estimate(variant({**GPT2_SMALL, "disk": {"checkpoint_disk_gb": 438}})).fits is True
+    assert "DOES NOT FIT. Most of it is a periodic save still writing (13.9 s)" in warning
+    # Both disk writes must fit beside the step, the copy and the chunks in flight: 2 x 1984 MB in 18.8 s.
+    assert "raise disk.checkpoint_disk_gb to at least 441" in warning
+    assert estimate(variant({**GPT2_SMALL, "disk": {"checkpoint_disk_gb": 441}})).fits is True
+    assert estimate(variant({**GPT2_SMALL, "disk": {"checkpoint_disk_gb": 440}})).fits is False  # the least, not more
 
 
 def test_a_slow_step_dominates_and_is_named():
@@ -66,7 +69,7 @@ def test_local_ssds_add_their_write_to_the_periodic_save_waited_for():
     over = {**GPT2_SMALL, "machine": {"machine_type": "n1-standard-8", "gpu_type": "nvidia-tesla-t4",
                                       "gpu_count": 1}, "disk": {"local_ssd_count": 2}}
     b = estimate(variant(over))
-    assert dict(b.parts)[PERIODIC] == pytest.approx(MB / 700 + MB / 144 + UPLOAD_CHUNK_BYTES / 1e6 / 2000)
+    assert dict(b.parts)[PERIODIC] == pytest.approx(MB / 700 + MB / 144 + 8 * UPLOAD_CHUNK_BYTES / 1e6 / 2000)
     assert "local SSD, then its whole disk write" in b.describe()
     assert dict(b.parts)[COPY] == pytest.approx(1.984 / 12)  # a T4 on PCIe 3.0
 
@@ -94,3 +97,15 @@ def test_the_upload_chunk_is_the_trainers():
     from trainer.checkpoint.stores import GcsStore
 
     assert UPLOAD_CHUNK_BYTES == GcsStore.CHUNK_SIZE
+    assert PARALLEL_MIN_BYTES == GcsStore.PARALLEL_MIN_BYTES
+
+
+def test_one_chunk_per_upload_stream_is_in_flight():
+    def periodic(config, **trainer):
+        return dict(estimate(variant({"trainer": {**trainer, "config": config}})).parts)[PERIODIC]
+
+    one = periodic({"gcs_streams": 1}, param_count=124_000_000)
+    assert periodic({}, param_count=124_000_000) == pytest.approx(one + 7 * UPLOAD_CHUNK_BYTES / 1e6 / 2000)
+    assert periodic({"gcs_streams": 4}, param_count=124_000_000) == pytest.approx(one + 3 * UPLOAD_CHUNK_BYTES / 1e6 / 2000)
+    small = {"param_count": None, "state_bytes": 32 << 20}  # under 64 MiB: one stream, one chunk
+    assert periodic({}, **small) == pytest.approx(periodic({"gcs_streams": 1}, **small))

@@ -127,8 +127,9 @@ def test_cost_command_bad_input_exits_2_naming_file_and_field(tmp_path):
 
 def test_storage_estimate_known_case():
     # 1 GB checkpoints every 600 s for a 24 h run: 144 saves, each rotated out and billed 7 more
-    # days by soft delete; 3 kept.
-    exp = variant({"trainer": {"steps": 86_400, "param_count": None, "state_bytes": 10**9},
+    # days by soft delete; 3 kept. Uploads in one stream: no parts (their case is below).
+    exp = variant({"trainer": {"steps": 86_400, "param_count": None, "state_bytes": 10**9,
+                               "config": {"gcs_streams": 1}},
                    "cost": {"steps_per_second": 1.0, "expected_goodput": 1.0,
                             "checkpoint_interval_s": 600}})
     st = cost.storage_estimate(exp, run_hours=24)
@@ -144,7 +145,7 @@ def test_storage_estimate_known_case():
 def test_versioning_with_soft_delete_doubles_what_each_rotated_checkpoint_costs():
     """The defaults keep a rotated checkpoint 7 days (soft delete); versioning on top would keep
     it its noncurrent days first, then soft delete's 7 more."""
-    base = {"trainer": {"state_bytes": 10**9, "param_count": None}}
+    base = {"trainer": {"state_bytes": 10**9, "param_count": None, "config": {"gcs_streams": 1}}}
     default = cost.storage_estimate(variant(base), run_hours=24 * 30)
     versioned = cost.storage_estimate(variant({**base, "bucket": {"versioning": True}}),
                                       run_hours=24 * 30)
@@ -154,6 +155,29 @@ def test_versioning_with_soft_delete_doubles_what_each_rotated_checkpoint_costs(
     off = cost.storage_estimate(variant({**base, "bucket": {"soft_delete_days": 0}}),
                                 run_hours=24 * 30)
     assert off.retained_gb == 0 and off.retention_cost == 0
+
+
+def test_the_parts_of_parallel_uploads_are_retained_by_soft_delete_too():
+    """A checkpoint file of 64 MiB or more goes up as parts composed into its object; the deleted
+    parts are soft-deleted like a rotated checkpoint, so each save is retained twice."""
+    def estimate(state_bytes, config=None, bucket=None):
+        return cost.storage_estimate(variant({"trainer": {"state_bytes": state_bytes, "param_count": None,
+                                                          "config": config or {}},
+                                              "bucket": bucket or {}}), run_hours=24 * 30)
+
+    one = estimate(10**9, {"gcs_streams": 1})
+    parallel = estimate(10**9)
+    assert (one.parts_days, parallel.parts_days) == (0, 7)
+    assert parallel.retained_gb == pytest.approx(2 * one.retained_gb)
+    assert parallel.retention_cost == pytest.approx(2 * one.retention_cost)
+    assert parallel.parts_source == "8 streams (the trainer's default)"
+    assert estimate(10**9, {"gcs_streams": 4}).parts_source == "4 streams (trainer.config.gcs_streams)"
+    assert estimate(32 << 20).parts_days == 0  # under 64 MiB: one stream, no parts
+    assert estimate(10**9, bucket={"soft_delete_days": 0}).retained_gb == 0
+    text = "\n".join(cost.describe(_file({"trainer": {"state_bytes": 2 * 10**9, "param_count": None},
+                                          "cost": {"checkpoint_interval_s": 300}}), today=pricing.CATALOG_DATE))
+    assert "and the parts of each save's upload in 8 streams (the trainer's default) 7 d" in text
+    assert "trainer.config.gcs_streams = 1" in text
 
 
 def test_storage_interval_comes_from_the_trainer_args_else_an_assumption():

@@ -2,7 +2,9 @@
 
 - ``tiers``: ``Tier`` (a place a checkpoint can be: its store, durable, remote, cadence, keep),
   ``Roles`` (home, lease, mirror) and ``tier_table``, the run's tiers;
-- ``stores``: ``DirStore`` and ``GcsStore`` behind one ``Store`` interface;
+- ``stores``: ``DirStore`` and ``GcsStore`` behind one ``Store`` interface; ``gcs_streams``: a
+  large object in parallel streams (sliced downloads, composite uploads); ``crc32c``: Cloud
+  Storage's checksum, and of a concatenation from its parts';
 - ``checkpointer``: the one ``Checkpointer``: when and where to save, uploads, durability,
   retention, the restore, the emergency save;
 - ``layout``: what a checkpoint layout is to the checkpointer, and the ranks that save together;

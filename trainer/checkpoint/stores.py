@@ -13,14 +13,17 @@ This module owns the durability primitives every tier relies on:
   when the existing object is identical (size and CRC32C), otherwise it is an error. Every write
   and delete first asks the store's ``guard`` (the job's writer lease, ``trainer.checkpoint.lease``), which
   raises when this process may not write the prefix; the lease's own object is written through
-  the generation-conditional calls, which the guard does not cover.
+  the generation-conditional calls, which the guard does not cover. An object of
+  ``PARALLEL_MIN_BYTES`` or more moves over ``streams`` connections at once (a sliced download,
+  a composite upload: ``trainer.checkpoint.gcs_streams``) with the same rules; the parts of a
+  composite upload wait under ``.tmp-parts/``, which listings never show and
+  ``clean_temporaries`` empties.
 
 Both implement the small ``Store`` protocol the checkpointer and the goodput ledger use.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import logging
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, ContextManager, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from trainer import retry
+from trainer.checkpoint import crc32c
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ class Store(Protocol):
     type: where a key is (``location``), whether keys are files on this machine (``folder``: a
     directory store's path, None for a bucket), how long calls may take in this block of this
     thread (``deadline``) and when they stop (``aborting``), and what an interrupted write left
-    behind (``clean_temporaries``; nothing on a bucket, where uploads are create-only)."""
+    behind (``clean_temporaries``: temporary files, or the parts of a composite upload)."""
 
     name: str
 
@@ -465,16 +469,37 @@ class GcsStore:
     #: 32 MiB: big enough that per-request latency is small against transfer time, small enough
     #: that an aborted upload stops within a fraction of a second.
     CHUNK_SIZE = 32 << 20  # a multiple of 256 KiB, as GCS requires
+    #: Objects of this size or more move over ``streams`` connections at once; smaller ones over
+    #: one (a few requests more per object would cost more than a second stream gains).
+    PARALLEL_MIN_BYTES = 64 << 20
+    #: The most streams of one object: a compose takes at most 32 source objects.
+    MAX_STREAMS = 32
+    #: The streams of one large object unless the caller says (``RunConfig.gcs_streams``).
+    STREAMS = 8
 
     def __init__(self, uri: str, *, client: Any = None, name: str = "gcs",
                  retry_timeout_s: float = retry.STORAGE.deadline_s or 0.0,
                  initial_backoff_s: float = retry.STORAGE.first_s,
-                 max_backoff_s: float = retry.STORAGE.cap_s, request_timeout_s: float = 60.0) -> None:
+                 max_backoff_s: float = retry.STORAGE.cap_s, request_timeout_s: float = 60.0,
+                 streams: int = STREAMS) -> None:
         self.uri = uri.rstrip("/")
         self.bucket_name, self.prefix = parse_gcs_uri(uri)
         self.name = name
+        if not 1 <= streams <= self.MAX_STREAMS:
+            raise ValueError(f"streams {streams}; allowed: 1 to {self.MAX_STREAMS}")
+        #: Connections one object of ``PARALLEL_MIN_BYTES`` or more uses at once (1: one stream).
+        self.streams = streams
         _isolate_client_randomness()
-        self._client = client if client is not None else default_gcs_client()
+        if client is None:
+            client = default_gcs_client()
+            # A pooled connection for every stream (requests keeps 10 and drops the rest after
+            # each use), beside the lease's and the mirror's.
+            import requests
+
+            adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=streams + 4)
+            client._http.mount("https://", adapter)
+            client._http.mount("http://", adapter)
+        self._client = client
         self._bucket = self._client.bucket(self.bucket_name)
         #: Give up on one call after this many seconds of retrying (unless a deadline is sooner).
         self.retry_timeout_s = retry_timeout_s
@@ -521,6 +546,14 @@ class GcsStore:
         ev = getattr(self._local, "abort", None)
         return self.abort.is_set() or (ev is not None and ev.is_set())
 
+    def _check_stop(self, what: str) -> None:
+        """``UploadAborted`` once this block is aborted or past its deadline (between chunks)."""
+        if self._aborted():
+            raise UploadAborted(f"{what}: aborted")
+        dl = self._deadline()
+        if dl is not None and time.monotonic() > dl:
+            raise UploadAborted(f"{what}: deadline passed")
+
     def _abort_wait(self, seconds: float) -> bool:
         ev = getattr(self._local, "abort", None)
         end = time.monotonic() + seconds
@@ -543,9 +576,44 @@ class GcsStore:
         """Objects are not files on this machine: a restore downloads them."""
         return None
 
+    #: Seconds clean_temporaries may take (a restore runs it before it looks at the tiers).
+    CLEAN_S = 10.0
+
     def clean_temporaries(self) -> list[str]:
-        """Nothing to clean: uploads are create-only and only a manifest makes a checkpoint."""
-        return []
+        """Delete the parts of composite uploads that never got composed (an upload aborted, cut
+        by its deadline or by the end of its process), each at its generation; their keys. A
+        restore runs it, under the writer lease, before this job uploads anything. Best effort
+        within ``CLEAN_S``: what stays is removed by the next one, and is never listed."""
+        from trainer.checkpoint.gcs_streams import PARTS_DIR
+
+        removed: list[str] = []
+        try:
+            self._may_write()
+            dl, until = self._deadline(), time.monotonic() + self.CLEAN_S
+            with self.deadline(until if dl is None else min(dl, until)):
+                for b in self._list_blobs(PARTS_DIR + "/"):
+                    self._delete_at(self._key_of(b.name), int(b.generation))
+                    removed.append(self._key_of(b.name))
+        except Exception as e:  # noqa: BLE001 - leftovers cost storage, not correctness
+            log.warning("gcs: could not remove every leftover part under %s/ (%s: %s); the next start tries again",
+                        self.location(PARTS_DIR), type(e).__name__, str(e)[:200])
+        return removed
+
+    def _delete_at(self, key: str, generation: int) -> None:
+        """Delete ``key`` at exactly ``generation`` (guarded; gone is fine): on a versioned bucket
+        no old version of it stays."""
+        from google.api_core import exceptions as gexc
+
+        self._may_write()
+
+        def delete() -> None:
+            with contextlib.suppress(gexc.NotFound):
+                self._bucket.blob(self._object(key), generation=generation).delete(retry=None, timeout=self._timeout())
+
+        self._retry(f"delete {key}", delete)
+
+    def _streams_for(self, size: int) -> int:
+        return self.streams if size >= self.PARALLEL_MIN_BYTES else 1
 
     def _timeout(self) -> float:
         dl = self._deadline()
@@ -583,27 +651,66 @@ class GcsStore:
         answer was lost) counts as done; otherwise ``FileExistsError``."""
         src = Path(src)
         size = src.stat().st_size
+        if self._streams_for(size) > 1:
+            from trainer.checkpoint import gcs_streams
+
+            self._may_write()
+            gcs_streams.upload(self, key, gcs_streams.range_of_file(src), size, generation=generation,
+                               streams=self._streams_for(size))
+            return
         self._put_stream(key, lambda: open(src, "rb"), size, lambda: _crc32c_file(src), generation=generation)
 
     def put_memory(self, key: str, data: memoryview | bytes) -> None:
         """``put_file`` from host memory (a snapshot whose disk copy could not be written)."""
         mv = memoryview(data).cast("B")
+        if self._streams_for(len(mv)) > 1:
+            from trainer.checkpoint import gcs_streams
+
+            self._may_write()
+            gcs_streams.upload(self, key, lambda s, e: contextlib.closing(_MemoryReader(mv[s:e])), len(mv),
+                               generation=0, streams=self._streams_for(len(mv)))
+            return
         self._put_stream(key, lambda: contextlib.closing(_MemoryReader(mv)), len(mv), lambda: _crc32c_bytes(mv))
 
     def _put_stream(self, key: str, opener: Callable[[], Any], size: int, crc: Callable[[], str], *,
-                    generation: int = 0) -> None:
+                    generation: int = 0) -> ObjectInfo:
         """Chunked upload of what ``opener`` opens (create-only, or at ``generation``, see
         ``put_file``); the deadline and the abort are checked before every chunk, and every
-        request is bounded by ``_timeout()``. The guard (the writer lease) is asked first."""
+        request is bounded by ``_timeout()``. The guard (the writer lease) is asked first.
+        The object as stored."""
         self._may_write()
 
-        def upload() -> None:
+        def upload() -> ObjectInfo:
             blob = self._blob(key)
             with opener() as f:
                 blob.upload_from_file(_AbortableReader(f, self._deadline(), self._aborted), size=size,
                                       if_generation_match=generation, retry=None, timeout=self._timeout())
+            return ObjectInfo(int(blob.size or size), blob.crc32c or "", int(blob.generation or 0))
 
-        self._create_only(key, upload, lambda: (size, crc()))
+        return self._create_only(key, upload, lambda: (size, crc()))  # type: ignore[return-value]
+
+    def _compose(self, key: str, parts: list[tuple[str, int]], size: int, crc: str, *, generation: int) -> None:
+        """Compose ``parts`` (key, generation) into ``key``: create-only, or only over
+        ``generation``; a lost answer's 412 is judged by ``size`` and ``crc`` (the parts'
+        CRC32Cs combined), as an upload's is. A composed object that is not those parts (one
+        changed before the compose) is deleted and ``CompositeMismatch`` raised."""
+        from trainer.checkpoint.gcs_streams import CompositeMismatch
+
+        def compose() -> ObjectInfo:
+            self._may_write()
+            self._check_stop(f"compose {key}")  # a request's timeout is never shorter than 0.5 s
+            dest = self._blob(key)
+            sources = [self._bucket.blob(self._object(p), generation=g) for p, g in parts]
+            dest.compose(sources, if_generation_match=generation, retry=None, timeout=self._timeout())
+            got = ObjectInfo(int(dest.size or 0), dest.crc32c or "", int(dest.generation or 0))
+            if (got.size, got.crc32c) != (size, crc):
+                with contextlib.suppress(Exception):
+                    self._delete_at(key, got.generation)
+                raise CompositeMismatch(f"{self.location(key)}: composed {got.size} bytes with crc32c {got.crc32c}; "
+                                        f"the parts uploaded were {size} bytes with crc32c {crc}")
+            return got
+
+        self._create_only(key, compose, lambda: (size, crc))
 
     def put_bytes(self, key: str, data: bytes, *, overwrite: bool = False) -> None:
         self._may_write()
@@ -618,19 +725,19 @@ class GcsStore:
         else:
             self._create_only(key, upload, lambda: (len(data), _crc32c_bytes(data)))
 
-    def _create_only(self, key: str, upload: Callable[[], None],
-                     identity: Callable[[], tuple[int, str]]) -> None:
+    def _create_only(self, key: str, upload: Callable[[], ObjectInfo | None],
+                     identity: Callable[[], tuple[int, str]]) -> ObjectInfo | None:
         from google.api_core import exceptions as gexc
 
         try:
-            self._retry(f"upload {key}", upload)
+            return self._retry(f"upload {key}", upload)
         except gexc.PreconditionFailed:
             size, crc = identity()
             blob = self._retry(f"stat {key}", lambda: self._bucket.get_blob(
                 self._object(key), retry=None, timeout=self._timeout()))
             if blob is not None and blob.size == size and blob.crc32c == crc:
                 log.info("gcs upload %s: object already exists with identical content; done", key)
-                return
+                return ObjectInfo(int(blob.size), blob.crc32c, int(blob.generation or 0))
             raise FileExistsError(
                 f"{self.location(key)} already exists with different content (create-only upload)")
 
@@ -644,21 +751,37 @@ class GcsStore:
             raise KeyError(key) from None
 
     def get_file(self, key: str, dst: Path) -> None:
-        """Download to ``dst`` atomically (temporary sibling, fsync, rename)."""
+        """Download to ``dst`` atomically (temporary sibling, fsync, rename), pinned to the
+        generation its metadata showed first (an object replaced meanwhile: 412, never a mix);
+        an object of ``PARALLEL_MIN_BYTES`` or more in ``streams`` slices at once."""
         from google.api_core import exceptions as gexc
 
         dst = Path(dst)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.parent / f"{TMP_PREFIX}{dst.name}-{uuid.uuid4().hex[:8]}"
 
+        def stat() -> ObjectInfo:
+            blob = self._bucket.get_blob(self._object(key), retry=None, timeout=self._timeout())
+            if blob is None:
+                raise KeyError(key)
+            return ObjectInfo(int(blob.size or 0), blob.crc32c or "", int(blob.generation or 0))
+
         def download() -> None:
             with open(tmp, "wb") as f:
-                self._blob(key).download_to_file(f, retry=None, timeout=self._timeout())
+                self._blob(key).download_to_file(f, if_generation_match=info.generation, retry=None,
+                                                 timeout=self._timeout())
                 f.flush()
                 os.fsync(f.fileno())
 
         try:
-            self._retry(f"download {key}", download)
+            info = self._retry(f"stat {key}", stat)
+            streams = self._streams_for(info.size) if info.crc32c else 1
+            if streams > 1:
+                from trainer.checkpoint import gcs_streams
+
+                gcs_streams.download(self, key, tmp, info, streams)
+            else:
+                self._retry(f"download {key}", download)
         except gexc.NotFound:
             tmp.unlink(missing_ok=True)
             raise KeyError(key) from None
@@ -678,16 +801,21 @@ class GcsStore:
     def _key_of(self, name: str) -> str:
         return name[len(self.prefix) + 1 :] if self.prefix else name
 
+    def _visible(self, prefix: str) -> list[Any]:
+        """The objects under ``prefix`` but the temporary ones (a key with a ``.tmp-`` part)."""
+        return [b for b in self._list_blobs(prefix)
+                if not any(p.startswith(TMP_PREFIX) for p in self._key_of(b.name).split("/"))]
+
     def list(self, prefix: str) -> list[str]:
-        return sorted(self._key_of(b.name) for b in self._list_blobs(prefix))
+        return sorted(self._key_of(b.name) for b in self._visible(prefix))
 
     def sizes(self, prefix: str) -> dict[str, int]:
-        return {self._key_of(b.name): int(b.size or 0) for b in self._list_blobs(prefix)}
+        return {self._key_of(b.name): int(b.size or 0) for b in self._visible(prefix)}
 
     def objects(self, prefix: str) -> dict[str, ObjectInfo]:
         """Key -> size, CRC32C and generation of every object under ``prefix`` (one listing)."""
         return {self._key_of(b.name): ObjectInfo(int(b.size or 0), b.crc32c or "", int(b.generation or 0))
-                for b in self._list_blobs(prefix)}
+                for b in self._visible(prefix)}
 
     def delete_prefix(self, prefix: str) -> None:
         from google.api_core import exceptions as gexc
@@ -772,21 +900,8 @@ class GcsStore:
 
 
 def _crc32c_bytes(data: bytes | memoryview) -> str:
-    import google_crc32c
-
-    if isinstance(data, bytes):
-        return base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
-    c = google_crc32c.Checksum()  # it takes read-only bytes only: a chunk at a time
-    for i in range(0, len(data), _COPY_CHUNK):
-        c.update(bytes(data[i:i + _COPY_CHUNK]))
-    return base64.b64encode(c.digest()).decode()
+    return crc32c.b64(crc32c.of_bytes(data))
 
 
 def _crc32c_file(path: Path) -> str:
-    import google_crc32c
-
-    c = google_crc32c.Checksum()
-    with open(path, "rb") as f:
-        while chunk := f.read(_COPY_CHUNK):
-            c.update(chunk)
-    return base64.b64encode(c.digest()).decode()
+    return crc32c.b64(crc32c.of_file(path))

@@ -142,9 +142,9 @@ class Tiers:
 
 def tier_table(run_dir: Path, *, local_dir: Path | None = None, gcs_uri: str | None = None,
                cadence: dict[str, Cadence] | None = None, keep: dict[str, int] | int = 3,
-               gcs_client: Any = None) -> Tiers:
+               gcs_client: Any = None, gcs_streams: int = GcsStore.STREAMS) -> Tiers:
     """The run's tiers and roles (see the module docstring). ``cadence`` and ``keep`` per tier
-    name (``keep`` an int: every tier's)."""
+    name (``keep`` an int: every tier's); ``gcs_streams``: the GCS tier's streams per large file."""
     cadence = dict(cadence or {})
     keeps = keep if isinstance(keep, dict) else {}
     unknown = (set(cadence) | set(keeps)) - set(TIER_NAMES)
@@ -160,6 +160,6 @@ def tier_table(run_dir: Path, *, local_dir: Path | None = None, gcs_uri: str | N
         rows.append(row("local", DirStore(Path(local_dir), "local"), durable=False, remote=False))
     rows.append(row("persistent", DirStore(Path(run_dir), "persistent"), durable=True, remote=False))
     if gcs_uri:
-        rows.append(row("gcs", GcsStore(gcs_uri, client=gcs_client), durable=True, remote=True))
+        rows.append(row("gcs", GcsStore(gcs_uri, client=gcs_client, streams=gcs_streams), durable=True, remote=True))
     remote = "gcs" if gcs_uri else None
     return Tiers(rows, Roles(home="persistent", lease=remote, mirror=remote))

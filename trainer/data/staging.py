@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from trainer import retry
+from trainer.checkpoint import crc32c
 from trainer.checkpoint.stores import fsync_dir, is_retryable, parse_gcs_uri
 
 log = logging.getLogger("trainer.staging")
@@ -82,62 +83,6 @@ class StagingError(Exception):
 
 class _Changed(Exception):
     """An object changed or vanished while it was being downloaded: list it again."""
-
-
-# --- CRC32C ------------------------------------------------------------------------------------
-_POLY = 0x82F63B78  # Castagnoli, reflected
-
-
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC32C of A + B from crc(A), crc(B) and len(B) (zlib's crc32_combine, Castagnoli)."""
-    if len2 <= 0:
-        return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]  # one zero bit
-    even = _gf2_square(odd)  # two
-    odd = _gf2_square(even)  # four
-    while True:
-        even = _gf2_square(odd)
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
-
-
-def crc32c_b64(value: int) -> str:
-    """The form of an object's ``crc32c`` metadata: base64 of the big-endian 4 bytes."""
-    return base64.b64encode(value.to_bytes(4, "big")).decode()
-
-
-def file_crc32c(path: Path) -> int:
-    import google_crc32c
-
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            crc = google_crc32c.extend(crc, chunk)
-    return crc
 
 
 # --- what is in the bucket and what is on the disk --------------------------------------------
@@ -241,7 +186,7 @@ class Manifest:
         if (st.st_size, st.st_mtime_ns, st.st_ino) != (r.size, e.get("mtime_ns"), e.get("ino")):
             return False
         if rehash and r.crc32c is not None:
-            return crc32c_b64(file_crc32c(path)) == r.crc32c
+            return crc32c.b64(crc32c.of_file(path)) == r.crc32c
         return True
 
     def compact(self) -> None:
@@ -616,8 +561,8 @@ class Stager:
         r = job.remote
         crc = 0
         for s, e in job.slices:
-            crc = crc32c_combine(crc, job.crcs[s], e - s)
-        got_crc = crc32c_b64(crc)
+            crc = crc32c.combine(crc, job.crcs[s], e - s)
+        got_crc = crc32c.b64(crc)
         ok = (r.crc32c is None or got_crc == r.crc32c) and \
             (r.crc32c is not None or r.md5 is None or base64.b64encode(job.md5.digest()).decode() == r.md5)
         if not ok:

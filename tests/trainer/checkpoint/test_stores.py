@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -185,3 +186,208 @@ def test_gcs_deadline_and_abort_stop_uploads(gcs_emulator, tmp_path) -> None:
         s.put_file(src, "aborted")
     s.abort.clear()
     assert s.list("") == []
+
+
+# ---- every stream: sliced downloads and composite uploads, through the fault proxy ----------
+# Objects from 1 MiB up move in 4 streams here (64 MiB in a run), parts of 256 KiB chunks.
+
+def _streamed(gcs_proxy, **kw) -> GcsStore:
+    s = GcsStore(gcs_proxy.uri, client=gcs_proxy.client(), streams=4, initial_backoff_s=0.01, **kw)
+    s.PARALLEL_MIN_BYTES = 1 << 20
+    s.CHUNK_SIZE = 256 << 10
+    return s
+
+
+def _source(tmp_path: Path, size: int = (3 << 20) + 12345, seed: int = 3) -> Path:
+    src = tmp_path / f"src-{seed}.bin"
+    src.write_bytes(random.Random(seed).randbytes(size))
+    return src
+
+
+def _parts(gcs_proxy) -> list[str]:
+    """Every temporary part in the bucket, as the emulator itself lists them."""
+    return [b.name for b in gcs_proxy.client(direct=True).list_blobs(gcs_proxy.bucket) if "/.tmp-parts/" in b.name]
+
+
+def test_a_large_object_is_uploaded_in_parts_composed_and_downloaded_in_slices(gcs_proxy, tmp_path: Path) -> None:
+    s, src = _streamed(gcs_proxy), _source(tmp_path, size=(34 << 20) + 12345)  # parts over 8 MiB: resumable
+    failed = gcs_proxy.proxy.add("POST", r"object=.*/\.tmp-parts/.*/02$", "status", status=503)  # one part: once
+    s.put_file(src, "step-1/state.bin")
+    p = gcs_proxy.proxy
+    assert failed.hits == 1  # and retried alone
+    assert len(p.seen("POST", r"/compose\?ifGenerationMatch=0.* object=.*step-1/state.bin$")) == 1
+    assert len({x.path.rpartition("/")[2] for x in p.seen("POST", r"object=.*/\.tmp-parts/")}) == 4
+    assert len(p.seen("PUT", r"upload_id=")) > 4 * 8  # the parts, resumable, in 256 KiB chunks
+    stored = gcs_proxy.client(direct=True).bucket(gcs_proxy.bucket).blob(s._object("step-1/state.bin"))
+    assert stored.download_as_bytes() == src.read_bytes()
+    assert _parts(gcs_proxy) == [] and s.list("") == ["step-1/state.bin"]
+
+    out = tmp_path / "dl" / "state.bin"
+    s.get_file("step-1/state.bin", out)
+    assert out.read_bytes() == src.read_bytes()
+    slices = p.seen("GET", r"alt=media.*ifGenerationMatch=\d+.* object=.*step-1/state.bin$")
+    assert len(slices) == 4 and all(x.outcome == "forwarded 206" for x in slices)
+    assert sorted(os.listdir(out.parent)) == ["state.bin"]  # no temporary file left
+
+    mem = random.Random(4).randbytes(2 << 20)  # an emergency save from host memory
+    s.put_memory("step-1/memory.bin", memoryview(bytearray(mem)))
+    assert s.get_bytes("step-1/memory.bin") == mem and _parts(gcs_proxy) == []
+
+
+def test_a_failed_slice_is_retried_alone_and_a_small_object_stays_one_request(gcs_proxy, tmp_path: Path) -> None:
+    s, src = _streamed(gcs_proxy), _source(tmp_path)
+    s.put_file(src, "big")
+    s.put_bytes("small", b"x" * 1000)
+    gcs_proxy.proxy.add("GET", r"alt=media.* object=.*/big$", "status", status=503, times=1)
+    s.get_file("big", tmp_path / "big")
+    s.get_file("small", tmp_path / "small")
+    assert (tmp_path / "big").read_bytes() == src.read_bytes() and (tmp_path / "small").read_bytes() == b"x" * 1000
+    media = gcs_proxy.proxy.seen("GET", r"alt=media")
+    assert [x.outcome for x in media if x.path.endswith("/big")].count("status 503") == 1
+    assert len([x for x in media if x.path.endswith("/big")]) == 5  # 4 slices, one of them twice
+    assert len([x for x in media if x.path.endswith("/small")]) == 1
+
+
+def test_an_object_replaced_during_a_sliced_download_fails_it_with_412_not_a_mixed_file(gcs_proxy, tmp_path) -> None:
+    s, src = _streamed(gcs_proxy), _source(tmp_path)
+    s.put_file(src, "obj")
+    held = gcs_proxy.proxy.add("GET", r"alt=media.* object=.*/obj$", "stall", times=1, after=2)
+    out = tmp_path / "dl" / "obj"
+    errors: list[BaseException] = []
+
+    def download() -> None:
+        try:
+            s.get_file("obj", out)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=download)
+    t.start()
+    assert gcs_proxy.proxy.wait_stalled(held)
+    # Another writer replaces it (same size, other bytes) while one slice is in flight.
+    other = _source(tmp_path, size=src.stat().st_size, seed=9).read_bytes()
+    gcs_proxy.client(direct=True).bucket(gcs_proxy.bucket).blob(s._object("obj")).upload_from_string(other)
+    gcs_proxy.proxy.release(held)
+    t.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], gexc.PreconditionFailed), errors
+    assert not out.exists() and os.listdir(out.parent) == []
+
+
+def test_a_composite_upload_is_create_only_and_a_lost_compose_answer_counts_when_identical(gcs_proxy, tmp_path,
+                                                                                           logwatch) -> None:
+    s, src = _streamed(gcs_proxy), _source(tmp_path)
+    gcs_proxy.proxy.add("POST", r"/compose\?", "after-forward", status=503)  # composed; the answer lost
+    s.put_file(src, "k")
+    assert "identical content" in logwatch.text()
+    s.put_file(src, "k")  # again, identical: done
+    with pytest.raises(FileExistsError):
+        s.put_file(_source(tmp_path, seed=5), "k")
+    assert s.get_bytes("k") == src.read_bytes()
+    assert [x.outcome for x in gcs_proxy.proxy.seen("POST", "/compose")][-1] == "precondition 412"
+    assert _parts(gcs_proxy) == []  # none left by the refused upload either
+
+
+def test_a_composed_object_that_is_not_its_parts_is_refused_and_deleted(gcs_proxy, tmp_path: Path) -> None:
+    s = _streamed(gcs_proxy)
+    s.put_bytes("p0", b"a" * 1000)
+    s.put_bytes("p1", b"b" * 1000)
+    gens = {k: o.generation for k, o in s.objects("p").items()}
+    from trainer.checkpoint import crc32c
+    from trainer.checkpoint.gcs_streams import CompositeMismatch
+
+    wrong = crc32c.b64(crc32c.of_bytes(b"b" * 1000 + b"a" * 1000))  # what the parts in the other order make
+    with pytest.raises(CompositeMismatch):
+        s._compose("whole", [("p0", gens["p0"]), ("p1", gens["p1"])], 2000, wrong, generation=0)
+    assert "whole" not in s.list("")
+
+
+def _upload_stopped(s: GcsStore, src: Path, held, gcs_proxy, stop) -> BaseException:
+    """Upload ``src`` while the proxy holds one part; ``stop()`` once it does, then let it go."""
+    errors: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            s.put_file(src, "stopped")
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=upload)
+    t.start()
+    assert gcs_proxy.proxy.wait_stalled(held)
+    stop()
+    gcs_proxy.proxy.release(held)
+    t.join(60)
+    assert len(errors) == 1
+    return errors[0]
+
+
+def test_an_aborted_composite_upload_composes_nothing_and_leaves_its_parts_to_the_clean_up(gcs_proxy, tmp_path) -> None:
+    s, src = _streamed(gcs_proxy), _source(tmp_path)
+    held = gcs_proxy.proxy.add("*", r"object=.*/\.tmp-parts/.*/01$", "stall")
+    abort = threading.Event()
+    real = s.put_file
+    s.put_file = lambda *a, **kw: _aborting(s, abort, real, *a, **kw)  # type: ignore[method-assign]
+    assert isinstance(_upload_stopped(s, src, held, gcs_proxy, abort.set), UploadAborted)
+    assert gcs_proxy.proxy.seen("POST", "/compose") == []
+    assert s.list("") == [] and _parts(gcs_proxy)  # parts left, never listed
+    removed = s.clean_temporaries()
+    assert removed and all(k.startswith(".tmp-parts/stopped.") for k in removed)
+    assert _parts(gcs_proxy) == []
+
+
+def _aborting(s: GcsStore, abort: threading.Event, fn, *a, **kw):
+    with s.aborting(abort):
+        return fn(*a, **kw)
+
+
+def test_a_composite_upload_past_its_deadline_composes_nothing(gcs_proxy, tmp_path: Path) -> None:
+    s, src = _streamed(gcs_proxy), _source(tmp_path)
+    held = gcs_proxy.proxy.add("*", r"object=.*/\.tmp-parts/.*/01$", "stall")
+    deadline = time.monotonic() + 5.0
+    real = s.put_file
+
+    def bounded(*a, **kw):
+        with s.deadline(deadline):
+            return real(*a, **kw)
+
+    def past_the_deadline() -> None:
+        while time.monotonic() <= deadline:  # the condition itself, not a stand-in for one
+            time.sleep(0.05)
+
+    s.put_file = bounded  # type: ignore[method-assign]
+    error = _upload_stopped(s, src, held, gcs_proxy, past_the_deadline)
+    assert isinstance(error, UploadAborted) or is_retryable(error), error  # the part's request timed out
+    assert gcs_proxy.proxy.seen("POST", "/compose") == []
+    assert s.list("") == []
+    s.clean_temporaries()
+    assert _parts(gcs_proxy) == []
+
+
+_EXITS = """
+import sys, threading
+from pathlib import Path
+from trainer.checkpoint.stores import GcsStore
+s = GcsStore(sys.argv[1], streams=4)
+s.PARALLEL_MIN_BYTES, s.CHUNK_SIZE = 1 << 20, 256 << 10
+threading.Thread(target=s.put_file, args=(Path(sys.argv[2]), "k"), daemon=True).start()
+sys.stdin.readline()
+"""
+
+
+def test_a_stream_stuck_in_a_request_never_holds_the_process_at_its_exit(gcs_proxy, tmp_path: Path) -> None:
+    # An emergency upload's thread is abandoned at its deadline and the trainer exits: its streams
+    # must not keep the process alive (an executor's threads are joined at exit).
+    import subprocess
+    import sys
+
+    held = gcs_proxy.proxy.add("*", r"object=.*/\.tmp-parts/.*/01$", "stall")
+    proc = subprocess.Popen([sys.executable, "-c", _EXITS, gcs_proxy.uri, str(_source(tmp_path))],
+                            env={**os.environ, **gcs_proxy.env, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+                            stdin=subprocess.PIPE, text=True)
+    try:
+        assert gcs_proxy.proxy.wait_stalled(held)
+        proc.communicate("exit\n", timeout=60)
+        assert proc.returncode == 0 and held.held == 1  # gone while its request is still held
+    finally:
+        proc.kill()
+        gcs_proxy.proxy.release(held)

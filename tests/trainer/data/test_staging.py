@@ -17,8 +17,8 @@ import pytest
 from trainer.observe.goodput import report
 from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
 from trainer.observe.health import ask
-from trainer.data.staging import (MANIFEST, STATE_DIR, Stager, StagingError, StagingHealth, StagingInputError,
-                             crc32c_b64, crc32c_combine)
+from trainer.checkpoint.crc32c import b64 as crc32c_b64
+from trainer.data.staging import MANIFEST, STATE_DIR, Stager, StagingError, StagingHealth, StagingInputError
 
 REPO = Path(__file__).resolve().parents[3]
 GUARD_S = 60.0
@@ -57,14 +57,6 @@ def _stage_cli(gcs_proxy, *args: str) -> subprocess.Popen:
     env = {**os.environ, **gcs_proxy.env, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "trainer", "stage", *args], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def test_crc32c_combine_equals_the_crc_of_the_concatenation() -> None:
-    rng = random.Random(1)
-    for _ in range(20):
-        a, b = rng.randbytes(rng.randrange(0, 5000)), rng.randbytes(rng.randrange(0, 5000))
-        got = crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b))
-        assert got == google_crc32c.value(a + b)
 
 
 def test_stages_every_object_verified_and_a_second_run_downloads_nothing(gcs_proxy, tmp_path: Path) -> None:
