@@ -583,7 +583,8 @@ class GcsStore:
         """Delete the parts of composite uploads that never got composed (an upload aborted, cut
         by its deadline or by the end of its process), each at its generation; their keys. A
         restore runs it, under the writer lease, before this job uploads anything. Best effort
-        within ``CLEAN_S``: what stays is removed by the next one, and is never listed."""
+        within ``CLEAN_S``, its listing tried once (a bucket that does not answer is the
+        restore's to wait for): what stays is removed by the next one, and is never listed."""
         from trainer.checkpoint.gcs_streams import PARTS_DIR
 
         removed: list[str] = []
@@ -591,7 +592,9 @@ class GcsStore:
             self._may_write()
             dl, until = self._deadline(), time.monotonic() + self.CLEAN_S
             with self.deadline(until if dl is None else min(dl, until)):
-                for b in self._list_blobs(PARTS_DIR + "/"):
+                parts = list(self._client.list_blobs(self._bucket, prefix=self._object(PARTS_DIR) + "/", retry=None,
+                                                     timeout=self._timeout()))
+                for b in parts:
                     self._delete_at(self._key_of(b.name), int(b.generation))
                     removed.append(self._key_of(b.name))
         except Exception as e:  # noqa: BLE001 - leftovers cost storage, not correctness

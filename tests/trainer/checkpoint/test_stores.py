@@ -391,3 +391,20 @@ def test_a_stream_stuck_in_a_request_never_holds_the_process_at_its_exit(gcs_pro
     finally:
         proc.kill()
         gcs_proxy.proxy.release(held)
+
+
+def test_the_clean_up_deletes_parts_only_under_the_writer_lease_and_never_raises(gcs_proxy, tmp_path, logwatch) -> None:
+    s = _streamed(gcs_proxy)
+    left = gcs_proxy.client(direct=True).bucket(gcs_proxy.bucket).blob(s._object(".tmp-parts/k.abc/00"))
+    left.upload_from_string(b"a part of an upload cut short")
+
+    def not_ours() -> None:
+        raise RuntimeError("the writer lease is another trainer's")
+
+    s.guard = not_ours
+    assert s.clean_temporaries() == [] and len(_parts(gcs_proxy)) == 1
+    s.guard = None
+    gcs_proxy.proxy.down()
+    assert s.clean_temporaries() == [] and "the next start tries again" in logwatch.text()
+    gcs_proxy.proxy.up()
+    assert s.clean_temporaries() == [".tmp-parts/k.abc/00"] and _parts(gcs_proxy) == []
