@@ -2,13 +2,13 @@
 bucket (or a copy of a run dir) but does not hold the run's checkpoint key.
 
 Written against the checkpoint format as anyone reading a bucket sees it (a ``step-N/`` folder, a
-JSON ``manifest.json`` listing each file's size and sha256, a self-checksum of the manifest), not
-with the trainer's code: what it forges is what a real attacker could forge.
+JSON ``manifest.json`` listing each file's size and digest under the hash it names, a self-checksum
+of the manifest), not with the trainer's code: what it forges is what a real attacker could forge.
 
 - ``code_running_pickle(marker)``: bytes that create ``marker`` when unpickled (a ``__reduce__``
   payload), so that a test can tell whether anything ran it;
 - ``forge(manifest, step, replace)``: a manifest for ``step`` with the replaced files' sizes and
-  sha256s and the self-checksum recomputed; its HMAC (which needs the key) dropped, or kept as it
+  digests and the self-checksum recomputed; its HMAC (which needs the key) dropped, or kept as it
   was (``keep_hmac``: a signature of other content, which must not verify); ``legacy`` rewrites it
   as checkpoint format 1, whose ``state.pt`` older trainers unpickled;
 - ``forge_in_bucket(...)``: a whole forged checkpoint planted in the bucket, manifest last.
@@ -26,7 +26,19 @@ from typing import Any
 
 __all__ = ["bucket_names", "code_running_pickle", "forge", "forge_in_bucket", "state_file"]
 
-_HASH_CHUNK = 64 << 20  # the manifest's per-file digest: sha256 over the 64 MiB chunks' sha256s
+
+def _blake3(data: bytes) -> bytes:
+    import blake3  # the hash the trainer writes with where it is installed
+
+    return blake3.blake3(data).digest()
+
+
+#: The manifest's per-file digests, by the name in its "hash": (entry field, chunk size, function);
+#: the digest is the function over the concatenated digests of the chunks.
+_HASHES = {
+    "sha256-of-64MiB-chunk-sha256s": ("sha256", 64 << 20, lambda b: hashlib.sha256(b).digest()),
+    "blake3-of-16MiB-chunk-blake3s": ("blake3", 16 << 20, _blake3),
+}
 
 
 class _RunsCode:
@@ -52,9 +64,11 @@ def code_running_pickle(marker: Path, *, torch_save: bool = True) -> bytes:
     return buf.getvalue()
 
 
-def _chunked_sha256(data: bytes) -> str:
-    parts = [data[i : i + _HASH_CHUNK] for i in range(0, len(data), _HASH_CHUNK)]
-    return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in parts)).hexdigest()
+def _digest(hash_name: str, data: bytes) -> dict:
+    """A manifest entry for ``data``: its size and digest."""
+    field, chunk, fn = _HASHES[hash_name]
+    parts = [data[i : i + chunk] for i in range(0, len(data), chunk)]
+    return {"size": len(data), field: fn(b"".join(fn(p) for p in parts)).hex()}
 
 
 def state_file(manifest: bytes) -> str:
@@ -75,7 +89,7 @@ def forge(manifest: bytes, step: int, replace: dict[str, bytes], *, legacy: bool
         m.pop("auth", None)
         m["files"] = {k: v for k, v in m["files"].items() if k == "tensors.bin"}
     for name, data in replace.items():
-        m["files"][name] = {"size": len(data), "sha256": _chunked_sha256(data)}
+        m["files"][name] = _digest(m["hash"], data)
     mac = m.pop("hmac", None)
     m.pop("manifest_sha256", None)
     m["manifest_sha256"] = hashlib.sha256(json.dumps(m, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
