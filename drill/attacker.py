@@ -2,13 +2,13 @@
 bucket (or a copy of a run dir) but does not hold the run's checkpoint key.
 
 Written against the checkpoint format as anyone reading a bucket sees it (a ``step-N/`` folder, a
-JSON ``manifest.json`` listing each file's size and sha256, a self-checksum of the manifest), not
-with the trainer's code: what it forges is what a real attacker could forge.
+JSON ``manifest.json`` listing each file's size and digest under the hash it names, a self-checksum
+of the manifest), not with the trainer's code: what it forges is what a real attacker could forge.
 
 - ``code_running_pickle(marker)``: bytes that create ``marker`` when unpickled (a ``__reduce__``
   payload), so that a test can tell whether anything ran it;
 - ``forge(manifest, step, replace)``: a manifest for ``step`` with the replaced files' sizes and
-  sha256s and the self-checksum recomputed; its HMAC (which needs the key) dropped, or kept as it
+  digests and the self-checksum recomputed; its HMAC (which needs the key) dropped, or kept as it
   was (``keep_hmac``: a signature of other content, which must not verify); ``legacy`` rewrites it
   as checkpoint format 1, whose ``state.pt`` older trainers unpickled;
 - ``forge_in_bucket(...)``: a whole forged checkpoint planted in the bucket, manifest last;
@@ -18,7 +18,7 @@ with the trainer's code: what it forges is what a real attacker could forge.
   checkpoint's every object deleted.
 
 ``intact(...)`` is the other side, for the harness: whether a checkpoint in the bucket still
-holds what its manifest lists (sizes and sha256s), read the way anyone can.
+holds what its manifest lists (sizes and digests), read the way anyone can.
 """
 from __future__ import annotations
 
@@ -31,10 +31,22 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bucket_names", "chunked_sha256", "code_running_pickle", "copy_step", "delete_step", "forge",
+__all__ = ["bucket_names", "code_running_pickle", "copy_step", "delete_step", "digest", "forge",
            "forge_in_bucket", "intact", "plant", "state_file"]
 
-_HASH_CHUNK = 64 << 20  # the manifest's per-file digest: sha256 over the 64 MiB chunks' sha256s
+
+def _blake3(data: bytes) -> bytes:
+    import blake3  # the hash the trainer writes with where it is installed
+
+    return blake3.blake3(data).digest()
+
+
+#: The manifest's per-file digests, by the name in its "hash": (entry field, chunk size, function);
+#: the digest is the function over the concatenated digests of the chunks.
+_HASHES = {
+    "sha256-of-64MiB-chunk-sha256s": ("sha256", 64 << 20, lambda b: hashlib.sha256(b).digest()),
+    "blake3-of-16MiB-chunk-blake3s": ("blake3", 16 << 20, _blake3),
+}
 
 
 class _RunsCode:
@@ -60,9 +72,19 @@ def code_running_pickle(marker: Path, *, torch_save: bool = True) -> bytes:
     return buf.getvalue()
 
 
-def chunked_sha256(data: bytes) -> str:
-    parts = [data[i : i + _HASH_CHUNK] for i in range(0, len(data), _HASH_CHUNK)]
-    return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in parts)).hexdigest()
+def digest(hash_name: str, data: bytes) -> dict:
+    """A manifest entry for ``data``: its size and digest."""
+    field, chunk, fn = _HASHES[hash_name]
+    parts = [data[i : i + chunk] for i in range(0, len(data), chunk)]
+    return {"size": len(data), field: fn(b"".join(fn(p) for p in parts)).hex()}
+
+
+def _hash_of(entry: dict) -> str:
+    """The hash a manifest entry's digest was taken with, by the field it is under."""
+    names = [n for n, (field, _, _) in _HASHES.items() if field in entry]
+    if len(names) != 1:
+        raise ValueError(f"a manifest entry with no known digest: {sorted(entry)}")
+    return names[0]
 
 
 def state_file(manifest: bytes) -> str:
@@ -83,7 +105,7 @@ def forge(manifest: bytes, step: int, replace: dict[str, bytes], *, legacy: bool
         m.pop("auth", None)
         m["files"] = {k: v for k, v in m["files"].items() if k == "tensors.bin"}
     for name, data in replace.items():
-        m["files"][name] = {"size": len(data), "sha256": chunked_sha256(data)}
+        m["files"][name] = digest(m["hash"], data)
     mac = m.pop("hmac", None)
     m.pop("manifest_sha256", None)
     m["manifest_sha256"] = hashlib.sha256(json.dumps(m, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -163,7 +185,8 @@ def delete_step(client: Any, uri: str, step: int) -> list[str]:
 
 def intact(client: Any, uri: str, step: int) -> str | None:
     """Why ``step-<step>/`` of the prefix ``uri`` does not hold what its manifest lists (a file
-    missing, of another size or sha256), or None when it does (or is not there at all)."""
+    missing, of another size or digest under the hash its entry names), or None when it does (or is
+    not there at all)."""
     bucket_name, prefix = _split(uri)
     folder = f"{prefix}/step-{step:08d}/"
     objects = {b.name[len(folder):]: b for b in client.list_blobs(bucket_name, prefix=folder)}
@@ -174,6 +197,8 @@ def intact(client: Any, uri: str, step: int) -> str | None:
         if name not in objects:
             return f"{name} is missing"
         data = objects[name].download_as_bytes()
-        if len(data) != info["size"] or chunked_sha256(data) != info["sha256"]:
+        name_of_hash = _hash_of(info)
+        expected = {k: info.get(k) for k in ("size", _HASHES[name_of_hash][0])}
+        if digest(name_of_hash, data) != expected:
             return f"{name} is not what its manifest lists ({len(data)} bytes, manifest: {info['size']})"
     return None

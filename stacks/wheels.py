@@ -55,7 +55,7 @@ PINS_FILE = "requirements.lock"
 
 #: The trainer's own dependencies besides torch: pyproject.toml's, as ranges (a test keeps them equal).
 TRAINER_REQUIREMENTS = ("pydantic>=2.7", "tomli>=2; python_version < '3.11'", "google-cloud-storage>=2.14",
-                        "google-crc32c>=1.5", "safetensors>=0.4")
+                        "google-crc32c>=1.5", "safetensors>=0.4", "blake3>=1.0")
 #: The local version of the stub that stands for the image's torch during resolution.
 TORCH_STUB = "spottrain.image"
 _SPECIFIER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,\s-]+\])?\s*[^;]*(;.+)?$")

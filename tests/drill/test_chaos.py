@@ -78,10 +78,10 @@ def test_the_harness_finds_a_copy_in_the_bucket_that_is_not_what_its_manifest_li
     every step a trainer reported durable on GCS: it must see one flipped byte."""
     import json
 
-    from drill.attacker import chunked_sha256, intact, plant
+    from drill.attacker import digest, intact, plant
 
     client, data = gcs_proxy.client(direct=True), bytes(range(256)) * 16
-    manifest = {"files": {"tensors.bin": {"size": len(data), "sha256": chunked_sha256(data)}}}
+    manifest = {"files": {"tensors.bin": digest("blake3-of-16MiB-chunk-blake3s", data)}}
     plant(client, gcs_proxy.uri, "step-00000005/manifest.json", json.dumps(manifest).encode())
     plant(client, gcs_proxy.uri, "step-00000005/tensors.bin", data)
     assert intact(client, gcs_proxy.uri, 5) is None

@@ -11,8 +11,9 @@
   ``whole_model`` and ``sharded`` (FSDP2 through DCP) are the two, ``host_copy`` the sharded
   layout's host buffers;
 - ``manifest``: the commit record every layout shares, and which checkpoints are quarantined;
-  ``format``: files, hashes, atomic folders and listings; ``state_codec``: the pickle-free codec
-  of a state's structure;
+  ``format``: files, atomic folders and listings; ``file_hash``: a file's digest (BLAKE3, or
+  SHA-256 in older checkpoints) and hashing while reading and writing; ``state_codec``: the
+  pickle-free codec of a state's structure;
 - ``key``: the run's checkpoint key (HMAC of every manifest); ``lease``: one trainer per run dir
   and one writer per job; ``tier_wait``: start-up's rule for a tier it cannot read;
   ``interval``: the automatic cadence (Young/Daly); ``reader``: read-only, verified access to a

@@ -4,8 +4,9 @@ A checkpoint is one ``step-NNNNNNNN/`` folder (or remote prefix) holding its lay
 written last, its manifest (``trainer.checkpoint.manifest``). This module owns what is the same
 for every layout:
 
-* the per-file digest, ``chunked_sha256``: the sha256 of the 64 MiB chunks' sha256s, so hashing
-  runs on several cores, while a file is written and while it is read back;
+* writing a file while its digest is computed (``_write_hashed``) and verifying one while it is
+  read (``_verify_file``), with the hash its manifest names (``trainer.checkpoint.file_hash``:
+  BLAKE3 for new checkpoints, SHA-256 for older ones), chunks hashed on several cores;
 * atomic folders: on a directory tier a folder is assembled under a ``.tmp-`` name, every file and
   the folder are fsynced, and the folder becomes visible by one atomic ``rename`` (a swap with
   ``replace``; then the parent is fsynced): ``publish_dir``, ``copy_dir``, ``download_dir``;
@@ -36,62 +37,19 @@ from typing import Callable, Iterable
 import torch
 
 from trainer import untrusted
+from trainer.checkpoint.file_hash import FileHash, byte_view, hash_file, of_manifest
 from trainer.checkpoint.key import CheckpointKey
 from trainer.checkpoint.manifest import (MANIFEST, CheckpointInvalid, ManifestParser, parse_step, step_name)
 from trainer.checkpoint.stores import TMP_PREFIX, Store, copy_file_durable, fsync_dir
 
 _IO_CHUNK = 32 << 20
-#: Files are hashed in chunks of this size, in parallel; see ``chunked_sha256``.
-HASH_CHUNK = 64 << 20
 
 
-def _byte_view(buf: torch.Tensor, nbytes: int | None = None) -> memoryview:
-    """A writable memoryview over a contiguous CPU uint8 tensor (no copy, no numpy needed)."""
-    n = buf.numel() if nbytes is None else nbytes
-    if n == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_ubyte * n).from_address(buf.data_ptr())).cast("B")
-
-
-
-def _chunk_digest(data: memoryview | bytes) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
-def _combine(digests: list[bytes]) -> str:
-    return hashlib.sha256(b"".join(digests)).hexdigest()
-
-
-def chunked_sha256(data: memoryview | bytes, pool: cf.ThreadPoolExecutor | None = None) -> str:
-    """The manifest's per-file digest: sha256 over the concatenated sha256 digests of the file's
-    64 MiB chunks (like a one-level Merkle tree).
-
-    Why not one sha256 over the whole file: one sha256 stream runs at about 1-2 GB/s, slower than
-    a local NVMe/page-cache write and than a warm read, so it would cap checkpoint write and
-    restore throughput. Chunks hash independently on several cores (hashlib releases the GIL) and
-    the result is as strong a content check.
-    """
-    mv = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-    spans = [mv[i : i + HASH_CHUNK] for i in range(0, len(mv), HASH_CHUNK)]
-    if pool is None or len(spans) <= 1:
-        return _combine([_chunk_digest(x) for x in spans])
-    return _combine(list(pool.map(_chunk_digest, spans)))
-
-
-def _hash_workers(beside_io: bool = True) -> int:
-    """Threads hashing a checkpoint's chunks. Beside the thread writing the same
-    bytes one core is left to that thread: on 2 cores, hashing on both starved the writer
-    (measured side by side: write throughput 0.80 of the disk's with 2 hash threads, 0.94 with
-    1; BENCHMARKS.md). Hashing from memory (an upload without a disk copy) or beside a read (a
-    restore's verification) takes every core."""
-    cores = os.cpu_count() or 2
-    return max(1, min(8, cores - 1 if beside_io else cores))
-
-
-def _write_hashed(path: Path, data: memoryview, pool: cf.ThreadPoolExecutor) -> dict:
+def _write_hashed(path: Path, data: memoryview, pool: cf.ThreadPoolExecutor, fh: FileHash) -> dict:
     """Write ``data`` to a new file with fsync; the chunk hashes run on ``pool`` meanwhile
-    (hashlib and os.write both release the GIL, so they use separate cores)."""
-    futures = [pool.submit(_chunk_digest, data[i : i + HASH_CHUNK]) for i in range(0, len(data), HASH_CHUNK)]
+    (the hashes and os.write all release the GIL, so they use separate cores). Returns the
+    file's manifest entry."""
+    futures = [pool.submit(fh.chunk_digest, data[i : i + fh.chunk]) for i in range(0, len(data), fh.chunk)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         for i in range(0, len(data), _IO_CHUNK):
@@ -102,7 +60,7 @@ def _write_hashed(path: Path, data: memoryview, pool: cf.ThreadPoolExecutor) -> 
         os.fsync(fd)
     finally:
         os.close(fd)
-    return {"size": len(data), "sha256": _combine([f.result() for f in futures])}
+    return fh.entry(len(data), fh.combine([f.result() for f in futures]))
 
 
 
@@ -186,8 +144,9 @@ def download_dir(store: Store, step: int, root: Path, parse: ManifestParser, *,
         manifest = parse(manifest_bytes, step, key=key)
         for name in manifest["files"]:
             store.get_file(f"{step_name(step)}/{name}", stage / name)
+        fh = of_manifest(manifest)
         for name, info in manifest["files"].items():
-            _verify_file(stage / name, info)
+            _verify_file(stage / name, info, fh)
         return manifest_bytes
 
     return _assemble(Path(root), step_name(step), "dl", fill)
@@ -214,56 +173,21 @@ def _assemble(root: Path, name: str, kind: str, fill: Callable[[Path], bytes], *
 
 
 
-def _hash_file(path: Path, into: torch.Tensor | None = None) -> tuple[int, str]:
-    """``chunked_sha256`` of a file (chunks hashed in parallel while the next ones are read),
-    optionally reading the file into ``into`` (a uint8 tensor of the expected size) on the way."""
-    futures: list[cf.Future] = []
-    size = 0
-    workers = _hash_workers(beside_io=False)  # reading is cheap next to writing: measured 0.50 s vs 0.55 s a GiB
-    with open(path, "rb", buffering=0) as f, cf.ThreadPoolExecutor(workers, thread_name_prefix="ckpt-hash") as pool:
-        if into is not None:
-            mv = _byte_view(into)
-            while size < len(mv):
-                n = f.readinto(mv[size : size + HASH_CHUNK])
-                if not n:
-                    break
-                if n < min(HASH_CHUNK, len(mv) - size):
-                    # Short read: complete the chunk so chunk boundaries match the writer's.
-                    while n < min(HASH_CHUNK, len(mv) - size):
-                        m = f.readinto(mv[size + n : size + min(HASH_CHUNK, len(mv) - size)])
-                        if not m:
-                            break
-                        n += m
-                futures.append(pool.submit(_chunk_digest, mv[size : size + n]))
-                size += n
-            if f.read(1):
-                size += 1  # longer than the manifest says
-        else:
-            while True:
-                chunk = f.read(HASH_CHUNK)
-                if not chunk:
-                    break
-                # Bound the memory in flight to one chunk per worker.
-                if len(futures) >= workers:
-                    futures[-workers].result()
-                futures.append(pool.submit(_chunk_digest, chunk))
-                size += len(chunk)
-        digest = _combine([x.result() for x in futures])
-    return size, digest
-
-
-def _verify_file(path: Path, info: dict, into: torch.Tensor | None = None) -> None:
+def _verify_file(path: Path, info: dict, fh: FileHash, into: torch.Tensor | None = None) -> None:
+    """``path`` has the size and digest of its manifest ``info`` under ``fh`` (the hash the
+    manifest names), or ``CheckpointInvalid``; with ``into`` the file is read into that tensor on
+    the way (one pass: each chunk is hashed while the next is read)."""
     try:
         actual = path.stat().st_size
     except FileNotFoundError:
         raise CheckpointInvalid(f"{path.name} is missing") from None
     if actual != info["size"]:
         raise CheckpointInvalid(f"{path.name} is {actual} bytes, manifest says {info['size']} (truncated or partial)")
-    size, digest = _hash_file(path, into)
+    size, digest = hash_file(path, fh, into)
     if size != info["size"]:
         raise CheckpointInvalid(f"{path.name} changed size while reading")
-    if digest != info["sha256"]:
-        raise CheckpointInvalid(f"{path.name} sha256 mismatch (corrupted)")
+    if digest != info[fh.field]:
+        raise CheckpointInvalid(f"{path.name} {fh.field} mismatch (corrupted)")
 
 
 @dataclasses.dataclass
@@ -379,7 +303,7 @@ def tensor_digest(state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torc
         h.update(str(t.dtype).encode() + b"\0")
         h.update(json.dumps(list(t.shape)).encode() + b"\0")
         if t.numel():
-            h.update(_byte_view(t.reshape(-1).view(torch.uint8)))
+            h.update(byte_view(t.reshape(-1).view(torch.uint8)))
         h.update(b"\1")
     return h.hexdigest()
 

@@ -2,16 +2,18 @@
 
 A checkpoint is a ``step-NNNNNNNN/`` folder (or remote prefix) whose ``manifest.json`` is written
 LAST on every tier: format, step, time, torch version, world size, meta (the layout's own, e.g.
-``meta.sharded``), the writer's session id, and the size and sha256 of every other file
-(``trainer.checkpoint.format.chunked_sha256``), plus a sha256 of the manifest itself and, with a
-checkpoint key (``trainer.checkpoint.key``), the run it belongs to and an HMAC-SHA256 over it. So an interrupted write or
-upload never produces a valid checkpoint, and whoever can write a bucket but does not hold the key
-cannot make a reader use a checkpoint of their making (docs/security.md). Each layout adds its file
-list to ``parse_manifest_header`` (``trainer.checkpoint.whole_model``, ``trainer.checkpoint.sharded``).
+``meta.sharded``), the writer's session id, and the size and digest of every other file under the
+file hash it names (``trainer.checkpoint.file_hash``: BLAKE3, or SHA-256 in older checkpoints),
+plus a sha256 of the manifest itself and, with a checkpoint key (``trainer.checkpoint.key``), the
+run it belongs to and an HMAC-SHA256 over it. So an interrupted write or upload never produces a
+valid checkpoint, and whoever can write a bucket but does not hold the key cannot make a reader use
+a checkpoint of their making (docs/security.md). Each layout adds its file list to
+``parse_manifest_header`` (``trainer.checkpoint.whole_model``, ``trainer.checkpoint.sharded``).
 
 Some checkpoints are *quarantined*: never loaded, overwritten or deleted (``quarantined``): one
 of the other layout (whole-model vs sharded), one of another format version (format 1: a pickled
-``state.pt``, recognised and never loaded), and an unauthenticated one (no HMAC, or one that does
+``state.pt``, recognised and never loaded) or with a file hash this Python cannot compute (BLAKE3
+without the ``blake3`` package), and an unauthenticated one (no HMAC, or one that does
 not verify with this key: forged, or written with a lost or rotated key), and one signed for
 another run (an authentic checkpoint of a run under the same key, copied here). A restore that
 meets them refuses to start afresh beside them (``ResumeMismatch``).
@@ -28,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from trainer import untrusted
+from trainer.checkpoint import file_hash
 from trainer.checkpoint.key import CheckpointKey
 from trainer.manifest_auth import ALG, canonical as _canonical, named_key as _key_id, other_run as _other_run, \
     signed_body as _signed_body
@@ -36,7 +39,6 @@ FORMAT = "spottrain-checkpoint"
 #: 2: JSON structure (``state.json``) and, with a key, an HMAC. 1: a pickled ``state.pt``.
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-HASH_NAME = "sha256-of-64MiB-chunk-sha256s"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
 
@@ -51,7 +53,7 @@ class CheckpointInvalid(Exception):
 
 
 class CheckpointUnloadable(Exception):
-    """A checkpoint that verified (every sha256, and the HMAC with a key) but that this version
+    """A checkpoint that verified (every file's digest, and the HMAC with a key) but that this version
     cannot decode: a resume mismatch, never corruption (nothing is deleted, no fallback)."""
 
 
@@ -96,7 +98,8 @@ class StepOccupied(Exception):
 #: deleted by retention, and a restore that meets one refuses to start afresh over it.
 OTHER_LAYOUT = "other layout: "
 #: Reason prefix of a checkpoint of another format version (an older spottrain's pickled
-#: ``state.pt``, or a newer one's): quarantined, like the other layout.
+#: ``state.pt``, or a newer one's), or whose file hash cannot be computed here: quarantined, like
+#: the other layout.
 OTHER_FORMAT = "other format: "
 #: Reason prefix of a manifest without a valid HMAC under this run's key: never loaded, never
 #: deleted or overwritten (it may be the run's own work under a lost or rotated key).
@@ -164,13 +167,14 @@ def parse_step(name: str) -> int | None:
 
 def build_manifest(step: int, files: dict[str, dict], meta: dict, created_unix: float, *,
                    key: CheckpointKey | None = None, writer: str | None = None) -> bytes:
-    """The manifest's bytes. ``writer``: the writing session's id (a save id: two saves of one
-    step by one session hold the same state). ``key``: sign it (an HMAC over the canonical body,
-    everything but the self-checksum and the HMAC itself)."""
+    """The manifest's bytes. ``files``: each file's entry (``FileHash.entry``; the manifest names
+    the hash they were computed with). ``writer``: the writing session's id (a save id: two saves
+    of one step by one session hold the same state). ``key``: sign it (an HMAC over the canonical
+    body, everything but the self-checksum and the HMAC itself)."""
     body: dict[str, Any] = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
-        "hash": HASH_NAME,
+        "hash": file_hash.from_entries(files).name,
         "step": step,
         "created_unix": created_unix,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created_unix)),
@@ -216,7 +220,7 @@ def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict
                                     f"key {key.id}); never loaded, never deleted")
         raise CheckpointInvalid(OTHER_FORMAT + what + "; use the spottrain version that wrote it, or a new "
                                 "--run-dir/--gcs-uri for a new run")
-    if m.get("hash") != HASH_NAME:
+    if not isinstance(m.get("hash"), str) or m["hash"] not in file_hash.HASHES:
         raise CheckpointInvalid(f"unsupported file hash {m.get('hash')!r}")
     if m.get("manifest_sha256") != hashlib.sha256(_signed_body(m)).hexdigest():
         raise CheckpointInvalid("manifest checksum mismatch (manifest corrupted)")
@@ -237,14 +241,19 @@ def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict
         if why is not None:
             raise CheckpointInvalid(OTHER_RUN + why + " (copied here from another run under the same key, or "
                                     "this run was moved); never loaded, never deleted")
+    if file_hash.HASHES[m["hash"]] is None:  # after the HMAC: a forged one reads as unauthenticated
+        raise CheckpointInvalid(OTHER_FORMAT + f"its files are hashed with {m['hash']}, which cannot be checked "
+                                f"here: {file_hash.MISSING[m['hash']]}; never loaded, never deleted")
     return m
 
 
 def check_manifest_entries(m: dict, step: int | None) -> dict:
-    """Every file entry has a size and a sha256, and the manifest's step is the folder's."""
+    """Every file entry has a size and a digest (under the field of the manifest's file hash), and
+    the manifest's step is the folder's."""
+    field = file_hash.FIELDS[m["hash"]]
     for name, info in m["files"].items():
         if not (isinstance(info, dict) and isinstance(info.get("size"), int)
-                and isinstance(info.get("sha256"), str)):
+                and isinstance(info.get(field), str)):
             raise CheckpointInvalid(f"manifest entry for {name} is malformed")
     if step is not None and m.get("step") != step:
         raise CheckpointInvalid(f"manifest says step {m.get('step')!r}, folder says {step}")

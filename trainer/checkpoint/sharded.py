@@ -20,7 +20,7 @@ A sharded checkpoint folder (or remote prefix)::
 A sharded checkpoint needs a checkpoint key (``trainer.checkpoint.key``; ``KeyProblem``
 otherwise): DCP reads its ``.metadata`` with pickle, and the non-tensor items of the shard files
 with ``torch.load(weights_only=False)``. So nothing of a sharded checkpoint reaches DCP before its
-manifest's HMAC verified under the run's key and every file matched its sha256 in that manifest:
+manifest's HMAC verified under the run's key and every file matched its digest in that manifest:
 only a holder of the key could have written those bytes (``verify_on_obtain``).
 
 Staging (``stage``): the model's and optimizer's shards are copied to host memory
@@ -64,8 +64,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import state_codec
-from trainer.checkpoint.format import (CheckpointInfo, _hash_file, _verify_file, _write_hashed_plain,
+from trainer.checkpoint import file_hash, state_codec
+from trainer.checkpoint.format import (CheckpointInfo, _verify_file, _write_hashed_plain,
                                        check_checkpoint, copy_dir, download_dir, list_checkpoints, publish_dir,
                                        read_manifest)
 from trainer.checkpoint.host_copy import HostCopy
@@ -124,11 +124,12 @@ def check_sharded(store: Store, step: int, *, key: Any = None) -> CheckpointInfo
 
 def verify_sharded_dir(folder: Path, *, key: Any = None) -> dict:
     """Full verification of a sharded checkpoint folder (the manifest's HMAC under ``key``, every
-    file's sha256); the manifest. Only after this may DCP read the folder."""
+    file's digest); the manifest. Only after this may DCP read the folder."""
     folder = Path(folder)
     m = read_manifest(folder, parse_sharded_manifest, key=key)
+    fh = file_hash.of_manifest(m)
     for name, info in sorted(m["files"].items()):
-        _verify_file(folder / name, info)
+        _verify_file(folder / name, info, fh)
     return m
 
 
@@ -270,6 +271,7 @@ class Sharded:
         self._host: HostCopy | None = None
         self._model: Any = None
         self._optimizer: Any = None
+        self._file_hash: file_hash.FileHash | None = None
 
     parse_manifest = staticmethod(parse_sharded_manifest)
 
@@ -321,6 +323,10 @@ class Sharded:
         g, step, out = self.group, staged.step, Written(collective=self.group.nodes > 1)
         final_name = step_name(step)
         t0 = time.monotonic()
+        if self._file_hash is None:  # one hash for every rank's files: BLAKE3 where every rank has it
+            names = set(g.all(file_hash.for_writing().name))
+            self._file_hash = file_hash.for_writing() if len(names) == 1 else file_hash.SHA256
+        fh = self._file_hash
 
         # 1. Every rank writes its shards (DCP's own collectives run on our group), and hashes the
         #    files it wrote (rank 0 also the index and the extras), on the first root that takes
@@ -338,7 +344,7 @@ class Sharded:
             else:
                 err = _try(lambda: self._dcp_save(staged.shards, cand))
                 if err is None:
-                    err = _try(lambda: files.update(self._own_files(cand, staged.extras)))
+                    err = _try(lambda: files.update(self._own_files(cand, staged.extras, fh)))
             errors = [f"rank {r}: {e}" for r, e in enumerate(g.all(err)) if e]
             if not errors:
                 stage = cand
@@ -400,8 +406,8 @@ class Sharded:
         with _single_process_quiet():
             dcp.save(shards, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
 
-    def _own_files(self, stage: Path, extras: bytes | None) -> dict[str, dict]:
-        """Size and sha256 of the files this rank is responsible for."""
+    def _own_files(self, stage: Path, extras: bytes | None, fh: file_hash.FileHash) -> dict[str, dict]:
+        """The manifest entries (size and digest under ``fh``) of the files this rank is responsible for."""
         rank = self.group.rank
         out: dict[str, dict] = {}
         if rank == 0:
@@ -410,8 +416,8 @@ class Sharded:
             m = _SHARD_RE.match(p.name)
             mine = int(m.group(1)) == rank if m else (rank == 0 and not p.name.startswith(TMP_PREFIX))
             if mine and p.is_file():
-                size, digest = _hash_file(p)
-                out[p.name] = {"size": size, "sha256": digest}
+                size, digest = file_hash.hash_file(p, fh)
+                out[p.name] = fh.entry(size, digest)
         return out
 
     def _commit(self, step: int, disks: list[Tier], plan: Plan, stage: Path, manifest: bytes,
@@ -476,7 +482,7 @@ class Sharded:
     def load(self, folder: Path, *, key: Any) -> Any:
         """Load a verified folder's shards into the bound model and optimizer (resharded to this
         world size; a collective) and return rank 0's extras. A checkpoint that does not fit them
-        (every file matched its sha256 under an authentic manifest, so this is no corruption:
+        (every file matched its digest under an authentic manifest, so this is no corruption:
         another architecture or settings) is ``CheckpointUnloadable``; a load that failed for a
         reason outside the checkpoint (I/O, memory, a peer: ``manifest.unreadable``) is
         ``CheckpointUnreadable``, tried again."""

@@ -50,9 +50,10 @@ from typing import Any, Callable
 import torch
 
 from trainer.checkpoint import state_codec
-from trainer.checkpoint.format import (CheckpointInfo, _byte_view, _hash_workers, _verify_file, _write_hashed,
-                                       _write_hashed_plain, check_checkpoint, chunked_sha256, list_checkpoints,
-                                       publish_dir, read_manifest)
+from trainer.checkpoint import file_hash
+from trainer.checkpoint.file_hash import byte_view, hash_workers
+from trainer.checkpoint.format import (CheckpointInfo, _verify_file, _write_hashed, _write_hashed_plain,
+                                       check_checkpoint, list_checkpoints, publish_dir, read_manifest)
 from trainer.checkpoint.key import CheckpointKey
 from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written
 from trainer.checkpoint.manifest import (MANIFEST, OTHER_LAYOUT, CheckpointInvalid,
@@ -109,7 +110,7 @@ class Snapshot:
     created_unix: float
 
     def tensor_bytes(self) -> memoryview:
-        return _byte_view(self.arena, self.nbytes)
+        return byte_view(self.arena, self.nbytes)
 
 
 class SnapshotBuffer:
@@ -223,10 +224,11 @@ def write_dir(snap: Snapshot, root: Path, *, key: CheckpointKey | None = None, w
     stage = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
     try:
-        with cf.ThreadPoolExecutor(_hash_workers(), thread_name_prefix="ckpt-hash") as pool:
+        fh = file_hash.for_writing()
+        with cf.ThreadPoolExecutor(hash_workers(), thread_name_prefix="ckpt-hash") as pool:
             files = {
-                TENSORS: _write_hashed(stage / TENSORS, snap.tensor_bytes(), pool),
-                STATE: _write_hashed(stage / STATE, memoryview(snap.structure), pool),
+                TENSORS: _write_hashed(stage / TENSORS, snap.tensor_bytes(), pool, fh),
+                STATE: _write_hashed(stage / STATE, memoryview(snap.structure), pool, fh),
             }
         manifest = snapshot_manifest(snap, files, key=key, writer=writer)
         _write_hashed_plain(stage / MANIFEST, manifest)
@@ -247,20 +249,23 @@ def snapshot_manifest(snap: Snapshot, files: dict[str, dict], *, key: Checkpoint
 
 
 def snapshot_files(snap: Snapshot) -> dict[str, dict]:
-    """Size and ``chunked_sha256`` of every payload file of ``snap``, hashed from host memory
-    (what ``write_dir`` computes while writing), for an upload without a disk copy."""
-    with cf.ThreadPoolExecutor(_hash_workers(beside_io=False), thread_name_prefix="ckpt-hash") as pool:
+    """The manifest entry (size and digest, ``trainer.checkpoint.file_hash``) of every payload file
+    of ``snap``, hashed from host memory (what ``write_dir`` computes while writing), for an upload
+    without a disk copy."""
+    fh = file_hash.for_writing()
+    with cf.ThreadPoolExecutor(hash_workers(beside_io=False), thread_name_prefix="ckpt-hash") as pool:
         data = {TENSORS: snap.tensor_bytes(), STATE: memoryview(snap.structure)}
-        return {name: {"size": len(mv), "sha256": chunked_sha256(mv, pool)} for name, mv in data.items()}
+        return {name: fh.entry(len(mv), fh.of(mv, pool)) for name, mv in data.items()}
 
 
 
 def verify_dir(folder: Path, *, key: CheckpointKey | None = None) -> dict:
-    """Full verification of a checkpoint folder (manifest, HMAC with a key, every sha256);
+    """Full verification of a checkpoint folder (manifest, HMAC with a key, every file's digest);
     returns the manifest."""
     m = read_manifest(folder, parse_manifest, key=key)
+    fh = file_hash.of_manifest(m)
     for name in PAYLOAD:
-        _verify_file(Path(folder) / name, m["files"][name])
+        _verify_file(Path(folder) / name, m["files"][name], fh)
     return m
 
 
@@ -275,8 +280,9 @@ def load_dir(folder: Path, *, verified_manifest: dict | None = None,
     folder = Path(folder)
     m = verified_manifest if verified_manifest is not None else read_manifest(folder, parse_manifest, key=key)
     tinfo = m["files"][TENSORS]
+    fh = file_hash.of_manifest(m)
     buf = torch.empty(max(tinfo["size"], 1), dtype=torch.uint8)
-    _verify_file(folder / TENSORS, tinfo, into=buf[: tinfo["size"]])
+    _verify_file(folder / TENSORS, tinfo, fh, into=buf[: tinfo["size"]])
     try:
         raw = (folder / STATE).read_bytes()
     except FileNotFoundError:
@@ -284,8 +290,8 @@ def load_dir(folder: Path, *, verified_manifest: dict | None = None,
     if len(raw) != m["files"][STATE]["size"]:
         raise CheckpointInvalid(f"{STATE} is {len(raw)} bytes, manifest says "
                                 f"{m['files'][STATE]['size']} (truncated or partial)")
-    if chunked_sha256(raw) != m["files"][STATE]["sha256"]:
-        raise CheckpointInvalid(f"{STATE} sha256 mismatch (corrupted)")
+    if fh.of(raw) != m["files"][STATE][fh.field]:
+        raise CheckpointInvalid(f"{STATE} {fh.field} mismatch (corrupted)")
     try:
         return m, _decode_state(raw, buf, tinfo["size"])
     except (state_codec.DecodeError, KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:

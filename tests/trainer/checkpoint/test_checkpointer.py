@@ -168,8 +168,8 @@ def _flip(p: Path) -> None:
 @pytest.mark.parametrize("damage, reason", [
     (lambda f: _truncate(f / TENSORS), "truncated"),
     (lambda f: (f / MANIFEST).unlink(), "no manifest"),
-    (lambda f: _flip(f / TENSORS), "sha256 mismatch"),
-    (lambda f: _flip(f / STATE), "sha256 mismatch"),
+    (lambda f: _flip(f / TENSORS), "tensors.bin blake3 mismatch"),
+    (lambda f: _flip(f / STATE), "state.json blake3 mismatch"),
 ])
 def test_corrupt_newest_falls_back_and_logs_why(tmp_path: Path, logwatch, damage, reason) -> None:
     c = ckpt(tmp_path, with_local=False)
@@ -222,7 +222,7 @@ def test_corrupt_payload_on_gcs_with_right_sizes_falls_back(gcs_emulator, tmp_pa
     c.tiers["gcs"].store.put_bytes(f"{step_name(2)}/{TENSORS}", bytes(data))
     r = ckpt(tmp_path, gcs_emulator, with_local=False).restore()
     assert r.step == 1
-    assert "sha256 mismatch" in logwatch.text()
+    assert "tensors.bin blake3 mismatch" in logwatch.text()
     assert not (tmp_path / "run" / step_name(2)).exists()  # the bad download never became visible
 
 
@@ -526,7 +526,7 @@ def test_describe(gcs_emulator, tmp_path: Path) -> None:
     assert d["tiers"]["gcs"]["newest_valid"] == 2 and d["tiers"]["local"]["newest_valid"] == 2
     _flip(tmp_path / "local" / step_name(2) / TENSORS)
     deep = c.describe(deep=True)["tiers"]["local"]
-    assert deep["newest_valid"] == 1 and "sha256" in deep["checkpoints"][0]["reason"]
+    assert deep["newest_valid"] == 1 and "blake3 mismatch" in deep["checkpoints"][0]["reason"]
     assert d["stats"]["saves"] == 2
 
 
@@ -704,7 +704,7 @@ def test_only_unauthenticated_checkpoints_block_a_fresh_start_and_are_kept(tmp_p
 def test_a_verified_checkpoint_this_version_cannot_decode_is_a_resume_mismatch(tmp_path: Path) -> None:
     import json
 
-    from trainer.checkpoint.format import chunked_sha256
+    from trainer.checkpoint.file_hash import BLAKE3
     from trainer.checkpoint.manifest import build_manifest
 
     save_steps(ckpt(tmp_path, with_local=False), [1, 2])
@@ -712,7 +712,7 @@ def test_a_verified_checkpoint_this_version_cannot_decode_is_a_resume_mismatch(t
     state = (folder / STATE).read_text().replace('"$":"dict"', '"$":"newer-type"', 1)
     (folder / STATE).write_text(state)
     m = json.loads((folder / MANIFEST).read_text())
-    m["files"][STATE] = {"size": len(state.encode()), "sha256": chunked_sha256(state.encode())}
+    m["files"][STATE] = BLAKE3.entry(len(state.encode()), BLAKE3.of(state.encode()))
     (folder / MANIFEST).write_bytes(build_manifest(2, m["files"], m["meta"], m["created_unix"], key=KEY))
     with pytest.raises(ResumeMismatch, match=r"cannot resume from step 2 on persistent .*verified but cannot be "
                                              r"decoded .*unknown tag 'newer-type'"):

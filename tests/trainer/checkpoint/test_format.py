@@ -83,15 +83,16 @@ def test_manifest_contents(tmp_path: Path) -> None:
     m = json.loads((folder / MANIFEST).read_text())
     assert m["step"] == 7 and m["world_size"] == 4 and m["meta"]["fingerprint"] == "abc"
     assert m["torch_version"] == torch.__version__ and m["created"].endswith("Z")
-    import hashlib
+    import blake3
 
     def tree(data: bytes) -> str:  # independent re-implementation of the documented digest
-        chunks = [data[i : i + (64 << 20)] for i in range(0, len(data), 64 << 20)]
-        return hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest()
+        chunks = [data[i : i + (16 << 20)] for i in range(0, len(data), 16 << 20)]
+        return blake3.blake3(b"".join(blake3.blake3(c).digest() for c in chunks)).hexdigest()
 
+    assert m["hash"] == "blake3-of-16MiB-chunk-blake3s"
     for name in (STATE, TENSORS):
         data = (folder / name).read_bytes()
-        assert m["files"][name] == {"size": len(data), "sha256": tree(data)}
+        assert m["files"][name] == {"size": len(data), "blake3": tree(data)}
     assert verify_dir(folder, key=KEY)["step"] == 7
 
 
@@ -161,8 +162,8 @@ def flip(p: Path) -> None:
 
 @pytest.mark.parametrize("damage, reason", [
     (lambda f: truncate(f / TENSORS), "truncated"),
-    (lambda f: flip(f / TENSORS), "sha256 mismatch"),
-    (lambda f: flip(f / STATE), "sha256 mismatch"),
+    (lambda f: flip(f / TENSORS), "tensors.bin blake3 mismatch"),
+    (lambda f: flip(f / STATE), "state.json blake3 mismatch"),
     (lambda f: (f / STATE).unlink(), "missing"),
     (lambda f: (f / MANIFEST).unlink(), "no manifest"),
     (lambda f: truncate(f / MANIFEST), "not valid JSON"),
@@ -248,26 +249,36 @@ def test_tensor_digest() -> None:
     assert len(d) == 64
 
 
-def test_multi_chunk_hashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("hashed", ["blake3", "sha256"])
+def test_multi_chunk_hashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashed: str) -> None:
+    import dataclasses
     import hashlib
 
-    import trainer.checkpoint.format as ck
+    import blake3
 
-    monkeypatch.setattr(ck, "HASH_CHUNK", 4096)  # many chunks with small tensors
+    from trainer.checkpoint import file_hash
+
+    fh = dataclasses.replace(file_hash.BLAKE3 if hashed == "blake3" else file_hash.SHA256, chunk=4096)
+    monkeypatch.setitem(file_hash.HASHES, fh.name, fh)  # many chunks with small tensors
+    monkeypatch.setattr(file_hash, "for_writing", lambda: fh)
     state = {"w": torch.randn(10000), "v": torch.randn(333)}
     folder = write(tmp_path, 1, state)
     data = (folder / TENSORS).read_bytes()
     chunks = [data[i : i + 4096] for i in range(0, len(data), 4096)]
     assert len(chunks) > 5
-    want = hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest()
-    assert json.loads((folder / MANIFEST).read_text())["files"][TENSORS]["sha256"] == want
+    fn = (lambda b: blake3.blake3(b).digest()) if hashed == "blake3" else (lambda b: hashlib.sha256(b).digest())
+    want = fn(b"".join(fn(c) for c in chunks)).hex()
+    m = json.loads((folder / MANIFEST).read_text())
+    assert m["hash"] == fh.name and m["files"][TENSORS][hashed] == want
     _, loaded = load_dir(folder)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["v"], state["v"])
     b = bytearray(data)
     b[3 * 4096 + 17] ^= 0x10  # one bit in a middle chunk
     (folder / TENSORS).write_bytes(bytes(b))
-    with pytest.raises(CheckpointInvalid, match="sha256 mismatch"):
+    with pytest.raises(CheckpointInvalid, match=f"{hashed} mismatch"):
         load_dir(folder)
+    with pytest.raises(CheckpointInvalid, match=f"{hashed} mismatch"):
+        verify_dir(folder)
 
 
 def test_reserve_allocates_once_for_the_first_save() -> None:
@@ -333,13 +344,13 @@ def test_a_format_1_checkpoint_is_never_unpickled(tmp_path: Path) -> None:
 def test_verified_but_undecodable_is_unloadable_not_corrupt(tmp_path: Path) -> None:
     """Bytes a key holder wrote that this version cannot decode (a newer spottrain's structure):
     a resume mismatch upstream, never a fallback that retention would follow with deletions."""
-    from trainer.checkpoint.format import chunked_sha256
+    from trainer.checkpoint.file_hash import BLAKE3
 
     folder = write(tmp_path, 5)
     state = (folder / STATE).read_text().replace('"$":"tuple"', '"$":"quaternion"', 1)
     (folder / STATE).write_text(state)
     files = json.loads((folder / MANIFEST).read_text())["files"]
-    files[STATE] = {"size": len(state.encode()), "sha256": chunked_sha256(state.encode())}
+    files[STATE] = BLAKE3.entry(len(state.encode()), BLAKE3.of(state.encode()))
     (folder / MANIFEST).write_bytes(build_manifest(5, files, {"world_size": 4}, 0.0, key=KEY))
     assert verify_dir(folder, key=KEY)["step"] == 5
     with pytest.raises(CheckpointUnloadable, match="unknown tag 'quaternion'"):

@@ -359,13 +359,13 @@ def test_corrupted_shard_falls_back_to_previous_checkpoint(saved_ws2: Path, tmp_
     shutil.copytree(saved_ws2 / "run", run)
     shard_file = run / step_name(4) / "__1_0.distcp"
     data = bytearray(shard_file.read_bytes())
-    data[len(data) // 2] ^= 1  # same size: only the sha256 can tell
+    data[len(data) // 2] ^= 1  # same size: only the digest can tell
     shard_file.write_bytes(bytes(data))
     r, loaded = load_here(run, log=_logger())
     assert r.step == 2
     assert_same_state(loaded, torch.load(saved_ws2 / "out" / "full-2.pt", weights_only=False))
     line = logwatch.wait_for("checkpoint step 4")
-    assert "__1_0.distcp sha256 mismatch" in line and "falling back" in logwatch.text()
+    assert "__1_0.distcp blake3 mismatch" in line and "falling back" in logwatch.text()
 
 
 def test_save_returns_before_the_checkpoint_exists_and_manifest_commits(tmp_path: Path, gcs_emulator,
@@ -584,7 +584,7 @@ def test_what_a_load_error_says_about_the_checkpoint(error: BaseException, outsi
 
 def _forge_on_disk(run: Path, src: int, step: int, replace: dict[str, bytes]) -> None:
     """What a writer of a copy of the run dir (or of the bucket it is downloaded from) without
-    the key can do: a newer step with some files swapped and every sha256 recomputed."""
+    the key can do: a newer step with some files swapped and every digest recomputed."""
     from tests.trainer.support import forge
 
     dst = run / step_name(step)

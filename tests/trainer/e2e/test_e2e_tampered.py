@@ -2,7 +2,7 @@
 
 Whoever can write the checkpoint bucket but does not hold the run's checkpoint key plants a newer
 checkpoint whose payload is a pickle that would run code (a marker file appears if it ever runs),
-with every sha256 and the manifest's self-checksum recomputed. `trainer status` and `trainer run`
+with every file digest and the manifest's self-checksum recomputed. `trainer status` and `trainer run`
 must never run it, must say why they refuse it, must resume from the newest authentic checkpoint
 and must never delete it. A checkpoint that verifies but no longer loads into the model (the code
 changed) is a resume mismatch: exit 2 naming the step, the tier and the reason, nothing deleted.
@@ -183,7 +183,7 @@ def test_garbage_objects_in_the_bucket_never_stop_the_job(tmp_path: Path, gcs_em
 
 
 def test_a_forged_final_checkpoint_never_finishes_the_run(tmp_path: Path, gcs_emulator) -> None:
-    """A bucket writer plants a well-formed manifest (every sha256 right, no HMAC) at the final step
+    """A bucket writer plants a well-formed manifest (every file digest right, no HMAC) at the final step
     before the run gets there: the trainer's own upload meets it and skips GCS (it is never
     overwritten), and the read-back authenticates, so the final checkpoint is not durable: exit 74,
     never `finished` (which would let scale-to-zero delete the disk holding the only authentic
