@@ -1110,7 +1110,9 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001
                 self.log.debug("snapshot buffer not reserved: %s", e)
 
-        self._reserver = threading.Thread(target=reserve, name="checkpoint-reserve", daemon=True)
+        # Not a daemon: a process that ends soon after its restore (without close()) must wait for
+        # the allocation, since a daemon thread still inside torch at interpreter exit aborts it.
+        self._reserver = threading.Thread(target=reserve, name="checkpoint-reserve", daemon=False)
         self._reserver.start()
 
     # ------------------------------------------------------------------------------ emergency

@@ -80,6 +80,33 @@ def test_roundtrip_from_each_tier(gcs_emulator, tmp_path: Path, tier: str) -> No
         assert not (tmp_path / "run" / step_name(3)).exists()
 
 
+#: A process that restores and ends without close(): the first save's buffer is still being
+#: reserved in the background when the interpreter exits.
+_RESTORE_THEN_EXIT = r"""
+import sys
+from pathlib import Path
+from tests.trainer.support import checkpointer
+from trainer.checkpoint.key import CheckpointKey
+print("restored", checkpointer(run_dir=Path(sys.argv[1]), key=CheckpointKey(b"k" * 32, "test")).restore().step)
+"""
+
+
+def test_a_process_that_exits_right_after_its_restore_exits_cleanly(tmp_path: Path) -> None:
+    """The reservation of the first save's buffer ran in a daemon thread; one still inside torch
+    when the interpreter exited aborted the process (SIGABRT, "terminate called without an
+    active exception"), so a trainer stopped just after its restore exited 134, not its code."""
+    import subprocess
+    import sys
+
+    c = checkpointer(run_dir=tmp_path, key=CheckpointKey(b"k" * 32, "test"))
+    c.save(1, {"w": torch.ones(16 << 20), "step": 1}, meta={"world_size": 1})
+    c.close()
+    repo = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", _RESTORE_THEN_EXIT, str(tmp_path)], cwd=repo,
+                         capture_output=True, text=True, timeout=240)
+    assert (out.returncode, out.stdout.split()) == (0, ["restored", "1"]), out.stderr[-2000:]
+
+
 def test_fresh_run_restores_nothing(tmp_path: Path, logwatch) -> None:
     assert ckpt(tmp_path).restore() is None
     assert "starting from scratch" in logwatch.text()
