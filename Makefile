@@ -111,7 +111,8 @@ preflight: setup
 logs: setup
 	$(PY) -m stacks.logs $(EXPERIMENT) $(LOGS_ARGS)
 
-## review: offline infrastructure review, e.g. make review BASE=origin/main [HEAD=rev].
+## review: offline infrastructure review against the branch yours tracks (else origin/HEAD), or
+## make review BASE=origin/main [HEAD=rev].
 review: setup
 	$(PY) -m stacks.review $(BASE) $(HEAD)
 

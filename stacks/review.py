@@ -125,6 +125,18 @@ def resolve(repo: Path, rev: str) -> str:
     return run.stdout.strip()
 
 
+def default_base(repo: Path) -> str:
+    """The revision a review compares with when none is named: the branch the current one tracks
+    (what a pull request would merge into), else the clone's origin/HEAD; ReviewError otherwise."""
+    for rev in ("@{upstream}", "origin/HEAD"):
+        run = _git(repo, "rev-parse", "--verify", "--quiet", "--symbolic-full-name", rev, text=True)
+        if run.returncode == 0 and run.stdout.strip():
+            name = run.stdout.strip()
+            return name.removeprefix("refs/remotes/").removeprefix("refs/heads/")
+    raise ReviewError("no revision to compare with: the branch tracks none and there is no origin/HEAD; "
+                      "name one, e.g. make review BASE=origin/main")
+
+
 def export(repo: Path, commit: str, dest: Path) -> None:
     """The tree of `commit` under dest (tracked files only, as the commit has them)."""
     archive = _git(repo, "archive", "--format=tar", commit)
@@ -746,7 +758,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m stacks.review",
         description="Offline infrastructure review: synthesize two revisions and compare them "
         "(HEAD: the working tree by default).")
-    parser.add_argument("base", metavar="BASE_REV")
+    parser.add_argument("base", metavar="BASE_REV", nargs="?",
+                        help="the revision to compare with (default: the branch the current one tracks, "
+                        "else origin/HEAD)")
     parser.add_argument("head", metavar="HEAD_REV", nargs="?")
     parser.add_argument("--changed", action="store_true",
                         help="only print the experiments a change since BASE_REV affects")
@@ -756,12 +770,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.plan_summary:
+            if args.base is None:
+                raise ReviewError("--plan-summary needs the folder of plan outputs")
             folder = Path(args.base)
             if not folder.is_dir():
                 raise ReviewError(f"{folder}: no such folder of plan outputs")
             print(summarize_plans(folder), end="")
             return 0
         repo = repo_root(Path.cwd())
+        if args.base is None:
+            args.base = default_base(repo)
         if args.changed:
             print("\n".join(changed_experiments(repo, args.base)))
             return 0

@@ -155,7 +155,24 @@ def test_review_of_the_working_tree_and_bad_input(fixture_repo, tmp_path):
     assert "experiments/fixture.toml: machine.gpu_count: 3 x nvidia-tesla-t4 is not a valid " \
         "count" in broken.stderr
     assert "Traceback" not in broken.stderr
-    assert run_review(clone).returncode == 2  # usage
+    # No BASE: the branch the clone's main tracks, so the same working tree is reviewed.
+    default = run_review(clone)
+    assert default.returncode == 2 and "the working tree does not synthesize" in default.stderr
+
+
+def test_without_a_base_the_review_compares_with_the_tracked_branch(fixture_repo, tmp_path):
+    """`make review` with no BASE: the branch the current one tracks, else origin/HEAD, else one
+    line naming what to pass (a fresh clone's user typed `make review` and got argparse's usage)."""
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(fixture_repo), str(clone))
+    assert review.default_base(clone) == "origin/main"
+    git(clone, "checkout", "-q", "-b", "topic", "--no-track", "main~1")
+    assert review.default_base(clone) == "origin/main"  # origin/HEAD, as the branch it names
+    with pytest.raises(review.ReviewError, match="name one, e.g. make review BASE=origin/main"):
+        review.default_base(fixture_repo)  # no remote at all
+    lonely = run_review(fixture_repo)
+    assert lonely.returncode == 2 and "make review BASE=origin/main" in lonely.stderr
+    assert "Traceback" not in lonely.stderr
 
 
 @pytest.mark.xdist_group("review")
