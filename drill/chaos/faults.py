@@ -24,7 +24,9 @@ Families: Cloud Storage failing (down, blackhole, 403, bursts, stalls, lost answ
 corrupted in transit, the disks (full, read-only, corrupt), two writers, and whoever can write
 the bucket without holding the checkpoint key (forged, replayed, garbage and oversized objects,
 deleted checkpoints, for checkpoints, manifests, the lease, the ledger and the stop marker). A
-fault with ``nproc`` 2 runs its cells under torchrun with two ranks (DDP, gloo on CPU).
+fault with ``nproc`` 2 runs its cells under torchrun with two ranks (DDP, gloo on CPU); one with
+``nodes`` 2 on two nodes (a torchrun agent each, one gloo rank each, their own disks and SSDs,
+one bucket), where node a leads the first run and node b every next boot.
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ class Fault:
     #: lost and that the final step is on the persistent disk (drill.chaos.matrix).
     unfinishable: dict[str, str] = field(default_factory=dict)
     nproc: int = 1                # ranks on the VM: 2 runs the trainer under torchrun (DDP, gloo)
+    nodes: int = 1                # VMs of the job: 2 runs a torchrun agent per node (drill.chaos.rig)
 
     def moments(self) -> list[str]:
         return [m for m in MOMENTS if m not in self.na]
@@ -415,6 +418,16 @@ class PlantedLedger(Fault):
         pass
 
 
+class NodePowerOff(Fault):
+    """Scripted in drill.chaos.matrix: a node's agent and worker SIGKILLed at once."""
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        raise AssertionError("scripted in drill.chaos.matrix")
+
+    def remove(self, rig: Rig) -> None:
+        pass  # the node boots again with the job
+
+
 class NotTheTrainers(Fault):
     """An object `trainer run` never reads: every moment is n/a, with the reason."""
 
@@ -604,4 +617,53 @@ def _ws2(key: str, moments: tuple[str, ...]) -> Fault:
 for _f in [_ws2("gcs-down", ("emergency", "restore")), _ws2("gcs-flip", ("restore",)),
            _ws2("pd-corrupt", ("restore",)), _ws2("tampered-hmac", ("startup",)),
            _ws2("garbage-lease", ("final",))]:
+    FAULTS[_f.key] = _f
+
+
+# ------------------------------------------------------------------------------ two nodes
+
+_NODES2_SAMPLE = ("two nodes run a sample of the matrix (two torchrun agents, a rendezvous and two disks make a "
+                  "cell about three times as long): where what one node's disk holds differs from the other's and "
+                  "from GCS; the others are the world size 1 and 2 rows'")
+_NODES2 = ("; two nodes on loopback (a torchrun agent each, --nnodes 2, one gloo rank each, c10d rendezvous on a "
+           "coordinator that does not train), each with its own persistent disk, local SSD and metadata server, one "
+           "bucket; the notice reaches both nodes. Node a gets rank 0 in the first run (its disk holds the "
+           "checkpoints), node b on every next boot (the rig orders their addresses; the logged node ranks are "
+           "checked)")
+
+for _f in [
+    GcsDown("nodes2-gcs-down", "GCS down (connection refused), two nodes",
+            FAULTS["gcs-down"].reproduces,
+            "the fault proxy stops listening. Emergency: from before the notice at step 13, so its save reaches "
+            "node a's disk only, and the next boot, GCS back, must take step 13 from the non-leader's disk. "
+            "Start-up: the same first run, then the next boot starts with GCS down: the newest step on the "
+            "non-leader's disk alone, GCS unknown (it could hold a newer one): the job waits for it, then resumes "
+            "13" + _NODES2,
+            {"periodic": _NODES2_SAMPLE, "final": _NODES2_SAMPLE,
+             "restore": "with the newest on one node's disk alone the restore downloads nothing from GCS: the "
+                        "start-up cell (GCS down as the next boot starts)"},
+            waits=True, nodes=2),
+    PdCorrupt("nodes2-pd-corrupt", "corrupted newest checkpoint on the non-leader's disk, two nodes",
+              "bit rot on the disk of a node that is not rank 0, whose disk holds a step newer than GCS (it was "
+              "rank 0 when the step was saved)",
+              "the first run's emergency save refused by GCS (down from before the notice at step 13): step 13 "
+              "on node a's disk alone, one byte of its tensors.bin flipped before the next boot, where node a is "
+              "the non-leader: it offers 13 (the quick check passes) and fails full verification; the job must "
+              "resume from the newest valid step anywhere (10: GCS, a's disk), step 13's loss allowed (its only "
+              "copy rotted)" + _NODES2,
+              {"startup": _NODES2_SAMPLE, "periodic": _TORN, "emergency": _TORN, "final": _TORN}, nodes=2),
+    NodePowerOff("nodes2-power-off", "a node powered off, two nodes",
+                 "a VM of a pool losing power without a notice (a host failure, a kernel panic, a Spot VM whose "
+                 "notice never came)",
+                 "node a (rank 0, the saver) and its worker SIGKILLed at step 13, step 10 durable on every tier; "
+                 "node b's worker meets the dead peer and fails; the whole job boots again (node a with its "
+                 "persistent disk; blank SSDs) and must resume the newest durable step, the steps after it lost "
+                 "by design" + _NODES2,
+                 {"startup": "a power-off during start-up meets no checkpoint work: the restore cells",
+                  "emergency": "a power-off is the absence of a notice: the periodic cell",
+                  "final": "a power-off after the final save is a finished job; before it, the periodic cell's",
+                  "restore": "a power-off during a restore loses nothing the disks and the bucket hold: the next "
+                             "boot's restore is the periodic cell's"},
+                 nodes=2),
+]:
     FAULTS[_f.key] = _f
