@@ -34,6 +34,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from drill.attacker import (code_running_pickle, copy_step, delete_step, forge_in_bucket, plant, read_manifest,
@@ -253,7 +254,12 @@ class PdCorrupt(Fault):
     byte flipped at restore (bit rot: same size, only the sha256 tells)."""
 
     def inject(self, rig: Rig, moment: str) -> None:
-        newest = max(rig.run_dir.glob("step-*"))
+        self.corrupt(rig.run_dir, moment)
+
+    @staticmethod
+    def corrupt(run_dir: Path, moment: str) -> int:
+        """Damage the newest checkpoint in ``run_dir`` as at ``moment``; its step."""
+        newest = max(run_dir.glob("step-*"))
         tensors = newest / "tensors.bin"
         data = bytearray(tensors.read_bytes())
         if moment == "startup":
@@ -262,6 +268,7 @@ class PdCorrupt(Fault):
             data[len(data) // 2] ^= 0x01
         tensors.write_bytes(bytes(data))
         os.sync()
+        return int(newest.name.removeprefix("step-"))
 
     def remove(self, rig: Rig) -> None:
         pass  # the damaged copy stays: the trainer must cope (and may replace it)
@@ -644,18 +651,22 @@ for _f in [
                         "start-up cell (GCS down as the next boot starts)"},
             waits=True, nodes=2),
     PdCorrupt("nodes2-pd-corrupt", "corrupted newest checkpoint on the non-leader's disk, two nodes",
-              "bit rot on the disk of a node that is not rank 0, whose disk holds a step newer than GCS (it was "
-              "rank 0 when the step was saved)",
-              "the first run's emergency save refused by GCS (down from before the notice at step 13): step 13 "
-              "on node a's disk alone, one byte of its tensors.bin flipped before the next boot, where node a is "
-              "the non-leader: it offers 13 (the quick check passes) and fails full verification; the job must "
-              "resume from the newest valid step anywhere (10: GCS, a's disk), step 13's loss allowed (its only "
-              "copy rotted)" + _NODES2,
+              "bit rot on the disk of a node that is not rank 0 and holds the job's newest step, while the other "
+              "node's disk holds a valid step newer than GCS's (each was rank 0 when its step was saved)",
+              "GCS refuses two emergency saves (down from before each notice): the first run's (node a leading) "
+              "leaves step 13 on node a's disk alone; boot 1 (node b leading) resumes it from there, and its own "
+              "(a notice while it waits before step 15) leaves step 15 on node b's disk alone; GCS's newest is 10. "
+              "Before boot 2 (node a leading) one byte of b's step 15 flips: b offers 15 (the quick check passes) "
+              "and fails full "
+              "verification; the job must resume from the newest valid step anywhere, a's 13 (not GCS's 10, not "
+              "from scratch), steps 14 and 15 lost as allowed (step 15's only copy rotted)" + _NODES2.replace(
+                  "node b on every next boot", "node b on the next boot, node a again on the one after"),
               {"startup": _NODES2_SAMPLE, "periodic": _TORN, "emergency": _TORN, "final": _TORN}, nodes=2),
     NodePowerOff("nodes2-power-off", "a node powered off, two nodes",
                  "a VM of a pool losing power without a notice (a host failure, a kernel panic, a Spot VM whose "
                  "notice never came)",
-                 "node a (rank 0, the saver) and its worker SIGKILLed at step 13, step 10 durable on every tier; "
+                 "node a (rank 0, the saver) and its worker SIGKILLed while parked before step 13, step 10 durable "
+                 "on every tier; "
                  "node b's worker meets the dead peer and fails; the whole job boots again (node a with its "
                  "persistent disk; blank SSDs) and must resume the newest durable step, the steps after it lost "
                  "by design" + _NODES2,

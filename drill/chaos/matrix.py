@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Callable
 
 from drill.attacker import intact
-from drill.chaos.faults import FAULTS, MOMENTS, WAITING, Fault
-from drill.chaos.rig import EVERY, STEPS, Rig, Trainer, key_env, reference_name
+from drill.chaos.faults import FAULTS, MOMENTS, WAITING, Fault, PdCorrupt
+from drill.chaos.rig import EVERY, STEPS, Job, Rig, Trainer, key_env, reference_name
 from drill.gcs_emulator import StorageEmulator
 
 BOOTS = 3  # next boots at most (one with the fault, then after it is gone)
@@ -247,7 +247,7 @@ class Cell:
             r.fresh_start = True
             r.violations.append("a boot started from scratch while a checkpoint existed")
         if r.lost and r.lost > r.allowed:
-            r.violations.append(f"{r.lost} step(s) lost: the first run completed step {r.stopped}, "
+            r.violations.append(f"{r.lost} step(s) lost: the job had completed step {r.stopped}, "
                                 f"the next boot resumed from {r.resumed}"
                                 + (f" ({r.allowed} allowed: {r.stopped - r.allowed} was the newest that "
                                    "survived the fault)" if r.allowed else ""))
@@ -435,43 +435,72 @@ def _ledger_copied_back(c: Cell) -> None:
 # ------------------------------------------------------------------------------------ two nodes
 
 
+def _stop_with_gcs_down(c: Cell, job: Job, step: int) -> None:
+    """Park ``job`` at ``step``, take GCS away and send the notice: its emergency save reaches the
+    disk of the node holding rank 0 alone. GCS comes back once the job has ended."""
+    c.settle(job, step)
+    c.rig.proxy.down()
+    job.notice()
+    c.rig.release(step)
+    job.finish()
+    c.ended(job)
+    c.rig.proxy.up()
+    m = job.find(r"\bevent=preempted step=\d+ (.*?) seconds=")
+    if m:
+        c.r.notes.append(f"{job.role}: {m[-1].group(1)}")
+
+
 def _newest_on_one_disk(c: Cell) -> tuple[int | None, int | None]:
     """A first run of two nodes whose emergency save GCS refuses (down from before the notice at
     step 13, both nodes noticed): step 13 is on node a's disk alone (a held rank 0), GCS's newest
     is 10. The newest step on node a's disk and in GCS."""
-    rig = c.rig
-    t = c.first = rig.start("first", park=[13])
-    c.settle(t, 13)
-    rig.proxy.down()
-    t.notice()
-    rig.release(13)
-    t.finish()
-    c.ended(t)
-    rig.proxy.up()
-    c.r.stopped = max(t.steps(), default=0)
-    m = t.find(r"\bevent=preempted step=\d+ (.*?) seconds=")
-    if m:
-        c.r.notes.append(f"first: {m[-1].group(1)}")
-    return c.newest("persistent", rig.node_list[0].run_dir)[0], c.newest("gcs")[0]
+    c.first = c.rig.start("first", park=[13])
+    _stop_with_gcs_down(c, c.first, 13)
+    c.r.stopped = max(c.first.steps(), default=0)
+    return c.newest("persistent", c.rig.node_list[0].run_dir)[0], c.newest("gcs")[0]
 
 
 def _corrupt_on_the_non_leader(c: Cell) -> None:
-    """Node a's disk holds step 13 alone; one byte of it flips before the next boot, where a is the
-    non-leader. a offers 13 (its quick check passes), fails full verification, and the job must
-    resume from the newest valid step anywhere (GCS's 10), not from scratch."""
-    only, fallback = _newest_on_one_disk(c)
-    if only is None or fallback is None or only <= fallback:
-        raise CellAborted(f"the first run left step {only} on node a's disk and {fallback} in GCS: "
-                          "no step on one disk alone")
-    c.r.allowed = max(0, (c.r.stopped or 0) - fallback)
-    c.r.notes.append(f"step {only} on node a's disk alone, a byte of it flipped there: the newest valid step "
-                     f"anywhere is {fallback}")
-    c.next_boots()
-    a = [t for job in c.rig.jobs[1:2] for n, t in job.nodes if n.name == "a"]
-    if not (a and a[0].find(rf"checkpoint step {only} (?:on \S+ )?is unusable")):
-        c.r.violations.append(f"the fault never struck: node a never found its step {only} unusable at boot 1")
+    """Step 13 on node a's disk alone; boot 1 (node b leading) resumes it and leaves step 15 on
+    b's disk alone; one byte of that flips before boot 2, where a leads and b does not. b offers
+    15 (its quick check passes), fails full verification, and the job must resume from the
+    newest valid step anywhere: a's 13, not GCS's 10 (a fallback to the chosen node's own tiers
+    only), not from scratch."""
+    rig = c.rig
+    on_a, gcs = _newest_on_one_disk(c)
+    if on_a is None or gcs is None or on_a <= gcs:
+        raise CellAborted(f"the first run left step {on_a} on node a's disk and {gcs} in GCS: no step on one disk alone")
+    rig.next_boot()  # node b leads
+    b1 = rig.start("boot 1", park=[2])  # its second step (drill.chaos.task counts this process's)
+    c.boots.append(b1)
+    _stop_with_gcs_down(c, b1, 2)
+    got = b1.restored()
+    if got is None or got[0] != c.r.stopped:
+        c.r.violations.append(f"boot 1 resumed from {got and got[0]}, the first run completed step {c.r.stopped}")
+    b = rig.node_list[1]
+    on_b = c.newest("persistent", b.run_dir)[0]
+    if on_b is None or on_b <= on_a:
+        raise CellAborted(f"boot 1 left step {on_b} on node b's disk: nothing newer than a's {on_a}")
+    c.r.stopped = max(b1.steps(), default=0)
+    rig.next_boot(lead="a")
+    flipped = PdCorrupt.corrupt(b.run_dir, c.moment)
+    c.injected = True
+    c.r.allowed = max(0, c.r.stopped - on_a)
+    c.r.notes.append(f"step {flipped} on node b's disk alone, a byte of it flipped there; step {on_a} on node a's "
+                     f"disk alone; GCS's newest {gcs}: the newest valid step anywhere is {on_a}")
+    for i in range(2, 2 + BOOTS):
+        t = rig.start(f"boot {i}")
+        c.boots.append(t)
+        t.finish()
+        c.ended(t)
+        if t.rc == 0:
+            break
+    if not any(t.rc == 0 for t in c.boots):
+        c.r.violations.append("the job never finished (no boot exited 0)")
+    if not rig.jobs[2].node["b"].find(rf"checkpoint step {flipped} (?:on \S+ at \S+ )?is unusable"):
+        c.r.violations.append(f"the fault never struck: node b never found its step {flipped} unusable at boot 2")
     else:
-        c.r.notes.append(f"node a found step {only} unusable; the nodes negotiated again")
+        c.r.notes.append(f"node b found step {flipped} unusable; the nodes negotiated again")
 
 
 def _newest_on_one_disk_gcs_down(c: Cell) -> None:

@@ -565,10 +565,11 @@ class Rig:
     def release(self, step: int) -> None:
         (self.park / f"hold-{step}").unlink(missing_ok=True)
 
-    def next_boot(self, *, blank_pd: bool = False) -> None:
+    def next_boot(self, *, blank_pd: bool = False, lead: str | None = None) -> None:
         """What a preempted Spot VM's replacement finds: a blank local SSD, the metadata flag down,
-        and its persistent disk (blank if ``blank_pd``). Two nodes: both are replaced, and node b
-        leads from now on (node a, whose disk holds the first run's checkpoints, follows)."""
+        and its persistent disk (blank if ``blank_pd``). Two nodes: both are replaced, and node
+        ``lead`` (default b) leads from now on (node a, whose disk holds the first run's
+        checkpoints, follows)."""
         if self.nodes > 1:
             for n in self.node_list:
                 n.metadata.reset()
@@ -577,7 +578,7 @@ class Rig:
                 if blank_pd:
                     n.pd.__exit__(None, None, None)
                     n.pd.__enter__()
-            self.lead(self.node_list[1].name)
+            self.lead(lead or self.node_list[1].name)
             return
         self.metadata.reset()
         self.ssd.__exit__(None, None, None)
