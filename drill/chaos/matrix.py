@@ -75,6 +75,16 @@ class Result:
         return max(0, self.stopped - self.resumed)
 
     @property
+    def too_many_lost(self) -> str | None:
+        """The violation when more steps were lost than the cell allows (none by default: only the
+        step in flight may go, and a notice saves it), else None."""
+        if not self.lost or self.lost <= self.allowed:
+            return None
+        return (f"{self.lost} step(s) lost: the job had completed step {self.stopped}, the next boot resumed from "
+                f"{self.resumed}" + (f" ({self.allowed} allowed: {self.stopped - self.allowed} was the newest that "  # type: ignore[operator]
+                                     "survived the fault)" if self.allowed else ""))
+
+    @property
     def ok(self) -> bool:
         return self.na is not None or not self.violations
 
@@ -246,11 +256,8 @@ class Cell:
         if any(s == 0 for s in steps):
             r.fresh_start = True
             r.violations.append("a boot started from scratch while a checkpoint existed")
-        if r.lost and r.lost > r.allowed:
-            r.violations.append(f"{r.lost} step(s) lost: the job had completed step {r.stopped}, "
-                                f"the next boot resumed from {r.resumed}"
-                                + (f" ({r.allowed} allowed: {r.stopped - r.allowed} was the newest that "
-                                   "survived the fault)" if r.allowed else ""))
+        if r.too_many_lost:
+            r.violations.append(r.too_many_lost)
         if self.forged_step is not None:
             why = [m.group(1) for t in self.rig.trainers for m in t.find(
                 rf"(?:refusing|ignoring) \w+ checkpoint step {self.forged_step} at \S+: ([^;(]+)")]
