@@ -435,6 +435,17 @@ class NodePowerOff(Fault):
         pass  # the node boots again with the job
 
 
+class PoolNotice(Fault):
+    """A preemption notice and nothing else: the cell's notice itself is the fault (which nodes of
+    a pool it reaches). To both nodes: the generic cell; to one: scripted in drill.chaos.matrix."""
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        pass  # the cell's own notice at step 13
+
+    def remove(self, rig: Rig) -> None:
+        pass
+
+
 class NotTheTrainers(Fault):
     """An object `trainer run` never reads: every moment is n/a, with the reason."""
 
@@ -662,6 +673,23 @@ for _f in [
               "from scratch), steps 14 and 15 lost as allowed (step 15's only copy rotted)" + _NODES2.replace(
                   "node b on every next boot", "node b on the next boot, node a again on the one after"),
               {"startup": _NODES2_SAMPLE, "periodic": _TORN, "emergency": _TORN, "final": _TORN}, nodes=2),
+    PoolNotice("nodes2-notice-both", "preemption notice to both nodes, two nodes",
+               "a pool's VMs preempted together (a zone's Spot capacity reclaimed): every node's metadata flag and "
+               "SIGTERM at once",
+               "the cell's notice at step 13 and nothing else: both nodes' metadata servers flip instance/preempted "
+               "and both agents get SIGTERM; rank 0 (node a) saves the step in flight on every tier and the next "
+               "boot (node b leading) resumes it" + _NODES2,
+               {"startup": _NODES2_SAMPLE, "periodic": _NODES2_SAMPLE, "final": _NODES2_SAMPLE,
+                "restore": _NODES2_SAMPLE}, nodes=2),
+    PoolNotice("nodes2-notice-one", "preemption notice to the non-leader only, two nodes",
+               "one VM of a pool preempted while the other runs on: the node holding rank 0 gets no notice",
+               "at step 13 only node b (rank 1) gets the notice (its metadata flag, SIGTERM to its agent); node a "
+               "(rank 0) hears it through the ranks' per-step stop flag, saves the step in flight on every tier "
+               "within b's budget, and exits with b (the rig's agents do not restart their workers: the whole job "
+               "boots again); the next boot (node b leading) resumes exactly that step" + _NODES2.replace(
+                   "; the notice reaches both nodes", ""),
+               {"startup": _NODES2_SAMPLE, "periodic": _NODES2_SAMPLE, "final": _NODES2_SAMPLE,
+                "restore": _NODES2_SAMPLE}, nodes=2),
     NodePowerOff("nodes2-power-off", "a node powered off, two nodes",
                  "a VM of a pool losing power without a notice (a host failure, a kernel panic, a Spot VM whose "
                  "notice never came)",

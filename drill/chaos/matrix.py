@@ -547,7 +547,31 @@ def _node_powered_off(c: Cell) -> None:
     c.next_boots()
 
 
+def _notice_to_one_node(c: Cell) -> None:
+    """At step 13 only node b, the non-leader, is preempted (its metadata flag, SIGTERM to its
+    agent); node a, rank 0, has no notice of its own and must save the step in flight for the
+    job; both exit, and the next boot resumes exactly that step."""
+    rig = c.rig
+    job = c.first = rig.start("first", park=[13])
+    c.settle(job, 13)
+    c.injected = True
+    b = rig.node_list[1]
+    job.node[b.name].notice(b.metadata)
+    job.notice_at = job.node[b.name].notice_at
+    rig.release(13)
+    job.finish()
+    c.ended(job)
+    a = job.node[rig.node_list[0].name]
+    if a.killed:  # no notice of its own: a power-off is the guard's, a hang
+        c.r.violations.append(f"node a, without a notice, never stopped ({a.killed})")
+    c.r.stopped = max(job.steps(), default=0)
+    m = job.find(r"\bevent=preempted step=\d+ (.*?) seconds=")
+    c.r.notes.append(f"first: {m[-1].group(1)}" if m else "first: no event=preempted")
+    c.next_boots()
+
+
 SCRIPTS: dict[tuple[str, str], Callable[[Cell], None]] = {
+    ("nodes2-notice-one", "emergency"): _notice_to_one_node,
     ("nodes2-pd-corrupt", "restore"): _corrupt_on_the_non_leader,
     ("nodes2-gcs-down", "startup"): _newest_on_one_disk_gcs_down,
     ("nodes2-power-off", "periodic"): _node_powered_off,
