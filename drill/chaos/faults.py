@@ -666,11 +666,11 @@ for _f in [
               "node's disk holds a valid step newer than GCS's (each was rank 0 when its step was saved)",
               "GCS refuses two emergency saves (down from before each notice): the first run's (node a leading) "
               "leaves step 13 on node a's disk alone; boot 1 (node b leading) resumes it from there, and its own "
-              "(a notice while it waits before step 15) leaves step 15 on node b's disk alone; GCS's newest is 10. "
-              "Before boot 2 (node a leading) one byte of b's step 15 flips: b offers 15 (the quick check passes) "
-              "and fails full "
-              "verification; the job must resume from the newest valid step anywhere, a's 13 (not GCS's 10, not "
-              "from scratch), steps 14 and 15 lost as allowed (step 15's only copy rotted)" + _NODES2.replace(
+              "(a notice while it waits before step 15) leaves step 15 on node b's disk alone; GCS's newest is the "
+              "first run's last periodic save (10). Before boot 2 (node a leading) one byte of b's step 15 flips: b "
+              "offers 15 (the quick check passes) and fails full verification; the job must resume from the newest "
+              "valid step anywhere, a's 13 (not GCS's older step, "
+              "not from scratch), steps 14 and 15 lost as allowed (step 15's only copy rotted)" + _NODES2.replace(
                   "node b on every next boot", "node b on the next boot, node a again on the one after"),
               {"startup": _NODES2_SAMPLE, "periodic": _TORN, "emergency": _TORN, "final": _TORN}, nodes=2),
     PoolNotice("nodes2-notice-both", "preemption notice to both nodes, two nodes",
