@@ -11,7 +11,10 @@ meets the next boot.
 Every cell must keep the promise (`Result.violations`):
 
 - nothing lost beyond the step in flight: the step the next boot resumes from is the last step
-  the first run completed (a notice lets the step in flight finish and saves it);
+  the first run completed (a notice lets the step in flight finish and saves it). A cell whose
+  fault destroys steps by design (a node powered off without a notice, the only copy of a step
+  rotting) allows exactly those (`Result.allowed`): it must resume from the newest valid step
+  anywhere;
 - no fresh start while a checkpoint exists: no boot restores step 0;
 - no code run: the marker file of the forged checkpoints' pickle never appears, and no boot loads
   a forged checkpoint;
@@ -22,7 +25,9 @@ Every cell must keep the promise (`Result.violations`):
   with a traceback); two trainers never train one job at once;
 - no corrupt copy is kept: every step a trainer reported durable on GCS that is still in the
   bucket holds exactly what its manifest lists (read back by the harness: sizes and sha256s);
-- the fault struck (a fault that never met the trainer proves nothing: `Fault.missed`).
+- the fault struck (a fault that never met the trainer proves nothing: `Fault.missed`);
+- two nodes: every boot's rank 0 was on the node the rig meant (`Rig.lead`), or the cell did not
+  test the node it names (the non-leader).
 
 Where a fault keeps the job from finishing by design (`Fault.unfinishable`: an attacker's object
 at the final step, which the trainer never overwrites), exit 0 must not happen at all, one next
