@@ -524,13 +524,15 @@ def _newest_on_one_disk_gcs_down(c: Cell) -> None:
 
 
 def _node_powered_off(c: Cell) -> None:
-    """Node a (rank 0, the saver) powered off at step 13 without a notice, step 10 durable
-    everywhere: node b's worker meets the dead peer and fails; the whole job boots again (node
-    a with its persistent disk, blank SSDs) and resumes the newest durable step."""
+    """Node a (rank 0, the saver) powered off without a notice while parked before step 13, step
+    10 durable everywhere: node b's worker meets the dead peer and fails; the whole job boots
+    again (node a with its persistent disk, blank SSDs) and resumes the newest durable step (on
+    GCS or a's disk, both of which survive)."""
     rig = c.rig
     job = c.first = rig.start("first", park=[13])
     c.settle(job, 13)
-    durable = max((int(m.group(1)) for m in job.find(r"checkpoint step (\d+) durable on gcs\b")), default=0)
+    durable = max((int(m.group(1)) for m in job.find(r"checkpoint step (\d+) durable on (?:gcs|persistent)\b")),
+                  default=0)
     victim, survivor = job.node["a"], job.node["b"]
     c.injected = True
     victim.kill()
