@@ -24,7 +24,9 @@ Families: Cloud Storage failing (down, blackhole, 403, bursts, stalls, lost answ
 corrupted in transit, the disks (full, read-only, corrupt), two writers, and whoever can write
 the bucket without holding the checkpoint key (forged, replayed, garbage and oversized objects,
 deleted checkpoints, for checkpoints, manifests, the lease, the ledger and the stop marker). A
-fault with ``nproc`` 2 runs its cells under torchrun with two ranks (DDP, gloo on CPU).
+fault with ``nproc`` 2 runs its cells under torchrun with two ranks (DDP, gloo on CPU); one with
+``nodes`` 2 on two nodes (a torchrun agent each, one gloo rank each, their own disks and SSDs,
+one bucket), where node a leads the first run and node b every next boot.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from drill.attacker import (code_running_pickle, copy_step, delete_step, forge_in_bucket, plant, read_manifest,
@@ -76,6 +79,7 @@ class Fault:
     #: lost and that the final step is on the persistent disk (drill.chaos.matrix).
     unfinishable: dict[str, str] = field(default_factory=dict)
     nproc: int = 1                # ranks on the VM: 2 runs the trainer under torchrun (DDP, gloo)
+    nodes: int = 1                # VMs of the job: 2 runs a torchrun agent per node (drill.chaos.rig)
 
     def moments(self) -> list[str]:
         return [m for m in MOMENTS if m not in self.na]
@@ -250,7 +254,12 @@ class PdCorrupt(Fault):
     byte flipped at restore (bit rot: same size, only the sha256 tells)."""
 
     def inject(self, rig: Rig, moment: str) -> None:
-        newest = max(rig.run_dir.glob("step-*"))
+        self.corrupt(rig.run_dir, moment)
+
+    @staticmethod
+    def corrupt(run_dir: Path, moment: str) -> int:
+        """Damage the newest checkpoint in ``run_dir`` as at ``moment``; its step."""
+        newest = max(run_dir.glob("step-*"))
         tensors = newest / "tensors.bin"
         data = bytearray(tensors.read_bytes())
         if moment == "startup":
@@ -259,6 +268,7 @@ class PdCorrupt(Fault):
             data[len(data) // 2] ^= 0x01
         tensors.write_bytes(bytes(data))
         os.sync()
+        return int(newest.name.removeprefix("step-"))
 
     def remove(self, rig: Rig) -> None:
         pass  # the damaged copy stays: the trainer must cope (and may replace it)
@@ -410,6 +420,27 @@ class PlantedLedger(Fault):
             return []
         return ["the forged event copied back into the run dir's ledger, " + (
             "marked recovered (not counted)" if all(marked) else "NOT marked recovered")]
+
+    def remove(self, rig: Rig) -> None:
+        pass
+
+
+class NodePowerOff(Fault):
+    """Scripted in drill.chaos.matrix: a node's agent and worker SIGKILLed at once."""
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        raise AssertionError("scripted in drill.chaos.matrix")
+
+    def remove(self, rig: Rig) -> None:
+        pass  # the node boots again with the job
+
+
+class PoolNotice(Fault):
+    """A preemption notice and nothing else: the cell's notice itself is the fault (which nodes of
+    a pool it reaches). To both nodes: the generic cell; to one: scripted in drill.chaos.matrix."""
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        pass  # the cell's own notice at step 13
 
     def remove(self, rig: Rig) -> None:
         pass
@@ -604,4 +635,74 @@ def _ws2(key: str, moments: tuple[str, ...]) -> Fault:
 for _f in [_ws2("gcs-down", ("emergency", "restore")), _ws2("gcs-flip", ("restore",)),
            _ws2("pd-corrupt", ("restore",)), _ws2("tampered-hmac", ("startup",)),
            _ws2("garbage-lease", ("final",))]:
+    FAULTS[_f.key] = _f
+
+
+# ------------------------------------------------------------------------------ two nodes
+
+_NODES2_SAMPLE = ("two nodes run a sample of the matrix (two torchrun agents, a rendezvous and two disks make a "
+                  "cell about three times as long): where what one node's disk holds differs from the other's and "
+                  "from GCS; the others are the world size 1 and 2 rows'")
+_NODES2 = ("; two nodes on loopback (a torchrun agent each, --nnodes 2, one gloo rank each, c10d rendezvous on a "
+           "coordinator that does not train), each with its own persistent disk, local SSD and metadata server, one "
+           "bucket; the notice reaches both nodes. Node a gets rank 0 in the first run (its disk holds the "
+           "checkpoints), node b on every next boot (the rig orders their addresses; the logged node ranks are "
+           "checked)")
+
+for _f in [
+    GcsDown("nodes2-gcs-down", "GCS down (connection refused), two nodes",
+            FAULTS["gcs-down"].reproduces,
+            "the fault proxy stops listening. Emergency: from before the notice at step 13, so its save reaches "
+            "node a's disk only, and the next boot, GCS back, must take step 13 from the non-leader's disk. "
+            "Start-up: the same first run, then the next boot starts with GCS down: the newest step on the "
+            "non-leader's disk alone, GCS unknown (it could hold a newer one): the job waits for it, then resumes "
+            "13" + _NODES2,
+            {"periodic": _NODES2_SAMPLE, "final": _NODES2_SAMPLE,
+             "restore": "with the newest on one node's disk alone the restore downloads nothing from GCS: the "
+                        "start-up cell (GCS down as the next boot starts)"},
+            waits=True, nodes=2),
+    PdCorrupt("nodes2-pd-corrupt", "corrupted newest checkpoint on the non-leader's disk, two nodes",
+              "bit rot on the disk of a node that is not rank 0 and holds the job's newest step, while the other "
+              "node's disk holds a valid step newer than GCS's (each was rank 0 when its step was saved)",
+              "GCS refuses two emergency saves (down from before each notice): the first run's (node a leading) "
+              "leaves step 13 on node a's disk alone; boot 1 (node b leading) resumes it from there, and its own "
+              "(a notice while it waits before step 15) leaves step 15 on node b's disk alone; GCS's newest is the "
+              "first run's last periodic save (10). Before boot 2 (node a leading) one byte of b's step 15 flips: b "
+              "offers 15 (the quick check passes) and fails full verification; the job must resume from the newest "
+              "valid step anywhere, a's 13 (not GCS's older step, "
+              "not from scratch), steps 14 and 15 lost as allowed (step 15's only copy rotted)" + _NODES2.replace(
+                  "node b on every next boot", "node b on the next boot, node a again on the one after"),
+              {"startup": _NODES2_SAMPLE, "periodic": _TORN, "emergency": _TORN, "final": _TORN}, nodes=2),
+    PoolNotice("nodes2-notice-both", "preemption notice to both nodes, two nodes",
+               "a pool's VMs preempted together (a zone's Spot capacity reclaimed): every node's metadata flag and "
+               "SIGTERM at once",
+               "the cell's notice at step 13 and nothing else: both nodes' metadata servers flip instance/preempted "
+               "and both agents get SIGTERM; rank 0 (node a) saves the step in flight on every tier and the next "
+               "boot (node b leading) resumes it" + _NODES2,
+               {"startup": _NODES2_SAMPLE, "periodic": _NODES2_SAMPLE, "final": _NODES2_SAMPLE,
+                "restore": _NODES2_SAMPLE}, nodes=2),
+    PoolNotice("nodes2-notice-one", "preemption notice to the non-leader only, two nodes",
+               "one VM of a pool preempted while the other runs on: the node holding rank 0 gets no notice",
+               "at step 13 only node b (rank 1) gets the notice (its metadata flag, SIGTERM to its agent); node a "
+               "(rank 0) hears it through the ranks' per-step stop flag, saves the step in flight on every tier "
+               "within b's budget, and exits with b (the rig's agents do not restart their workers: the whole job "
+               "boots again); the next boot (node b leading) resumes exactly that step" + _NODES2.replace(
+                   "; the notice reaches both nodes", ""),
+               {"startup": _NODES2_SAMPLE, "periodic": _NODES2_SAMPLE, "final": _NODES2_SAMPLE,
+                "restore": _NODES2_SAMPLE}, nodes=2),
+    NodePowerOff("nodes2-power-off", "a node powered off, two nodes",
+                 "a VM of a pool losing power without a notice (a host failure, a kernel panic, a Spot VM whose "
+                 "notice never came)",
+                 "node a (rank 0, the saver) and its worker SIGKILLed while parked before step 13, step 10 durable "
+                 "on every tier; "
+                 "node b's worker meets the dead peer and fails; the whole job boots again (node a with its "
+                 "persistent disk; blank SSDs) and must resume the newest durable step, the steps after it lost "
+                 "by design" + _NODES2,
+                 {"startup": "a power-off during start-up meets no checkpoint work: the restore cells",
+                  "emergency": "a power-off is the absence of a notice: the periodic cell",
+                  "final": "a power-off after the final save is a finished job; before it, the periodic cell's",
+                  "restore": "a power-off during a restore loses nothing the disks and the bucket hold: the next "
+                             "boot's restore is the periodic cell's"},
+                 nodes=2),
+]:
     FAULTS[_f.key] = _f

@@ -11,7 +11,10 @@ meets the next boot.
 Every cell must keep the promise (`Result.violations`):
 
 - nothing lost beyond the step in flight: the step the next boot resumes from is the last step
-  the first run completed (a notice lets the step in flight finish and saves it);
+  the first run completed (a notice lets the step in flight finish and saves it). A cell whose
+  fault destroys steps by design (a node powered off without a notice, the only copy of a step
+  rotting) allows exactly those (`Result.allowed`): it must resume from the newest valid step
+  anywhere;
 - no fresh start while a checkpoint exists: no boot restores step 0;
 - no code run: the marker file of the forged checkpoints' pickle never appears, and no boot loads
   a forged checkpoint;
@@ -22,7 +25,9 @@ Every cell must keep the promise (`Result.violations`):
   with a traceback); two trainers never train one job at once;
 - no corrupt copy is kept: every step a trainer reported durable on GCS that is still in the
   bucket holds exactly what its manifest lists (read back by the harness: sizes and sha256s);
-- the fault struck (a fault that never met the trainer proves nothing: `Fault.missed`).
+- the fault struck (a fault that never met the trainer proves nothing: `Fault.missed`);
+- two nodes: every boot's rank 0 was on the node the rig meant (`Rig.lead`), or the cell did not
+  test the node it names (the non-leader).
 
 Where a fault keeps the job from finishing by design (`Fault.unfinishable`: an attacker's object
 at the final step, which the trainer never overwrites), exit 0 must not happen at all, one next
@@ -39,8 +44,8 @@ from pathlib import Path
 from typing import Callable
 
 from drill.attacker import intact
-from drill.chaos.faults import FAULTS, MOMENTS, WAITING, Fault
-from drill.chaos.rig import EVERY, STEPS, Rig, Trainer, key_env, reference_name
+from drill.chaos.faults import FAULTS, MOMENTS, WAITING, Fault, PdCorrupt
+from drill.chaos.rig import EVERY, STEPS, Job, Rig, Trainer, key_env, reference_name
 from drill.gcs_emulator import StorageEmulator
 
 BOOTS = 3  # next boots at most (one with the fault, then after it is gone)
@@ -59,6 +64,7 @@ class Result:
     na: str | None = None
     stopped: int | None = None         # the last step the first run completed
     resumed: int | None = None         # the step the next boot(s) resumed from (the lowest)
+    allowed: int = 0                   # steps the fault itself destroys (a power-off, the only copy rotted)
     exits: list[tuple[str, str]] = field(default_factory=list)
     unpickled: str = "no"
     fresh_start: bool = False
@@ -72,6 +78,16 @@ class Result:
         if self.stopped is None or self.resumed is None:
             return None
         return max(0, self.stopped - self.resumed)
+
+    @property
+    def too_many_lost(self) -> str | None:
+        """The violation when more steps were lost than the cell allows (none by default: only the
+        step in flight may go, and a notice saves it), else None."""
+        if not self.lost or self.lost <= self.allowed:
+            return None
+        return (f"{self.lost} step(s) lost: the job had completed step {self.stopped}, the next boot resumed from "
+                f"{self.resumed}" + (f" ({self.allowed} allowed: {self.stopped - self.allowed} was the newest that "  # type: ignore[operator]
+                                     "survived the fault)" if self.allowed else ""))
 
     @property
     def ok(self) -> bool:
@@ -245,9 +261,8 @@ class Cell:
         if any(s == 0 for s in steps):
             r.fresh_start = True
             r.violations.append("a boot started from scratch while a checkpoint existed")
-        if r.lost:
-            r.violations.append(f"{r.lost} step(s) lost: the first run completed step {r.stopped}, "
-                                f"the next boot resumed from {r.resumed}")
+        if r.too_many_lost:
+            r.violations.append(r.too_many_lost)
         if self.forged_step is not None:
             why = [m.group(1) for t in self.rig.trainers for m in t.find(
                 rf"(?:refusing|ignoring) \w+ checkpoint step {self.forged_step} at \S+: ([^;(]+)")]
@@ -287,11 +302,25 @@ class Cell:
         if len(trained) > 1 and self.fault.key.startswith("second-"):
             r.violations.append(f"two trainers trained the job: {', '.join(trained)}")
         r.violations += self.corrupt_in_bucket()
+        if rig.nodes > 1:
+            self.check_leaders()
         if self.injected:
             r.notes += self.fault.observed(rig)
             missed = self.fault.missed(rig)
             if missed:
                 r.violations.append(f"the fault never struck: {missed}")
+
+    def check_leaders(self) -> None:
+        """Two nodes: the rig meant one node to get rank 0 at each boot (`Rig.lead`); what the
+        trainers logged must say so, or the cell did not test the node it names."""
+        seen = []
+        for job in self.rig.jobs:
+            ranks = job.ranks()
+            rank0 = [n for n, rank in ranks.items() if rank == 0]
+            seen.append(f"{job.role} {rank0[0] if rank0 else '?'}")
+            if rank0 and rank0 != [job.leader]:
+                self.r.violations.append(f"{job.role}: node {rank0[0]} got rank 0, the rig meant node {job.leader}")
+        self.r.notes.append("rank 0 on node: " + ", ".join(seen))
 
     def corrupt_in_bucket(self) -> list[str]:
         """Every step a trainer reported durable on GCS that is still there must hold what its
@@ -415,7 +444,144 @@ def _ledger_copied_back(c: Cell) -> None:
         c.r.violations.append("the job never finished (boot 2 did not exit 0)")
 
 
+# ------------------------------------------------------------------------------------ two nodes
+
+
+def _stop_with_gcs_down(c: Cell, job: Job, step: int) -> None:
+    """Park ``job`` at ``step``, take GCS away and send the notice: its emergency save reaches the
+    disk of the node holding rank 0 alone. GCS comes back once the job has ended."""
+    c.settle(job, step)
+    c.rig.proxy.down()
+    job.notice()
+    c.rig.release(step)
+    job.finish()
+    c.ended(job)
+    c.rig.proxy.up()
+    m = job.find(r"\bevent=preempted step=\d+ (.*?) seconds=")
+    if m:
+        c.r.notes.append(f"{job.role}: {m[-1].group(1)}")
+
+
+def _newest_on_one_disk(c: Cell) -> tuple[int | None, int | None]:
+    """A first run of two nodes whose emergency save GCS refuses (down from before the notice at
+    step 13, both nodes noticed): step 13 is on node a's disk alone (a held rank 0), GCS's newest
+    is 10. The newest step on node a's disk and in GCS."""
+    c.first = c.rig.start("first", park=[13])
+    _stop_with_gcs_down(c, c.first, 13)
+    c.r.stopped = max(c.first.steps(), default=0)
+    return c.newest("persistent", c.rig.node_list[0].run_dir)[0], c.newest("gcs")[0]
+
+
+def _corrupt_on_the_non_leader(c: Cell) -> None:
+    """Step 13 on node a's disk alone; boot 1 (node b leading) resumes it and leaves step 15 on
+    b's disk alone; one byte of that flips before boot 2, where a leads and b does not. b offers
+    15 (its quick check passes), fails full verification, and the job must resume from the
+    newest valid step anywhere: a's 13, not GCS's 10 (a fallback to the chosen node's own tiers
+    only), not from scratch."""
+    rig = c.rig
+    on_a, gcs = _newest_on_one_disk(c)
+    if on_a is None or gcs is None or on_a <= gcs:
+        raise CellAborted(f"the first run left step {on_a} on node a's disk and {gcs} in GCS: no step on one disk alone")
+    rig.next_boot()  # node b leads
+    b1 = rig.start("boot 1", park=[2])  # its second step (drill.chaos.task counts this process's)
+    c.boots.append(b1)
+    _stop_with_gcs_down(c, b1, 2)
+    got = b1.restored()
+    if got is None or got[0] != c.r.stopped:
+        c.r.violations.append(f"boot 1 resumed from {got and got[0]}, the first run completed step {c.r.stopped}")
+    b = rig.node_list[1]
+    on_b = c.newest("persistent", b.run_dir)[0]
+    if on_b is None or on_b <= on_a:
+        raise CellAborted(f"boot 1 left step {on_b} on node b's disk: nothing newer than a's {on_a}")
+    c.r.stopped = max(b1.steps(), default=0)
+    rig.next_boot(lead="a")
+    flipped = PdCorrupt.corrupt(b.run_dir, c.moment)
+    c.injected = True
+    c.r.allowed = max(0, c.r.stopped - on_a)
+    c.r.notes.append(f"step {flipped} on node b's disk alone, a byte of it flipped there; step {on_a} on node a's "
+                     f"disk alone; GCS's newest {gcs}: the newest valid step anywhere is {on_a}")
+    for i in range(2, 2 + BOOTS):
+        t = rig.start(f"boot {i}")
+        c.boots.append(t)
+        t.finish()
+        c.ended(t)
+        if t.rc == 0:
+            break
+    if not any(t.rc == 0 for t in c.boots):
+        c.r.violations.append("the job never finished (no boot exited 0)")
+    if not rig.jobs[2].node["b"].find(rf"checkpoint step {flipped} (?:on \S+ at \S+ )?is unusable"):
+        c.r.violations.append(f"the fault never struck: node b never found its step {flipped} unusable at boot 2")
+    else:
+        c.r.notes.append(f"node b found step {flipped} unusable; the nodes negotiated again")
+
+
+def _newest_on_one_disk_gcs_down(c: Cell) -> None:
+    """Step 13 on node a's disk alone, and the next boot starts with GCS down: the job cannot know
+    GCS holds nothing newer, so it waits (never a fresh start, never GCS's older step), and
+    resumes 13 from the non-leader's disk once GCS is back."""
+    _newest_on_one_disk(c)
+    c.next_boots()
+
+
+def _node_powered_off(c: Cell) -> None:
+    """Node a (rank 0, the saver) powered off without a notice while parked before step 13, step
+    10 durable everywhere: node b's worker meets the dead peer and fails; the whole job boots
+    again (node a with its persistent disk, blank SSDs) and resumes the newest durable step (on
+    GCS or a's disk, both of which survive)."""
+    rig = c.rig
+    job = c.first = rig.start("first", park=[13])
+    c.settle(job, 13)
+    durable = max((int(m.group(1)) for m in job.find(r"checkpoint step (\d+) durable on (?:gcs|persistent)\b")),
+                  default=0)
+    victim, survivor = job.node["a"], job.node["b"]
+    c.injected = True
+    victim.kill()
+    victim.killed = "powered off (no notice)"
+    rig.release(13)
+    survivor.finish()
+    c.r.exits.append(("first", job.exit))
+    if survivor.killed:
+        c.r.violations.append(f"node b hung after its peer's power-off ({survivor.killed})")
+    elif survivor.rc == 0:
+        c.r.violations.append("node b exited 0 with its peer powered off")
+    why = survivor.find(r"\bevent=failed reason=(\S+)")
+    c.r.notes.append(f"node b: {'event=failed reason=' + why[-1].group(1) if why else 'no event=failed'}, "
+                     f"exit {survivor.exit}")
+    c.r.stopped = max(job.steps(), default=0)
+    c.r.allowed = max(0, c.r.stopped - durable)
+    c.r.notes.append(f"node a powered off at step {c.r.stopped}: the steps after the newest durable save "
+                     f"({durable}) are lost by design")
+    c.next_boots()
+
+
+def _notice_to_one_node(c: Cell) -> None:
+    """At step 13 only node b, the non-leader, is preempted (its metadata flag, SIGTERM to its
+    agent); node a, rank 0, has no notice of its own and must save the step in flight for the
+    job; both exit, and the next boot resumes exactly that step."""
+    rig = c.rig
+    job = c.first = rig.start("first", park=[13])
+    c.settle(job, 13)
+    c.injected = True
+    b = rig.node_list[1]
+    job.node[b.name].notice(b.metadata)
+    job.notice_at = job.node[b.name].notice_at
+    rig.release(13)
+    job.finish()
+    c.ended(job)
+    a = job.node[rig.node_list[0].name]
+    if a.killed:  # no notice of its own: a power-off is the guard's, a hang
+        c.r.violations.append(f"node a, without a notice, never stopped ({a.killed})")
+    c.r.stopped = max(job.steps(), default=0)
+    m = job.find(r"\bevent=preempted step=\d+ (.*?) seconds=")
+    c.r.notes.append(f"first: {m[-1].group(1)}" if m else "first: no event=preempted")
+    c.next_boots()
+
+
 SCRIPTS: dict[tuple[str, str], Callable[[Cell], None]] = {
+    ("nodes2-notice-one", "emergency"): _notice_to_one_node,
+    ("nodes2-pd-corrupt", "restore"): _corrupt_on_the_non_leader,
+    ("nodes2-gcs-down", "startup"): _newest_on_one_disk_gcs_down,
+    ("nodes2-power-off", "periodic"): _node_powered_off,
     ("second-trainer", "startup"): lambda c: _second_writer_startup(c, None, "the second trainer on the run dir"),
     ("second-trainer", "restore"): lambda c: _both_at_once(c, None, True),
     ("second-vm", "startup"): lambda c: _second_writer_startup(c, c.rig.dir / "other-vm", "the second VM"),
@@ -428,13 +594,14 @@ SCRIPTS: dict[tuple[str, str], Callable[[Cell], None]] = {
 # ------------------------------------------------------------------------------------ the run
 
 
-def reference_digest(workdir: Path, emulator: StorageEmulator, env: dict[str, str], nproc: int = 1) -> str:
-    """The uninterrupted run's final model digest (same task, settings, cadence and world size);
-    its checkpoints stay in the bucket (the replay cells copy them)."""
-    with Rig(workdir, emulator, reference_name(nproc), env, nproc=nproc) as rig:
+def reference_digest(workdir: Path, emulator: StorageEmulator, env: dict[str, str], nproc: int = 1,
+                     nodes: int = 1) -> str:
+    """The uninterrupted run's final model digest (same task, settings, cadence, world size and
+    nodes); its checkpoints stay in the bucket (the replay cells copy them)."""
+    with Rig(workdir, emulator, reference_name(nproc, nodes), env, nproc=nproc, nodes=nodes) as rig:
         t = rig.start("reference")
         rc = t.finish()
-        step, digest = rig.newest("persistent")
+        step, digest = rig.newest("persistent", t.run_dir)
         if rc != 0 or step != STEPS or digest is None:
             raise RuntimeError(f"the reference run failed (exit {t.exit}, newest step {step}):\n{t.output[-3000:]}")
         return digest
@@ -446,17 +613,19 @@ def run_matrix(selected: list[tuple[str, str]], workdir: Path, log: Callable[[st
     env = key_env(workdir)
     results: list[Result] = []
     with StorageEmulator("spottrain-chaos", quiet=True) as emulator:
-        references: dict[int, str] = {}  # world size -> the uninterrupted run's digest
+        references: dict[tuple[int, int], str] = {}  # (ranks per VM, VMs) -> the uninterrupted run's digest
         for n, (key, moment) in enumerate(selected, 1):
             fault = FAULTS[key]
             if moment in fault.na:
                 results.append(Result(key, moment, na=fault.na[moment]))
                 continue
-            if fault.nproc not in references:
-                references[fault.nproc] = reference_digest(workdir, emulator, env, fault.nproc)
-                log(f"chaos: reference digest (world size {fault.nproc}) {references[fault.nproc][:16]}")
-            reference = references[fault.nproc]
-            with Rig(workdir, emulator, f"{key}-{moment}", env, nproc=fault.nproc) as rig:
+            shape = (fault.nproc, fault.nodes)
+            if shape not in references:
+                references[shape] = reference_digest(workdir, emulator, env, *shape)
+                log(f"chaos: reference digest ({fault.nproc} rank(s) on each of {fault.nodes} node(s)) "
+                    f"{references[shape][:16]}")
+            reference = references[shape]
+            with Rig(workdir, emulator, f"{key}-{moment}", env, nproc=fault.nproc, nodes=fault.nodes) as rig:
                 r = Cell(rig, fault, moment, reference, log).run()
             results.append(r)
             exits = ", ".join(f"{role} {code}" for role, code in r.exits)

@@ -25,7 +25,8 @@ def row(r: Result) -> str:
     exits = ", ".join(f"{role} {code}" for role, code in r.exits)
     notes = "; ".join([*r.notes, *r.violations])
     return (f"| {_cell(title)} | {r.moment} | {'—' if r.resumed is None else r.resumed} "
-            f"| {'—' if r.lost is None else r.lost} | {_cell(exits)} | {r.unpickled} "
+            f"| {'—' if r.lost is None else r.lost}{f' ({r.allowed} allowed)' if r.allowed else ''} "
+            f"| {_cell(exits)} | {r.unpickled} "
             f"| {'YES' if r.fresh_start else 'no'} | {'—' if r.digest_equal is None else 'yes' if r.digest_equal else 'NO'} "
             f"| {r.verdict} | {_cell(notes)} |")
 

@@ -16,6 +16,15 @@ the real trainer processes run against them.
   ranks on one VM), whose exit status is the ranks' own when they agree (as `trainer.sh` reads it,
   `trainer.exit_status`). The harness synchronises on their log lines, on the task's park files
   (`drill.chaos.task`) and on the proxy's held requests, never on sleeps (timeouts are guards).
+- **Two nodes** (``nodes`` 2): two VMs of a pool on loopback, each with its own persistent disk,
+  local SSD and metadata server, sharing the bucket prefix (through the one fault proxy). Each
+  node is a torchrun agent (`--nnodes 2`, one gloo rank, c10d rendezvous) joining the store of a
+  coordinator that does not train (`python -m trainer rendezvous`), as the pooled `trainer.sh`
+  runs it; a boot is both agents (a `Job`). The rendezvous ranks nodes by their address, so the
+  rig gives each node its own (`--local-addr`, 127.0.0.x) and so picks which node gets rank 0:
+  node a in the first run (its disk gets the checkpoints), node b on every next boot (node a,
+  holding the newest, is then the non-leader). The node ranks the trainers log are read back
+  (`Job.ranks`) and a cell checks them, not assumes them.
 """
 from __future__ import annotations
 
@@ -57,6 +66,7 @@ GUARD_S = 150.0     # a trainer without a notice that runs longer is hung: power
 REFERENCE = "reference"  # the uninterrupted run's name
 PD_BYTES = 32 << 20
 SSD_BYTES = 8 << 20
+NODES = ("a", "b")  # a two-node job's node names (SPOTTRAIN_NODE)
 
 _CONFIG = """\
 log_every_steps = 1
@@ -70,7 +80,9 @@ lease_ttl_s = {ttl}
 """ + TASK_ARGS_TOML
 
 
-def reference_name(nproc: int) -> str:
+def reference_name(nproc: int, nodes: int = 1) -> str:
+    if nodes > 1:
+        return f"{REFERENCE}-nodes{nodes}"
     return REFERENCE if nproc == 1 else f"{REFERENCE}-ws{nproc}"
 
 
@@ -123,7 +135,7 @@ class Trainer:
     """One `python -m trainer run` process, its output read line by line (and copied to ``log``)."""
 
     def __init__(self, role: str, argv: list[str], env: dict[str, str], log: Path, run_dir: Path,
-                 exit_dir: Path | None = None, nproc: int = 1) -> None:
+                 exit_dir: Path | None = None, nproc: int = 1, cond: threading.Condition | None = None) -> None:
         self.role = role
         self.log = log
         self.run_dir = run_dir
@@ -131,7 +143,7 @@ class Trainer:
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                   env=env, cwd=REPO, start_new_session=True)
         self.lines: list[str] = []
-        self._cond = threading.Condition()
+        self._cond = cond or threading.Condition()  # a job's nodes share one: it waits on any node's lines
         self._eof = False
         self.rc: int | None = None
         self.killed: str | None = None  # why the harness powered it off
@@ -236,7 +248,122 @@ class Trainer:
         return [int(m.group(1)) for m in self.find(r"\bevent=step step=(\d+)/")]
 
 
+class Job:
+    """One boot of a two-node job: a torchrun agent per node (its own `Trainer`), read as one
+    trainer would be. Its exit status is the nodes' when they agree (each node's is its ranks',
+    as trainer.sh reads it), else 1 (a node failed); the table shows each node's when they differ.
+    A notice reaches every node (each VM's metadata server, SIGTERM to each agent): a Spot pool
+    preempted as a whole."""
+
+    def __init__(self, role: str, nodes: "list[tuple[Node, Trainer]]", leader: str) -> None:
+        self.role = role
+        self.nodes = nodes
+        self.leader = leader  # the node the rig meant to get rank 0 (its address sorts first)
+        self.notice_at: float | None = None
+
+    @property
+    def node(self) -> dict[str, Trainer]:
+        return {n.name: t for n, t in self.nodes}
+
+    def ranks(self) -> dict[str, int]:
+        """Each node's rank in the job's world (its last `event=start`, as the node leader logs it)."""
+        out = {}
+        for n, t in self.nodes:
+            m = t.find(r"\bevent=start steps=\d+ world_size=\d+ node=\S+ node_rank=(\d+)")
+            if m:
+                out[n.name] = int(m[-1].group(1))
+        return out
+
+    @property
+    def run_dir(self) -> Path:
+        """The persistent disk of the node that held rank 0 (where the job's checkpoints are)."""
+        rank0 = [name for name, rank in self.ranks().items() if rank == 0]
+        return self.node[rank0[0] if rank0 else self.leader].run_dir
+
+    def wait_for(self, pattern: str, timeout: float = GUARD_S) -> re.Match[str] | None:
+        """The first line of any node matching ``pattern``; None when every node ended or
+        ``timeout`` passes first."""
+        rx = re.compile(pattern)
+        end = time.monotonic() + timeout
+        cond = self.nodes[0][1]._cond  # shared by the nodes (Rig.start)
+        with cond:
+            while True:
+                for _, t in self.nodes:
+                    for line in t.lines:
+                        m = rx.search(line)
+                        if m:
+                            return m
+                left = end - time.monotonic()
+                if all(t._eof for _, t in self.nodes) or left <= 0:
+                    return None
+                cond.wait(left)
+
+    def find(self, pattern: str) -> list[re.Match[str]]:
+        return [m for _, t in self.nodes for m in t.find(pattern)]
+
+    def alive(self) -> bool:
+        return any(t.alive() for _, t in self.nodes)
+
+    def notice(self, metadata: MetadataServer | None = None) -> None:
+        self.notice_at = time.monotonic()
+        for n, t in self.nodes:
+            t.notice(n.metadata)
+
+    def finish(self, guard: float = GUARD_S) -> int | None:
+        for _, t in self.nodes:
+            t.finish(guard)
+        return self.rc
+
+    def kill(self) -> None:
+        for _, t in self.nodes:
+            t.kill()
+
+    @property
+    def killed(self) -> str | None:
+        return next((f"node {n.name} {t.killed}" for n, t in self.nodes if t.killed), None)
+
+    @property
+    def rc(self) -> int | None:
+        codes = [t.rc for _, t in self.nodes]
+        if any(c is None for c in codes):
+            return None
+        return codes[0] if len(set(codes)) == 1 else 1
+
+    @property
+    def exit(self) -> str:
+        codes = [t.exit for _, t in self.nodes]
+        return codes[0] if len(set(codes)) == 1 else " ".join(f"{n.name}:{t.exit}" for n, t in self.nodes)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(f"[node {n.name}] {line}" for n, t in self.nodes for line in t.output.splitlines())
+
+    def restored(self) -> tuple[int, str] | None:
+        """(step, path) of the job's `event=restore` (every node leader logs the same)."""
+        got = [r for _, t in self.nodes if (r := t.restored()) is not None]
+        return got[0] if got else None
+
+    def steps(self) -> list[int]:
+        return sorted({s for _, t in self.nodes for s in t.steps()})
+
+
 # ------------------------------------------------------------------------------------ the cell
+
+
+@dataclass
+class Node:
+    """One VM of a two-node job: its persistent disk, local SSD, metadata server, and the address
+    its torchrun agent gives the rendezvous (which ranks nodes by it)."""
+
+    name: str
+    pd: SmallFs
+    ssd: SmallFs
+    metadata: MetadataServer
+    addr: str = "127.0.0.1"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.pd.path
 
 
 @dataclass
@@ -248,11 +375,13 @@ class Rig:
     name: str
     env: dict[str, str]                  # the matrix's (the checkpoint key)
     nproc: int = 1                       # ranks on the VM (torchrun above 1)
+    nodes: int = 1                       # VMs of the job: 2 is a pool of two (one rank each)
     pd: SmallFs = field(init=False)
     ssd: SmallFs = field(init=False)
     proxy: FaultProxy = field(init=False)
     metadata: MetadataServer = field(init=False)
     trainers: list[Trainer] = field(default_factory=list, init=False)
+    jobs: list[Job] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.dir = self.root / self.name
@@ -264,25 +393,77 @@ class Rig:
         self.config_file = self.dir / "trainer.toml"
         self.config_file.write_text(config())
         self.uri = run_uri(self.emulator, self.name)
-        self.pd = SmallFs(self.dir / "pd", PD_BYTES, fstype="ext4")
-        self.ssd = SmallFs(self.dir / "ssd", SSD_BYTES)
         self.proxy = FaultProxy(self.emulator.host)
-        self.metadata = MetadataServer(instance_name=f"chaos-{self.name}")
+        if self.nodes == 1:
+            self.pd = SmallFs(self.dir / "pd", PD_BYTES, fstype="ext4")
+            self.ssd = SmallFs(self.dir / "ssd", SSD_BYTES)
+            self.metadata = MetadataServer(instance_name=f"chaos-{self.name}")
+            self.node_list: list[Node] = []
+        else:
+            self.node_list = [Node(n, SmallFs(self.dir / f"pd-{n}", PD_BYTES, fstype="ext4"),
+                                   SmallFs(self.dir / f"ssd-{n}", SSD_BYTES),
+                                   MetadataServer(instance_name=f"chaos-{self.name}-{n}")) for n in NODES[:self.nodes]]
+            # The faults' disk, SSD and metadata are node a's: the first run's rank 0, whose disk
+            # holds the checkpoints, and the non-leader of every next boot.
+            first = self.node_list[0]
+            self.pd, self.ssd, self.metadata = first.pd, first.ssd, first.metadata
+            self.lead(first.name)
+        self.rendezvous: subprocess.Popen[str] | None = None
+        self.rendezvous_port = 0
 
     def __enter__(self) -> "Rig":
-        self.pd.__enter__()
-        self.ssd.__enter__()
+        for disks in [(self.pd, self.ssd)] if self.nodes == 1 else [(n.pd, n.ssd) for n in self.node_list]:
+            for d in disks:
+                d.__enter__()
         self.proxy.start()
-        self.metadata.start()
+        for m in [self.metadata] if self.nodes == 1 else [n.metadata for n in self.node_list]:
+            m.start()
+        if self.nodes > 1:
+            self._start_rendezvous()
         return self
 
     def __exit__(self, *exc: object) -> None:
         for t in self.trainers:
             t.kill()
+        if self.rendezvous is not None:
+            self.rendezvous.terminate()
+            try:
+                self.rendezvous.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.rendezvous.kill()
+                self.rendezvous.wait()
         self.proxy.stop()
-        self.metadata.stop()
-        self.ssd.__exit__(None, None, None)
-        self.pd.__exit__(None, None, None)
+        for m in [self.metadata] if self.nodes == 1 else [n.metadata for n in self.node_list]:
+            m.stop()
+        for disks in [(self.pd, self.ssd)] if self.nodes == 1 else [(n.pd, n.ssd) for n in self.node_list]:
+            for d in reversed(disks):
+                d.__exit__(None, None, None)
+
+    def _start_rendezvous(self) -> None:
+        """The coordinator that does not train: it holds the rendezvous store for every boot."""
+        from drill.net import free_port
+
+        self.rendezvous_port = free_port()
+        self.rendezvous = subprocess.Popen(
+            [sys.executable, "-m", "trainer", "rendezvous", "--host", "127.0.0.1", "--port", str(self.rendezvous_port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO, start_new_session=True)
+        assert self.rendezvous.stdout is not None
+        for line in self.rendezvous.stdout:  # until it listens (or ends: then the agents fail, and say so)
+            if "event=rendezvous_store" in line:
+                break
+        threading.Thread(target=self.rendezvous.stdout.read, daemon=True).start()  # drained
+
+    def lead(self, name: str) -> None:
+        """Node ``name`` gets rank 0 at the next start: the c10d rendezvous assigns ranks in the
+        order of the nodes' addresses (then pids), and its address sorts first."""
+        others = iter(range(2, 2 + len(self.node_list)))
+        for n in self.node_list:
+            n.addr = "127.0.0.1" if n.name == name else f"127.0.0.{next(others)}"
+
+    @property
+    def leader(self) -> str:
+        return min(self.node_list, key=lambda n: n.addr).name
 
     @property
     def run_dir(self) -> Path:
@@ -301,17 +482,18 @@ class Rig:
         return env
 
     def start(self, role: str, *, park: list[int] = (), run_dir: Path | None = None,  # type: ignore[assignment]
-              local: bool = True) -> Trainer:
-        """A trainer of the job; ``park``: the steps it parks at (see drill.chaos.task)."""
+              local: bool = True) -> Any:
+        """A trainer of the job (a `Job` of both nodes when the rig has two); ``park``: the steps it
+        parks at (see drill.chaos.task)."""
         for k in park:
             (self.park / f"hold-{k}").touch()
             (self.park / f"parked-{k}").unlink(missing_ok=True)
+        if self.nodes > 1:
+            return self._start_nodes(role, park)
         launcher = [sys.executable] if self.nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
             f"--nproc-per-node={self.nproc}", "--max-restarts=0"]  # as trainer.sh runs it
-        argv = [*launcher, "-m", "trainer", "run", "--run-dir", str(run_dir or self.run_dir),
-                "--steps", str(STEPS), "--seed", "0", "--health-port", "0", "--config", str(self.config_file),
-                "--task", TASK, "--gcs-uri", self.uri]
+        argv = [*launcher, *self._trainer_args(run_dir or self.run_dir)]
         if local:
             argv += ["--local-dir", str(self.ssd.path)]
         env, exit_dir = self.trainer_env(park), None
@@ -322,6 +504,38 @@ class Rig:
                     exit_dir, self.nproc)
         self.trainers.append(t)
         return t
+
+    def _trainer_args(self, run_dir: Path) -> list[str]:
+        return ["-m", "trainer", "run", "--run-dir", str(run_dir), "--steps", str(STEPS), "--seed", "0",
+                "--health-port", "0", "--config", str(self.config_file), "--task", TASK, "--gcs-uri", self.uri]
+
+    def _start_nodes(self, role: str, park: list[int]) -> Job:
+        """Both nodes' torchrun agents, as the pooled trainer.sh starts them on each VM (every node
+        a client of the coordinator's store), with the rig's addresses. One rendezvous id per boot:
+        an agent that ends closes its rendezvous for good (torchrun's shutdown), and a boot's
+        agents are new ones, as on recreated VMs. ``--max-restarts=0``: where the pool's agent
+        would restart a failed worker into a new round, the rig boots the whole job again."""
+        cond = threading.Condition()
+        slug = role.replace(" ", "-")
+        started = []
+        for n in self.node_list:
+            exit_dir = self.dir / f"exit-{slug}-{n.name}"
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.rendezvous_port}",
+                    f"--rdzv-id=chaos-{self.name}-{slug}",
+                    "--rdzv-conf=is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+                    "--max-restarts=0", f"--local-addr={n.addr}",
+                    *self._trainer_args(n.run_dir), "--local-dir", str(n.ssd.path)]
+            env = self.trainer_env(park)
+            env.update(SPOTTRAIN_NODE=n.name, GCE_METADATA_HOST=n.metadata.host, SPOTTRAIN_EXIT_DIR=str(exit_dir),
+                       TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as the pooled trainer.sh sets it
+            t = Trainer(f"{role} {n.name}", argv, env, self.dir / f"{slug}-{n.name}.log", n.run_dir, exit_dir, 1,
+                        cond)
+            self.trainers.append(t)
+            started.append((n, t))
+        job = Job(role, started, self.leader)
+        self.jobs.append(job)
+        return job
 
     def other_run(self, stop_at: int) -> str:
         """Another run of the same experiment (same task, settings, data and checkpoint key; its own
@@ -351,9 +565,21 @@ class Rig:
     def release(self, step: int) -> None:
         (self.park / f"hold-{step}").unlink(missing_ok=True)
 
-    def next_boot(self, *, blank_pd: bool = False) -> None:
+    def next_boot(self, *, blank_pd: bool = False, lead: str | None = None) -> None:
         """What a preempted Spot VM's replacement finds: a blank local SSD, the metadata flag down,
-        and its persistent disk (blank if ``blank_pd``)."""
+        and its persistent disk (blank if ``blank_pd``). Two nodes: both are replaced, and node
+        ``lead`` (default b) leads from now on (node a, whose disk holds the first run's
+        checkpoints, follows)."""
+        if self.nodes > 1:
+            for n in self.node_list:
+                n.metadata.reset()
+                n.ssd.__exit__(None, None, None)
+                n.ssd.__enter__()
+                if blank_pd:
+                    n.pd.__exit__(None, None, None)
+                    n.pd.__enter__()
+            self.lead(lead or self.node_list[1].name)
+            return
         self.metadata.reset()
         self.ssd.__exit__(None, None, None)
         self.ssd.__enter__()

@@ -88,3 +88,81 @@ def test_the_harness_finds_a_copy_in_the_bucket_that_is_not_what_its_manifest_li
     assert intact(client, gcs_proxy.uri, 6) is None  # not there at all: nothing to judge
     plant(client, gcs_proxy.uri, "step-00000005/tensors.bin", data[:100] + bytes([data[100] ^ 1]) + data[101:])
     assert intact(client, gcs_proxy.uri, 5) == "tensors.bin is not what its manifest lists (4096 bytes, manifest: 4096)"
+
+
+def test_a_cell_may_lose_only_the_steps_its_fault_destroys() -> None:
+    """A power-off, or the only copy of a step rotting, destroys steps by design: the cell allows
+    those and no more, and the table says how many it allowed."""
+    from drill.chaos.matrix import Result
+
+    r = Result("nodes2-power-off", "periodic", stopped=12, resumed=10, allowed=2, digest_equal=True,
+               exits=[("first", "a:killed b:1"), ("boot 1", "0")])
+    assert r.too_many_lost is None
+    assert "| 10 | 2 (2 allowed) | first a:killed b:1, boot 1 0 |" in row(r)
+    r.resumed = 5
+    assert r.too_many_lost == ("7 step(s) lost: the job had completed step 12, the next boot resumed from 5 "
+                               "(2 allowed: 10 was the newest that survived the fault)")
+    assert Result("gcs-down", "emergency", stopped=13, resumed=12).too_many_lost is not None
+
+
+def _node(tmp_path: Path, name: str, lines: list[str], code: int):
+    from drill.chaos.rig import Node, Trainer
+    from drill.metadata_server import MetadataServer
+
+    node = Node(name, SmallFs(tmp_path / f"pd-{name}"), SmallFs(tmp_path / f"ssd-{name}"), MetadataServer())
+    argv = [sys.executable, "-c", f"print({chr(10).join(lines)!r}); raise SystemExit({code})"]
+    return node, argv
+
+
+def test_a_two_node_job_reads_as_one_trainer(tmp_path: Path) -> None:
+    """A boot of two nodes (drill.chaos.rig.Job) over real processes: its status is the nodes' when
+    they agree and a failure when they do not; its run dir is the disk of the node that logged
+    rank 0; a cell flags a boot whose rank 0 is not on the node the rig meant to lead it."""
+    import threading
+    from types import SimpleNamespace
+
+    from drill.chaos.matrix import Cell
+    from drill.chaos.rig import Job, Trainer
+
+    def job(codes: tuple[int, int], leader: str) -> Job:
+        cond = threading.Condition()
+        started = []
+        for name, rank, code in (("a", 1, codes[0]), ("b", 0, codes[1])):
+            node, argv = _node(tmp_path, name, [
+                f"INFO trainer event=start steps=20 world_size=2 node={name} node_rank={rank} restart=0",
+                "INFO trainer event=restore step=10 tier=gcs path=b:gs://x/step-00000010 seconds=1 world_size=2",
+                f"INFO trainer event=step step={10 + rank}/20 loss=1"], code)
+            started.append((node, Trainer(f"boot {name}", argv, {}, tmp_path / f"{name}.log", node.run_dir,
+                                          cond=cond)))
+        return Job("boot 1", started, leader)
+
+    agreed = job((75, 75), "b")
+    assert agreed.wait_for(r"node=b node_rank=(\d)").group(1) == "0"
+    assert agreed.finish() == 75 and agreed.exit == "75" and agreed.killed is None
+    assert agreed.ranks() == {"a": 1, "b": 0} and agreed.run_dir == tmp_path / "pd-b"
+    assert agreed.restored() == (10, "b:gs://x/step-00000010") and agreed.steps() == [10, 11]
+
+    split = job((0, 1), "a")
+    assert split.finish() == 1 and split.exit == "a:0 b:1"
+    cell = Cell(SimpleNamespace(jobs=[agreed, split]), FAULTS["nodes2-power-off"], "periodic", "", print)
+    cell.check_leaders()
+    assert cell.r.violations == ["boot 1: node b got rank 0, the rig meant node a"]
+    assert cell.r.notes == ["rank 0 on node: boot 1 b, boot 1 b"]
+
+
+@pytest.mark.xdist_group("torchrun")
+@pytest.mark.skipif(not SmallFs.possible("ext4"), reason="the chaos matrix mounts real disks: root only")
+def test_the_rig_gives_rank_0_to_the_node_it_means_to_lead(tmp_path: Path, gcs_proxy) -> None:
+    """Two real torchrun agents on the coordinator's store: the rendezvous ranks nodes by address,
+    and the rig's addresses put rank 0 on node b although node a's agent started first."""
+    from drill.chaos.rig import Rig, key_env
+
+    with Rig(tmp_path, gcs_proxy.emulator, "lead", key_env(tmp_path), nodes=2) as rig:
+        rig.lead("b")
+        job = rig.start("probe", park=[2])
+        try:
+            assert rig.parked(job, 2, timeout=120), job.output[-3000:]
+            assert job.ranks() == {"a": 1, "b": 0}
+            assert job.run_dir == rig.node_list[1].run_dir
+        finally:
+            job.kill()
