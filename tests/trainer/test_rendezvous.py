@@ -55,20 +55,20 @@ def rendezvous_id(port: int, name: str = "job") -> str:
 
 
 def agent(tmp: Path, port: int, rdzv_id: str, *, nnodes: str = "2:2", join_timeout: int = 600,
-          **env: str) -> Proc:
+          host: bool = False, **env: str) -> Proc:
     """One node's torchrun, with trainer.sh's flags but for the join timeout (the pool's is 600 s)."""
     script = tmp / "worker.py"
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-           f"--rdzv-conf=is_host=false,join_timeout={join_timeout},last_call_timeout=1,"
+           f"--rdzv-conf=is_host={'true' if host else 'false'},join_timeout={join_timeout},last_call_timeout=1,"
            "keep_alive_interval=1,keep_alive_max_attempt=3",
            "--max-restarts=0", "--monitor-interval=0.5", str(script)]
     return Proc(cmd, env=trainer_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env), new_session=True)
 
 
-def two_nodes_train(tmp: Path, port: int, rdzv_id: str) -> None:
-    nodes = [agent(tmp, port, rdzv_id) for _ in range(2)]
+def two_nodes_train(tmp: Path, port: int, rdzv_id: str, *, first_hosts: bool = False) -> None:
+    nodes = [agent(tmp, port, rdzv_id, host=first_hosts and i == 0) for i in range(2)]
     try:
         assert [p.wait() for p in nodes] == [0, 0], nodes[0].output[-3000:] + nodes[1].output[-3000:]
         assert all(p.seen(r"world=2 sum=2") for p in nodes)
@@ -117,6 +117,23 @@ def test_a_node_stopped_by_a_signal_leaves_the_rendezvous_open(tmp_path, store):
         waiting.kill()
     assert rendezvous_id(store) == "job-0"
     two_nodes_train(tmp_path, store, "job-0")
+
+
+def test_a_coordinator_that_trains_keeps_the_fixed_id(tmp_path):
+    """When the coordinator trains, its own agent hosts the store (is_host=true): a worker whose
+    join times out closes the rendezvous, the coordinator's agent ends at once (exit 1, its unit
+    restarts it), and its restart hosts a new store where the same id is open."""
+    port = free_port()
+    coordinator = agent(tmp_path, port, "job", nnodes="3:3", host=True)
+    try:
+        worker = agent(tmp_path, port, "job", nnodes="3:3", join_timeout=1)
+        assert worker.wait() == 1
+        assert worker.seen("RendezvousTimeoutError")
+        assert coordinator.wait() == 1
+        assert coordinator.seen("RendezvousClosedError")
+    finally:
+        coordinator.kill()
+    two_nodes_train(tmp_path, port, "job", first_hosts=True)
 
 
 def test_a_store_that_does_not_answer_is_one_line_and_exit_1():
