@@ -583,7 +583,9 @@ class Pool(Section):
     rendezvous. Required for now (true): the rendezvous needs a host that is never preempted."""
     coordinator_trains: bool = True
     """The coordinator trains as one of the nodes (same GPUs as the workers). false: it only
-    hosts the rendezvous store (`python3 -m trainer rendezvous`) on a small CPU machine."""
+    hosts the rendezvous store (`python3 -m trainer rendezvous`) on a small CPU machine, and the
+    workers join `<experiment>-EPOCH`, a new epoch after a rendezvous closed (a join timed out in
+    a stockout, ranks that kept failing)."""
     coordinator_machine_type: str | None = None
     """The coordinator's machine type. Default: `machine.machine_type` when it trains (it must
     then take the workers' GPU type and count), else "e2-standard-4" (e2-standard-* and n1-*
@@ -592,7 +594,8 @@ class Pool(Section):
     """TCP port of the rendezvous store on the coordinator (1024-65535, not the health port)."""
     max_restarts: int = Field(default=100, ge=0, le=100000)
     """How often torchrun restarts the job (a node lost or joined, a rank failed) before it
-    gives up; each restart resumes from the newest checkpoint."""
+    gives up; each restart resumes from the newest checkpoint. A node that gives up closes its
+    rendezvous; its unit restarts it into a new one (docs/pools.md, "A closed rendezvous")."""
     rendezvous_last_call_s: int = Field(default=10, ge=0)
     """Seconds the rendezvous waits for more nodes once min_nodes have joined. Every survivor
     idles this long after each node loss (the lost node comes back minutes later, if at all), so

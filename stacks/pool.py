@@ -20,6 +20,14 @@ from stacks.experiment import Experiment
 ROLE_KEY = "spottrain-role"
 COORDINATOR, WORKER = "coordinator", "worker"
 
+#: torchrun's join_timeout (torch's default, pinned): how long a node waits in the rendezvous for
+#: min_nodes (a survivor for a preempted node's replacement) before its agent gives up, exits 1
+#: and, ending so, closes that rendezvous id (trainer.sh then joins the next epoch). The unit
+#: restarts it 10 s later; it must not exhaust spottrain.service's 5 starts in 1800 s however long
+#: a stockout lasts, or the node stops for good: at least 1800 / 5 = 360 s apart
+#: (tests/stacks/test_pool.py checks it against the unit).
+JOIN_TIMEOUT_S = 600
+
 
 @dataclass(frozen=True)
 class PoolLayout:
@@ -35,6 +43,10 @@ class PoolLayout:
     max_restarts: int
     last_call_s: int
     running: bool  # group.workers = 1; 0 stops the pool
+
+    @property
+    def join_timeout_s(self) -> int:
+        return JOIN_TIMEOUT_S
 
     @property
     def coordinator_name(self) -> str:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainer run|status|export|stage|logs|rendezvous ...`` (a stable contract).
+"""Command line: ``python -m trainer run|status|export|stage|logs|rendezvous|rendezvous-id ...`` (a stable contract).
 
 ``logs`` shows a run's sessions across VMs and how each ended, from Cloud Logging or a local file
 (trainer.cloud.logs).
@@ -9,7 +9,9 @@
 (``trainer.data.staging``; its exit codes: 0 staged, 1 failed, run it again to resume, 2 bad input).
 
 ``rendezvous`` hosts the c10d rendezvous store of a multi-node job on a coordinator that does not
-train (when it trains, its torchrun agent hosts the store itself).
+train (when it trains, its torchrun agent hosts the store itself). ``rendezvous-id`` prints the id
+the nodes of such a job join (``<name>-<epoch>``, trainer.rendezvous): exit 1 when the store does
+not answer.
 
 Exit codes of ``run``:
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -187,7 +190,29 @@ def parser() -> argparse.ArgumentParser:
     z = sub.add_parser("rendezvous", help="host a multi-node job's c10d rendezvous store until SIGTERM")
     z.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
     z.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+
+    zi = sub.add_parser("rendezvous-id",
+                        help="print the id of a multi-node job's open rendezvous (NAME-EPOCH) from its store")
+    zi.add_argument("--endpoint", required=True, help="the store's HOST:PORT (torchrun's --rdzv-endpoint)")
+    zi.add_argument("--name", required=True, help="the job's name (the experiment)")
+    zi.add_argument("--timeout-s", type=float, default=60.0,
+                    help="give up (exit 1) when the store does not answer within this long (default 60, "
+                         "as torchrun's own read_timeout)")
     return p
+
+
+def _check_rendezvous_id_args(args: argparse.Namespace) -> None:
+    errors = []
+    host, sep, port = args.endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        errors.append(f"command line: endpoint: must be HOST:PORT with a port 1..65535, got {args.endpoint!r}")
+    # torchrun's --rdzv-id and a store key: letters, digits and . _ - only.
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", args.name):
+        errors.append(f"command line: name: must be 1-100 letters, digits, '.', '_' or '-', got {args.name!r}")
+    if not 0 < args.timeout_s <= 3600:
+        errors.append(f"command line: timeout_s: must be > 0 and at most 3600, got {args.timeout_s:g}")
+    if errors:
+        raise ConfigError(errors)
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
@@ -218,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "rendezvous":
             if not 1 <= args.port <= 65535:
                 raise ConfigError([f"command line: port: must be 1..65535, got {args.port}"])
+        elif args.command == "rendezvous-id":
+            _check_rendezvous_id_args(args)
         else:
             if args.count is not None and args.watch is None:
                 raise ConfigError(["command line: count: --count bounds --watch; give --watch too"])
@@ -258,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.rendezvous import serve
 
         return serve(args.host, args.port)
+    if args.command == "rendezvous-id":
+        from trainer.rendezvous import print_id
+
+        return print_id(args.endpoint, args.name, args.timeout_s)
     from trainer.status import main as status_main
 
     return status_main(scfg)

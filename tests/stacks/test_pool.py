@@ -275,7 +275,11 @@ def run_trainer_sh(tmp_path: Path, trainer_sh: str, metadata_host: str) -> tuple
     argv = tmp_path / "argv"
     fake = bin_dir / "python3"
     store_env = tmp_path / "share-store-env"
-    fake.write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" > {shquote(argv)}\n"
+    # `python3 -m trainer rendezvous-id` (a worker of a pool whose coordinator does not train)
+    # records its own argv and prints an id with an epoch.
+    fake.write_text(f"#!/bin/bash\nif [[ \"$1 $2 $3\" == '-m trainer rendezvous-id' ]]; then\n"
+                    f"  printf '%s\\0' \"$@\" > {shquote(tmp_path / 'rdzv-id-argv')}; echo cpu-coord-7; exit 0\nfi\n"
+                    f"printf '%s\\0' \"$@\" > {shquote(argv)}\n"
                     f"printf '%s' \"${{TORCH_DISABLE_SHARE_RDZV_TCP_STORE-unset}}\" > {shquote(store_env)}\n"
                     "exit 3\n")
     fake.chmod(0o755)
@@ -321,7 +325,7 @@ def test_torchrun_command_line_per_role(tmp_path, metadata, role, is_host):
               "worker": pricing.trainer_price_args(exp)}
     assert prices["coordinator"][1] == prices["coordinator"][3] != prices["worker"][1]
     assert argv == [
-        *TORCHRUN, f"--rdzv-conf=is_host={is_host},last_call_timeout=45,keep_alive_interval=1,keep_alive_max_attempt=3", "--max-restarts=50",
+        *TORCHRUN, f"--rdzv-conf=is_host={is_host},join_timeout=600,last_call_timeout=45,keep_alive_interval=1,keep_alive_max_attempt=3", "--max-restarts=50",
         "-m", "trainer", "run", "--run-dir", "/mnt/spottrain/run", "--steps", "20000",
         "--gcs-uri", "gs://my-project-123456-l4-pool-ckpt/runs/l4-pool",
         "--task", "trainer.tasks.gpt:build", "--health-port", "8471", "--startup-grace-s", "900",
@@ -340,7 +344,7 @@ def test_torchrun_command_line_per_role(tmp_path, metadata, role, is_host):
     t = get_args_parser().parse_args(argv[2:])
     assert (t.nnodes, t.nproc_per_node, t.rdzv_backend, t.rdzv_endpoint, t.rdzv_id) == (
         "2:4", "1", "c10d", "coordinator.l4-pool.spottrain.internal:29500", "l4-pool")
-    assert t.rdzv_conf == f"is_host={is_host},last_call_timeout=45,keep_alive_interval=1,keep_alive_max_attempt=3"
+    assert t.rdzv_conf == f"is_host={is_host},join_timeout=600,last_call_timeout=45,keep_alive_interval=1,keep_alive_max_attempt=3"
     assert (t.max_restarts, t.module, t.training_script) == (50, True, "trainer")
     # ... and what the c10d rendezvous handler reads from --rdzv-conf and --rdzv-endpoint.
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -354,6 +358,12 @@ def test_torchrun_command_line_per_role(tmp_path, metadata, role, is_host):
                                   **_parse_rendezvous_config(t.rdzv_conf))
     assert params.get_as_bool("is_host") is (is_host == "true")
     assert params.get_as_int("last_call_timeout") == 45
+    # What the c10d handler reads as its join timeout (stacks.pool.JOIN_TIMEOUT_S says why 600).
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _get_timeout
+
+    assert _get_timeout(params, "join").total_seconds() == 600
+    # The coordinator's own agent hosts the store: the fixed id (trainer.sh says why).
+    assert not (tmp_path / "rdzv-id-argv").exists()
     # A lost node leaves the next rendezvous round after 3 missed 1 s heartbeats, not torch's 15 s
     # (bench/elastic_bench.py: 2.2 s instead of 10.4 s of rendezvous after a power-off).
     assert (params.get_as_int("keep_alive_interval"), params.get_as_int("keep_alive_max_attempt")) == (1, 3)
@@ -384,8 +394,15 @@ def test_a_coordinator_that_does_not_train_serves_the_rendezvous(tmp_path, metad
     assert argv[:9] == ["-m", "torch.distributed.run", "--nnodes=1:3", "--nproc-per-node=1",
                         "--rdzv-backend=c10d",
                         "--rdzv-endpoint=coordinator.cpu-coord.spottrain.internal:29400",
-                        "--rdzv-id=cpu-coord", "--rdzv-conf=is_host=false,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3",
+                        # The id the store gave (tests/trainer/test_rendezvous.py: the epochs).
+                        "--rdzv-id=cpu-coord-7", "--rdzv-conf=is_host=false,join_timeout=600,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3",
                         "--max-restarts=100"]
+    ask = [a.decode() for a in (tmp_path / "rdzv-id-argv").read_bytes().split(b"\0")[:-1]]
+    assert ask == ["-m", "trainer", "rendezvous-id", "--endpoint",
+                   "coordinator.cpu-coord.spottrain.internal:29400", "--name", "cpu-coord"]
+    args = parser().parse_args(ask[2:])
+    assert (args.command, args.endpoint, args.name) == (
+        "rendezvous-id", "coordinator.cpu-coord.spottrain.internal:29400", "cpu-coord")
     # The startup script does not wait for a GPU driver on the CPU-only coordinator.
     assert 'if [[ "$role" == coordinator ]]; then' in scripts.startup
     assert "no GPU, no driver to wait for" in scripts.startup
@@ -410,6 +427,23 @@ def test_pooled_scripts_pass_shellcheck(tmp_path, overrides):
         files.append(str(f))
     proc = subprocess.run([SHELLCHECK, "--shell=bash", *files], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_join_timeout_cannot_exhaust_the_units_starts():
+    """A survivor whose join times out in a long stockout exits 1 and its unit restarts it: the
+    unit's start limit must never stop it for good (stacks.pool.JOIN_TIMEOUT_S)."""
+    import re
+
+    from stacks.pool import JOIN_TIMEOUT_S
+
+    _, scripts = pooled_scripts({})
+    unit = scripts.unit  # the rendered spottrain.service
+    interval = int(re.search(r"^StartLimitIntervalSec=(\d+)$", unit, re.M).group(1))
+    burst = int(re.search(r"^StartLimitBurst=(\d+)$", unit, re.M).group(1))
+    restart = int(re.search(r"^RestartSec=(\d+)$", unit, re.M).group(1))
+    # burst + 1 starts within the interval stop the unit: at most `burst` fit when each start
+    # comes join timeout + RestartSec after the one before.
+    assert burst * (JOIN_TIMEOUT_S + restart) > interval
 
 
 def test_parallelism_reaches_a_single_vm_only_when_set():
