@@ -234,6 +234,10 @@ class Checkpointer:
         #: survey yet): what the rollback guard (``trainer.loop.rollback``) asks.
         self.steps_seen: set[int] | None = None
         self._thread: threading.Thread | None = None  # the disk writer of the newest save
+        #: The newest save while its copy may still run beside the loop (``before_update``), and
+        #: its tiers (whose interval policies learn what the wait for it cost).
+        self._copying: Staged | None = None
+        self._copying_tiers: list[Tier] = []
         self._reserver: threading.Thread | None = None
         # The uploader: its thread, the upload it runs, the queue, and a condition over all of it,
         # the pins and tier health.
@@ -262,7 +266,7 @@ class Checkpointer:
         self.stats: dict[str, Any] = {
             "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
             "waited": 0, "blocked_s_total": 0.0, "last_blocked_s": None, "last_error": None,
-            "uploads_superseded": 0,
+            "uploads_superseded": 0, "update_waited_s_total": 0.0,
         }
         if self.group.nodes > 1 and self.group.rank == 0:
             self.log.info("%s checkpoints: %d ranks on %d nodes; each node's disk holds only its own ranks' "
@@ -346,12 +350,14 @@ class Checkpointer:
         meta = _check_meta(meta)
         if self._busy():
             self.stats["waited"] += 1
-            self._thread.join()  # type: ignore[union-attr]
+            self._thread.join()  # type: ignore[union-attr]  # its copy too: the buffer is free again
         tiers = self._plan(step, every_tier)
         t_stage = time.perf_counter()
         staged = self.layout.stage(step, state, meta, make_room=self._drop_memory_upload)
-        # The cost C for the interval policy excludes a one-off buffer allocation.
+        # The cost C for the interval policy excludes a one-off buffer allocation; what the next
+        # optimizer step waits for the copy is added then (``before_update``).
         stage_s = time.perf_counter() - t_stage - staged.alloc_s
+        self._copying, self._copying_tiers = staged, tiers
         self._saved(tiers, step)
         for t in tiers:
             auto = self._schedule[t.name].auto
@@ -365,6 +371,27 @@ class Checkpointer:
         self.stats["blocked_s_total"] += blocked
         self.stats["last_blocked_s"] = blocked
         return blocked
+
+    def before_update(self, timeout: float | None = None) -> bool:
+        """The loop is about to write the weights or the optimizer state (the optimizer step):
+        wait until the newest save's copy of them into host memory is done (under CUDA the
+        device's current stream waits for it, not the host). The loop calls this before every
+        optimizer step; it returns at once when no copy is in flight. True once they may be
+        written; False when ``timeout`` passed first (then the copy is still running)."""
+        staged = self._copying
+        if staged is None:
+            return True
+        t0 = time.perf_counter()
+        if not staged.before_update(timeout):
+            return False
+        waited = time.perf_counter() - t0
+        self._copying = None
+        self.stats["update_waited_s_total"] += waited
+        for t in self._copying_tiers:  # the save cost the loop this much more (the interval's C)
+            auto = self._schedule[t.name].auto
+            if auto is not None:
+                auto.blocked_longer(waited)
+        return True
 
     def _plan(self, step: int, every_tier: bool) -> list[Tier]:
         """The tiers a save writes (rank 0 decides for every rank), in table order."""
@@ -382,6 +409,12 @@ class Checkpointer:
         """The disk writer: the due disk tiers, then hand the uploads over; never raises, never
         touches the network."""
         try:
+            try:
+                staged.copied()  # the first thing: a save after this thread ended reuses the buffer
+            except Exception as e:  # noqa: BLE001 - every tier of this save failed
+                for t in tiers:
+                    self._failed(t.name, staged.step, e)
+                return
             written = self._write(staged, tiers, emergency=False)
             if self.group.rank == 0:
                 for line in written.detail:
@@ -1157,7 +1190,11 @@ class Checkpointer:
         # nodes that one runs on the uploader's own group). Then every tier, disks first.
         self._stop_uploads(f"emergency save of step {step}")
         if self._busy():
-            self._thread.join()  # type: ignore[union-attr]  # the disk writer: disk I/O only
+            if self._copying is not None:
+                self.log.info("emergency save of step %d: waiting for the previous save's copy into host memory "
+                              "and its disk write", step)
+            self._thread.join()  # type: ignore[union-attr]  # the disk writer (its copy first): disk I/O only
+        self._copying = None
         staged = self.layout.stage(step, state, meta, make_room=self._drop_memory_upload)
         tiers = list(self.tiers)
         written = self._write(staged, tiers, emergency=True)
