@@ -6,9 +6,11 @@ checkpointer asks its fields, never its name.
 Saving (CheckFreq's snapshot/persist split), every tier failing on its own:
 
 * ``save()`` blocks the loop only while the layout stages the state into host memory (pinned when
-  CUDA is involved); that is the time it returns.
-* The *disk writer* (a thread per save) then has the layout write the due disk tiers
-  (temporary folder, fsync, manifest last, atomic rename). It never touches the network.
+  CUDA is involved); that is the time it returns. The whole-model layout copies the weights and
+  the optimizer state beside the loop's next forward and backward: the loop calls
+  ``before_update()`` before its optimizer step, which waits for that copy if it still runs.
+* The *disk writer* (a thread per save) waits for the copy, then has the layout write the due
+  disk tiers (temporary folder, fsync, manifest last, atomic rename). It never touches the network.
 * The *uploader* (one long-lived thread) uploads a save that a remote tier is due for: from its
   committed disk folder (the home tier's, else another disk's), which frees host memory for the
   next save at once; else from the layout's staging folder; else, when no disk could take the

@@ -14,7 +14,10 @@ Nothing in it is ever unpickled: the structure is JSON and tensors are raw bytes
 shape. Format 1 (a pickled ``state.pt``) is recognised and never loaded.
 
 Staging (``stage``): the state is copied into a reusable host buffer (``SnapshotBuffer``, pinned
-when CUDA is involved) and its plain values are encoded: the only part that blocks the loop.
+when CUDA is involved) and its plain values are encoded: the only part that holds the loop. The
+tensors of the bound optimizer (its parameters and its state), which only its step writes, are
+copied beside the loop's next forward and backward (``trainer.checkpoint.background_copy``);
+every reader of the buffer waits for that copy first.
 Writing (``write``): every due disk tier is written straight from the buffer (``write_dir``:
 temporary folder, every file fsynced, manifest last, atomic rename); an emergency save writes them
 all at once, so the local SSD never delays the persistent disk. When no disk tier takes a save
@@ -468,7 +471,8 @@ class WholeModel:
 
     def stage(self, step: int, state: Any, meta: dict, *, make_room: Callable[[], bool]) -> _Staged:
         buffer = self._buffers.acquire(make_room)
-        snap = buffer.take(step, state, meta, later=self._updated_by_optimizer())  # NotPlainData here, in the caller's thread
+        # NotPlainData here, in the caller's thread
+        snap = buffer.take(step, state, meta, later=self._updated_by_optimizer())
         return _Staged(snap, buffer, self._buffers, buffer.last_alloc_s)
 
     def reserve(self, state: Any) -> None:
