@@ -181,11 +181,16 @@ class SnapshotBuffer:
             table.append((off, nbytes, str(t.dtype), tuple(t.shape),
                           bool(t.requires_grad), type(t) is torch.nn.Parameter))
             off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        # Encoding here (while the loop waits) freezes the plain Python objects too: the loop may
+        # mutate them (data position, counters) as soon as save() returns. Before any copy starts:
+        # a state that cannot be encoded leaves no copy running into the buffer.
+        structure = json.dumps({"format": STRUCTURE, "version": 1, "tensors": table, "tree": tree},
+                               separators=(",", ":"), allow_nan=False).encode()
         any_cuda = any(t.device.type == "cuda" for t in found)
         arena = self._ensure(off, pinned=any_cuda and torch.cuda.is_available())
         base = arena.data_ptr()
         behind: list[background_copy.Part] = []
-        for t, (o, n, _, shape, _, _) in zip(found, table):
+        for t, (o, n, *_) in zip(found, table):
             pad = (n + ALIGN - 1) // ALIGN * ALIGN - n
             if pad:  # no stale bytes of an earlier snapshot between tensors
                 ctypes.memset(base + o + n, 0, pad)
@@ -198,11 +203,8 @@ class SnapshotBuffer:
         copy = None
         if behind or any_cuda:
             # The CUDA copies queued here (non-blocking) are waited for with the background ones.
-            copy = background_copy.BackgroundCopy(arena, behind, {t.device for t in found if t.device.type == "cuda"})
-        # Encoding here (while the loop waits) freezes the plain Python objects too: the loop may
-        # mutate them (data position, counters) as soon as save() returns.
-        structure = json.dumps({"format": STRUCTURE, "version": 1, "tensors": table, "tree": tree},
-                               separators=(",", ":"), allow_nan=False).encode()
+            devices = {t.device for t in found if t.device.type == "cuda"}
+            copy = background_copy.BackgroundCopy(arena, behind, devices)
         return Snapshot(step=step, structure=structure, arena=arena, nbytes=off,
                         meta=dict(meta or {}), created_unix=time.time(), copy=copy)
 
