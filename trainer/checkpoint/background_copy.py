@@ -83,7 +83,7 @@ class BackgroundCopy:
             for offset, nbytes, t in parts:
                 copy_tensor(arena, offset, nbytes, t)
                 t.record_stream(side)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # the writer's wait sleeps rather than spins a core
             done.record(side)
         return done
 
