@@ -42,6 +42,9 @@ class _NeverDue:
     def bind(self, model: Any, optimizer: Any) -> None:
         pass
 
+    def before_update(self, timeout: float | None = None) -> bool:
+        return True
+
     def restore(self, *, download: bool = True) -> None:
         return None
 

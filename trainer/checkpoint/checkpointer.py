@@ -6,9 +6,12 @@ checkpointer asks its fields, never its name.
 Saving (CheckFreq's snapshot/persist split), every tier failing on its own:
 
 * ``save()`` blocks the loop only while the layout stages the state into host memory (pinned when
-  CUDA is involved); that is the time it returns.
-* The *disk writer* (a thread per save) then has the layout write the due disk tiers
-  (temporary folder, fsync, manifest last, atomic rename). It never touches the network.
+  CUDA is involved); that is the time it returns. The whole-model layout copies the weights and
+  the optimizer state beside the loop's next forward and backward: the loop calls
+  ``before_update()`` before its optimizer step, which waits for that copy if it still runs.
+* The *disk writer* (a thread per save) waits for the copy, then has the layout write the due
+  disk tiers (temporary folder, fsync, manifest last, atomic rename; a periodic save's at the
+  lowest CPU priority, ``_yielding``). It never touches the network.
 * The *uploader* (one long-lived thread) uploads a save that a remote tier is due for: from its
   committed disk folder (the home tier's, else another disk's), which frees host memory for the
   next save at once; else from the layout's staging folder; else, when no disk could take the
@@ -80,6 +83,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -234,6 +238,10 @@ class Checkpointer:
         #: survey yet): what the rollback guard (``trainer.loop.rollback``) asks.
         self.steps_seen: set[int] | None = None
         self._thread: threading.Thread | None = None  # the disk writer of the newest save
+        #: The newest save while its copy may still run beside the loop (``before_update``), and
+        #: its tiers (whose interval policies learn what the wait for it cost).
+        self._copying: Staged | None = None
+        self._copying_tiers: list[Tier] = []
         self._reserver: threading.Thread | None = None
         # The uploader: its thread, the upload it runs, the queue, and a condition over all of it,
         # the pins and tier health.
@@ -262,7 +270,7 @@ class Checkpointer:
         self.stats: dict[str, Any] = {
             "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
             "waited": 0, "blocked_s_total": 0.0, "last_blocked_s": None, "last_error": None,
-            "uploads_superseded": 0,
+            "uploads_superseded": 0, "update_waited_s_total": 0.0,
         }
         if self.group.nodes > 1 and self.group.rank == 0:
             self.log.info("%s checkpoints: %d ranks on %d nodes; each node's disk holds only its own ranks' "
@@ -346,25 +354,49 @@ class Checkpointer:
         meta = _check_meta(meta)
         if self._busy():
             self.stats["waited"] += 1
-            self._thread.join()  # type: ignore[union-attr]
+            _normal_priority_again()
+            self._thread.join()  # type: ignore[union-attr]  # its copy too: the buffer is free again
         tiers = self._plan(step, every_tier)
         t_stage = time.perf_counter()
         staged = self.layout.stage(step, state, meta, make_room=self._drop_memory_upload)
-        # The cost C for the interval policy excludes a one-off buffer allocation.
+        # The cost C for the interval policy excludes a one-off buffer allocation; what the next
+        # optimizer step waits for the copy is added then (``before_update``).
         stage_s = time.perf_counter() - t_stage - staged.alloc_s
+        self._copying, self._copying_tiers = staged, tiers
         self._saved(tiers, step)
         for t in tiers:
             auto = self._schedule[t.name].auto
             if auto is not None:
                 auto.observe(blocked_s=stage_s)
         self.stats["saves"] += 1
-        self._thread = threading.Thread(target=self._persist, args=(staged, tiers),
+        self._thread = threading.Thread(target=self._persist, args=(staged, tiers, not every_tier),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
         blocked = time.perf_counter() - t0
         self.stats["blocked_s_total"] += blocked
         self.stats["last_blocked_s"] = blocked
         return blocked
+
+    def before_update(self, timeout: float | None = None) -> bool:
+        """The loop is about to write the weights or the optimizer state (the optimizer step):
+        wait until the newest save's copy of them into host memory is done (under CUDA the
+        device's current stream waits for it, not the host). The loop calls this before every
+        optimizer step; it returns at once when no copy is in flight. True once they may be
+        written; False when ``timeout`` passed first (then the copy is still running)."""
+        staged = self._copying
+        if staged is None:
+            return True
+        t0 = time.perf_counter()
+        if not staged.before_update(timeout):
+            return False
+        waited = time.perf_counter() - t0
+        self._copying = None
+        self.stats["update_waited_s_total"] += waited
+        for t in self._copying_tiers:  # the save cost the loop this much more (the interval's C)
+            auto = self._schedule[t.name].auto
+            if auto is not None:
+                auto.blocked_longer(waited)
+        return True
 
     def _plan(self, step: int, every_tier: bool) -> list[Tier]:
         """The tiers a save writes (rank 0 decides for every rank), in table order."""
@@ -378,11 +410,19 @@ class Checkpointer:
             names = [t.name for t in self.tiers if t in tiers]
         return [self.tiers[n] for n in self.group.bcast(names)]
 
-    def _persist(self, staged: Staged, tiers: list[Tier]) -> None:
+    def _persist(self, staged: Staged, tiers: list[Tier], beside_training: bool = False) -> None:
         """The disk writer: the due disk tiers, then hand the uploads over; never raises, never
-        touches the network."""
+        touches the network. ``beside_training`` (a periodic save): the disk tiers are written at
+        the lowest CPU priority (``_yielding``)."""
         try:
-            written = self._write(staged, tiers, emergency=False)
+            try:
+                staged.copied()  # the first thing: a save after this thread ended reuses the buffer
+            except Exception as e:  # noqa: BLE001 - every tier of this save failed
+                for t in tiers:
+                    self._failed(t.name, staged.step, e)
+                return
+            write = lambda: self._write(staged, tiers, emergency=False)  # noqa: E731
+            written = _yielding(write) if beside_training else write()
             if self.group.rank == 0:
                 for line in written.detail:
                     self.log.warning("checkpoint step %d: %s", staged.step, line)
@@ -1157,7 +1197,12 @@ class Checkpointer:
         # nodes that one runs on the uploader's own group). Then every tier, disks first.
         self._stop_uploads(f"emergency save of step {step}")
         if self._busy():
-            self._thread.join()  # type: ignore[union-attr]  # the disk writer: disk I/O only
+            if self._copying is not None:
+                self.log.info("emergency save of step %d: waiting for the previous save's copy into host memory "
+                              "and its disk write", step)
+            _normal_priority_again()
+            self._thread.join()  # type: ignore[union-attr]  # the disk writer (its copy first): disk I/O only
+        self._copying = None
         staged = self.layout.stage(step, state, meta, make_room=self._drop_memory_upload)
         tiers = list(self.tiers)
         written = self._write(staged, tiers, emergency=True)
@@ -1303,6 +1348,7 @@ class Checkpointer:
         collective for a sharded layout), the uploads for at most ``timeout`` seconds (then they
         are abandoned). True if nothing was left unfinished."""
         if self._thread is not None:
+            _normal_priority_again()
             self._thread.join()
         done = self.wait(timeout)
         with self._cv:
@@ -1407,6 +1453,49 @@ def describe_failing(failing: dict[str, dict[str, Any]]) -> str:
         return f"{tier} failing since {when} ({n} failed write{'' if n == 1 else 's'}; last: {rec.get('error')})"
 
     return "; ".join(one(tier, rec) for tier, rec in sorted(failing.items()))
+
+
+def _yielding(work: Callable[[], Any]) -> Any:
+    """``work()`` on a thread of the lowest CPU priority (nice 19; its hashing threads inherit
+    it), its result or its exception: a periodic save's hashing and writing then take the cores
+    that training leaves idle, not the training's. At normal priority, beside a loop that keeps
+    the cores busy (training on CPU, data workers), they cost it far more than their own CPU time
+    (measured, BENCHMARKS.md: the step with a save 1.4 s longer at normal priority, 0.04 s at
+    nice 19), since a step runs as fast as its slowest thread. The write may take longer then;
+    the final, pause and emergency saves (after the loop stopped) run at normal priority, and
+    lift a write they wait for back to it (``_normal_priority_again``). Linux
+    sets a thread's own nice value; elsewhere it runs at normal priority. A thread of its own,
+    since a thread cannot raise its priority back and the uploader it starts must not inherit it."""
+    out: list[Any] = []
+
+    def run() -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            out.append((True, work()))
+        except BaseException as e:  # noqa: BLE001 - raised in the caller
+            out.append((False, e))
+
+    th = threading.Thread(target=run, name=f"{threading.current_thread().name}-write", daemon=True)
+    th.start()
+    th.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _normal_priority_again() -> None:
+    """Every thread of this process that ``_yielding`` left at the lowest priority (the writer and
+    its hashing threads) back to the caller's priority: an emergency save, or a save or close that
+    waits for that write, must not wait for a starved one. Raising a priority needs the privilege
+    (root, as the trainer runs on a VM); without it nothing changes. Linux only, like ``_yielding``."""
+    with contextlib.suppress(AttributeError, OSError):
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError):
+                if os.getpriority(os.PRIO_PROCESS, int(tid)) == 19 != mine:
+                    os.setpriority(os.PRIO_PROCESS, int(tid), mine)
 
 
 def _check_meta(meta: dict | None) -> dict:

@@ -71,6 +71,7 @@ class YoungDalyPolicy:
     alpha: float = 0.3
     blocked_s: float | None = None
     write_s: float | None = None
+    _blocked_weight: float = dataclasses.field(default=1.0, repr=False)  # the newest blocked_s's share
 
     def __post_init__(self) -> None:
         if self.mtbf_s <= 0 or self.first_save_s < 0 or self.min_interval_s < 0:
@@ -82,9 +83,17 @@ class YoungDalyPolicy:
         """Record one save: seconds the loop was blocked, seconds this tier's write took."""
         a = self.alpha
         if blocked_s is not None:
+            self._blocked_weight = 1.0 if self.blocked_s is None else a
             self.blocked_s = blocked_s if self.blocked_s is None else a * blocked_s + (1 - a) * self.blocked_s
         if write_s is not None:
             self.write_s = write_s if self.write_s is None else a * write_s + (1 - a) * self.write_s
+
+    def blocked_longer(self, seconds: float) -> None:
+        """The newest save blocked the loop ``seconds`` more than ``observe`` was told (the
+        optimizer step waited for its copy): the average becomes what it would be had the
+        observation included them."""
+        if self.blocked_s is not None:
+            self.blocked_s += self._blocked_weight * seconds
 
     @property
     def measured(self) -> bool:

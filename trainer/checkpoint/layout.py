@@ -7,7 +7,8 @@ checkpoint *is*:
 
 * ``parse_manifest``: the manifest's file list this layout writes (the other layout's manifests
   are refused as ``OTHER_LAYOUT``: kept, never loaded);
-* ``stage``: copy the state into host memory (the only part that blocks the loop);
+* ``stage``: copy the state into host memory (the only part that holds the loop: the whole-model
+  layout copies the weights and the optimizer state beside the next step, see ``Staged``);
 * ``write``: make the staged state a committed folder on each due disk tier, or an uncommitted
   staging folder (or host memory) an upload reads from;
 * ``uploads``: which of a checkpoint's files this rank uploads;
@@ -66,7 +67,12 @@ class OneProcess:
 class Staged(Protocol):
     """A state copied into host memory for one save: ``step``, ``meta``, ``alloc_s`` (seconds the
     copy spent allocating its buffer, a one-off cost that is not the save's), and ``release()``,
-    called once nothing reads it any more (``hold()`` for each extra reader: an upload from it)."""
+    called once nothing reads it any more (``hold()`` for each extra reader: an upload from it).
+
+    Part of the copy may still run after ``stage`` returned, beside the loop's next forward and
+    backward (what only the optimizer step writes): ``before_update`` is called before the loop
+    writes the weights or the optimizer state (True once it may; False when ``timeout`` passed),
+    and ``copied`` blocks until the host copy is complete (the disk writer calls it first)."""
 
     step: int
     meta: dict
@@ -74,6 +80,8 @@ class Staged(Protocol):
 
     def hold(self) -> None: ...
     def release(self) -> None: ...
+    def before_update(self, timeout: float | None = None) -> bool: ...
+    def copied(self) -> None: ...
 
 
 @dataclasses.dataclass

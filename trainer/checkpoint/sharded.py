@@ -252,6 +252,12 @@ class _Staged:
     def release(self) -> None:
         pass
 
+    def before_update(self, timeout: float | None = None) -> bool:
+        return True  # copied whole at the save call (see ``Sharded.stage``)
+
+    def copied(self) -> None:
+        pass
+
 
 class Sharded:
     """The sharded layout (see the module docstring). ``world``: the job's ranks (None, or a
@@ -291,7 +297,15 @@ class Sharded:
 
     def stage(self, step: int, state: Any, meta: dict, *, make_room: Callable[[], bool]) -> _Staged:
         """Encode rank 0's extras (``state``) and copy this rank's shards to the host; a
-        collective: an extras that cannot be encoded raises ``NotPlainData`` on every rank."""
+        collective: an extras that cannot be encoded raises ``NotPlainData`` on every rank.
+
+        The whole copy happens here, before the loop goes on; unlike the whole-model layout's,
+        none of it runs beside the next step. DCP's stager copies the state dict in one call,
+        parameters, buffers and optimizer state together, into buffers it owns (and on CUDA
+        synchronizes the device at its end): running it beside the next forward would copy
+        buffers that forward changes (BatchNorm's running statistics) after it changed them,
+        and splitting the state dict would mean a second copier of DTensors beside DCP's, with
+        its own pinned buffers. Kept synchronous, and exact, for now."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         g = self.group

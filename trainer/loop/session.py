@@ -196,6 +196,8 @@ class Session:
                                log=self.log.getChild("data"), on_died=self._workers_died)
         job = Job(task, model, data, self.batches, mixed.scaler, cfg.fingerprint(dataset_len=len(task.dataset),
                   device=device.type), accum, world, in_place=cfg.parallelism == "fsdp")
+        if self.ckpt is not None:
+            job.before_update = self.ckpt.before_update
         if world.is_node_leader:
             self.log.info("event=start steps=%d world_size=%d node=%s node_rank=%d restart=%d accum=%d device=%s "
                           "task=%s %s", cfg.steps, world.size, node_name(), world.node_rank, world.restart_count,

@@ -2,7 +2,8 @@
 the batches) and one optimizer step of it (``StepFn``).
 
 ``StepFn`` runs ``grad_accum_steps`` micro-batches with gradient sync on the last one only,
-autocast and the grad scaler of the run's precision, clipping, the optimizer and the scheduler, and
+autocast and the grad scaler of the run's precision, clipping, the optimizer (after the last save's
+copy of the weights, which runs beside the forwards and backwards, is done) and the scheduler, and
 returns the step's loss and the task's own metrics (``trainer.task.loss_and_metrics``), averaged
 over the micro-batches. The metrics are detached numbers: nothing of them reaches the weights, the
 RNG or the data position, so exact resume holds with them.
@@ -35,6 +36,9 @@ class Job:
     accum: int                   # micro-batches per optimizer step on this rank
     world: World
     in_place: bool               # the checkpoint layout saves and loads the weights itself (FSDP)
+    #: Called before the optimizer writes the weights and its state: a save's copy of them may
+    #: still run beside the step (``Checkpointer.before_update``).
+    before_update: Callable[[], Any] = lambda: True
 
     @property
     def lr(self) -> float:
@@ -59,6 +63,7 @@ class StepFn:
     def __init__(self, cfg: Any, job: Job, mixed: Any, device: torch.device):
         self.cfg, self.accum, self.model, self.task, self.batches = cfg, job.accum, job.model, job.task, job.batches
         self.scaler, self.device, self.world = mixed.scaler, device, job.world
+        self.before_update = job.before_update
         self.loss_fn = job.task.loss_fn or (lambda m, batch: m(*batch))
         self.autocast: Callable[[], Any] = mixed.autocast
 
@@ -93,6 +98,7 @@ class StepFn:
             if self.scaler:
                 self.scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip)
+        self.before_update()  # the last save's copy of the weights, if still running, ends first
         if self.scaler:
             self.scaler.step(opt)
             self.scaler.update()

@@ -64,6 +64,23 @@ def test_moving_average() -> None:
     assert p.blocked_s == pytest.approx(2.0) and p.write_s == pytest.approx(4.0)
 
 
+def test_a_wait_after_the_save_counts_as_part_of_its_blocked_time() -> None:
+    """The optimizer step's wait for a save's copy is added to that save's cost afterwards: the
+    average is what observing the sum at once would have given, first save or not."""
+    for seen in ([], [1.0], [1.0, 3.0]):
+        once, later = YoungDalyPolicy(alpha=0.5), YoungDalyPolicy(alpha=0.5)
+        for x in seen:
+            once.observe(blocked_s=x)
+            later.observe(blocked_s=x)
+        once.observe(blocked_s=0.2 + 0.6)
+        later.observe(blocked_s=0.2)
+        later.blocked_longer(0.6)
+        assert later.blocked_s == pytest.approx(once.blocked_s)
+    nothing = YoungDalyPolicy()
+    nothing.blocked_longer(1.0)  # no save observed: nothing to add to
+    assert nothing.blocked_s is None
+
+
 @pytest.mark.parametrize("kw", [{"mtbf_s": 0}, {"first_save_s": -1}, {"max_write_duty": 0},
                                 {"alpha": 1.5}, {"min_interval_s": -1}])
 def test_rejects_bad_parameters(kw: dict) -> None:

@@ -1,0 +1,35 @@
+"""bench/save_cost_bench.py kept runnable in its quick configuration: every way of saving runs its
+windows against the same model, and the checkpointer's save is the overlapped one."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import save_cost_bench
+
+
+def test_every_way_of_saving_runs_its_windows_and_everything_written_is_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        logging_restored: None) -> None:
+    monkeypatch.setenv("SPOTTRAIN_BENCH_GB", "0.003")
+    monkeypatch.setenv("SPOTTRAIN_BENCH_DIR", str(tmp_path))
+    save_cost_bench.main(["--steps", "2", "--rounds", "1", "--batch", "8"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"way of saving", *save_cost_bench.WAYS}
+    assert all(float(rows[w][0]) > 0 for w in save_cost_bench.WAYS)  # each saved, in its call
+    assert out.count("goal <= 0.03") == 3 and out.count("goal <= 0.5") == 3
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_checkpointer_in_the_bench_copies_the_weights_beside_the_step(tmp_path: Path) -> None:
+    model, opt = save_cost_bench._model(32)
+    save_cost_bench._window(model, opt, [save_cost_bench.torch.randn(4, 32)], 1, None, 0)
+    way = save_cost_bench._Way("spottrain", model, opt, tmp_path)
+    try:
+        way.save(1)
+        assert way._ckpt._copying.snap.copy is not None  # bound as the trainer binds it: a copy runs behind
+    finally:
+        way.close()
