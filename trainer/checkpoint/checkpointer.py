@@ -354,7 +354,6 @@ class Checkpointer:
         meta = _check_meta(meta)
         if self._busy():
             self.stats["waited"] += 1
-            _normal_priority_again()
             self._thread.join()  # type: ignore[union-attr]  # its copy too: the buffer is free again
         tiers = self._plan(step, every_tier)
         t_stage = time.perf_counter()
@@ -1200,7 +1199,6 @@ class Checkpointer:
             if self._copying is not None:
                 self.log.info("emergency save of step %d: waiting for the previous save's copy into host memory "
                               "and its disk write", step)
-            _normal_priority_again()
             self._thread.join()  # type: ignore[union-attr]  # the disk writer (its copy first): disk I/O only
         self._copying = None
         staged = self.layout.stage(step, state, meta, make_room=self._drop_memory_upload)
@@ -1348,7 +1346,6 @@ class Checkpointer:
         collective for a sharded layout), the uploads for at most ``timeout`` seconds (then they
         are abandoned). True if nothing was left unfinished."""
         if self._thread is not None:
-            _normal_priority_again()
             self._thread.join()
         done = self.wait(timeout)
         with self._cv:
@@ -1462,8 +1459,7 @@ def _yielding(work: Callable[[], Any]) -> Any:
     the cores busy (training on CPU, data workers), they cost it far more than their own CPU time
     (measured, BENCHMARKS.md: the step with a save 1.4 s longer at normal priority, 0.04 s at
     nice 19), since a step runs as fast as its slowest thread. The write may take longer then;
-    the final, pause and emergency saves (after the loop stopped) run at normal priority, and
-    lift a write they wait for back to it (``_normal_priority_again``). Linux
+    the final, pause and emergency saves (after the loop stopped) run at normal priority. Linux
     sets a thread's own nice value; elsewhere it runs at normal priority. A thread of its own,
     since a thread cannot raise its priority back and the uploader it starts must not inherit it."""
     out: list[Any] = []
@@ -1483,19 +1479,6 @@ def _yielding(work: Callable[[], Any]) -> Any:
     if not ok:
         raise value
     return value
-
-
-def _normal_priority_again() -> None:
-    """Every thread of this process that ``_yielding`` left at the lowest priority (the writer and
-    its hashing threads) back to the caller's priority: an emergency save, or a save or close that
-    waits for that write, must not wait for a starved one. Raising a priority needs the privilege
-    (root, as the trainer runs on a VM); without it nothing changes. Linux only, like ``_yielding``."""
-    with contextlib.suppress(AttributeError, OSError):
-        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError, ValueError):
-                if os.getpriority(os.PRIO_PROCESS, int(tid)) == 19 != mine:
-                    os.setpriority(os.PRIO_PROCESS, int(tid), mine)
 
 
 def _check_meta(meta: dict | None) -> dict:

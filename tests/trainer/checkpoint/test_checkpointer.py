@@ -441,31 +441,6 @@ def test_a_periodic_save_is_written_at_the_lowest_priority_a_final_one_and_uploa
     assert seen[("gcs", 1)] == seen[("gcs", 2)] == base  # the uploader never inherits it
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
-                    reason="raising a thread's priority back needs Linux and the privilege (root, as on a VM)")
-def test_a_write_at_the_lowest_priority_is_lifted_back_when_a_save_waits_for_it() -> None:
-    from trainer.checkpoint.checkpointer import _normal_priority_again, _yielding
-
-    def prio() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    started, release, seen = threading.Event(), threading.Event(), []
-
-    def write() -> None:
-        seen.append(prio())
-        started.set()
-        assert release.wait(GUARD)
-        seen.append(prio())
-
-    t = threading.Thread(target=_yielding, args=(write,))
-    t.start()
-    assert started.wait(GUARD)
-    _normal_priority_again()  # what an emergency save does before it waits for the writer
-    release.set()
-    t.join(GUARD)
-    assert seen == [19, prio()]
-
-
 # ----------------------------------------------------------------------------- retention
 
 
