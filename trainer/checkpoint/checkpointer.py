@@ -10,8 +10,7 @@ Saving (CheckFreq's snapshot/persist split), every tier failing on its own:
   the optimizer state beside the loop's next forward and backward: the loop calls
   ``before_update()`` before its optimizer step, which waits for that copy if it still runs.
 * The *disk writer* (a thread per save) waits for the copy, then has the layout write the due
-  disk tiers (temporary folder, fsync, manifest last, atomic rename; a periodic save's at the
-  lowest CPU priority, ``_yielding``). It never touches the network.
+  disk tiers (temporary folder, fsync, manifest last, atomic rename). It never touches the network.
 * The *uploader* (one long-lived thread) uploads a save that a remote tier is due for: from its
   committed disk folder (the home tier's, else another disk's), which frees host memory for the
   next save at once; else from the layout's staging folder; else, when no disk could take the
@@ -83,7 +82,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -368,7 +366,7 @@ class Checkpointer:
             if auto is not None:
                 auto.observe(blocked_s=stage_s)
         self.stats["saves"] += 1
-        self._thread = threading.Thread(target=self._persist, args=(staged, tiers, not every_tier),
+        self._thread = threading.Thread(target=self._persist, args=(staged, tiers),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
         blocked = time.perf_counter() - t0
@@ -409,10 +407,9 @@ class Checkpointer:
             names = [t.name for t in self.tiers if t in tiers]
         return [self.tiers[n] for n in self.group.bcast(names)]
 
-    def _persist(self, staged: Staged, tiers: list[Tier], beside_training: bool = False) -> None:
+    def _persist(self, staged: Staged, tiers: list[Tier]) -> None:
         """The disk writer: the due disk tiers, then hand the uploads over; never raises, never
-        touches the network. ``beside_training`` (a periodic save): the disk tiers are written at
-        the lowest CPU priority (``_yielding``)."""
+        touches the network."""
         try:
             try:
                 staged.copied()  # the first thing: a save after this thread ended reuses the buffer
@@ -420,8 +417,7 @@ class Checkpointer:
                 for t in tiers:
                     self._failed(t.name, staged.step, e)
                 return
-            write = lambda: self._write(staged, tiers, emergency=False)  # noqa: E731
-            written = _yielding(write) if beside_training else write()
+            written = self._write(staged, tiers, emergency=False)
             if self.group.rank == 0:
                 for line in written.detail:
                     self.log.warning("checkpoint step %d: %s", staged.step, line)
@@ -1450,35 +1446,6 @@ def describe_failing(failing: dict[str, dict[str, Any]]) -> str:
         return f"{tier} failing since {when} ({n} failed write{'' if n == 1 else 's'}; last: {rec.get('error')})"
 
     return "; ".join(one(tier, rec) for tier, rec in sorted(failing.items()))
-
-
-def _yielding(work: Callable[[], Any]) -> Any:
-    """``work()`` on a thread of the lowest CPU priority (nice 19; its hashing threads inherit
-    it), its result or its exception: a periodic save's hashing and writing then take the cores
-    that training leaves idle, not the training's. At normal priority, beside a loop that keeps
-    the cores busy (training on CPU, data workers), they cost it far more than their own CPU time
-    (measured, BENCHMARKS.md: the step with a save 1.4 s longer at normal priority, 0.04 s at
-    nice 19), since a step runs as fast as its slowest thread. The write may take longer then;
-    the final, pause and emergency saves (after the loop stopped) run at normal priority. Linux
-    sets a thread's own nice value; elsewhere it runs at normal priority. A thread of its own,
-    since a thread cannot raise its priority back and the uploader it starts must not inherit it."""
-    out: list[Any] = []
-
-    def run() -> None:
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            out.append((True, work()))
-        except BaseException as e:  # noqa: BLE001 - raised in the caller
-            out.append((False, e))
-
-    th = threading.Thread(target=run, name=f"{threading.current_thread().name}-write", daemon=True)
-    th.start()
-    th.join()
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
 
 
 def _check_meta(meta: dict | None) -> dict:

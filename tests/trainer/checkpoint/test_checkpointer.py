@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -421,24 +419,6 @@ def test_automatic_interval_uses_measured_cost(tmp_path: Path, logwatch) -> None
     assert c.interval_s("persistent") == auto.decide().seconds
     c.due(51)
     assert "Young/Daly" in logwatch.text()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
-def test_a_periodic_save_is_written_at_the_lowest_priority_a_final_one_and_uploads_at_normal(
-        gcs_emulator, tmp_path: Path) -> None:
-    c = ckpt(tmp_path, gcs_emulator, local=None, with_local=False)
-    seen: dict[tuple[str, int], int] = {}
-    c.on_durable = lambda tier, step: seen.setdefault((tier, step), os.getpriority(
-        os.PRIO_PROCESS, threading.get_native_id()))
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    c.save(1, make_state(1))  # periodic, while training
-    assert c.wait(GUARD)
-    c.save(2, make_state(2), every_tier=True)  # the final save: the loop has stopped
-    assert c.wait(GUARD)
-    c.close()
-    assert seen[("persistent", 1)] == 19
-    assert seen[("persistent", 2)] == base
-    assert seen[("gcs", 1)] == seen[("gcs", 2)] == base  # the uploader never inherits it
 
 
 # ----------------------------------------------------------------------------- retention
