@@ -9,8 +9,6 @@ order rotating from round to round:
 - ``spottrain``: ``Checkpointer.save`` (the persistent tier, a signed manifest), bound to the
   model and the optimizer as the trainer binds them: the weights and the optimizer state are
   copied beside the next forward and backward, and the optimizer step calls ``before_update``;
-- ``spottrain, writer at normal priority``: the same, with the disk tiers written at normal CPU
-  priority, as before the periodic saves' writes yielded the cores to training (nice 19);
 - ``DCP, reused stager``: ``torch.distributed.checkpoint.async_save`` with one ``DefaultStager``
   kept for the run (no async staging: the call returns once the state is copied);
 - ``DCP, async staging``: the same with ``use_async_staging``: the call returns at once and the
@@ -54,8 +52,7 @@ from bench.checkpoint_bench import KEY, _every_step, _machine
 LAYERS = 16
 MiB = 1 << 20
 GiB = 1 << 30
-NORMAL = "spottrain, writer at normal priority"
-WAYS = ("spottrain", NORMAL, "DCP, reused stager", "DCP, async staging", "torch.save+fsync")
+WAYS = ("spottrain", "DCP, reused stager", "DCP, async staging", "torch.save+fsync")
 
 
 def _width(state_bytes: float) -> int:
@@ -86,9 +83,6 @@ class _Way:
 
             self._ckpt = Checkpointer(_every_step(d / name.replace(" ", "-"), keep=1), key=KEY)
             self._ckpt.bind(model, opt)  # as the trainer binds them
-            if name == NORMAL:  # what the writer's low priority spares the loop
-                persist = self._ckpt._persist
-                self._ckpt._persist = lambda staged, tiers, beside_training: persist(staged, tiers, False)
         elif name.startswith("DCP"):
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
