@@ -570,22 +570,17 @@ class Rig:
         and its persistent disk (blank if ``blank_pd``). Two nodes: both are replaced, and node
         ``lead`` (default b) leads from now on (node a, whose disk holds the first run's
         checkpoints, follows)."""
+        vms = ([(n.metadata, n.ssd, n.pd) for n in self.node_list] if self.nodes > 1
+               else [(self.metadata, self.ssd, self.pd)])
+        for metadata, ssd, pd in vms:
+            metadata.reset()
+            ssd.__exit__(None, None, None)
+            ssd.__enter__()
+            if blank_pd:
+                pd.__exit__(None, None, None)
+                pd.__enter__()
         if self.nodes > 1:
-            for n in self.node_list:
-                n.metadata.reset()
-                n.ssd.__exit__(None, None, None)
-                n.ssd.__enter__()
-                if blank_pd:
-                    n.pd.__exit__(None, None, None)
-                    n.pd.__enter__()
             self.lead(lead or self.node_list[1].name)
-            return
-        self.metadata.reset()
-        self.ssd.__exit__(None, None, None)
-        self.ssd.__enter__()
-        if blank_pd:
-            self.pd.__exit__(None, None, None)
-            self.pd.__enter__()
 
     # --- what the tiers hold (read directly, never through the faults) --------------------
     def steps_in_bucket(self, uri: str | None = None) -> list[int]:
