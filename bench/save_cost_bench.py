@@ -9,6 +9,9 @@ order rotating from round to round:
 - ``spottrain``: ``Checkpointer.save`` (the persistent tier, a signed manifest), bound to the
   model and the optimizer as the trainer binds them: the weights and the optimizer state are
   copied beside the next forward and backward, and the optimizer step calls ``before_update``;
+  the loop asks ``due()`` at every step, as the trainer's does, and the write runs at the lowest
+  CPU priority until a quarter of the time between two of its saves has passed
+  (``trainer.checkpoint.yielding``; here about 10 s, more than a window);
 - ``DCP, reused stager``: ``torch.distributed.checkpoint.async_save`` with one ``DefaultStager``
   kept for the run (no async staging: the call returns once the state is copied);
 - ``DCP, async staging``: the same with ``use_async_staging``: the call returns at once and the
@@ -47,7 +50,7 @@ from typing import Any
 
 import torch
 
-from bench.checkpoint_bench import KEY, _every_step, _machine
+from bench.checkpoint_bench import KEY, _machine
 
 LAYERS = 16
 MiB = 1 << 20
@@ -80,8 +83,12 @@ class _Way:
         self._stager: Any = None
         if name.startswith("spottrain"):
             from trainer.checkpoint.checkpointer import Checkpointer
+            from trainer.checkpoint.tiers import Cadence, tier_table
 
-            self._ckpt = Checkpointer(_every_step(d / name.replace(" ", "-"), keep=1), key=KEY)
+            # A cadence the windows never reach: the bench decides when to save; due() then
+            # applies only the bound on how long the write may yield, as between a trainer's saves.
+            tiers = tier_table(d / name.replace(" ", "-"), cadence={"persistent": Cadence(every_steps=10**9)}, keep=1)
+            self._ckpt = Checkpointer(tiers, key=KEY)
             self._ckpt.bind(model, opt)  # as the trainer binds them
         elif name.startswith("DCP"):
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -117,6 +124,10 @@ class _Way:
     def before_update(self) -> None:
         if self._ckpt is not None:
             self._ckpt.before_update()
+
+    def after_step(self, step: int) -> None:
+        if self._ckpt is not None:
+            self._ckpt.due(step)  # the trainer asks at every step
         elif self._pending is not None and hasattr(self._pending, "staging_completion"):
             self._pending.staging_completion.result()
 
@@ -163,6 +174,8 @@ def _window(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[to
             wait += time.perf_counter() - t1
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if way is not None:
+            way.after_step(step)
         ends.append(time.perf_counter())
     durations = [e - s for s, e in zip([t0] + ends, ends)]
     out = {"steps": durations, "call": call, "held": call + wait,

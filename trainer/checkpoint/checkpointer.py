@@ -10,7 +10,9 @@ Saving (CheckFreq's snapshot/persist split), every tier failing on its own:
   the optimizer state beside the loop's next forward and backward: the loop calls
   ``before_update()`` before its optimizer step, which waits for that copy if it still runs.
 * The *disk writer* (a thread per save) waits for the copy, then has the layout write the due
-  disk tiers (temporary folder, fsync, manifest last, atomic rename). It never touches the network.
+  disk tiers (temporary folder, fsync, manifest last, atomic rename). A periodic save of one
+  process writes at the lowest CPU priority, lifted back when it has yielded long enough
+  (``trainer.checkpoint.yielding``). It never touches the network.
 * The *uploader* (one long-lived thread) uploads a save that a remote tier is due for: from its
   committed disk folder (the home tier's, else another disk's), which frees host memory for the
   next save at once; else from the layout's staging folder; else, when no disk could take the
@@ -102,6 +104,7 @@ from trainer.checkpoint.manifest import (MANIFEST, OTHER_FORMAT, OTHER_LAYOUT, O
 from trainer.checkpoint.stores import UploadAborted, is_unreachable
 from trainer.checkpoint.tier_wait import TierUnknown
 from trainer.checkpoint.tiers import Tier, Tiers
+from trainer.checkpoint.yielding import YieldingWrites
 
 
 @dataclasses.dataclass
@@ -265,10 +268,11 @@ class Checkpointer:
         self._tier_locks = {t.name: threading.Lock() for t in tiers}
         self._restore_lock = _Locks(list(self._tier_locks.values()))
         self._started = time.monotonic()
+        self._yielding = YieldingWrites(self._started)
         self.stats: dict[str, Any] = {
             "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
             "waited": 0, "blocked_s_total": 0.0, "last_blocked_s": None, "last_error": None,
-            "uploads_superseded": 0, "update_waited_s_total": 0.0,
+            "uploads_superseded": 0, "update_waited_s_total": 0.0, "writes_lifted": 0,
         }
         if self.group.nodes > 1 and self.group.rank == 0:
             self.log.info("%s checkpoints: %d ranks on %d nodes; each node's disk holds only its own ranks' "
@@ -286,6 +290,16 @@ class Checkpointer:
     def _busy(self) -> bool:
         """A disk writer is running (the uploader is not counted: it never holds saves back)."""
         return self._thread is not None and self._thread.is_alive()
+
+    def _join_writer(self) -> None:
+        """Wait for the disk writer, lifted to this thread's priority first: whoever waits for a
+        write must not wait for a starved one."""
+        self._lift_writer()
+        self._thread.join()  # type: ignore[union-attr]
+
+    def _lift_writer(self) -> None:
+        self._yielding.release()
+        self.stats["writes_lifted"] = self._yielding.lifted
 
     def uploading(self) -> bool:
         """An upload is running or queued."""
@@ -325,7 +339,11 @@ class Checkpointer:
         False while a disk write is in flight, or while the layout has no host memory free for
         another save (the due tier stays due and is saved once that is over).
         """
-        if not self._due_tiers(step):
+        due = self._due_tiers(step)
+        if self._busy():
+            self._yielding.check(time.monotonic(), next_due=bool(due))
+            self.stats["writes_lifted"] = self._yielding.lifted
+        if not due:
             return False
         if self._busy() or not self.layout.can_stage(self._droppable()):
             self.stats["deferred_steps"] += 1
@@ -352,7 +370,7 @@ class Checkpointer:
         meta = _check_meta(meta)
         if self._busy():
             self.stats["waited"] += 1
-            self._thread.join()  # type: ignore[union-attr]  # its copy too: the buffer is free again
+            self._join_writer()  # its copy too: the buffer is free again
         tiers = self._plan(step, every_tier)
         t_stage = time.perf_counter()
         staged = self.layout.stage(step, state, meta, make_room=self._drop_memory_upload)
@@ -366,6 +384,9 @@ class Checkpointer:
             if auto is not None:
                 auto.observe(blocked_s=stage_s)
         self.stats["saves"] += 1
+        # Only one process's write yields: the ranks of a sharded save write together, and only
+        # rank 0 runs the checks that would lift them.
+        self._yielding.started(time.monotonic(), yielding=not every_tier and self.group.size == 1)
         self._thread = threading.Thread(target=self._persist, args=(staged, tiers),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
@@ -417,7 +438,10 @@ class Checkpointer:
                 for t in tiers:
                     self._failed(t.name, staged.step, e)
                 return
-            written = self._write(staged, tiers, emergency=False)
+            try:
+                written = self._yielding.run(lambda: self._write(staged, tiers, emergency=False))
+            finally:
+                self._yielding.finished()
             if self.group.rank == 0:
                 for line in written.detail:
                     self.log.warning("checkpoint step %d: %s", staged.step, line)
@@ -1195,7 +1219,7 @@ class Checkpointer:
             if self._copying is not None:
                 self.log.info("emergency save of step %d: waiting for the previous save's copy into host memory "
                               "and its disk write", step)
-            self._thread.join()  # type: ignore[union-attr]  # the disk writer (its copy first): disk I/O only
+            self._join_writer()  # the disk writer (its copy first): disk I/O only
         self._copying = None
         staged = self.layout.stage(step, state, meta, make_room=self._drop_memory_upload)
         tiers = list(self.tiers)
@@ -1327,6 +1351,7 @@ class Checkpointer:
 
         th = self._thread
         if th is not None:
+            self._lift_writer()
             th.join(left())
             if th.is_alive():
                 return False
@@ -1342,7 +1367,7 @@ class Checkpointer:
         collective for a sharded layout), the uploads for at most ``timeout`` seconds (then they
         are abandoned). True if nothing was left unfinished."""
         if self._thread is not None:
-            self._thread.join()
+            self._join_writer()
         done = self.wait(timeout)
         with self._cv:
             self._closing = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -13,6 +14,7 @@ import torch
 from tests.trainer.support import Policy, bucket_names, checkpointer, code_running_pickle, forge_in_bucket, run_key
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.key import CheckpointKey
+from trainer.checkpoint import yielding
 from trainer.checkpoint.manifest import MANIFEST, ResumeMismatch, step_name
 from trainer.checkpoint.tier_wait import TierUnknown
 from trainer.checkpoint.whole_model import STATE, TENSORS, verify_dir
@@ -419,6 +421,99 @@ def test_automatic_interval_uses_measured_cost(tmp_path: Path, logwatch) -> None
     assert c.interval_s("persistent") == auto.decide().seconds
     c.due(51)
     assert "Young/Daly" in logwatch.text()
+
+
+# ----------------------------------------------------------------------------- priority
+
+needs_lift = pytest.mark.skipif(not yielding.possible(), reason="needs Linux and the privilege to raise a "
+                                "thread's priority (root, as on a VM)")
+
+
+def nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@needs_lift
+def test_a_periodic_save_is_written_at_the_lowest_priority_a_final_one_and_uploads_at_normal(
+        gcs_emulator, tmp_path: Path) -> None:
+    c = ckpt(tmp_path, gcs_emulator, local=None, with_local=False)
+    seen: dict[tuple[str, int], int] = {}
+    written = threading.Event()  # waited for here, since c.wait() would lift the write
+
+    def on_durable(tier: str, step: int) -> None:
+        seen.setdefault((tier, step), nice())
+        if (tier, step) == ("gcs", 1):
+            written.set()
+
+    c.on_durable = on_durable
+    c.save(1, make_state(1))  # periodic, while training
+    assert written.wait(GUARD)
+    c.save(2, make_state(2), every_tier=True)  # the final save: the loop has stopped
+    assert c.wait(GUARD)
+    c.close()
+    assert seen[("persistent", 1)] == yielding.LOWEST
+    assert seen[("persistent", 2)] == nice()
+    assert seen[("gcs", 1)] == seen[("gcs", 2)] == nice()  # the uploader never inherits it
+
+
+class HeldWrites:
+    """The disk writes of a checkpointer report their nice value, wait to be let go, and report
+    it again before they write."""
+
+    def __init__(self, c: Checkpointer) -> None:
+        self.seen: list[int] = []
+        self.running, self._go, self._seen_again = threading.Event(), threading.Event(), threading.Event()
+        self._c, self._write = c, c.layout.write
+        c.layout.write = self._held  # type: ignore[method-assign]
+
+    def _held(self, *a, **kw):
+        self.seen.append(nice())
+        self.running.set()
+        assert self._go.wait(GUARD)
+        self.seen.append(nice())
+        self._seen_again.set()
+        return self._write(*a, **kw)
+
+    def let_go(self) -> list[int]:
+        """Let the held write go on (later writes are not held); what it saw."""
+        self._c.layout.write = self._write  # type: ignore[method-assign]
+        self._go.set()
+        assert self._seen_again.wait(GUARD)  # before anything that waits for the write lifts it
+        return self.seen
+
+
+@needs_lift
+def test_a_yielding_write_is_lifted_when_the_next_save_comes_due(tmp_path: Path) -> None:
+    c = ckpt(tmp_path, with_local=False, persistent=Policy(every_steps=2))
+    held = HeldWrites(c)
+    c.save(2, make_state(2))
+    assert held.running.wait(GUARD)
+    assert not c.due(3) and held.seen == [yielding.LOWEST]  # not due yet: it goes on yielding
+    assert not c.due(4)  # due, deferred while the write runs: lifted so that it ends soonest
+    assert held.let_go() == [yielding.LOWEST, nice()] and c.stats["writes_lifted"] == 1
+    assert c.wait(GUARD)
+    assert c.due(4)
+    c.close()
+
+
+@needs_lift
+def test_an_emergency_save_lifts_the_periodic_write_it_waits_for(tmp_path: Path, monkeypatch) -> None:
+    c = ckpt(tmp_path, with_local=False)
+    held = HeldWrites(c)
+    lifted = threading.Event()
+    lift = yielding.lift
+    monkeypatch.setattr(yielding, "lift", lambda: (lift(), lifted.set()))
+    c.save(1, make_state(1))
+    assert held.running.wait(GUARD)
+    report: list = []
+    t = threading.Thread(target=lambda: report.append(c.emergency_save(2, make_state(2),
+                                                                       deadline=time.monotonic() + GUARD)))
+    t.start()
+    assert lifted.wait(GUARD)
+    assert held.let_go() == [yielding.LOWEST, nice()]
+    t.join(GUARD)
+    assert report[0].persistent_ok
+    c.close()
 
 
 # ----------------------------------------------------------------------------- retention
