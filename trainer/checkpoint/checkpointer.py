@@ -11,8 +11,9 @@ Saving (CheckFreq's snapshot/persist split), every tier failing on its own:
   ``before_update()`` before its optimizer step, which waits for that copy if it still runs.
 * The *disk writer* (a thread per save) waits for the copy, then has the layout write the due
   disk tiers (temporary folder, fsync, manifest last, atomic rename). A periodic save of one
-  process writes at the lowest CPU priority, lifted back when it has yielded long enough
-  (``trainer.checkpoint.yielding``). It never touches the network.
+  process writes at the lowest CPU priority where the time between saves leaves room for it,
+  lifted back when it has yielded long enough (``trainer.checkpoint.yielding``). It never
+  touches the network.
 * The *uploader* (one long-lived thread) uploads a save that a remote tier is due for: from its
   committed disk folder (the home tier's, else another disk's), which frees host memory for the
   next save at once; else from the layout's staging folder; else, when no disk could take the
@@ -268,11 +269,12 @@ class Checkpointer:
         self._tier_locks = {t.name: threading.Lock() for t in tiers}
         self._restore_lock = _Locks(list(self._tier_locks.values()))
         self._started = time.monotonic()
-        self._yielding = YieldingWrites(self._started)
+        self._yielding = YieldingWrites(time.monotonic)
         self.stats: dict[str, Any] = {
             "saves": 0, "tier_writes_ok": 0, "tier_writes_failed": 0, "deferred_steps": 0,
             "waited": 0, "blocked_s_total": 0.0, "last_blocked_s": None, "last_error": None,
-            "uploads_superseded": 0, "update_waited_s_total": 0.0, "writes_lifted": 0,
+            "uploads_superseded": 0, "update_waited_s_total": 0.0, "writes_yielded": 0,
+            "writes_lifted": 0,
         }
         if self.group.nodes > 1 and self.group.rank == 0:
             self.log.info("%s checkpoints: %d ranks on %d nodes; each node's disk holds only its own ranks' "
@@ -341,7 +343,7 @@ class Checkpointer:
         """
         due = self._due_tiers(step)
         if self._busy():
-            self._yielding.check(time.monotonic(), next_due=bool(due))
+            self._yielding.check(next_due=bool(due))
             self.stats["writes_lifted"] = self._yielding.lifted
         if not due:
             return False
@@ -386,7 +388,8 @@ class Checkpointer:
         self.stats["saves"] += 1
         # Only one process's write yields: the ranks of a sharded save write together, and only
         # rank 0 runs the checks that would lift them.
-        self._yielding.started(time.monotonic(), yielding=not every_tier and self.group.size == 1)
+        self._yielding.started(yielding=not every_tier and self.group.size == 1)
+        self.stats["writes_yielded"] = self._yielding.yielded
         self._thread = threading.Thread(target=self._persist, args=(staged, tiers),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()

@@ -7,12 +7,16 @@ its slowest thread. At nice 19 they take the cores the loop leaves idle.
 
 Yielding has a price: when the cores are busy the write finishes later, and a write still running
 when the next save comes due defers that save, i.e. checkpoints come less often than configured,
-which is work at risk. So a yielding write is lifted back to the caller's priority (``lift``):
+which is work at risk. So a write yields only where there is room for it, and for a bounded time:
 
-* when a quarter of the time between the last two saves has passed since it started (on an idle
-  core a write takes a small part of that; one that has not finished by then is being starved);
-* when the next save comes due while it still runs;
-* when anything waits for it: a save, an emergency save, ``wait``/``durable``, ``close``.
+* it yields only when the time since the previous save of this process is at least four times
+  the previous write's duration (the first save of a process, and saves almost as frequent as
+  their writes are long, run at normal priority: there a starved write would defer the next save);
+* it is lifted back to the caller's priority (``lift``) when a quarter of that time has passed
+  since it started (as long as a whole write at normal priority: one that has not finished by
+  then is being starved, and lifted it still ends by half the time between saves), when the next
+  save comes due while it still runs, and when anything waits for it: a save, an emergency save,
+  ``wait``/``durable``, ``close``.
 
 Raising a thread's priority back needs the privilege (root, as the trainer runs on a VM, or
 ``RLIMIT_NICE``). Where the process lacks it, or off Linux, nothing yields: the write runs at
@@ -30,6 +34,8 @@ from typing import Any, Callable
 LOWEST = 19
 #: The share of the time between two saves after which a write still running is lifted.
 LIFT_AFTER_SHARE_OF_GAP = 0.25
+#: A write yields only when the time between saves is at least this many times the last write's.
+YIELD_WHEN_GAP_OVER_WRITE = 4.0
 
 
 def _nice() -> int:
@@ -76,28 +82,37 @@ def lift() -> None:
 
 
 class YieldingWrites:
-    """One checkpointer's periodic writes: ``run`` one at the lowest priority; ``started`` when a
-    save begins and ``check`` every step decide when it has yielded long enough."""
+    """One checkpointer's periodic writes: ``started`` when a save begins decides whether its
+    write yields, ``run`` runs it, ``check`` (every step) and ``release`` (a waiter) lift it."""
 
-    def __init__(self, now: float) -> None:
-        self._last_start = now  # a first save's gap counts from the start of training
-        self._gap: float | None = None
-        self._started: float | None = None  # the write in flight (None: none, or lifted already)
-        self.lifted = 0  # writes lifted before they finished (stats)
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._last_start: float | None = None
+        self._last_write_s: float | None = None
+        self._gap = 0.0
+        self._started: float | None = None  # the write in flight yields (None: no, or lifted already)
+        self.yielded = 0  # writes that began at the lowest priority (stats)
+        self.lifted = 0  # of them, lifted before they finished (stats)
 
-    def started(self, now: float, yielding: bool) -> None:
-        """A save began at ``now``; ``yielding``: its write runs at the lowest priority."""
-        self._gap, self._last_start = now - self._last_start, now
-        self._started = now if yielding and possible() else None
+    def started(self, yielding: bool) -> None:
+        """A save begins; ``yielding``: its write may run at the lowest priority (a periodic save
+        of one process), which it does where there is room for it (the module docstring)."""
+        now = self._clock()
+        gap = None if self._last_start is None else now - self._last_start
+        self._last_start = now
+        room = (gap is not None and self._last_write_s is not None
+                and gap >= YIELD_WHEN_GAP_OVER_WRITE * self._last_write_s)
+        self._gap = gap or 0.0
+        self._started = now if yielding and room and possible() else None
+        self.yielded += self._started is not None
 
     def finished(self) -> None:
         self._started = None
 
-    def check(self, now: float, next_due: bool) -> None:
-        """Called while the write runs: lift it once it has yielded long enough."""
-        if self._started is None:
-            return
-        if next_due or (self._gap is not None and now - self._started >= LIFT_AFTER_SHARE_OF_GAP * self._gap):
+    def check(self, next_due: bool) -> None:
+        """Called while the write runs (every step): lift it once it has yielded long enough."""
+        started = self._started
+        if started is not None and (next_due or self._clock() - started >= LIFT_AFTER_SHARE_OF_GAP * self._gap):
             self.release()
 
     def release(self) -> None:
@@ -115,6 +130,13 @@ class YieldingWrites:
         (the threads it starts inherit it), unless it was lifted already or could not be: then
         here at normal priority. Its result or its exception. A thread of its own, since whatever
         the caller starts afterwards (the uploader) must not inherit the priority."""
+        t0 = self._clock()
+        try:
+            return self._run(work)
+        finally:
+            self._last_write_s = self._clock() - t0
+
+    def _run(self, work: Callable[[], Any]) -> Any:
         if self._started is None:
             return work()
         out: list[tuple[bool, Any]] = []

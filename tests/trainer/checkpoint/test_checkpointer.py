@@ -433,6 +433,16 @@ def nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
+def after_a_first_save(c: Checkpointer, step: int = 1) -> None:
+    """``c`` saved ``step`` (a process's first save never yields), and an hour passes on the clock
+    its writes yield by, so that its next periodic write has room to yield."""
+    hour = [0.0]
+    c._yielding = yielding.YieldingWrites(lambda: hour[0])
+    c.save(step, make_state(step))
+    assert c.wait(GUARD)
+    hour[0] = 3600.0
+
+
 @needs_lift
 def test_a_periodic_save_is_written_at_the_lowest_priority_a_final_one_and_uploads_at_normal(
         gcs_emulator, tmp_path: Path) -> None:
@@ -445,6 +455,7 @@ def test_a_periodic_save_is_written_at_the_lowest_priority_a_final_one_and_uploa
         if (tier, step) == ("gcs", 1):
             written.set()
 
+    after_a_first_save(c, 0)
     c.on_durable = on_durable
     c.save(1, make_state(1))  # periodic, while training
     assert written.wait(GUARD)
@@ -485,6 +496,7 @@ class HeldWrites:
 @needs_lift
 def test_a_yielding_write_is_lifted_when_the_next_save_comes_due(tmp_path: Path) -> None:
     c = ckpt(tmp_path, with_local=False, persistent=Policy(every_steps=2))
+    after_a_first_save(c, 0)
     held = HeldWrites(c)
     c.save(2, make_state(2))
     assert held.running.wait(GUARD)
@@ -499,6 +511,7 @@ def test_a_yielding_write_is_lifted_when_the_next_save_comes_due(tmp_path: Path)
 @needs_lift
 def test_an_emergency_save_lifts_the_periodic_write_it_waits_for(tmp_path: Path, monkeypatch) -> None:
     c = ckpt(tmp_path, with_local=False)
+    after_a_first_save(c, 0)
     held = HeldWrites(c)
     lifted = threading.Event()
     lift = yielding.lift

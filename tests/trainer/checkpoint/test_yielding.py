@@ -1,5 +1,5 @@
-"""A periodic write at the lowest priority, and each rule that lifts it back (real threads, their
-real nice values)."""
+"""A periodic write at the lowest priority: when it yields, and each rule that lifts it back (real
+threads, their real nice values; a clock the test sets)."""
 from __future__ import annotations
 
 import os
@@ -18,6 +18,14 @@ pytestmark = pytest.mark.skipif(not yielding.possible(),
 
 def nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 class HeldWrite:
@@ -46,44 +54,78 @@ class HeldWrite:
         return self.seen
 
 
+def after_a_first_save(write_s: float = 1.0) -> tuple[YieldingWrites, Clock]:
+    """Writes whose first save (t=0) took ``write_s`` seconds to write."""
+    clock = Clock()
+    w = YieldingWrites(clock)
+    w.started(yielding=True)
+
+    def write() -> None:
+        clock.t += write_s
+
+    w.run(write)
+    return w, clock
+
+
+def test_the_first_save_of_a_process_never_yields() -> None:
+    w = YieldingWrites(Clock())
+    w.started(yielding=True)  # nothing measured yet: no time between saves, no write's duration
+    assert HeldWrite(w).start().finish() == [nice(), nice()]
+
+
+def test_a_save_almost_as_frequent_as_its_writes_does_not_yield() -> None:
+    w, clock = after_a_first_save(write_s=1.0)
+    clock.t = 3.9  # less than 4 x the last write since the last save: a starved write would defer the next
+    w.started(yielding=True)
+    assert HeldWrite(w).start().finish() == [nice(), nice()]
+
+
 def test_a_periodic_write_yields_until_the_next_save_comes_due() -> None:
-    w = YieldingWrites(now=0.0)
-    w.started(100.0, yielding=True)
+    w, clock = after_a_first_save(write_s=1.0)
+    clock.t = 100.0
+    w.started(yielding=True)
     held = HeldWrite(w).start()
-    w.check(101.0, next_due=False)  # a step later: it may go on yielding
+    clock.t = 101.0
+    w.check(next_due=False)  # a step later: it may go on yielding
     assert held.seen == [LOWEST]
-    w.check(102.0, next_due=True)
+    w.check(next_due=True)
     assert held.finish() == [LOWEST, nice()] and w.lifted == 1
 
 
 def test_a_write_that_yielded_a_quarter_of_the_gap_between_saves_is_lifted() -> None:
-    w = YieldingWrites(now=0.0)
-    w.started(100.0, yielding=True)  # 100 s since the start: a quarter is 25 s
+    w, clock = after_a_first_save(write_s=1.0)
+    clock.t = 100.0
+    w.started(yielding=True)  # 100 s since the last save: a quarter is 25 s
     held = HeldWrite(w).start()
-    w.check(124.0, next_due=False)
+    clock.t = 124.0
+    w.check(next_due=False)
     assert w.lifted == 0
-    w.check(125.0, next_due=False)
+    clock.t = 125.0
+    w.check(next_due=False)
     assert held.finish() == [LOWEST, nice()] and w.lifted == 1
 
 
 def test_a_final_save_never_yields() -> None:
-    w = YieldingWrites(now=0.0)
-    w.started(1.0, yielding=False)
+    w, clock = after_a_first_save()
+    clock.t = 100.0
+    w.started(yielding=False)
     assert HeldWrite(w).start().finish() == [nice(), nice()]
 
 
 def test_a_lift_before_the_write_dropped_its_priority_keeps_it_at_normal() -> None:
     # A notice right after the save: the emergency save lifts before the writer thread ran.
-    w = YieldingWrites(now=0.0)
-    w.started(1.0, yielding=True)
+    w, clock = after_a_first_save()
+    clock.t = 100.0
+    w.started(yielding=True)
     w.release()
     assert HeldWrite(w).start().finish() == [nice(), nice()]
 
 
 def test_a_lift_reaches_the_threads_the_write_started() -> None:
     # The hashing threads a write starts inherit its priority.
-    w = YieldingWrites(now=0.0)
-    w.started(1.0, yielding=True)
+    w, clock = after_a_first_save()
+    clock.t = 100.0
+    w.started(yielding=True)
     child_seen: list[int] = []
     child_running, go = threading.Event(), threading.Event()
 
@@ -108,10 +150,12 @@ def test_a_lift_reaches_the_threads_the_write_started() -> None:
 
 
 def test_the_writes_result_and_exception_reach_the_caller() -> None:
-    w = YieldingWrites(now=0.0)
-    w.started(1.0, yielding=True)
+    w, clock = after_a_first_save()
+    clock.t = 100.0
+    w.started(yielding=True)
     assert w.run(lambda: 42) == 42
-    w.started(2.0, yielding=True)
+    clock.t = 200.0
+    w.started(yielding=True)
 
     def fails() -> None:
         raise OSError(28, "No space left on device")
