@@ -10,6 +10,12 @@ an ext4 is aborted (`mount -o remount,abort`, ext4's own error path), which work
 and writes then fail with EROFS as they do on a VM whose disk failed. `writable()` and `free()`
 undo them (an aborted ext4 comes back as after a reboot: unmounted, checked, mounted again);
 leaving the context unmounts it (and detaches the loop device).
+
+A process that unshared its mounts while the ext4 was mounted (a drill VM's sandbox) holds a copy
+of that mount, and with it the kernel's aborted filesystem: unmounted here and mounted again from
+the same loop device it would still be that one, read-only. So an ext4 still held elsewhere comes
+back on a fresh loop device over the same image, as a reboot gets a fresh kernel (the held one is
+aborted and read-only: it never writes the image again).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ class SmallFs:
         self.fstype = fstype
         self.image = self.path.with_name(f".{self.path.name}.img")
         self.device: str | None = None
+        self._held: list[str] = []  # loop devices another namespace's copy of the mount kept
         self.mounted = False
 
     @staticmethod
@@ -50,11 +57,20 @@ class SmallFs:
             # No blocks reserved for root (the trainer runs as root: a reserve would hide the fill).
             subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(self.image)], check=True,
                            stdout=subprocess.DEVNULL)
-            self.device = subprocess.run(["losetup", "--find", "--show", str(self.image)], check=True,
-                                         capture_output=True, text=True).stdout.strip()
+            self.device = self._attach()
             self._mount_ext4()
         self.mounted = True
         return self
+
+    def _attach(self) -> str:
+        return subprocess.run(["losetup", "--find", "--show", str(self.image)], check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    def _held_elsewhere(self) -> bool:
+        """The ext4 of our loop device is still mounted, in another mount namespace (unmounted
+        here): ext4 lists every mounted filesystem under /sys/fs/ext4 by device."""
+        assert self.device is not None
+        return Path("/sys/fs/ext4", Path(self.device).name).exists()
 
     def _mount_ext4(self) -> None:
         assert self.device is not None
@@ -65,8 +81,9 @@ class SmallFs:
             subprocess.run(["umount", "-l", str(self.path)], check=False)
             self.mounted = False
         if self.device is not None:
-            subprocess.run(["losetup", "--detach", self.device], check=False, stderr=subprocess.DEVNULL)
-            self.device = None
+            for device in [self.device, *self._held]:  # a held one detaches once its holder ends
+                subprocess.run(["losetup", "--detach", device], check=False, stderr=subprocess.DEVNULL)
+            self.device, self._held = None, []
             self.image.unlink(missing_ok=True)
 
     def fill(self, leave_bytes: int = 0) -> None:
@@ -99,6 +116,9 @@ class SmallFs:
     def writable(self) -> None:
         if self.fstype == "ext4":  # a reboot: unmount, check, mount again
             subprocess.run(["umount", str(self.path)], check=True)
+            if self._held_elsewhere():
+                self._held.append(self.device)  # detached at exit, once the holder has let go
+                self.device = self._attach()
             subprocess.run(["e2fsck", "-f", "-y", str(self.device)], check=False, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)  # exit 1: errors corrected, as expected after an abort
             self._mount_ext4()

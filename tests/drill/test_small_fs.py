@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -47,3 +49,22 @@ def test_an_ext4_disk_turns_read_only_while_a_file_is_open_for_writing_and_comes
     (fs.path / "g").write_bytes(b"1")
     assert (fs.path / "kept").read_bytes() == b"1"
 
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (a mount namespace)")
+def test_an_aborted_ext4_comes_back_writable_while_another_mount_namespace_holds_it(small_fs) -> None:
+    # A drill VM's sandbox unshares its mounts: its copy of this mount pins the aborted
+    # filesystem, which a remount of the same loop device would get back, still read-only.
+    fs = small_fs("pd", 16 << 20, fstype="ext4")
+    (fs.path / "kept").write_bytes(b"1")
+    os.sync()
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", "echo held; read x"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        fs.readonly()
+        fs.writable()
+        (fs.path / "g").write_bytes(b"1")
+        assert (fs.path / "kept").read_bytes() == b"1"
+    finally:
+        holder.communicate("\n")
