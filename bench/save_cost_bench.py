@@ -127,12 +127,12 @@ class _Way:
     def before_update(self) -> None:
         if self._ckpt is not None:
             self._ckpt.before_update()
+        elif self._pending is not None and hasattr(self._pending, "staging_completion"):
+            self._pending.staging_completion.result()
 
     def after_step(self, step: int) -> None:
         if self._ckpt is not None:
             self._ckpt.due(step)  # the trainer asks at every step
-        elif self._pending is not None and hasattr(self._pending, "staging_completion"):
-            self._pending.staging_completion.result()
 
     def _writes(self) -> list[Any]:
         if self._pending is None:

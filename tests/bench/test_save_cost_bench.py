@@ -33,3 +33,24 @@ def test_the_checkpointer_in_the_bench_copies_the_weights_beside_the_step(tmp_pa
         assert way._ckpt._copying.snap.copy is not None  # bound as the trainer binds it: a copy runs behind
     finally:
         way.close()
+
+
+def test_dcp_with_async_staging_waits_for_its_staging_before_the_optimizer_step(tmp_path: Path) -> None:
+    # As DCP's documentation asks: the optimizer step must not write what staging still copies.
+    model, opt = save_cost_bench._model(32)
+    way = save_cost_bench._Way("DCP, async staging", model, opt, tmp_path)
+    waited: list[str] = []
+
+    class Staging:
+        def result(self) -> None:
+            waited.append("staging")
+
+    try:
+        way._pending = type("Pending", (), {"staging_completion": Staging()})()
+        way.before_update()
+        assert waited == ["staging"]
+        way.after_step(1)  # asking the checkpointer's due() is spottrain's alone
+        assert waited == ["staging"]
+    finally:
+        way._pending = None
+        way.close()
