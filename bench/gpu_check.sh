@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # What the trainer imports besides torch and numpy, as pip names them for --no-deps downloads.
-WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions safetensors google-crc32c)
+WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions safetensors google-crc32c blake3)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
   mkdir -p .whl
@@ -31,13 +31,13 @@ PY="${PY:-}"
 if [[ -z "$PY" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-if ! "$PY" -c 'import pydantic, safetensors, google_crc32c' 2>/dev/null; then
+if ! "$PY" -c 'import pydantic, safetensors, google_crc32c, blake3' 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/spottrain-site .whl/*.whl
     export PYTHONPATH="/tmp/spottrain-site${PYTHONPATH:+:$PYTHONPATH}"
   else
-    echo "gpu_check: $PY lacks pydantic, safetensors or google_crc32c; run 'bash bench/gpu_check.sh --fetch-wheels' where pip reaches PyPI and carry .whl" >&2
+    echo "gpu_check: $PY lacks pydantic, safetensors, google_crc32c or blake3; run 'bash bench/gpu_check.sh --fetch-wheels' where pip reaches PyPI and carry .whl" >&2
     exit 2
   fi
 fi
