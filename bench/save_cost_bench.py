@@ -29,9 +29,16 @@ Per way of saving, medians over the rounds:
 
 Goal: the loop loses per save (``step lost``) <= 0.03 of ``torch.save``+fsync and <= 0.5 of
 DCP's reused-stager call. Run: ``python -m bench save_cost_bench`` or ``python -m
-bench.save_cost_bench [--steps N] [--rounds N] [--batch N] [--threads N]`` (the loop's torch
-threads, default 1 as the trainer's ``threads``); ``SPOTTRAIN_BENCH_DIR`` (directory on the disk
-to measure, default the system temp dir). Everything written is removed at the end.
+bench.save_cost_bench [--steps N] [--rounds N] [--batch N] [--threads N] [--device cuda]`` (the
+loop's torch threads, default 1 as the trainer's ``threads``); ``SPOTTRAIN_BENCH_DIR`` (directory
+on the disk to measure, default the system temp dir). Everything written is removed at the end.
+
+With ``--device cuda`` the model, its optimizer state and the batches live on the GPU: the
+checkpointer then copies on a side stream into pinned memory and the optimizer's stream waits on
+an event, DCP stages into pinned memory with non-blocking copies, and a step ends when the
+training stream has run it (that stream alone is synchronized, so a copy on another stream is not
+waited for by the timing itself). A GPU step is short at the default batch; ``--batch`` sets how
+much work a step is.
 """
 from __future__ import annotations
 
@@ -63,13 +70,21 @@ def _width(state_bytes: float) -> int:
     return max(16, int(math.sqrt(state_bytes / 3 / LAYERS / 4)) // 16 * 16)
 
 
-def _model(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _model(width: int, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(LAYERS):
         layers += [torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _step_end(x: torch.Tensor) -> float:
+    """When the step that produced ``x`` has run: on CUDA its stream's work is asynchronous, so
+    wait for that stream (not the device: a side stream's copy must not be waited for here)."""
+    if x.is_cuda:
+        torch.cuda.current_stream(x.device).synchronize()
+    return time.perf_counter()
 
 
 class _Way:
@@ -82,6 +97,8 @@ class _Way:
         self.yielded = False  # the newest save's write began at the lowest priority
         self._ckpt: Any = None
         self._stager: Any = None
+        self._dispatch: dict = {}
+        self.restaged = 0  # saves whose stager had been closed by the previous one (PyTorch < 2.13)
         if name.startswith("spottrain"):
             from trainer.checkpoint.checkpointer import Checkpointer
             from trainer.checkpoint.tiers import Cadence, tier_table
@@ -97,10 +114,17 @@ class _Way:
             # Said at every save, from DCP's threads too: one process, as intended here.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+            on_gpu = next(model.parameters()).is_cuda
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu,
                                                         use_shared_memory=False,
                                                         use_async_staging=name.endswith("async staging"),
-                                                        use_non_blocking_copy=torch.cuda.is_available()))
+                                                        use_non_blocking_copy=on_gpu))
+            # Before PyTorch 2.13, DefaultStager closes its StateDictStager after each pinned stage,
+            # which empties the table its copy dispatches on: the next save fails with
+            # KeyError <class 'type'> (seen on an H200 with 2.11). Given back before every save, DCP
+            # runs as that release does otherwise, its pinned buffers freed and allocated again.
+            inner = getattr(self._stager, "_state_dict_stager", None)
+            self._dispatch = dict(getattr(inner, "_deepcopy_dispatch", None) or {})
 
     def state(self, step: int) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": step,
@@ -115,6 +139,10 @@ class _Way:
             import torch.distributed.checkpoint as dcp
 
             shutil.rmtree(self.d / "dcp", ignore_errors=True)  # one checkpoint at a time, as keep=1
+            inner = getattr(self._stager, "_state_dict_stager", None)
+            if inner is not None and self._dispatch and not inner._deepcopy_dispatch:
+                inner._deepcopy_dispatch.update(self._dispatch)
+                self.restaged += 1
             self._pending = dcp.async_save(self.state(step), checkpoint_id=str(self.d / "dcp"),
                                            async_stager=self._stager, no_dist=True)
         else:
@@ -179,7 +207,7 @@ def _window(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[to
         opt.zero_grad(set_to_none=True)
         if way is not None:
             way.after_step(step)
-        ends.append(time.perf_counter())
+        ends.append(_step_end(x))
     durations = [e - s for s, e in zip([t0] + ends, ends)]
     out = {"steps": durations, "call": call, "held": call + wait,
            "done_in_window": way.done() if way is not None else True,
@@ -189,11 +217,12 @@ def _window(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[to
     return out
 
 
-def measure(gb: float, steps: int, rounds: int, batch: int, d: Path) -> tuple[dict[str, list[dict]], int]:
+def measure(gb: float, steps: int, rounds: int, batch: int, d: Path,
+            device: str = "cpu") -> tuple[dict[str, list[dict]], int]:
     width = _width(gb * GiB)
-    model, opt = _model(width)
+    model, opt = _model(width, device)
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(batch, width, generator=g) for _ in range(4)]
+    batches = [torch.randn(batch, width, generator=g).to(device) for _ in range(4)]
     _window(model, opt, batches, 2, None, 0)  # AdamW's state exists from here on, as after a restore
     ways = {name: _Way(name, model, opt, d) for name in WAYS}
     results: dict[str, list[dict]] = {name: [] for name in WAYS}
@@ -212,6 +241,7 @@ def measure(gb: float, steps: int, rounds: int, batch: int, d: Path) -> tuple[di
                 got["base_step"] = b
                 got["step_lost"] = got["steps"][0] - b
                 got["window_lost"] = sum(got["steps"]) - steps * b
+                got["restaged"] = ways[name].restaged
                 results[name].append(got)
     finally:
         for w in ways.values():
@@ -220,14 +250,14 @@ def measure(gb: float, steps: int, rounds: int, batch: int, d: Path) -> tuple[di
 
 
 def table(results: dict[str, list[dict]], *, gb_state: float, width: int, steps: int, batch: int,
-          loads: list[float], machine: str, seconds: float) -> str:
+          loads: list[float], machine: str, seconds: float, device: str = "cpu") -> str:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in ("call", "held", "step_lost", "window_lost",
                                                                      "base_step")}
            for name, rs in results.items()}
     rounds = len(results[WAYS[0]])
     base = statistics.median(r["base_step"] for rs in results.values() for r in rs)
     lines = [
-        f"Machine: {machine}. Load average (1 min) during the run: {min(loads):.1f}-{max(loads):.1f}. "
+        f"Machine: {machine}. Training on {device}. Load average (1 min) during the run: {min(loads):.1f}-{max(loads):.1f}. "
         f"State: {gb_state:.2f} GiB ({LAYERS} x Linear({width}, {width}) + BatchNorm1d, AdamW's two moments), "
         f"batch {batch}, median step without a save {base:.3f} s; "
         f"windows of {steps} steps, {rounds} rounds, medians; {seconds:.0f} s in all.",
@@ -245,6 +275,11 @@ def table(results: dict[str, list[dict]], *, gb_state: float, width: int, steps:
     lines += ["", f"spottrain's write began at the lowest priority in {sum(r['yielded'] for r in rs)}/{len(rs)} "
               "windows (trainer.checkpoint.yielding: not where the time since its previous save was under four "
               "times that save's write)."]
+    for name in WAYS:
+        if max(r.get("restaged", 0) for r in results[name]):
+            lines += ["", f"{name}: this PyTorch's DefaultStager closed its StateDictStager after each stage "
+                      "(fixed in 2.13); the bench gave it back its copy table before each save, so each save "
+                      "pinned its host buffers anew, as DCP on this release does."]
     lines.append("")
     for what in ("held", "step_lost", "window_lost"):
         a, b = ours[what] / plain, ours[what] / dcp
@@ -262,7 +297,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the training loop (default 1, as the trainer's threads)")
-    a = p.parse_args(argv or [])  # `python -m bench` calls main() with its own argv in sys.argv
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model trains (default cpu; cuda: the first GPU)")
+    a = p.parse_args(argv or [])
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this torch sees no CUDA device")
+    device = "cuda:0" if a.device == "cuda" else "cpu"  # `python -m bench` calls main() with its own argv in sys.argv
     logging.getLogger("trainer").setLevel(logging.WARNING)
     logging.getLogger("spottrain").setLevel(logging.WARNING)
     threads = torch.get_num_threads()
@@ -273,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.monotonic()
     loads = [os.getloadavg()[0]]
     try:
-        results, width = measure(gb, a.steps, a.rounds, a.batch, d)
+        results, width = measure(gb, a.steps, a.rounds, a.batch, d, device)
         loads.append(os.getloadavg()[0])
         machine = _machine(d)
     finally:
@@ -282,8 +322,14 @@ def main(argv: list[str] | None = None) -> None:
     state_gb = LAYERS * 3 * (width * width + 3 * width) * 4 / GiB
     print("### What a save costs the loop\n")
     print(table(results, gb_state=state_gb, width=width, steps=a.steps, batch=a.batch, loads=loads, machine=machine,
-                seconds=time.monotonic() - t0))
+                seconds=time.monotonic() - t0, device=_device_name(device)))
     print()
+
+
+def _device_name(device: str) -> str:
+    if device == "cpu":
+        return "the CPU"
+    return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})"
 
 
 if __name__ == "__main__":

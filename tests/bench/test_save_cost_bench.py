@@ -54,3 +54,30 @@ def test_dcp_with_async_staging_waits_for_its_staging_before_the_optimizer_step(
     finally:
         way._pending = None
         way.close()
+
+
+def test_asking_for_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    if save_cost_bench.torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    with pytest.raises(SystemExit) as e:
+        save_cost_bench.main(["--device", "cuda"])
+    assert e.value.code == 2
+    assert "--device cuda: this torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_dcp_saves_again_after_a_pytorch_before_2_13_closed_its_stager(tmp_path: Path) -> None:
+    # PyTorch 2.11's DefaultStager closes its StateDictStager after a pinned stage, emptying its copy
+    # table: the bench's next DCP save failed with KeyError <class 'type'> on an H200.
+    model, opt = save_cost_bench._model(32)
+    save_cost_bench._window(model, opt, [save_cost_bench.torch.randn(4, 32)], 1, None, 0)
+    way = save_cost_bench._Way("DCP, reused stager", model, opt, tmp_path)
+    try:
+        way.save(1)
+        way.finish()
+        way._stager._state_dict_stager.close()  # what 2.11's _stage does after each stage
+        way.save(2)
+        way.finish()
+        assert way.restaged == 1
+        assert any((tmp_path / "dcp").iterdir())
+    finally:
+        way.close()
