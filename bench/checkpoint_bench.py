@@ -26,7 +26,8 @@ Environment: ``SPOTTRAIN_BENCH_GB`` (state size, default 1.0), ``SPOTTRAIN_BENCH
 on the disk to measure, default the system temp dir), ``SPOTTRAIN_BENCH_REPEATS`` (rounds of the
 repeated measures, default 3), ``SPOTTRAIN_BENCH_BEFORE`` (another tree of this repository, e.g. from ``git worktree add``:
 measure 5 also restores the SHA-256 checkpoint with that tree's trainer, taking turns with the
-others). Everything written is removed at the end.
+others), ``SPOTTRAIN_BENCH_MEASURES`` (which measures, e.g. ``2,5``; default all: more rounds of
+the noisy ones in the same time). Everything written is removed at the end.
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ def _every_step(run_dir: Path, keep: int = 3) -> Any:
 MiB = 1 << 20
 GiB = 1 << 30
 REPEATS = int(os.environ.get("SPOTTRAIN_BENCH_REPEATS", "3"))
+
+
+def _measures() -> set[int]:
+    raw = os.environ.get("SPOTTRAIN_BENCH_MEASURES", "1,2,3,4,5")
+    try:
+        got = {int(x) for x in raw.split(",") if x.strip()}
+    except ValueError:
+        got = set()
+    if not got or not got <= {1, 2, 3, 4, 5}:
+        print(f"checkpoint_bench: SPOTTRAIN_BENCH_MEASURES={raw!r}: give measure numbers 1-5, comma-separated",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return got
 
 
 def _sha256_writes() -> Any:
@@ -272,6 +286,7 @@ def _spread(xs: list[float]) -> str:
 
 
 def main() -> None:
+    want = _measures()  # before anything is written
     logging.getLogger("trainer").setLevel(logging.WARNING)
     gb = float(os.environ.get("SPOTTRAIN_BENCH_GB", "1.0"))
     base = Path(os.environ.get("SPOTTRAIN_BENCH_DIR", tempfile.gettempdir()))
@@ -279,105 +294,110 @@ def main() -> None:
     rows: list[tuple[str, str, str, str, str]] = []
     loads = [os.getloadavg()[0]]
     try:
-        state = _state(int(gb * GiB))
+        state = _state(int(gb * GiB)) if want & {1, 2, 3, 4} else {}
         nbytes = _nbytes(state)
         size = f"{nbytes / GiB:.2f} GiB"
 
-        # (1) blocked time vs a plain synchronous torch.save + fsync, interleaved.
-        plain, blocked, first_blocked = [], [], None
-        c = Checkpointer(_every_step(d / "run", keep=1), key=KEY)
-        for i in range(REPEATS + 1):
-            b = c.save(i + 1, state)
-            c.wait()
-            if i == 0:
-                first_blocked = b  # includes allocating and touching the reusable buffer
-            else:
-                blocked.append(b)
-                plain.append(_torch_save(state, d))
-        c.close()
-        shutil.rmtree(d / "run")
-        b_med, p_med = statistics.median(blocked), statistics.median(plain)
-        rows.append(("1. blocked per checkpoint / sync torch.save+fsync", size,
-                     f"{b_med:.3f} s (first save {first_blocked:.3f} s)", f"{p_med:.3f} s",
-                     f"**{b_med / p_med:.3f}** (goal <= 0.10)"))
-
-        # (2) background write vs sequential write floor, interleaved: BLAKE3, SHA-256, the floor.
-        buf = SnapshotBuffer()
-        ours: dict[str, list[float]] = {"blake3": [], "sha256": []}
-        floor = []
-        for i in range(REPEATS):
-            for name in (["blake3", "sha256"] if i % 2 == 0 else ["sha256", "blake3"]):
-                snap = buf.take(i, state)
-                with _sha256_writes() if name == "sha256" else contextlib.nullcontext():
-                    t0 = time.perf_counter()
-                    folder, _ = write_dir(snap, d / "w", key=KEY)
-                    ours[name].append(time.perf_counter() - t0)
-                total = sum(p.stat().st_size for p in folder.iterdir())
-                shutil.rmtree(folder)
-            floor.append(_floor_write(d, total))
-        f_med = statistics.median(floor)
-        for name, xs in ours.items():
-            o_med = statistics.median(xs)
-            rows.append((f"2. write ({name} + fsync + rename) / os.write+fsync: durable in", size,
-                         f"{_spread(xs)}, {total / o_med / MiB:.0f} MiB/s",
-                         f"{_spread(floor)}, {total / f_med / MiB:.0f} MiB/s",
-                         f"**{o_med / f_med:.2f}x**" + (" (goal <= 1.1x)" if name == "blake3" else "")))
-        del buf, snap
-        loads.append(os.getloadavg()[0])
-
-        # (3) emergency save latency against size (persistent tier, synchronous, durable on return).
-        for frac in (0.25, 0.5, 1.0):
-            sub = dict(state)
-            keys = [k for k in state["model"] if k.endswith(".weight")]
-            sub["model"] = {k: state["model"][k] for k in keys[: max(1, int(len(keys) * frac))]}
-            sz = _nbytes(sub)
-            c = Checkpointer(_every_step(d / f"em{frac}"), key=KEY)
-            # As in a running trainer: one periodic save happened before the notice, so the
-            # reusable host buffer exists.
-            c.save(6, sub)
-            c.wait()
-            t0 = time.monotonic()
-            rep = c.emergency_save(7, sub, deadline=t0 + 25.0)
-            dt = time.monotonic() - t0
+        if 1 in want:
+            # (1) blocked time vs a plain synchronous torch.save + fsync, interleaved.
+            plain, blocked, first_blocked = [], [], None
+            c = Checkpointer(_every_step(d / "run", keep=1), key=KEY)
+            for i in range(REPEATS + 1):
+                b = c.save(i + 1, state)
+                c.wait()
+                if i == 0:
+                    first_blocked = b  # includes allocating and touching the reusable buffer
+                else:
+                    blocked.append(b)
+                    plain.append(_torch_save(state, d))
             c.close()
-            fl = _floor_write(d, sz)
-            shutil.rmtree(d / f"em{frac}")
-            rows.append(("3. emergency save (call -> durable) / write floor", f"{sz / GiB:.2f} GiB",
-                         f"{dt:.2f} s ({'ok' if rep.persistent_ok else 'FAILED'})", f"{fl:.2f} s",
-                         f"{dt / fl:.2f}"))
+            shutil.rmtree(d / "run")
+            b_med, p_med = statistics.median(blocked), statistics.median(plain)
+            rows.append(("1. blocked per checkpoint / sync torch.save+fsync", size,
+                         f"{b_med:.3f} s (first save {first_blocked:.3f} s)", f"{p_med:.3f} s",
+                         f"**{b_med / p_med:.3f}** (goal <= 0.10)"))
 
-        # (4) restore (verify + load) vs the read floor, warm and cold page cache.
-        c = Checkpointer(_every_step(d / "r"), key=KEY)
-        c.save(9, state)
-        c.close()
-        folder = d / "r" / step_name(9)
-        files = sorted(p for p in folder.iterdir())
-        total = sum(p.stat().st_size for p in files)
-        for cache in ("warm", "cold"):
-            rs, fs = [], []
-            for _ in range(2):
-                if cache == "cold":
-                    _drop_cache(folder)
-                t0 = time.perf_counter()
-                rc = Checkpointer(tier_table(d / "r"), key=KEY)  # the default tiers, as a restarted run
-                r = rc.restore()
-                rs.append(time.perf_counter() - t0)
-                assert r is not None and r.step == 9
-                rc.close()  # joins the background buffer reservation before the floor runs
-                del r, rc
-                if cache == "cold":
-                    _drop_cache(folder)
-                fs.append(_floor_read(files))
-            r_med, fl_med = statistics.median(rs), statistics.median(fs)
-            rows.append((f"4. restore (verify + load) / os.read, {cache} cache", f"{total / GiB:.2f} GiB",
-                         f"{r_med:.2f} s ({total / r_med / MiB:.0f} MiB/s)",
-                         f"{fl_med:.2f} s ({total / fl_med / MiB:.0f} MiB/s)", f"{r_med / fl_med:.2f}"))
-        loads.append(os.getloadavg()[0])
+        if 2 in want:
+            # (2) background write vs sequential write floor, interleaved: BLAKE3, SHA-256, the floor.
+            buf = SnapshotBuffer()
+            ours: dict[str, list[float]] = {"blake3": [], "sha256": []}
+            floor = []
+            for i in range(REPEATS):
+                for name in (["blake3", "sha256"] if i % 2 == 0 else ["sha256", "blake3"]):
+                    snap = buf.take(i, state)
+                    with _sha256_writes() if name == "sha256" else contextlib.nullcontext():
+                        t0 = time.perf_counter()
+                        folder, _ = write_dir(snap, d / "w", key=KEY)
+                        ours[name].append(time.perf_counter() - t0)
+                    total = sum(p.stat().st_size for p in folder.iterdir())
+                    shutil.rmtree(folder)
+                floor.append(_floor_write(d, total))
+            f_med = statistics.median(floor)
+            for name, xs in ours.items():
+                o_med = statistics.median(xs)
+                rows.append((f"2. write ({name} + fsync + rename) / os.write+fsync: durable in", size,
+                             f"{_spread(xs)}, {total / o_med / MiB:.0f} MiB/s",
+                             f"{_spread(floor)}, {total / f_med / MiB:.0f} MiB/s",
+                             f"**{o_med / f_med:.2f}x**" + (" (goal <= 1.1x)" if name == "blake3" else "")))
+            del buf, snap
+            loads.append(os.getloadavg()[0])
 
-        # (5) a trainer's restore into a live model + AdamW vs torch.load, fresh processes.
-        del state
-        _measure_restore(d, gb, rows)
-        loads.append(os.getloadavg()[0])
+        if 3 in want:
+            # (3) emergency save latency against size (persistent tier, synchronous, durable on return).
+            for frac in (0.25, 0.5, 1.0):
+                sub = dict(state)
+                keys = [k for k in state["model"] if k.endswith(".weight")]
+                sub["model"] = {k: state["model"][k] for k in keys[: max(1, int(len(keys) * frac))]}
+                sz = _nbytes(sub)
+                c = Checkpointer(_every_step(d / f"em{frac}"), key=KEY)
+                # As in a running trainer: one periodic save happened before the notice, so the
+                # reusable host buffer exists.
+                c.save(6, sub)
+                c.wait()
+                t0 = time.monotonic()
+                rep = c.emergency_save(7, sub, deadline=t0 + 25.0)
+                dt = time.monotonic() - t0
+                c.close()
+                fl = _floor_write(d, sz)
+                shutil.rmtree(d / f"em{frac}")
+                rows.append(("3. emergency save (call -> durable) / write floor", f"{sz / GiB:.2f} GiB",
+                             f"{dt:.2f} s ({'ok' if rep.persistent_ok else 'FAILED'})", f"{fl:.2f} s",
+                             f"{dt / fl:.2f}"))
+
+        if 4 in want:
+            # (4) restore (verify + load) vs the read floor, warm and cold page cache.
+            c = Checkpointer(_every_step(d / "r"), key=KEY)
+            c.save(9, state)
+            c.close()
+            folder = d / "r" / step_name(9)
+            files = sorted(p for p in folder.iterdir())
+            total = sum(p.stat().st_size for p in files)
+            for cache in ("warm", "cold"):
+                rs, fs = [], []
+                for _ in range(2):
+                    if cache == "cold":
+                        _drop_cache(folder)
+                    t0 = time.perf_counter()
+                    rc = Checkpointer(tier_table(d / "r"), key=KEY)  # the default tiers, as a restarted run
+                    r = rc.restore()
+                    rs.append(time.perf_counter() - t0)
+                    assert r is not None and r.step == 9
+                    rc.close()  # joins the background buffer reservation before the floor runs
+                    del r, rc
+                    if cache == "cold":
+                        _drop_cache(folder)
+                    fs.append(_floor_read(files))
+                r_med, fl_med = statistics.median(rs), statistics.median(fs)
+                rows.append((f"4. restore (verify + load) / os.read, {cache} cache", f"{total / GiB:.2f} GiB",
+                             f"{r_med:.2f} s ({total / r_med / MiB:.0f} MiB/s)",
+                             f"{fl_med:.2f} s ({total / fl_med / MiB:.0f} MiB/s)", f"{r_med / fl_med:.2f}"))
+            loads.append(os.getloadavg()[0])
+
+        if 5 in want:
+            # (5) a trainer's restore into a live model + AdamW vs torch.load, fresh processes.
+            del state
+            _measure_restore(d, gb, rows)
+            loads.append(os.getloadavg()[0])
         machine = _machine(d)
     finally:
         shutil.rmtree(d, ignore_errors=True)
