@@ -20,7 +20,8 @@ def test_every_way_of_saving_runs_its_windows_and_everything_written_is_removed(
             for line in out.splitlines() if line.startswith("| ") and "---" not in line}
     assert set(rows) == {"way of saving", *save_cost_bench.WAYS}
     assert all(float(rows[w][0]) > 0 for w in save_cost_bench.WAYS)  # each saved, in its call
-    assert out.count("goal <= 0.03") == 3 and out.count("goal <= 0.5") == 3
+    assert out.count("goal <= 0.03") == 4 and out.count("goal <= 0.5") == 4
+    assert "interquartile range of every baseline step" in out
     assert list(tmp_path.iterdir()) == []
 
 
