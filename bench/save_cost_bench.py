@@ -263,8 +263,7 @@ def table(results: dict[str, list[dict]], *, gb_state: float, width: int, steps:
            for name, rs in results.items()}
     rounds = len(results[WAYS[0]])
     base = statistics.median(r["base_step"] for rs in results.values() for r in rs)
-    base_steps = [x for rs in results.values() for r in rs for x in r.get("base_steps", [r["base_step"]])]
-    q = statistics.quantiles(base_steps, n=4) if len(base_steps) > 1 else [base, base, base]
+    q = statistics.quantiles([x for rs in results.values() for r in rs for x in r["base_steps"]], n=4)
     iqr = q[2] - q[0]
     # The median of `rounds` differences of two steps, each step's spread estimated from the
     # baseline's interquartile range (sigma ~ IQR / 1.349): about what the "lost" medians resolve.
@@ -290,7 +289,7 @@ def table(results: dict[str, list[dict]], *, gb_state: float, width: int, steps:
               "windows (trainer.checkpoint.yielding: not where the time since its previous save was under four "
               "times that save's write)."]
     for name in WAYS:
-        if max(r.get("restaged", 0) for r in results[name]):
+        if results[name][-1]["restaged"]:  # counted over the run
             lines += ["", f"{name}: this PyTorch's DefaultStager closed its StateDictStager after each stage "
                       "(fixed in 2.13); the bench gave it back its copy table before each save, so each save "
                       "pinned its host buffers anew, as DCP on this release does."]
@@ -316,10 +315,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch threads of the training loop (default 1, as the trainer's threads)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the model trains (default cpu; cuda: the first GPU)")
-    a = p.parse_args(argv or [])
+    a = p.parse_args(argv or [])  # `python -m bench` calls main() with its own argv in sys.argv
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this torch sees no CUDA device")
-    device = "cuda:0" if a.device == "cuda" else "cpu"  # `python -m bench` calls main() with its own argv in sys.argv
+    device = "cuda:0" if a.device == "cuda" else "cpu"
     logging.getLogger("trainer").setLevel(logging.WARNING)
     logging.getLogger("spottrain").setLevel(logging.WARNING)
     threads = torch.get_num_threads()
