@@ -11,8 +11,10 @@ ledger. Global rank 0 speaks for the job (logs, DDP checkpoints).
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import pickle
 import socket
 import threading
 from dataclasses import dataclass
@@ -30,6 +32,10 @@ class World:
     local_size: int = 1
     node_rank: int = 0  # torchrun's GROUP_RANK: this node's index in the current world
     restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: worker-group restarts so far
+    #: Bytes this rank sent or received pickled through ``broadcast``: small decisions only. A state
+    #: of model size travels as tensors (``trainer.checkpoint.broadcast``); the restore reports this
+    #: count, so a regression that pickles one shows in the log and fails a test.
+    object_bytes: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -64,12 +70,23 @@ class World:
         return float(t.item())
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank."""
+        """Rank ``src``'s ``obj`` on every rank, through pickle: for small values (what
+        ``broadcast_object_list`` does, with the bytes counted in ``object_bytes``)."""
         if not self.distributed:
             return obj
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, device=_comm_device())
-        return box[0]
+        device = _comm_device()
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        dist.broadcast(size, src=src)
+        n = int(size.item())
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src
+               else torch.empty(n, dtype=torch.uint8)).to(device)
+        dist.broadcast(buf, src=src)
+        self.object_bytes += n
+        if self.rank == src:
+            return obj
+        host = buf.cpu()
+        return pickle.loads(ctypes.string_at(host.data_ptr(), n))
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, indexed by rank, on every rank."""

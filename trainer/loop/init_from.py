@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
+from trainer.checkpoint import broadcast
 from trainer.distributed import World
 
 
@@ -115,13 +116,19 @@ def _read(cfg: Any, log: logging.Logger) -> Any:
         raise InitFromError(f"init_from: {e}") from None
 
 
-def _on_main(world: World, fn: Any) -> Any:
+def _on_main(world: World, fn: Any, *, state: bool = False) -> Any:
     """``fn()`` on rank 0, its result on every rank; an error there is raised on every rank (as
-    InitFromError when it was bad input) instead of leaving the others waiting."""
+    InitFromError when it was bad input) instead of leaving the others waiting. With ``state``,
+    ``fn`` returns (weights and optimizer state, small rest): the small rest goes through pickle, the
+    state as tensors (``trainer.checkpoint.broadcast``: a pickled view would carry its whole
+    buffer once per tensor)."""
     out: Any = None
+    big: Any = None
     if world.is_main:
         try:
-            out = ("ok", fn())
+            got = fn()
+            big, got = got if state else (None, got)
+            out = ("ok", got)
         except InitFromError as e:
             out = ("bad", str(e))
         except Exception as e:  # noqa: BLE001 - travels to every rank
@@ -131,7 +138,10 @@ def _on_main(world: World, fn: Any) -> Any:
         raise InitFromError(out[1])
     if out[0] == "error":
         raise RuntimeError(out[1])
-    return out[1]
+    if not state:
+        return out[1]
+    big, _ = broadcast.broadcast_state(world, big)
+    return big, out[1]
 
 
 def provenance(cfg: Any, found: Any, digest: str) -> dict[str, Any]:
@@ -153,14 +163,15 @@ def apply(cfg: Any, world: World, model: torch.nn.Module, optimizer: torch.optim
     if sharded_run is not None:
         return _apply_sharded(cfg, world, model, optimizer, sharded_run, log)
 
-    def read() -> tuple[dict, Any, dict]:
+    def read() -> tuple[dict, dict]:
         found = _read(cfg, log)
         if cfg.init_from_optimizer and found.sharded:
             raise InitFromError(_layouts("fsdp", "ddp"))
         opt = found.state.get("optimizer") if cfg.init_from_optimizer else None
-        return found.model, opt, provenance(cfg, found, tensor_digest(found.model))
+        return {"model": found.model, "optimizer": opt}, provenance(cfg, found, tensor_digest(found.model))
 
-    weights, opt_state, prov = _on_main(world, read)
+    loaded, prov = _on_main(world, read, state=True)
+    weights, opt_state = loaded["model"], loaded["optimizer"]
     _load_model(getattr(model, "module", model), weights, prov)
     if opt_state is not None:
         _load_optimizer(optimizer, opt_state, prov)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.checkpoint import tier_wait
+from trainer.checkpoint import broadcast, tier_wait
 from trainer.checkpoint.manifest import ResumeMismatch
 from trainer.distributed import World, node_name
 
@@ -45,6 +45,7 @@ def newest(ckpt: Any, world: World) -> tuple[dict | None, tuple[str, str]]:
         best = max((s for s in steps if s is not None), default=None)
         src = 0 if best is None or steps[0] == best else steps.index(best)
         payload: tuple[str, Any] | None = None
+        restored = None
         if world.rank == src:
             try:
                 restored = ckpt.restore(step=best)  # best None: the newest, or a fresh start
@@ -56,9 +57,8 @@ def newest(ckpt: Any, world: World) -> tuple[dict | None, tuple[str, str]]:
                 if restored is None and best is not None:
                     payload = ("unusable", best)
                     failed.add(best)
-                else:
-                    payload = ("state", (restored.state, (restored.tier, f"{node_name()}:{restored.path}"))
-                               if restored else None)
+                else:  # the decision only: the state itself follows as tensors
+                    payload = ("state", (restored.tier, f"{node_name()}:{restored.path}") if restored else None)
         payload = world.broadcast(payload, src=src)
         assert payload is not None
         if payload[0] == "unknown":
@@ -67,7 +67,15 @@ def newest(ckpt: Any, world: World) -> tuple[dict | None, tuple[str, str]]:
             raise ResumeMismatch(payload[1])
         if payload[0] == "state":
             break
-    saved, where = payload[1] if payload[1] is not None else (None, ("", ""))
+    if payload[1] is None:
+        return None, ("", "")
+    before = world.object_bytes
+    saved, sent = broadcast.broadcast_state(world, restored.state if restored is not None else None, src=src)
+    if world.is_main:
+        ckpt.log.info("restore: step %s sent from rank %d as %d tensors (%d bytes) and %d bytes of structure; "
+                      "%d bytes pickled", saved["step"], src, sent.tensors, sent.tensor_bytes, sent.structure_bytes,
+                      world.object_bytes - before)
+    where = payload[1]
     if saved is not None and world.is_main and src != 0:
         ckpt.mark_restored(int(saved["step"]))
     return saved, where
