@@ -15,6 +15,11 @@ bit for bit:
 - ``snapshot``: the time the loop is blocked copying a CUDA state into the pinned host buffer
   (``SnapshotBuffer.take``, the whole copy waited for) against a synchronous ``torch.save`` of the
   same state with fsync, side by side: a figure for BENCHMARKS.md, not a pass/fail;
+- ``restore-ddp``: a whole-model state of ``--restore-gib`` (a 24-layer GPT and its AdamW state,
+  over a thousand tensors) restored by one process per GPU as a DDP job restores it (rank 0 loads
+  and verifies, every rank receives it over NCCL: ``bench/restore_memory_bench.py``); passes when
+  every rank holds the saved state bit for bit and no rank's memory grew by more than 1.3x a
+  one-process restore's;
 - ``snapshot-overlap``: the weights copied beside the next step (``take(later=...)``: on CUDA a
   side stream): the current stream then runs matrix products, changes a buffer copied at the call,
   waits (``before_update``) and changes the weights in place; the snapshot must hold every byte
@@ -178,11 +183,28 @@ def _snapshot_overlap(gib: float) -> Check:
                  f"{min(whole):.3f} s); saved bytes {'are' if ok else 'are NOT'} those at the call")
 
 
+def _restore_ddp(work: Path, gib: float, nproc: int, backend: str) -> Check:
+    from bench import restore_memory_bench as rmb
+
+    d = work / "restore-ddp"
+    d.mkdir()
+    got = rmb.measure(int(gib * (1 << 30)), nproc, d, backend=backend, digests=True)
+    one, ranks = got["one"], got["ranks"]
+    same = all(r["digest"] == got["saved"] for r in ranks)
+    worst = max(r["growth"] for r in ranks) / one["growth"]
+    return Check("restore-ddp", same and worst <= 1.3,
+                 f"{nproc} ranks ({backend}), {one['bytes'] / (1 << 30):.2f} GiB in {one['tensors']} tensors; every rank "
+                 f"{'holds the saved state' if same else 'does NOT hold the saved state'}; worst rank's memory "
+                 f"{worst:.2f}x a one-process restore's; restore {one['seconds']:.1f} s alone, "
+                 f"{max(r['seconds'] for r in ranks):.1f} s across ranks; {max(r['pickled'] for r in ranks)} bytes pickled")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or tempfile.gettempdir()) / "gpu_check")
     p.add_argument("--only", default="", help="comma-separated check names (default: all)")
     p.add_argument("--snapshot-gib", type=float, default=float(os.environ.get("SPOTTRAIN_GPU_CHECK_GIB", 2.0)))
+    p.add_argument("--restore-gib", type=float, default=float(os.environ.get("SPOTTRAIN_GPU_CHECK_RESTORE_GIB", 4.0)))
     p.add_argument("--keep", action="store_true", help="keep the runs' folders and logs under --out")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -228,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                          {"parallelism": par, "global_batch_size": 8 * nproc, "precision": "bf16" if cuda else "fp32"})
             c.detail = f"{nproc} processes ({'nccl' if cuda else 'gloo'}); {c.detail}"
             record(c)
+    if want("restore-ddp"):
+        record(_restore_ddp(work, a.restore_gib, nproc, "nccl" if cuda else "gloo"))
     if want("snapshot"):
         record(_snapshot(work, a.snapshot_gib))
     if want("snapshot-overlap"):

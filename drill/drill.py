@@ -183,6 +183,25 @@ class Rendered:
         return bool(self.uploads)
 
 
+
+def many_tensors(exp: Any) -> Any:
+    """A multi-rank experiment (a pool, or several GPUs a VM) that trains the bundled GPT without
+    choosing its size trains the model of hundreds of tensors (``drill.tiny_gpt``): a restore
+    between ranks must cost one copy of the state whatever the number of tensors, and the default
+    few-tensor model hid that it did not. Anything else is the experiment as written."""
+    from drill.tiny_gpt import MULTI_RANK_TASK_ARGS_TOML
+    from stacks.load import tomllib
+
+    multi_rank = exp.pool is not None or exp.machine.gpu_count > 1
+    args = dict(exp.trainer.config.get("task_args") or {})
+    if not multi_rank or exp.trainer.task != "trainer.tasks.gpt:build" or "n_layer" in args:
+        return exp
+    sized = {k: v for k, v in tomllib.loads(MULTI_RANK_TASK_ARGS_TOML)["task_args"].items()
+             if k in ("n_layer", "n_embd")}
+    config = {**exp.trainer.config, "task_args": {**args, **sized}}
+    return exp.model_copy(update={"trainer": exp.trainer.model_copy(update={"config": config})})
+
+
 def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = None,
            code_dir: Path | None = None, extra: dict[str, Any] | None = None, pool: Any = None,
            trainer_args: tuple[str, ...] = ()) -> Rendered:
@@ -200,6 +219,7 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
 
     ef = load_file(cfg.experiment)
     exp = ef.spec if pool is None else ef.spec.model_copy(update={"pool": pool})
+    exp = many_tensors(exp)
     # The VM stand-in's Python is this one (drill.sandbox), not the image's: its wheels are the
     # lock for this Python (`make lock` writes it beside the image's), and the startup script's
     # check of the Python they were locked for holds.

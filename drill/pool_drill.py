@@ -477,6 +477,14 @@ def replay(segments: list[tuple[int, int, int]], props: Any, run_dir: Path, imag
     args = ["--run-dir", str(run_dir), "--steps", str(props.steps), "--task", props.task, "--health-port", "0",
             "--checkpoint-key-file", str(key),
             *(["--parallelism", props.parallelism] if props.parallelism else []), *props.args]
+    if props.config:  # the VMs' [trainer.config] (task_args, batch size: what changes the numbers),
+        # without the sinks the stack adds for the VMs (Cloud Monitoring, unreachable off GCE)
+        from stacks.load import tomllib
+        from stacks.trainer_config import to_toml
+
+        own = {k: v for k, v in tomllib.loads(props.config).items() if k != "sinks"}
+        (run_dir.parent / "reference.toml").write_text(to_toml(own))
+        args += ["--config", str(run_dir.parent / "reference.toml")]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     for k, (ws, _, end) in enumerate(segments):
         last = k == len(segments) - 1

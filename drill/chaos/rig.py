@@ -46,7 +46,7 @@ from drill.gcs_emulator import StorageEmulator
 from drill.metadata_server import MetadataServer
 from drill.procs import power_off
 from drill.small_fs import SmallFs
-from drill.tiny_gpt import TASK_ARGS_TOML
+from drill.tiny_gpt import MULTI_RANK_TASK_ARGS_TOML, TASK_ARGS_TOML
 from trainer import shutdown_window
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,15 +86,17 @@ def reference_name(nproc: int, nodes: int = 1) -> str:
     return REFERENCE if nproc == 1 else f"{REFERENCE}-ws{nproc}"
 
 
-def config() -> str:
-    """The trainer's config file for every run of the matrix (and the reference)."""
+def config(multi_rank: bool = False) -> str:
+    """The trainer's config file for every run of the matrix (and the reference); ``multi_rank``
+    (torchrun, two nodes): the model of hundreds of tensors (``drill.tiny_gpt``)."""
     from trainer.config import RunConfig
 
     extra = ""
     if "durable_timeout_s" in RunConfig.model_fields:  # the trainer bounds its final save
         extra += f"durable_timeout_s = {DURABLE_TIMEOUT_S}\n"
-    return _CONFIG.format(batch=BATCH, every=EVERY, budget=BUDGET_S, wait=WAIT_FOR_TIERS_S, ttl=LEASE_TTL_S,
+    text = _CONFIG.format(batch=BATCH, every=EVERY, budget=BUDGET_S, wait=WAIT_FOR_TIERS_S, ttl=LEASE_TTL_S,
                           extra=extra)
+    return text.replace(TASK_ARGS_TOML, MULTI_RANK_TASK_ARGS_TOML) if multi_rank else text
 
 
 def key_env(folder: Path) -> dict[str, str]:
@@ -391,7 +393,7 @@ class Rig:
         self.park.mkdir()
         self.marker = self.dir / "RAN-ATTACKER-CODE"  # created by the forged checkpoints' payload if unpickled
         self.config_file = self.dir / "trainer.toml"
-        self.config_file.write_text(config())
+        self.config_file.write_text(config(multi_rank=self.nproc > 1 or self.nodes > 1))
         self.uri = run_uri(self.emulator, self.name)
         self.proxy = FaultProxy(self.emulator.host)
         if self.nodes == 1:

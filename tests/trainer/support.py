@@ -25,7 +25,7 @@ import pytest
 from drill.attacker import bucket_names, code_running_pickle, forge, forge_in_bucket  # noqa: F401
 from drill.net import free_port
 from drill.procs import power_off
-from drill.tiny_gpt import TASK_ARGS_TOML
+from drill.tiny_gpt import MULTI_RANK_TASK_ARGS_TOML, TASK_ARGS_TOML
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 240.0  # a failure guard only: this box is small and shared
@@ -73,9 +73,12 @@ def closed_metadata_host() -> str:
     return f"127.0.0.1:{free_port()}"
 
 
-def write_config(dir: Path, extra: str = "") -> Path:
+def write_config(dir: Path, extra: str = "", *, multi_rank: bool = False) -> Path:
+    """The suite's trainer config in ``dir`` with ``extra`` settings; ``multi_rank``: the model of
+    hundreds of tensors every multi-rank test trains (``drill.tiny_gpt``)."""
     path = dir / "trainer.toml"
-    head, _, tail = TEST_CONFIG.partition("[task_args]")
+    config = TEST_CONFIG.replace(TASK_ARGS_TOML, MULTI_RANK_TASK_ARGS_TOML) if multi_rank else TEST_CONFIG
+    head, _, tail = config.partition("[task_args]")
     path.write_text(head + extra + "\n[task_args]" + tail)
     return path
 

@@ -6,7 +6,8 @@ tensors) x (checkpoint size), terabytes for a real DDP job. So nothing of model 
 pickle between ranks. The source rank encodes the state's structure with ``state_codec`` (the same
 plain-data encoding a checkpoint's ``state.json`` uses: no pickle on either side) plus a table of
 each tensor's dtype, shape and place in a byte arena; every other rank allocates that arena once and
-receives the tensors' bytes into it with ``dist.broadcast``, in chunks of at most ``CHUNK`` bytes.
+receives the tensors' bytes into it with ``dist.broadcast``, in chunks of at most ``CHUNK`` bytes
+and a sixteenth of the state.
 
 Peak memory: a receiving rank holds the arena (one copy of the state) and, under NCCL, one chunk on
 the device; the source holds its state as restored plus one chunk it packs the tensors' bytes into.
@@ -26,9 +27,11 @@ import torch.distributed as dist
 
 from trainer.checkpoint import state_codec
 
-#: Bytes sent per collective: big enough that a GiB is a handful of calls, small enough that the
-#: source's packing buffer (and a chunk on the device under NCCL) is noise beside the state.
+#: Bytes sent per collective: at most CHUNK (a GiB is 16 calls) and at most a sixteenth of the
+#: state (at least MIN_CHUNK), so the source's packing buffer (and a chunk on the device under
+#: NCCL) stays noise beside the state at any size.
 CHUNK = 64 << 20
+MIN_CHUNK = 1 << 20
 ALIGN = 64
 FORMAT = "spottrain-broadcast"
 
@@ -118,14 +121,15 @@ def broadcast_state(world: Any, state: Any, src: int = 0) -> tuple[Any, Sent]:
     device = _comm_device()
     mine = world.rank == src
     arena = None if mine else torch.empty(max(size, 1), dtype=torch.uint8)
-    chunk = torch.empty(min(CHUNK, max(size, 1)), dtype=torch.uint8, device=device) \
+    step = min(CHUNK, max(MIN_CHUNK, size // 16))
+    chunk = torch.empty(min(step, max(size, 1)), dtype=torch.uint8, device=device) \
         if (mine or device.type != "cpu") and size else None
     # Walk the arena in chunks; the source packs each chunk from the tensors that overlap it.
     spans = [(row[0], row[1]) for row in meta["tensors"]]
     k = 0  # the first tensor that may overlap the current chunk
     cached: tuple[int, torch.Tensor] | None = None  # a tensor spanning chunks is made bytes once
-    for a in range(0, size, CHUNK):
-        b = min(size, a + CHUNK)
+    for a in range(0, size, step):
+        b = min(size, a + step)
         if mine:
             assert chunk is not None
             view = chunk[: b - a]

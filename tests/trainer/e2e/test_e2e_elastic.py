@@ -30,7 +30,7 @@ TASK = "tests.trainer.e2e.gate_task:build"
 
 def _config(tmp: Path) -> Path:
     # global_batch_size keeps 8 samples per step at world size 2 (1 micro-batch) and 1 (2).
-    return write_config(tmp, "global_batch_size = 8\nhealth_port = 0\nwatch_metadata = false\n")
+    return write_config(tmp, "global_batch_size = 8\nhealth_port = 0\nwatch_metadata = false\n", multi_rank=True)
 
 
 def _args(run_dir: Path, config: Path, *extra: str) -> list[str]:

@@ -91,7 +91,7 @@ def test_gcs_down_past_the_bound_fails_clearly_and_starts_nothing(tmp_path: Path
 
 def test_every_rank_of_a_job_waits_and_gives_up_together(tmp_path: Path, gcs_proxy) -> None:
     """Two ranks under torchrun: rank 0 cannot read GCS; both wait, both give up (exit 69)."""
-    config = write_config(tmp_path, "wait_for_tiers_s = 3\n")
+    config = write_config(tmp_path, "wait_for_tiers_s = 3\n", multi_rank=True)
     gcs_proxy.proxy.add("*", r".", "status", status=403, times=None)
     argv = run_args(tmp_path / "run", STEPS, config, "--gcs-uri", gcs_proxy.uri)
     p = Proc([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", *argv[2:]],

@@ -26,7 +26,7 @@ def torchrun(run_dir: Path, config: Path, *extra: str) -> Proc:
 
 @pytest.mark.xdist_group("torchrun")
 def test_fsdp_sigterm_then_resume_on_one_process_matches_the_same_path(tmp_path: Path) -> None:
-    config = write_config(tmp_path, 'parallelism = "fsdp"\nglobal_batch_size = 8\n')
+    config = write_config(tmp_path, 'parallelism = "fsdp"\nglobal_batch_size = 8\n', multi_rank=True)
     run_dir = tmp_path / "run"
     p = torchrun(run_dir, config)
     p.wait_for(r"event=step step=6/")
@@ -39,7 +39,7 @@ def test_fsdp_sigterm_then_resume_on_one_process_matches_the_same_path(tmp_path:
 
     # The other layout is refused, and nothing is deleted.
     (tmp_path / "ddp").mkdir()
-    ddp = Proc(_args(run_dir, write_config(tmp_path / "ddp", "global_batch_size = 8\n")))
+    ddp = Proc(_args(run_dir, write_config(tmp_path / "ddp", "global_batch_size = 8\n", multi_rank=True)))
     assert ddp.wait() == 2
     assert 'this run has parallelism = "ddp", but its tiers hold checkpoints of the other layout' in ddp.output
     assert status(run_dir)["latest_step"] == saved
