@@ -99,7 +99,28 @@ def test_drill_a_two_gpu_vm_runs_two_ranks_and_resumes_exactly(tmp_path: Path) -
         journal = (tmp_path / "drill" / run / "vm" / "journal.log").read_text()
         starts = [line for line in journal.splitlines() if "event=start " in line]
         assert starts and all("world_size=2" in line for line in starts), starts
+    # Multi-rank: the VM trains the model of hundreds of tensors (drill.drill.many_tensors), so
+    # that the restore between its ranks is one of a real shape.
+    vm_config = tmp_path / "drill" / "reference" / "vm" / "upper" / "etc" / "spottrain" / "trainer.toml"
+    assert "task_args = {n_embd = 16, n_layer = 16}" in vm_config.read_text()
     assert result.status["latest_step"] == cfg.steps
+
+
+def test_multi_rank_experiments_train_a_model_of_hundreds_of_tensors() -> None:
+    from drill.drill import many_tensors
+    from stacks.experiment import Pool
+    from stacks.load import load_file
+
+    two = many_tensors(load_file(TWO_GPUS).spec)
+    assert two.trainer.config["task_args"] == {"n_layer": 16, "n_embd": 16}
+    assert two.trainer.config["batch_size"] == 8  # the rest of the experiment's settings kept
+    example = load_file(Path(__file__).resolve().parents[2] / "experiments" / "example.toml").spec
+    assert many_tensors(example) == example  # one VM, one GPU: as written
+    pooled = example.model_copy(update={"pool": Pool.model_validate({"min_nodes": 1, "max_nodes": 2})})
+    assert many_tensors(pooled).trainer.config["task_args"]["n_layer"] == 16
+    sized = pooled.model_copy(update={"trainer": pooled.trainer.model_copy(
+        update={"config": {"task_args": {"n_layer": 3}}})})
+    assert many_tensors(sized) == sized  # the experiment chose its model's size
 
 
 def test_the_report_explains_a_short_runs_low_goodput() -> None:
