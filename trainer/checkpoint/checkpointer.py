@@ -1070,10 +1070,12 @@ class Checkpointer:
         record = "; ".join(said)
         if saved:
             why = (f"this run saved before ({record}), but no checkpoint of it is left on any tier: they were deleted "
-                   "(a bucket's soft delete may still hold them: restore them and restart to resume from them)")
+                   "(a bucket's soft delete may still hold them: to resume from them, stop the run, restore them and "
+                   "remove what it wrote since if that is newer)")
         else:
             why = f"this run never saved a checkpoint ({record})"
-        message = (f"event=checkpoints_set_aside saved_before={int(saved)}: {why}; starting from scratch beside "
+        # Not an event=... line: the session emits the event (one entry for the alert to count).
+        message = (f"setting aside checkpoints (saved_before={int(saved)}): {why}; starting from scratch beside "
                    f"checkpoints nobody can vouch for as this run's ({listed}). They are never loaded, deleted or "
                    "overwritten (a save at their step skips that tier). Someone who can write the bucket put them "
                    "there without the key, or they are this run's own under a lost key or from another place: "

@@ -342,7 +342,7 @@ def test_a_planted_checkpoint_at_a_step_the_ledger_recorded_never_hides_a_rollba
 
     p = start(run_dir, STEPS, config, *gcs, env=env)
     assert p.wait() == 2, p.output[-4000:]
-    p.seen(r"event=checkpoints_set_aside saved_before=1: this run saved before")
+    p.seen(r"setting aside checkpoints \(saved_before=1\): this run saved before")
     p.seen(r"cannot resume: this run's ledger \(\S+ledger\.jsonl\) records step 20 durable in the bucket "
            r".* resuming would roll the run back to a fresh start")
     assert "step-00000020/manifest.json" in bucket_names(gcs_emulator.client, gcs_emulator.uri)
