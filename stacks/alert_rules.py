@@ -53,6 +53,14 @@ def rules(exp: Experiment) -> list[AlertRule]:
                   "The run stopped on bad input (exit 2: it stays stopped and stops paying until you fix the "
                   "experiment and deploy again) or failed (a crash the unit restarts a few times, a boot that "
                   "failed).", severity="ERROR"),
+        # The run did not stop (a bucket writer must not be able to stop it for good), so nothing
+        # else says that someone put checkpoints in its bucket, or deleted its own.
+        AlertRule("set-aside", "checkpoints set aside", "set_aside", 0, 300,
+                  "A restore found no checkpoint of this run's own, only ones nobody can vouch for in its bucket "
+                  "(another run's, or without a valid HMAC), set them aside and started from scratch. "
+                  "saved_before=0: planted before the run ever saved; saved_before=1: the run saved before and its "
+                  "checkpoints were deleted (soft delete may keep them). Look at them and remove them "
+                  "(docs/security.md).", severity="ERROR"),
         AlertRule("capacity", "waiting for capacity", "capacity_waits", 0, 1800,
                   f"Compute Engine has refused to create the VM for lack of capacity for {a.capacity_wait_minutes} "
                   "minutes (a stockout): the run waits and costs nothing meanwhile (see docs/capacity.md).",

@@ -102,6 +102,8 @@ def metrics(project: str, experiment: str) -> list[LogMetric]:
                   _trainer("finished") + ' AND NOT jsonPayload.message:"already complete"'),
         LogMetric("tier_failing", "A checkpoint tier kept failing, by tier", _trainer("tier_failing"),
                   labels={"tier": "jsonPayload.fields.tier"}),
+        LogMetric("set_aside", "A restore set aside checkpoints nobody can vouch for and started from scratch",
+                  _trainer("checkpoints_set_aside")),
     ]
     out = [LogMetric(m.name, m.description, f"{base} AND ({m.filter})", m.unit, m.value_field, m.labels)
            for m in own]

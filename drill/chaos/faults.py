@@ -323,6 +323,36 @@ class Replay(Fault):
         pass  # an attacker's objects stay in the bucket
 
 
+class PlantedFirstBoot(Fault):
+    """Before the job's first boot, its prefix gets another run's authentic checkpoint (step 15)
+    and an unsigned forgery whose state is the marker pickle (step 16): a run with nothing of its
+    own must set them aside and train, never exit 2 on every boot (drill.chaos.matrix runs it:
+    the first run is the fault's boot)."""
+
+    #: What the trainer logs when it sets them aside (trainer.observe.sinks.log).
+    SET_ASIDE = r"\bevent=checkpoints_set_aside saved_before=(\d) steps=(\S+)"
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        client = rig.client()
+        self.forged = 3 * EVERY  # the authentic one: a trainer that took it would resume from 15
+        copy_step(client, rig.other_run(self.forged), rig.uri, self.forged)
+        name = state_file(read_manifest(client, rig.uri, self.forged))
+        forge_in_bucket(client, rig.uri, self.forged, self.forged + 1, {name: code_running_pickle(rig.marker)})
+
+    def remove(self, rig: Rig) -> None:
+        pass  # an attacker's objects stay in the bucket
+
+    def observed(self, rig: Rig) -> list[str]:
+        said = [(t.role, m) for t in rig.trainers for m in t.find(self.SET_ASIDE)]
+        return [f"{role} set aside steps {m.group(2)} (saved before: {'yes' if m.group(1) == '1' else 'no'})"
+                for role, m in said]
+
+    def missed(self, rig: Rig) -> str | None:
+        if not any(t.find(self.SET_ASIDE) for t in rig.trainers):
+            return "no trainer set the planted checkpoints aside"
+        return None
+
+
 class GarbageManifest(Fault):
     """Two planted steps: 200 KB of nested `[` as a manifest (with a payload object beside it), and
     a manifest one byte over the trainer's 16 MiB bound at the next step."""
@@ -480,6 +510,8 @@ _STOP_MARKER = ("`trainer run` never reads a stop marker: only the VM's stop pat
                 "alone (never parsed: garbage or size change nothing). A planted one stops the job, which "
                 "docs/security.md lists among what a bucket writer can do; tests/trainer/cloud/test_scale.py covers "
                 "honour and the stop path")
+_FIRST_BOOT = ("a first boot is the start-up moment: planted later, beside the run's own checkpoints, they are the "
+               "replay and tampered cells")
 _SAVES_ONLY = "the trainer reads a checkpoint only when it starts: a forgery planted during the run is met at the next start-up"
 _TWO_WRITERS = ("who may write is settled when a trainer starts (run-dir lock, GCS lease) whatever the "
                 "first one is doing: the start-up and restore cells")
@@ -574,6 +606,16 @@ FAULTS: dict[str, Fault] = {f.key: f for f in [
                                   "never overwrites, and the final save's read-back refuses it (another run's): "
                                   "exit 74 on every boot until someone removes it, never 0 (docs/security.md: a "
                                   "bucket writer can keep a run from finishing)"}),
+    PlantedFirstBoot("planted-first-boot", "planted checkpoints at a first boot",
+                     "a bucket writer without the key copying another run's authentic checkpoint, and an unsigned "
+                     "forgery, into the prefix of a run that has none of its own yet (before this change: exit 2 on "
+                     "every boot until someone removed them)",
+                     "before the job's first boot: another run's step 15 copied in unchanged and step 16 forged from "
+                     "it (the marker pickle as its state, no HMAC); the first boot must set them aside "
+                     "(event=checkpoints_set_aside saved_before=0) and train; a notice at step 13, and the next boot "
+                     "resumes the job's own step 13 beside them",
+                     {"periodic": _FIRST_BOOT, "emergency": _FIRST_BOOT, "final": _FIRST_BOOT,
+                      "restore": _FIRST_BOOT}),
     GarbageManifest("garbage-manifest", "garbage and oversized manifests",
                     "a bucket writer planting objects no parser should choke on (or a broken tool writing into the "
                     "prefix)",

@@ -361,6 +361,31 @@ class Cell:
         return self.r
 
 
+# ------------------------------------------------------------------------------------ a first boot
+
+
+def _planted_at_first_boot(c: Cell) -> None:
+    """The fault is planted before the job's first boot (not the next one's, as other start-up
+    cells): that boot must set the planted checkpoints aside and train (a notice at step 13), and
+    the next boot resume its own step 13 beside them and finish."""
+    c.inject()
+    c.first_run()  # a start-up cell's first run: clean but for the planted objects, notice at 13
+    first = c.first.restored() if c.first is not None else None
+    if first is None or first[0] != 0:  # its own first step, not the planted 15 or 16
+        c.r.violations.append(f"the first boot did not start from scratch beside the planted checkpoints "
+                              f"(restored {first}, exit {c.first.exit if c.first else None})")
+    c.rig.next_boot()
+    for i in range(1, BOOTS + 1):
+        t = c.rig.start(f"boot {i}")
+        c.boots.append(t)
+        t.finish()
+        c.ended(t)
+        if t.rc == 0:
+            break
+    if not any(t.rc == 0 for t in c.boots):
+        c.r.violations.append("the job never finished (no boot exited 0)")
+
+
 # ------------------------------------------------------------------------------------ two writers
 
 
@@ -587,6 +612,7 @@ SCRIPTS: dict[tuple[str, str], Callable[[Cell], None]] = {
     ("second-vm", "startup"): lambda c: _second_writer_startup(c, c.rig.dir / "other-vm", "the second VM"),
     ("second-vm", "restore"): lambda c: _both_at_once(c, c.rig.dir / "other-vm", False),
     ("planted-ledger", "startup"): _ledger_copied_back,
+    ("planted-first-boot", "startup"): _planted_at_first_boot,
     ("planted-ledger", "restore"): _ledger_copied_back,
 }
 

@@ -166,3 +166,17 @@ def test_the_rig_gives_rank_0_to_the_node_it_means_to_lead(tmp_path: Path, gcs_p
             assert job.run_dir == rig.node_list[1].run_dir
         finally:
             job.kill()
+
+
+@pytest.mark.skipif(not SmallFs.possible("ext4"), reason="the chaos matrix mounts real disks: root only")
+def test_the_planted_first_boot_cell_trains_beside_the_planted_checkpoints(tmp_path: Path) -> None:
+    """Issue 28: checkpoints planted before a run's first boot once stopped it on every boot (exit
+    2). The cell's first boot sets them aside and trains; the next boot resumes its own step."""
+    from drill.chaos.matrix import run_matrix
+
+    logs: list[str] = []
+    [r] = run_matrix([("planted-first-boot", "startup")], tmp_path, log=logs.append)
+    assert r.verdict == "PASS", (r.violations, logs)
+    assert (r.stopped, r.resumed, r.lost, r.unpickled, r.fresh_start, r.digest_equal) == (13, 13, 0, "no", False, True)
+    assert "first set aside steps 15,16 (saved before: no)" in r.notes, r.notes
+    assert [role for role, _ in r.exits] == ["first", "boot 1"] and r.exits == [("first", "75"), ("boot 1", "0")]

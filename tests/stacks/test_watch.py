@@ -40,6 +40,8 @@ def _entries(experiment: str = "example") -> list[dict[str, Any]]:
                "steps_per_s=4.00 tokens_per_s=1000 eta_s=42"),
         (unit, "2026-03-01T10:01:20.000 INFO trainer event=eval step=130 loss=2.7000 batches=4 seconds=0.1"),
         (unit, "2026-03-01T10:01:30.000 WARNING trainer event=tier_failing tier=gcs failing since 10:01"),
+        (unit, "2026-03-01T10:01:40.000 WARNING trainer event=checkpoints_set_aside saved_before=0 steps=10,30 "
+               "(started from scratch beside checkpoints nobody can vouch for as this run's: gcs step 10 at x)"),
         (unit, "2026-03-01T10:02:00.000 ERROR trainer event=failed reason=bad_input trainer.steps: no"),
         (unit, "2026-03-01T10:03:00.000 INFO trainer event=finished step=300"),
         (unit, "2026-03-01T10:04:00.000 INFO trainer event=finished step=300 (already complete)"),
@@ -75,6 +77,7 @@ EXPECTED = {
     "preemptions": ["reason=preemption"], "boots": ["after=stop", "after=preemption"],
     "stalls": ["event=stalled"], "failures": ["event=boot_failed", "event=failed"],
     "finished": ["event=finished step=300"], "tier_failing": ["event=tier_failing"], "capacity_waits": [],
+    "set_aside": ["event=checkpoints_set_aside"],
 }
 
 
@@ -124,7 +127,7 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     boots = metrics["spottrain/example/boots"]
     assert boots["label_extractors"] == {"after": "EXTRACT(jsonPayload.fields.after)"}
     policies = s.resources("google_monitoring_alert_policy")
-    assert len(policies) == len(alert_rules.rules(s.spec)) == 6
+    assert len(policies) == len(alert_rules.rules(s.spec)) == 7
     for p in policies:
         (condition,) = p["conditions"]
         # The condition names its metric resource (so it waits for it), on the VMs' resource type.
@@ -141,7 +144,7 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     capacity = next(p for p in policies if p["display_name"].endswith("waiting for capacity"))
     assert capacity["conditions"][0]["condition_threshold"]["duration"] == "7200s"
     assert s.resources("google_monitoring_notification_channel") == []
-    assert alert_rules.note(s.spec) == ("alerts: 6 alert policies notify nobody (no email, webhook_url or "
+    assert alert_rules.note(s.spec) == ("alerts: 7 alert policies notify nobody (no email, webhook_url or "
                                         "pubsub_topic in [alerts]); their incidents show in Cloud Monitoring only")
 
 
@@ -153,7 +156,7 @@ def test_channels_notify_every_policy_and_the_topic_grants_monitoring_its_publis
         ("webhook_tokenauth", '{"url": "https://hooks.example.com/spottrain?token=abc123"}'),
         ("pubsub", '{"topic": "projects/my-project-123456/topics/spottrain-alerts"}')])
     policies = s.resources("google_monitoring_alert_policy")
-    assert len(policies) == 5  # notify_finished = false
+    assert len(policies) == 6  # notify_finished = false
     assert all(len(p["notification_channels"]) == 4 for p in policies)
     grant = s.one("google_pubsub_topic_iam_member")
     assert (grant["project"], grant["topic"], grant["role"]) == (

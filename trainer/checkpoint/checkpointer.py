@@ -52,7 +52,12 @@ empty: a trainer's restore raises ``TierUnknown`` rather than choose without it
 ``export``) only notes it. What is never a reason to fall back or start afresh (a
 ``ResumeMismatch``, exit 2, nothing deleted): a checkpoint that verified but cannot be decoded or
 does not fit the model, checkpoints of the other layout or another format version, and
-unauthenticated checkpoints when nothing authentic is left. A verified checkpoint whose load failed
+unauthenticated or other-run checkpoints on a disk tier when nothing authentic is left. Such
+checkpoints only in the bucket, where anyone who can write it may have planted them, are set aside
+(``set_aside``: never loaded, deleted or overwritten) and the run starts from scratch, saying
+whether its signed run record (``trainer.checkpoint.run_record``, written with the first upload of
+each session) shows it saved before; a record that cannot be read is unknown, never "never saved".
+A verified checkpoint whose load failed
 for a reason outside it (an I/O error, memory running out, a peer rank failing:
 ``manifest.unreadable``) is neither: the tier is unknown (``TierUnknown`` on every rank), and
 start-up tries the restore again.
@@ -97,6 +102,7 @@ from trainer.checkpoint.format import (VERIFY_READS, CheckpointInfo, check_check
                                        list_checkpoints, read_manifest)
 from trainer.checkpoint.interval import DEFAULT_MTBF_S, YoungDalyPolicy, changed_materially
 from trainer.checkpoint.key import CheckpointKey
+from trainer.checkpoint import run_record
 from trainer.checkpoint.layout import Layout, Refs, Staged, Written
 from trainer.checkpoint.manifest import (MANIFEST, OTHER_FORMAT, OTHER_LAYOUT, OTHER_RUN, CheckpointInvalid,
                                          CheckpointUnloadable, CheckpointUnreadable, ResumeMismatch, StepOccupied,
@@ -116,6 +122,21 @@ class Restored:
     path: str            # folder/URI, for logs
     seconds: float       # restore wall time
     model: dict | None = None  # a read-only look: the full model state dict (on CPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class SetAside:
+    """What a restore set aside to start from scratch beside (``Checkpointer.restore``): checkpoints
+    on remote tiers only, unauthenticated or signed for another run, of a run with nothing
+    authentic left. ``saved_before``: an authentic run record says the run saved before (its own
+    checkpoints are gone: deleted, perhaps restorable from soft delete); False: it provably never
+    saved on a tier that is there to ask. A person is needed either way: the event says so."""
+
+    found: tuple[str, ...]   # "tier step N at LOCATION: reason", each
+    steps: tuple[int, ...]
+    saved_before: bool
+    record: str              # what the remote tiers' run records say, in words
+    message: str             # the warning, whole
 
 
 @dataclasses.dataclass
@@ -201,8 +222,10 @@ class _Upload:
 
 
 
-def _no_quarantine() -> dict[str, list[str]]:
-    return {"format": [], "unauthenticated": [], "other_run": []}
+def _no_quarantine() -> dict[str, list[Any]]:
+    # "on_disk": the unauthenticated and other-run ones on a disk tier, which no bucket writer can
+    # have put there; "remote_steps": the steps of those on a remote tier.
+    return {"format": [], "unauthenticated": [], "other_run": [], "on_disk": [], "remote_steps": []}
 
 class Checkpointer:
     """Asynchronous multi-tier checkpointing of one layout; see the module docstring."""
@@ -235,7 +258,11 @@ class Checkpointer:
         #: What the last survey met: the quick-checked copies (rank 0) and the quarantined
         #: checkpoints that are not of the other layout ("format", "unauthenticated", "other_run").
         self._infos: dict[tuple[str, int], CheckpointInfo] = {}
-        self._quarantined: dict[str, list[str]] = _no_quarantine()
+        self._quarantined: dict[str, list[Any]] = _no_quarantine()
+        #: What the last restore set aside to start from scratch beside (``SetAside``), or None.
+        self.set_aside: SetAside | None = None
+        #: Remote tiers this session wrote its run record to (``trainer.checkpoint.run_record``).
+        self._recorded: set[str] = set()
         #: Every step the last survey of this process listed on some tier, valid or not (None: no
         #: survey yet): what the rollback guard (``trainer.loop.rollback``) asks.
         self.steps_seen: set[int] | None = None
@@ -748,6 +775,7 @@ class Checkpointer:
                     with store.deadline(job.deadline), store.aborting(job.abort):
                         if job.deadline is not None and time.monotonic() > job.deadline:
                             raise UploadAborted("deadline passed before the manifest upload")
+                        self._record(job.tier, step)
                         store.put_bytes(f"{prefix}/{MANIFEST}", manifest)
                 except Exception as e:  # noqa: BLE001
                     result = e
@@ -756,6 +784,17 @@ class Checkpointer:
         result = agree(result)
         if result is not None:
             raise result if isinstance(result, BaseException) else RuntimeError(result)
+
+    def _record(self, t: Tier, step: int) -> None:
+        """Rank 0, before the manifest of this session's first checkpoint on the remote tier ``t``:
+        the run's signed record that it saved there (``trainer.checkpoint.run_record``), so that no
+        visible checkpoint of the run is ever without one. Rewritten once a session: a record a
+        bucket writer replaced or deleted is back with the next save. A failure fails the upload."""
+        if self.key is None or self.key.run is None or t.name in self._recorded:
+            return
+        t.store.put_bytes(run_record.RECORD_KEY, run_record.build(self.key, step=step, writer=self.session),
+                          overwrite=True)
+        self._recorded.add(t.name)
 
     def _remote_plan(self, job: _Upload) -> str:
         """What to do with the copy of ``job.step`` the remote tier may hold already: ``skip`` (this
@@ -904,7 +943,13 @@ class Checkpointer:
                 elif quarantined(i.reason):
                     what = ("format" if i.reason.startswith(OTHER_FORMAT) else
                             "other_run" if i.reason.startswith(OTHER_RUN) else "unauthenticated")
-                    self._quarantined[what].append(f"{t.name} step {i.step} at {i.location}: {i.reason}")
+                    line = f"{t.name} step {i.step} at {i.location}: {i.reason}"
+                    self._quarantined[what].append(line)
+                    if what != "format":
+                        if t.remote:
+                            self._quarantined["remote_steps"].append(i.step)
+                        else:
+                            self._quarantined["on_disk"].append(line)
                     self.log.warning("refusing %s checkpoint step %d at %s: %s", t.name, i.step, i.location, i.reason)
                 else:
                     self.log.warning("ignoring %s checkpoint step %d at %s: %s",
@@ -952,15 +997,91 @@ class Checkpointer:
                     return restored
             if step is not None:
                 return None  # that step only (a node of a multi-node restore asked): not usable here
-            if self._quarantined["unauthenticated"] and download:
-                # Never a fresh start over them: they may be this run's work under a lost key.
-                raise ResumeMismatch(quarantine_mismatch(self._quarantined["unauthenticated"], self.key))
-            if self._quarantined["other_run"] and download:
-                # Nor over another run's: they may be this run's own, moved here from elsewhere.
-                raise ResumeMismatch(other_run_mismatch(self._quarantined["other_run"], self.key and self.key.run))
+            self.set_aside = None
+            if (self._quarantined["unauthenticated"] or self._quarantined["other_run"]) and download:
+                # Nothing authentic left, but checkpoints nobody can vouch for as this run's: rank 0
+                # decides (it read the tiers) and every rank follows.
+                verdict = g.bcast(self._beside_held() if g.rank == 0 else None)
+                if isinstance(verdict, dict):
+                    raise TierUnknown(verdict)
+                if isinstance(verdict, str):
+                    raise ResumeMismatch(verdict)
+                self.set_aside = verdict
+                if g.rank == 0:
+                    self.log.warning("%s", verdict.message)
+                    if self.steps_seen is not None:
+                        # Not the run's checkpoints: the rollback guard must not count them as its
+                        # steps still being there (a forgery at a step the ledger recorded durable).
+                        self.steps_seen -= set(verdict.steps)
+                return None
             if g.rank == 0:
                 self.log.info("no valid checkpoint on any tier; starting from scratch")
             return None
+
+    def held_on_disks(self) -> str | None:
+        """After a survey: the refusal for unauthenticated or other-run checkpoints on this process's
+        disk tiers, or None. A multi-node restore asks every node leader (each surveys its own
+        disks), so that no node starts from scratch while another's disk holds such a one."""
+        return self._held_mismatch() if self._quarantined["on_disk"] else None
+
+    def _held_mismatch(self) -> str:
+        q = self._quarantined
+        if q["unauthenticated"]:
+            # Never a fresh start over them: they may be this run's work under a lost key.
+            return quarantine_mismatch(q["unauthenticated"], self.key)
+        # Nor over another run's: they may be this run's own, moved here from elsewhere.
+        return other_run_mismatch(q["other_run"], self.key and self.key.run)
+
+    def _beside_held(self) -> SetAside | str | dict[str, str]:
+        """Rank 0, nothing authentic left to resume: whether to start from scratch beside the
+        unauthenticated or other-run checkpoints the survey met (a ``SetAside``), refuse (the
+        message: exit 2), or wait (tier -> error: a run record could not be read).
+
+        On a disk tier they are the run's own or root's (no bucket writer can write a disk): its
+        work under a lost key, or moved here; refuse, as always. On the remote tiers only, anyone
+        who can write the bucket may have put them there, and refusing would let them stop the run
+        for good: set them aside (never loaded, deleted or overwritten) and start from scratch,
+        saying whether the run's own signed record shows it saved before. A tier whose record
+        cannot be read is unknown, never "never saved"."""
+        q = self._quarantined
+        if q["on_disk"]:
+            return self._held_mismatch()
+        saved, said, unknown = False, [], {}
+        for t in self.tiers:
+            if not t.remote:
+                continue
+            if self.key is None or self.key.run is None:
+                said.append(f"{t.name}: no run record (this run's key is bound to no run)")
+                continue
+            try:
+                with t.store.deadline(time.monotonic() + self.LIST_TIMEOUT_S):
+                    ok, what = run_record.read(t.store, self.key)
+            except Exception as e:  # noqa: BLE001 - unknown, not empty
+                self.log.warning("cannot read the run record on %s (%s: %s); what it holds is unknown",
+                                 t.name, type(e).__name__, e)
+                unknown[t.name] = f"run record: {type(e).__name__}: {e}"
+                continue
+            saved = saved or ok
+            said.append(what)
+        if unknown:
+            return unknown
+        found = tuple(q["unauthenticated"] + q["other_run"])
+        listed = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+        record = "; ".join(said)
+        if saved:
+            why = (f"this run saved before ({record}), but no checkpoint of it is left on any tier: they were deleted "
+                   "(a bucket's soft delete may still hold them: to resume from them, stop the run, restore them and "
+                   "remove what it wrote since if that is newer)")
+        else:
+            why = f"this run never saved a checkpoint ({record})"
+        # Not an event=... line: the session emits the event (one entry for the alert to count).
+        message = (f"setting aside checkpoints (saved_before={int(saved)}): {why}; starting from scratch beside "
+                   f"checkpoints nobody can vouch for as this run's ({listed}). They are never loaded, deleted or "
+                   "overwritten (a save at their step skips that tier). Someone who can write the bucket put them "
+                   "there without the key, or they are this run's own under a lost key or from another place: "
+                   "look at them, and remove them. See docs/security.md")
+        return SetAside(found=found, steps=tuple(sorted(set(q["remote_steps"]))), saved_before=saved,
+                        record=record, message=message)
 
     def _restore_step(self, step: int, valid_on: list[str], download: bool, t_start: float) -> Restored | None:
         """Load a copy of ``step`` (every node leader finds or downloads its own), trying the next

@@ -16,7 +16,9 @@ of the other layout (whole-model vs sharded), one of another format version (for
 without the ``blake3`` package), and an unauthenticated one (no HMAC, or one that does
 not verify with this key: forged, or written with a lost or rotated key), and one signed for
 another run (an authentic checkpoint of a run under the same key, copied here). A restore that
-meets them refuses to start afresh beside them (``ResumeMismatch``).
+meets them with nothing authentic left refuses to start afresh beside them (``ResumeMismatch``),
+except unauthenticated and other-run ones that are only in the bucket, which a bucket writer may
+have planted: those are set aside (``trainer.checkpoint.checkpointer``, ``trainer.checkpoint.run_record``).
 """
 
 from __future__ import annotations

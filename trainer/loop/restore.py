@@ -8,7 +8,10 @@ restores and broadcasts the state (rank 0 on a tie); when that step fails full v
 node, the leaders negotiate again without it, so another node's older checkpoint (or the remote
 tier's) is the fallback, never a fresh start; and a tier any leader cannot read makes every
 rank wait (``TierUnknown``: unknown is not empty). A ``ResumeMismatch`` on the restoring rank
-reaches every rank, so none is left waiting.
+reaches every rank, so none is left waiting. When no node offers a step, a node whose disk holds
+unauthenticated or other-run checkpoints (its own or root's: no bucket writer can write a disk)
+stops every rank (exit 2), as one process would; rank 0 alone may set aside such checkpoints in
+the bucket and start from scratch (``Checkpointer.restore``), since every node sees the same bucket.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ def newest(ckpt: Any, world: World) -> tuple[dict | None, tuple[str, str]]:
         offer: tuple[str, Any] | None = None
         if ckpt is not None:
             try:
-                offer = ("step", ckpt.newest_valid_step(excluding=failed))
+                offer = ("step", ckpt.newest_valid_step(excluding=failed), ckpt.held_on_disks())
             except tier_wait.TierUnknown as e:
                 offer = ("unknown", e.tiers)
         offers = world.all_gather(offer)
@@ -43,6 +46,9 @@ def newest(ckpt: Any, world: World) -> tuple[dict | None, tuple[str, str]]:
             raise tier_wait.TierUnknown(unknown)
         steps = [o[1] if o else None for o in offers]
         best = max((s for s in steps if s is not None), default=None)
+        held = next((o[2] for o in offers if o and o[2] is not None), None)
+        if best is None and held is not None:  # every rank has the offers: every rank raises
+            raise ResumeMismatch(held)
         src = 0 if best is None or steps[0] == best else steps.index(best)
         payload: tuple[str, Any] | None = None
         restored = None

@@ -39,7 +39,7 @@ from trainer.observe import sinks
 from trainer.observe.bus import Bus, SinkContext
 from trainer.observe.events import (CapacityWait, CheckpointDurable, DataWorkersDied, Eval, Failed, Goodput, InitFrom,
                                     Notice, Preempted, Progress, Restored, SessionStarted, Stalled, Step, StepsChanged,
-                                    TierFailing, TierOk)
+                                    TierFailing, TierOk, CheckpointsSetAside)
 from trainer.observe.health import Health, HealthServer
 from trainer.observe.ledger import new_session_id, session_start_fields
 from trainer.observe.progress import StepWindow
@@ -215,6 +215,10 @@ class Session:
         t0 = time.monotonic()
         saved, (tier, path) = self.until_known(lambda: restore.newest(self.ckpt, world))
         self._refuse_rollback(saved)
+        aside = self.ckpt.set_aside if self.ckpt is not None else None
+        if aside is not None and world.is_main:  # the restore that set them aside ran on rank 0
+            self.bus.emit(CheckpointsSetAside(aside.saved_before, list(aside.steps), "; ".join(aside.found)[:3000],
+                                              aside.record[:1000]))
         start = 0
         if saved is not None:
             steps_changed = self._check_settings(saved, job.fingerprint)

@@ -233,6 +233,21 @@ class TierOk(Event):
     tier: str
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointsSetAside(Event):
+    """The restore found nothing authentic to resume, only checkpoints in the bucket that are
+    unauthenticated or signed for another run, and set them aside to start from scratch
+    (``trainer.checkpoint.checkpointer.SetAside``): a person should look at them. ``saved_before``:
+    the run's own signed record says it saved before, so its checkpoints were deleted (soft delete
+    may hold them); False: it never saved (a first boot with planted objects). Rank 0."""
+
+    kind: ClassVar[str] = "checkpoints_set_aside"
+    saved_before: bool
+    steps: list[int]
+    found: str     # each set-aside checkpoint and why
+    record: str    # what the run records on the remote tiers say
+
+
 # ------------------------------------------------------------------------------ how a session ends
 
 

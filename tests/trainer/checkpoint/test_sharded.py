@@ -723,3 +723,32 @@ def test_a_gcs_that_cannot_be_read_is_unknown_in_the_sharded_layout_too(tmp_path
              policies={})
     assert c.restore().step == 1
     c.close()
+
+
+def test_another_runs_sharded_checkpoint_planted_at_a_first_boot_is_set_aside(tmp_path: Path, gcs_emulator) -> None:
+    """The sharded layout decides as the whole-model one (issue 28): another run's authentic
+    sharded checkpoint copied into the prefix of a run with nothing of its own is set aside, never
+    read by DCP; the run starts from scratch, and its own save writes the run record."""
+    from drill.attacker import copy_step
+    from trainer.checkpoint import run_record
+
+    other = gcs_emulator.uri + "-other"
+    model, opt, sched = make(seed=0)
+    c = ckpt(tmp_path / "other", World(), other, gcs_client=gcs_emulator.client, model=model, opt=opt,
+             key=key().bound_to(other), policies={"gcs": Policy(every_steps=1)})
+    train(model, opt, sched, 1, 0)
+    c.save(1, {"step": 1}, every_tier=True)
+    c.wait()
+    c.close()
+    copy_step(gcs_emulator.client, other, gcs_emulator.uri, 1)
+
+    mine = key().bound_to(gcs_emulator.uri)
+    fresh, fresh_opt, _ = make(seed=1)
+    c = ckpt(tmp_path / "run", World(), gcs_emulator.uri, gcs_client=gcs_emulator.client, model=fresh,
+             opt=fresh_opt, key=mine, policies={"gcs": Policy(every_steps=1)})
+    assert c.restore() is None
+    assert c.set_aside is not None and c.set_aside.steps == (1,) and not c.set_aside.saved_before
+    c.save(2, {"step": 2}, every_tier=True)
+    c.wait()
+    c.close()
+    assert run_record.read(c.tiers["gcs"].store, mine)[0]

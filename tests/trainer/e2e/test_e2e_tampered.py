@@ -10,6 +10,7 @@ changed) is a resume mismatch: exit 2 naming the step, the tier and the reason, 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 import uuid
@@ -238,22 +239,42 @@ def test_another_runs_authentic_checkpoint_copied_in_is_never_resumed(tmp_path: 
     assert final["latest_step"] == STEPS and final["model_digest"] == reference["model_digest"]
 
 
-def test_only_another_runs_checkpoints_never_make_a_fresh_start(tmp_path: Path, gcs_emulator) -> None:
-    """A run whose bucket holds only another run's checkpoints (copied in, or the run moved here)
-    refuses to start afresh over them: exit 2, naming them; nothing deleted."""
+def test_checkpoints_planted_at_a_first_boot_never_stop_the_run(tmp_path: Path, gcs_emulator) -> None:
+    """Before a run's first boot, a bucket writer without the key copies another run's authentic
+    checkpoint into its prefix and plants an unsigned forgery. No record signed by this run says it
+    ever saved, so it sets them aside (never loaded, deleted or overwritten), says so as an event
+    an alert can match (and in its ledger), and trains to the end; a restart resumes its own."""
+    from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
+
     config = write_config(tmp_path)
     env = trainer_env(**gcs_emulator.env)
     other_uri = gcs_emulator.uri + "-moved-from"
     assert start(tmp_path / "other", STEPS, config, "--gcs-uri", other_uri, "--checkpoint-every-steps", "10",
                  "--stop-at-step", "10", env=env).wait() == 75
     _copy_step(gcs_emulator.client, other_uri, gcs_emulator.uri, 10)
+    forge_in_bucket(gcs_emulator.client, gcs_emulator.uri, 10, 30, {})
+    planted = {"step-00000010/manifest.json", "step-00000030/manifest.json"}
 
-    p = start(tmp_path / "run", STEPS, config, "--gcs-uri", gcs_emulator.uri, env=env)
-    assert p.wait() == 2, p.output[-4000:]
-    p.seen(r"cannot resume: no checkpoint on any tier belongs to this run \(gs://\S+\), and the tiers hold "
-           r"checkpoints signed for another run")
+    run_dir, gcs = tmp_path / "run", ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
+    p = start(run_dir, STEPS, config, *gcs, "--stop-at-step", "20", env=env)
+    assert p.wait() == 75, p.output[-4000:]
     assert "Traceback" not in p.output
-    assert "step-00000010/manifest.json" in bucket_names(gcs_emulator.client, gcs_emulator.uri)
+    line = p.seen(r"event=checkpoints_set_aside saved_before=0 steps=10,30 \(started from scratch beside "
+                  r"checkpoints nobody can vouch for as this run's: .*").group(0)
+    assert re.search(r"gcs step 10 at gs://\S+: another run's: signed for the run at '\S+-moved-from'", line)
+    assert re.search(r"gcs step 30 at gs://\S+: unauthenticated: its manifest carries no HMAC", line)
+    p.seen(r"event=restore step=0 \(no checkpoint: starting fresh\)")
+    p.seen(r"gcs holds a checkpoint at step 10 that is never overwritten")
+    aside = [e for e in read_events(run_dir / LEDGER_DIR / LEDGER_FILE) if e["event"] == "checkpoints_set_aside"]
+    assert len(aside) == 1 and aside[0]["saved_before"] is False and aside[0]["steps"] == [10, 30]
+    assert planted <= bucket_names(gcs_emulator.client, gcs_emulator.uri)
+
+    shutil.rmtree(run_dir)  # a blank disk: the bucket holds its own step 20 now, beside the planted ones
+    p = start(run_dir, STEPS, config, *gcs, "--stop-at-step", "25", env=env)
+    assert p.wait() == 75, p.output[-4000:]
+    p.seen(r"event=restore step=20 tier=gcs")
+    assert not any("checkpoints_set_aside" in line for line in p.lines)
+    assert planted <= bucket_names(gcs_emulator.client, gcs_emulator.uri)
 
 
 def _recorded_in_bucket(run_dir: Path) -> list[int]:
@@ -296,3 +317,32 @@ def test_deleting_the_newest_checkpoints_from_the_bucket_never_rolls_the_run_bac
     p = start(run_dir, 1_000_000, config, *gcs, "--allow-rollback", "--stop-at-step", "5", env=env)
     assert p.wait() == 75, p.output[-4000:]
     p.seen(rf"event=rollback step={newest} to=None allowed=1")
+
+
+def test_a_planted_checkpoint_at_a_step_the_ledger_recorded_never_hides_a_rollback(tmp_path: Path,
+                                                                                   gcs_emulator) -> None:
+    """The run's ledger (its own disk) recorded step 20 durable in the bucket; a bucket writer
+    deletes the run's checkpoints and copies another run's step 20 in their place (the run's disk
+    lost its checkpoint folders too). The planted step 20 is set aside, and it does not count as
+    the run's step 20 being there: the rollback guard refuses the fresh start (exit 2)."""
+    config = write_config(tmp_path)
+    env = trainer_env(**gcs_emulator.env)
+    other_uri = gcs_emulator.uri + "-other"
+    assert start(tmp_path / "other", STEPS, config, "--gcs-uri", other_uri, "--checkpoint-every-steps", "10",
+                 "--stop-at-step", "20", env=env).wait() == 75
+    run_dir, gcs = tmp_path / "run", ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
+    assert start(run_dir, STEPS, config, *gcs, "--stop-at-step", "20", env=env).wait() == 75
+    assert 20 in _recorded_in_bucket(run_dir)
+    for folder in run_dir.glob("step-*"):
+        shutil.rmtree(folder)
+    bucket_name, _, prefix = gcs_emulator.uri[len("gs://"):].partition("/")
+    for blob in gcs_emulator.client.list_blobs(bucket_name, prefix=f"{prefix}/step-"):
+        blob.delete()
+    _copy_step(gcs_emulator.client, other_uri, gcs_emulator.uri, 20)
+
+    p = start(run_dir, STEPS, config, *gcs, env=env)
+    assert p.wait() == 2, p.output[-4000:]
+    p.seen(r"setting aside checkpoints \(saved_before=1\): this run saved before")
+    p.seen(r"cannot resume: this run's ledger \(\S+ledger\.jsonl\) records step 20 durable in the bucket "
+           r".* resuming would roll the run back to a fresh start")
+    assert "step-00000020/manifest.json" in bucket_names(gcs_emulator.client, gcs_emulator.uri)

@@ -14,9 +14,9 @@ from typing import Any
 
 from trainer import EXIT_NOT_DURABLE
 from trainer.observe.bus import BaseSink, SinkContext
-from trainer.observe.events import (CapacityWait, CheckpointSaved, DataWorkersDied, Eval, Event, Failed, Finished,
-                                    InitFrom, Paused, Preempted, Restored, Stalled, Step, StepsChanged, TierFailing,
-                                    TierOk)
+from trainer.observe.events import (CapacityWait, CheckpointSaved, CheckpointsSetAside, DataWorkersDied, Eval, Event,
+                                    Failed, Finished, InitFrom, Paused, Preempted, Restored, Stalled, Step, StepsChanged,
+                                    TierFailing, TierOk)
 from trainer.observe.progress import WINDOW_FIGURES, LiveLine
 from trainer.observe.sinks import register
 
@@ -24,7 +24,7 @@ from trainer.observe.sinks import register
 class LogSink(BaseSink):
     name = "log"
     handles = (Step, Eval, CheckpointSaved, Restored, StepsChanged, InitFrom, Preempted, Paused, Finished, Failed,
-               TierFailing, TierOk, Stalled, CapacityWait, DataWorkersDied)
+               TierFailing, TierOk, Stalled, CapacityWait, DataWorkersDied, CheckpointsSetAside)
 
     def __init__(self, log: logging.Logger, *, main: bool, stream: Any = None) -> None:
         self.log, self.main = log, main
@@ -103,6 +103,12 @@ class LogSink(BaseSink):
 
         self.log.warning("event=tier_failing tier=%s %s", ev.tier, describe_failing(
             {ev.tier: {"since": ev.since, "failures": ev.failures, "error": ev.error}}))
+
+    def _checkpointssetaside(self, ev: CheckpointsSetAside) -> None:
+        # A warning a log-based alert can match: someone must look at the objects set aside.
+        self.log.warning("event=checkpoints_set_aside saved_before=%d steps=%s (started from scratch beside "
+                         "checkpoints nobody can vouch for as this run's: %s; %s)", int(ev.saved_before),
+                         ",".join(map(str, ev.steps)), ev.found, ev.record)
 
     def _tierok(self, ev: TierOk) -> None:
         self.log.info("event=tier_ok tier=%s", ev.tier)
