@@ -4,7 +4,8 @@
 its checkpointer. Several nodes with the whole-model layout negotiate: each node leader offers the
 newest step its own tiers hold (a node's disk may hold a checkpoint newer than the remote tier has:
 the previous rank 0 wrote it there before the world was re-formed), the leader with the newest
-restores and broadcasts the state (rank 0 on a tie); when that step fails full verification on that
+restores and sends the state to every rank as tensors (``trainer.checkpoint.broadcast``: never
+pickled), rank 0 on a tie; when that step fails full verification on that
 node, the leaders negotiate again without it, so another node's older checkpoint (or the remote
 tier's) is the fallback, never a fresh start; and a tier any leader cannot read makes every
 rank wait (``TierUnknown``: unknown is not empty). A ``ResumeMismatch`` on the restoring rank
