@@ -376,7 +376,7 @@ class GarbageLease(Fault):
         out = [f"{t.role} found its lease replaced: wrote nothing more to GCS" for t in rig.trainers
                if t.find(LEASE_LOST)]
         out += [f"{t.role} took the unreadable lease over once nobody renewed it" for t in rig.trainers
-                if t.find(r"event=lease_acquired .*took_over=expired previous=unreadable")]
+                if t.find(r"event=lease_acquired .*took_over=expired previous=\"?unreadable")]
         return out
 
     def remove(self, rig: Rig) -> None:

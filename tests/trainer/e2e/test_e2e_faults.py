@@ -217,7 +217,7 @@ def test_two_run_dirs_on_one_gcs_prefix_never_write_it_at_once(tmp_path: Path, g
         a.seen(r"event=lease_acquired holder=\S+:\S+/a object=")
         b = start(tmp_path / "b", 400, config, "--task", GATE, "--gcs-uri", gcs_proxy.uri, env=env)
         assert b.wait() == 2, b.output[-3000:]
-        b.seen(r"event=waiting_for_lease holder=\S+/a \(pid \d+ on host ")
+        b.seen(r'event=waiting_for_lease holder="\S+/a \(pid \d+ on host ')
         b.seen(r"event=failed reason=bad_input another trainer is writing this job: the writer lease "
                rf"{gcs_proxy.uri}/{LEASE_KEY} is held and renewed by \S+/a ")
         assert "event=restore" not in b.output
@@ -295,7 +295,7 @@ def test_a_holder_that_died_is_replaced_after_the_ttl(tmp_path: Path, gcs_proxy)
               env=trainer_env(**gcs_proxy.env))
     assert b.wait() == 75, b.output[-3000:]
     # (Whether b had to wait depends on how long it took to start: test_lease shows the wait.)
-    b.seen(r"event=lease_acquired holder=\S+/b object=.* took_over=expired previous=\S+/a ")
+    b.seen(r'event=lease_acquired holder=\S+/b object=.* took_over=expired previous="\S+/a ')
     assert int(b.seen(r"event=restore step=(\d+) tier=").group(1)) >= 5
 
 
@@ -308,7 +308,7 @@ def test_a_trainer_whose_lease_is_taken_stops_writing_gcs_and_exits_2(tmp_path: 
         blob = gcs_proxy.client(direct=True).bucket(gcs_proxy.bucket).blob(
             f"{gcs_proxy.uri.split('/', 3)[3]}/{LEASE_KEY}")
         blob.upload_from_string(json.dumps({"holder": "vm-z:/run", "pid": 7, "host": "vm-z"}))
-        a.wait_for(r"event=lease_lost taker=vm-z:/run \(pid 7 on host vm-z")
+        a.wait_for(r'event=lease_lost taker="vm-z:/run \(pid 7 on host vm-z')
         flag.unlink()  # the step in flight completes, then every rank stops
         assert a.wait() == 2, a.output[-3000:]
     finally:
