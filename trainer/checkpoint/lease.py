@@ -392,8 +392,8 @@ class Lease:
                 ok = self._write(gen, seconds=interval)
             except Exception as e:  # noqa: BLE001 - unreachable: retried; check() stops writes meanwhile
                 failures += 1
-                self.log.warning("event=lease_renew ok=0 error=%r (writes to GCS stop %.0f s after the last "
-                                 "renewal)", e, 0.75 * self.ttl_s)
+                self.log.warning("event=lease_renew ok=0 error=%s (writes to GCS stop %.0f s after the last "
+                                 "renewal)", untrusted.shown(f"{type(e).__name__}: {e}"), 0.75 * self.ttl_s)
                 continue
             failures = 0
             again.reset()

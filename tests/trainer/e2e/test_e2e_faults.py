@@ -59,7 +59,7 @@ def test_a_blank_disk_waits_while_gcs_answers_403_then_resumes_from_its_step(tmp
     p = start(run_dir, STEPS, config, "--gcs-uri", gcs_proxy.uri, env=trainer_env(**gcs_proxy.env))
     try:
         port = int(p.wait_for(r"event=health_listening host=\S+ port=(\d+)").group(1))
-        line = p.wait_for(r"event=waiting_for_tier tier=gcs error=Forbidden: 403 .* waited_s=\d+ until=\S+Z").string
+        line = p.wait_for(r"event=waiting_for_tier tier=gcs error=\"Forbidden: 403 .* waited_s=\d+ until=\S+Z").string
         assert "not deciding where to resume while gcs cannot be read" in line
         # The group must not recreate the VM meanwhile: the answer passes ("ok" first).
         assert ask("127.0.0.1", port).startswith("ok waiting for gcs (unknown for ")
@@ -114,7 +114,7 @@ def test_a_restore_whose_download_fails_waits_instead_of_falling_back(tmp_path: 
     p = start(run_dir, STEPS, config, "--gcs-uri", gcs_proxy.uri, "--stop-at-step", "12",
               env=trainer_env(**gcs_proxy.env))
     try:
-        p.wait_for(r"event=waiting_for_tier tier=gcs error=Forbidden")
+        p.wait_for(r"event=waiting_for_tier tier=gcs error=\"Forbidden")
         gcs_proxy.proxy.clear()
         assert int(p.wait_for(r"event=restore step=(\d+) tier=gcs").group(1)) == 10
         assert p.wait() == 75, p.output[-3000:]
