@@ -268,7 +268,7 @@ def test_a_second_incarnation_of_a_pool_job_exits_2_and_the_first_keeps_its_leas
             second.wait()
         finally:
             second.kill()
-        assert "held and renewed by torchrun job pool on pool-0:" in reason.read_text(), second.output[-3000:]
+        assert 'held and renewed by "torchrun job pool on pool-0:' in reason.read_text(), second.output[-3000:]
         assert "event=restore" not in second.output
         assert "event=lease_lost" not in first.output
         first.signal(signal.SIGTERM, group=True)
