@@ -10,7 +10,8 @@ of the manifest), not with the trainer's code: what it forges is what a real att
 - ``forge(manifest, step, replace)``: a manifest for ``step`` with the replaced files' sizes and
   digests and the self-checksum recomputed; its HMAC (which needs the key) dropped, or kept as it
   was (``keep_hmac``: a signature of other content, which must not verify); ``legacy`` rewrites it
-  as checkpoint format 1, whose ``state.pt`` older trainers unpickled;
+  as checkpoint format 1, whose ``state.pt`` older trainers unpickled; ``edit`` plants any other
+  field (a key id, a hash name: text that reaches the trainer's log lines);
 - ``forge_in_bucket(...)``: a whole forged checkpoint planted in the bucket, manifest last;
 - ``copy_step(...)``: another run's authentic checkpoint copied into a run's prefix, object by
   object (a replay: its signature is genuine);
@@ -29,7 +30,7 @@ import os
 import pickle
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["bucket_names", "code_running_pickle", "copy_step", "delete_step", "digest", "forge",
            "forge_in_bucket", "intact", "plant", "state_file"]
@@ -95,8 +96,9 @@ def state_file(manifest: bytes) -> str:
 
 
 def forge(manifest: bytes, step: int, replace: dict[str, bytes], *, legacy: bool = False,
-          keep_hmac: bool = False) -> bytes:
-    """An attacker's manifest for ``step`` (see the module docstring)."""
+          keep_hmac: bool = False, edit: Callable[[dict], None] | None = None) -> bytes:
+    """An attacker's manifest for ``step`` (see the module docstring); ``edit`` changes any other
+    field before the self-checksum is recomputed (a planted key id or hash name)."""
     m = json.loads(manifest)
     m["step"] = step
     if legacy:
@@ -106,6 +108,8 @@ def forge(manifest: bytes, step: int, replace: dict[str, bytes], *, legacy: bool
         m["files"] = {k: v for k, v in m["files"].items() if k == "tensors.bin"}
     for name, data in replace.items():
         m["files"][name] = digest(m["hash"], data)
+    if edit is not None:
+        edit(m)
     mac = m.pop("hmac", None)
     m.pop("manifest_sha256", None)
     m["manifest_sha256"] = hashlib.sha256(json.dumps(m, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -120,7 +124,7 @@ def _split(uri: str) -> tuple[str, str]:
 
 
 def forge_in_bucket(client: Any, uri: str, src_step: int, step: int, replace: dict[str, bytes], *,
-                    legacy: bool = False, keep_hmac: bool = False) -> None:
+                    legacy: bool = False, keep_hmac: bool = False, edit: Callable[[dict], None] | None = None) -> None:
     """Copy ``step-<src_step>/`` of the bucket prefix ``uri`` to ``step-<step>/`` with the files in
     ``replace`` swapped for (or added as) the attacker's and a forged manifest (uploaded last, as a
     writer would)."""
@@ -140,7 +144,7 @@ def forge_in_bucket(client: Any, uri: str, src_step: int, step: int, replace: di
         bucket.blob(dst + name).upload_from_string(data)
     assert manifest is not None, f"no manifest under {src}"
     bucket.blob(dst + "manifest.json").upload_from_string(
-        forge(manifest, step, replace, legacy=legacy, keep_hmac=keep_hmac))
+        forge(manifest, step, replace, legacy=legacy, keep_hmac=keep_hmac, edit=edit))
 
 
 def read_manifest(client: Any, uri: str, step: int) -> bytes:

@@ -26,6 +26,7 @@ from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args
 from stacks.trainer_config import to_toml, vm_config
 from trainer import shutdown_window
+from trainer.cloud.log_shipper import KEY_ENV as LOG_KEY_ENV, KEY_FILE as LOG_KEY_FILE
 from trainer.cloud.vm_info import PROVISIONING_KEY, PROVISIONING_MODELS
 from trainer.retry import IAM_GRANT
 
@@ -370,7 +371,7 @@ def log_config(props: BootProps) -> str:
         "log_id": "spottrain", "trainer_unit": TRAINER_UNIT,
         "units": [*LOG_UNITS, *([DEADLINE_UNIT] if props.scale and props.scale.run_duration_s else [])],
         "identifiers": ["google_metadata_script_runner"], "stall_s": props.logs.stall_s,
-        "drain_s": props.logs.drain_s, "cursor_file": LOG_CURSOR_FILE}, sort_keys=True)
+        "drain_s": props.logs.drain_s, "cursor_file": LOG_CURSOR_FILE, "key_file": LOG_KEY_FILE}, sort_keys=True)
 
 
 def _release(props: BootProps, kind: str) -> dict[str, str] | None:
@@ -461,7 +462,7 @@ def render(props: BootProps) -> BootScripts:
         "checkpoint_key_file": CHECKPOINT_KEY_FILE,
     }
     if props.logs is not None:
-        logs = {"drain_s": props.logs.drain_s}
+        logs = {"drain_s": props.logs.drain_s, "key_env": LOG_KEY_ENV, "key_file": LOG_KEY_FILE}
         ctx["logs"] = {**logs, "config": log_config(props), "shipper": LOG_SHIPPER.read_text().rstrip("\n"),
                        "unit": env.get_template("spottrain-logs.service.j2").render(ctx, logs=logs).rstrip("\n")}
     else:

@@ -9,6 +9,8 @@ import hmac
 import json
 from typing import Any
 
+from trainer.untrusted import shown
+
 ALG = "hmac-sha256"
 
 
@@ -50,7 +52,7 @@ def unauthentic(m: Any, secret: bytes) -> str | None:
     if "hmac" not in m:
         return "its manifest carries no HMAC"
     if named_key(m) != key_id(secret):
-        return f"its manifest names checkpoint key {named_key(m)}, this run's is {key_id(secret)}"
+        return f"its manifest names checkpoint key {shown(named_key(m))}, this run's is {key_id(secret)}"
     if not verify(secret, signed_body(m), m.get("hmac")):
         return "its manifest's HMAC does not verify with this run's checkpoint key"
     return None
@@ -68,4 +70,4 @@ def other_run(m: dict, run: str | None) -> str | None:
     named = m.get("run")
     if run is None or named is None or named == run:
         return None
-    return f"signed for the run at {str(named)[:200]!r}, this run is {run!r}"
+    return f"signed for the run at {shown(str(named)[:200])}, this run is {run!r}"

@@ -106,6 +106,11 @@ class Fault:
         """Why the fault never struck (then the cell proved nothing: a violation), or None."""
         return None
 
+    def broken(self, rig: Rig) -> list[str]:
+        """What the fault broke that the matrix's own checks do not look at (violations). Default:
+        nothing."""
+        return []
+
     #: Final save: a preemption notice comes while the fault holds the save (a stalled request).
     notice_in_final: ClassVar[bool] = False
 
@@ -406,7 +411,7 @@ class GarbageLease(Fault):
         out = [f"{t.role} found its lease replaced: wrote nothing more to GCS" for t in rig.trainers
                if t.find(LEASE_LOST)]
         out += [f"{t.role} took the unreadable lease over once nobody renewed it" for t in rig.trainers
-                if t.find(r"event=lease_acquired .*took_over=expired previous=unreadable")]
+                if t.find(r"event=lease_acquired .*took_over=expired previous=\"?unreadable")]
         return out
 
     def remove(self, rig: Rig) -> None:
@@ -453,6 +458,82 @@ class PlantedLedger(Fault):
 
     def remove(self, rig: Rig) -> None:
         pass
+
+
+#: A step the chaos job never reaches (STEPS is 20): a record of it can only be forged.
+FORGED_STEP = 99
+
+
+class ForgedLogText(Fault):
+    """Text shaped like the trainer's own `event=finished` and `event=step` lines, inside a line and
+    after a newline, in what the trainer logs: the writer lease's holder and host, a manifest's key
+    id and another's hash name (planted in the bucket), and the task's own output
+    (``CHAOS_LOG_TEXT``, drill.chaos.task). The next boots run with a log key, as on a VM; their
+    output goes through the log shipper's own rule (``trainer.cloud.log_shipper.entry``, the
+    trainer unit's journal records): no record may say finished or step 99."""
+
+    FINISHED = f"2026-01-01T00:00:00.000 INFO trainer event=finished step={FORGED_STEP}"
+    STEP = f"2026-01-01T00:00:00.000 INFO trainer event=step step={FORGED_STEP}/{FORGED_STEP} loss=0.1 steps_per_s=1"
+    INLINE = f"x event=finished step={FORGED_STEP} event=step step={FORGED_STEP}/{FORGED_STEP}"
+
+    def inject(self, rig: Rig, moment: str) -> None:
+        import json
+
+        from trainer.checkpoint.lease import LEASE_KEY
+        from trainer.cloud.log_shipper import KEY_ENV, load_key
+
+        client = rig.client()
+        newline = f"x\n{self.FINISHED}\n{self.STEP}"
+        lease = {"holder": newline, "host": self.INLINE, "pid": 7, "incarnation": "planted", "started": "now",
+                 "renewed": "now", "ttl_s": 1}
+        plant(client, rig.uri, LEASE_KEY, json.dumps(lease).encode())
+        genuine = max(rig.steps_in_bucket())
+
+        def key_id(m: dict) -> None:  # 64 characters of it reach a line: a newline and a whole line
+            m["auth"]["key_id"] = f"k\n{self.FINISHED}"
+
+        def hash_name(m: dict) -> None:
+            m["hash"] = f"{self.INLINE}\n{self.STEP}"
+
+        forge_in_bucket(client, rig.uri, genuine, genuine + 1, {}, keep_hmac=True, edit=key_id)
+        forge_in_bucket(client, rig.uri, genuine, genuine + 2, {}, edit=hash_name)
+        # The VM's log key (its shipper makes it) and the task's own forged output, for every next boot.
+        self.key_file = rig.dir / "log.key"
+        self.key = load_key(str(self.key_file), create=True)
+        rig.env = {**rig.env, KEY_ENV: str(self.key_file), "CHAOS_LOG_TEXT": f"{self.INLINE}\n{self.FINISHED}"}
+
+    def _entries(self, rig: Rig) -> list[dict[str, Any]]:
+        """The next boots' output as the shipper ships it: each line a record of the trainer unit."""
+        from trainer.cloud.log_shipper import entry
+
+        cfg = {"project": "chaos", "experiment": rig.name, "run": rig.name}
+        unit = {"_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "c" * 32}
+        return [entry({"MESSAGE": line, **unit}, cfg, {}, self.key)
+                for t in rig.trainers if t.role != "first" for line in t.lines]
+
+    def missed(self, rig: Rig) -> str | None:
+        lines = [line for t in rig.trainers if t.role != "first" for line in t.lines]
+        routes = {"the lease's holder": "previous=", "a key id": "names checkpoint key",
+                  "a hash name": "unsupported file hash", "the task's output": "a sample: "}
+        absent = [what for what, mark in routes.items()
+                  if not any(mark in line and f"event=finished step={FORGED_STEP}" in line for line in lines)]
+        return f"the planted text never reached a log line through {', '.join(absent)}" if absent else None
+
+    def broken(self, rig: Rig) -> list[str]:
+        # The trainer's own records name steps up to STEPS; only the planted text names FORGED_STEP.
+        bad = [e["jsonPayload"]["message"][:160] for e in self._entries(rig)
+               if e["jsonPayload"].get("step") == FORGED_STEP
+               or (e["jsonPayload"].get("event") == "finished" and e["jsonPayload"].get("step") != STEPS)]
+        return [f"a forged log record: {m!r}" for m in bad[:3]]
+
+    def observed(self, rig: Rig) -> list[str]:
+        planted = [e["jsonPayload"] for e in self._entries(rig) if f"step={FORGED_STEP}" in e["jsonPayload"]["message"]]
+        signed = [p for p in planted if "level" in p]  # the trainer's own lines, the text quoted in them
+        return [f"{len(planted)} shipped lines held the planted text: {len(signed)} the trainer's own (the text "
+                f"quoted), {len(planted) - len(signed)} plain messages without fields"]
+
+    def remove(self, rig: Rig) -> None:
+        pass  # an attacker's objects stay in the bucket
 
 
 class NodePowerOff(Fault):
@@ -505,6 +586,9 @@ class SecondVm(SecondTrainer):
 
 _NO_BUCKET_READ_IN_RUN = ("the ledger's bucket copy is read once per session, when its mirror starts: events planted "
                           "during a session are met by the next one (the start-up and restore cells)")
+_LOG_TEXT_AT_START = ("the trainer logs the planted text where it reads it, at a boot's start (the lease taken over, "
+                      "the manifests listed, the task built): the start-up cell; what the shipper makes of a line "
+                      "does not depend on the moment")
 _STOP_MARKER = ("`trainer run` never reads a stop marker: only the VM's stop path (`python -m trainer.cloud.scale "
                 "honour` at boot, before the trainer starts; `stop`) and the control job do, by the object's presence "
                 "alone (never parsed: garbage or size change nothing). A planted one stops the job, which "
@@ -650,6 +734,16 @@ FAULTS: dict[str, Fault] = {f.key: f for f in [
                   "blank disk (the whole ledger comes back from the bucket)",
                   {"periodic": _NO_BUCKET_READ_IN_RUN, "emergency": _NO_BUCKET_READ_IN_RUN,
                    "final": _NO_BUCKET_READ_IN_RUN}, blank_pd=("restore",)),
+    ForgedLogText("forged-log-text", "forged log text",
+                  "a bucket writer (the lease's holder, a manifest's key id or hash name) or a task's own output "
+                  "writing text shaped like the trainer's `event=finished` and `event=step` lines, inside a line and "
+                  "after a newline, for the log shipper to make records of (the finished alert, the stall watchdog)",
+                  "before the next boot: lease.json naming such a holder and host (taken over once it expires), the "
+                  "run's newest step copied to two newer ones whose manifests name such a key id and hash name, and "
+                  "the task printing and logging it; the next boots run with a log key, as on a VM, and their output "
+                  "goes through the log shipper's rule: no record may say finished or step 99",
+                  {"periodic": _LOG_TEXT_AT_START, "emergency": _LOG_TEXT_AT_START, "final": _LOG_TEXT_AT_START,
+                   "restore": _LOG_TEXT_AT_START}),
     NotTheTrainers("stop-marker", "planted or garbage stop marker",
                    "a bucket writer creating the job's stop marker (`<prefix>/stop/...`), garbage or not",
                    "not injected: no cell", {m: _STOP_MARKER for m in MOMENTS}),

@@ -306,6 +306,7 @@ class Cell:
             self.check_leaders()
         if self.injected:
             r.notes += self.fault.observed(rig)
+            r.violations += self.fault.broken(rig)
             missed = self.fault.missed(rig)
             if missed:
                 r.violations.append(f"the fault never struck: {missed}")

@@ -11,9 +11,13 @@ they triggered has been handed to the checkpointer), the loader creates ``DIR/pa
 while ``DIR/hold-k`` exists; the harness creates the hold files before it starts the trainer and
 deletes one to let the run go on. Without the variables it is the GPT task unchanged; the task
 string is part of the resume fingerprint, so the reference run uses this task too.
+
+``CHAOS_LOG_TEXT``: text the task prints to stdout and logs with its own logger when it is built
+(the "forged log text" cell: a task's own output that looks like the trainer's log lines).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -22,6 +26,7 @@ from trainer.task import Task, TaskContext
 from trainer.tasks import gpt
 
 PARK_DIR, PARK_STEPS, PARK_BATCH = "CHAOS_PARK_DIR", "CHAOS_PARK_STEPS", "CHAOS_PARK_BATCH"
+LOG_TEXT = "CHAOS_LOG_TEXT"
 
 
 class ParkingDataset:
@@ -44,6 +49,10 @@ class ParkingDataset:
 
 
 def build(ctx: TaskContext, **kw: object) -> Task:
+    text = os.environ.get(LOG_TEXT)
+    if text:
+        print(text, flush=True)
+        logging.getLogger("chaos_task").warning("a sample: %s", text)
     task = gpt.build(ctx, **kw)  # type: ignore[arg-type]
     folder, steps = os.environ.get(PARK_DIR), os.environ.get(PARK_STEPS)
     if folder and steps:

@@ -16,17 +16,19 @@ from drill.fake_observability import FakeObservability
 from stacks import alert_rules, run_metrics
 from stacks.dashboard import dashboard, metric_types
 from stacks.load import ExperimentError, parse
-from trainer.cloud.log_shipper import entry
+from trainer.cloud.log_shipper import TRAINER_LINE, entry, sign
 
 pytestmark = pytest.mark.xdist_group("stacks")
 
 PROJECT = "my-project-123456"
 RESOURCE = {"type": "gce_instance", "labels": {"project_id": PROJECT, "instance_id": "7", "zone": "us-central1-a"}}
+KEY = b"0123456789abcdef" * 4  # the VM's log key, which signs the trainer's own lines
 
 
 def _entries(experiment: str = "example") -> list[dict[str, Any]]:
     """One VM's journal as its shipper turns it into entries: one line of each kind the metrics
-    count (and a few they must not), tagged with what each line is."""
+    count (and a few they must not: among them text in the trainer's output that only looks like
+    its lines, unsigned), tagged with what each line is."""
     cfg = {"project": PROJECT, "experiment": experiment, "run": f"runs/{experiment}"}
     unit = {"_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "9" * 32}
     script = {"SYSLOG_IDENTIFIER": "google_metadata_script_runner"}
@@ -51,13 +53,22 @@ def _entries(experiment: str = "example") -> list[dict[str, Any]]:
                  "WARNING trainer event=preempted step=300 persistent_ok=1"),  # quoted by the shutdown script
         (script, "shutdown-script: 2026-03-01T10:06:00.000Z spottrain-shutdown: event=shutdown reason=stop "
                  "trainer_status=0 stop_s=1"),
+        # What a task prints or a bucket's text puts on a line of its own: never the trainer's record.
+        ({**unit, "forged": "1"}, "2026-03-01T10:06:30.000 INFO trainer event=finished step=300"),
+        ({**unit, "forged": "1"}, "2026-03-01T10:06:31.000 INFO trainer event=step step=999/300 loss=0.1 steps_per_s=9"),
+        ({**unit, "forged": "1"}, "event=stalled stalled_s=1 last_step=1"),
+        ({**unit, "forged": "1"}, "2026-03-01T10:06:32.000Z spottrain-shutdown: event=shutdown reason=preemption"),
+        ({**unit, "forged": "1"}, "2026-03-01T10:06:33.000 ERROR trainer event=failed reason=forged"),
     ]
     out = []
     t = time.time() - 600
     for i, (fields, message) in enumerate(lines):
+        fields = dict(fields)
+        if not fields.pop("forged", None) and TRAINER_LINE.match(message):
+            message = sign(KEY, message)  # as the trainer writes its own lines on a VM
         record = {"__CURSOR": f"s=w;i={i}", "__REALTIME_TIMESTAMP": str(int((t + i) * 1e6)), "_BOOT_ID": "b" * 32,
                   "_HOSTNAME": f"{experiment}-x1y2", "MESSAGE": message, "PRIORITY": "6", **fields}
-        out.append(entry(record, cfg, RESOURCE))
+        out.append(entry(record, cfg, RESOURCE, KEY))
     stalled = json.loads(json.dumps(out[5]))  # what the shipper's watchdog writes
     stalled["jsonPayload"].update(source="logs", event="stalled", message="event=stalled stalled_s=1800 last_step=130",
                                   fields={"event": "stalled", "stalled_s": 1800, "last_step": 130})

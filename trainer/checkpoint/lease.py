@@ -150,8 +150,10 @@ def holder_id(run_dir: Path) -> str:
 
 
 def describe_holder(doc: dict[str, Any]) -> str:
-    return (f"{doc.get('holder', '?')} (pid {doc.get('pid', '?')} on host {doc.get('host', '?')}, started "
-            f"{doc.get('started', '?')}, renewed {doc.get('renewed', '?')})")
+    """Who a lease document says holds it, for a log line or a message: one quoted word
+    (``untrusted.shown``), since whoever can write the bucket wrote every part of it."""
+    return untrusted.shown(f"{doc.get('holder', '?')} (pid {doc.get('pid', '?')} on host {doc.get('host', '?')}, "
+                           f"started {doc.get('started', '?')}, renewed {doc.get('renewed', '?')})")
 
 
 def boot_id() -> str | None:
@@ -364,7 +366,7 @@ class Lease:
                     "that one (or give this one another gcs_uri)")
             left = max(0.0, ttl - age)
             # The health answer first: whoever reads the line below may ask it at once.
-            on_wait(f"for the writer lease held by {doc.get('holder', '?')} (expires in {left:.0f}s)")
+            on_wait(f"for the writer lease held by {untrusted.shown(doc.get('holder', '?'))} (expires in {left:.0f}s)")
             self.log.warning("event=waiting_for_lease holder=%s expires_in_s=%.0f (taking it over if it is "
                              "not renewed)", describe_holder(doc), left)
             if sleep(min(max(0.2, left), max(0.5, ttl / 8))):
@@ -390,8 +392,8 @@ class Lease:
                 ok = self._write(gen, seconds=interval)
             except Exception as e:  # noqa: BLE001 - unreachable: retried; check() stops writes meanwhile
                 failures += 1
-                self.log.warning("event=lease_renew ok=0 error=%r (writes to GCS stop %.0f s after the last "
-                                 "renewal)", e, 0.75 * self.ttl_s)
+                self.log.warning("event=lease_renew ok=0 error=%s (writes to GCS stop %.0f s after the last "
+                                 "renewal)", untrusted.shown(f"{type(e).__name__}: {e}"), 0.75 * self.ttl_s)
                 continue
             failures = 0
             again.reset()

@@ -223,7 +223,7 @@ def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict
         raise CheckpointInvalid(OTHER_FORMAT + what + "; use the spottrain version that wrote it, or a new "
                                 "--run-dir/--gcs-uri for a new run")
     if not isinstance(m.get("hash"), str) or m["hash"] not in file_hash.HASHES:
-        raise CheckpointInvalid(f"unsupported file hash {m.get('hash')!r}")
+        raise CheckpointInvalid(f"unsupported file hash {untrusted.shown(m.get('hash'))}")
     if m.get("manifest_sha256") != hashlib.sha256(_signed_body(m)).hexdigest():
         raise CheckpointInvalid("manifest checksum mismatch (manifest corrupted)")
     if key is not None:
@@ -231,7 +231,7 @@ def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict
             raise CheckpointInvalid(UNAUTHENTICATED + "its manifest carries no HMAC (written without a "
                                     "checkpoint key, or forged); never loaded, never deleted")
         if _key_id(m) != key.id:
-            raise CheckpointInvalid(UNAUTHENTICATED + f"its manifest names checkpoint key {_key_id(m)}, this "
+            raise CheckpointInvalid(UNAUTHENTICATED + f"its manifest names checkpoint key {untrusted.shown(_key_id(m))}, this "
                                     f"run's key is {key.id} (a lost or rotated key, another run's, or forged); "
                                     "never loaded, never deleted")
         if not key.verify(_signed_body(m), m.get("hmac")):
@@ -244,7 +244,7 @@ def parse_manifest_header(data: bytes, key: CheckpointKey | None = None) -> dict
             raise CheckpointInvalid(OTHER_RUN + why + " (copied here from another run under the same key, or "
                                     "this run was moved); never loaded, never deleted")
     if file_hash.HASHES[m["hash"]] is None:  # after the HMAC: a forged one reads as unauthenticated
-        raise CheckpointInvalid(OTHER_FORMAT + f"its files are hashed with {m['hash']}, which cannot be checked "
+        raise CheckpointInvalid(OTHER_FORMAT + f"its files are hashed with {untrusted.shown(m['hash'])}, which cannot be checked "
                                 f"here: {file_hash.MISSING[m['hash']]}; never loaded, never deleted")
     return m
 
@@ -256,9 +256,9 @@ def check_manifest_entries(m: dict, step: int | None) -> dict:
     for name, info in m["files"].items():
         if not (isinstance(info, dict) and isinstance(info.get("size"), int)
                 and isinstance(info.get(field), str)):
-            raise CheckpointInvalid(f"manifest entry for {name} is malformed")
+            raise CheckpointInvalid(f"manifest entry for {untrusted.shown(name)} is malformed")
     if step is not None and m.get("step") != step:
-        raise CheckpointInvalid(f"manifest says step {m.get('step')!r}, folder says {step}")
+        raise CheckpointInvalid(f"manifest says step {untrusted.shown(m.get('step'))}, folder says {step}")
     return m
 
 

@@ -29,7 +29,7 @@ import time
 from datetime import datetime, timezone
 from typing import Callable, TypeVar
 
-from trainer import retry
+from trainer import retry, untrusted
 
 T = TypeVar("T")
 
@@ -98,7 +98,7 @@ def until_known(attempt: Callable[[], T], *, wait_s: float, log: logging.Logger,
         for tier, why in sorted(unknown.tiers.items()):
             log.warning("event=waiting_for_tier tier=%s error=%s waited_s=%.0f until=%s next_try_s=%.0f "
                         "(not deciding where to resume while %s cannot be read: it may hold the newest "
-                        "checkpoint)", tier, _one_line(why), waited, _iso(end_wall), pause, tier)
+                        "checkpoint)", tier, untrusted.shown(_one_line(why)), waited, _iso(end_wall), pause, tier)
         if sleep(pause):
             raise Stopped(f"a preemption notice came while waiting for {what}")
 

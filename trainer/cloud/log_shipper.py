@@ -20,16 +20,35 @@ What one journal line becomes (one LogEntry):
   `insertId` derived from the journal cursor (a batch sent twice is deduplicated);
 - `jsonPayload`: experiment, run (the checkpoint prefix, runs/NAME), node (the VM), boot (its boot
   id), session (the trainer unit's invocation id: one start of the trainer; absent on a boot
-  script's line), and, where the line has them, rank, step, event, level and logger; source
-  (trainer, systemd, startup, shutdown, the unit name, or logs for the shipper's own entries);
-  message (the line as written); fields: every `key=value` of the line, numbers as numbers;
-- `severity` from the trainer's level (a boot script's "FAILED:" is ERROR), else the journal's
+  script's line), source (trainer, systemd, startup, shutdown, the unit name, or logs for the
+  shipper's own entries) and message (the line as written); and, only where the line is one the
+  trainer or a boot script wrote itself (below), level, logger, rank, event, step and fields (the
+  line's `key=value`s, numbers as numbers);
+- `severity` from such a line's level (a boot script's "FAILED:" is ERROR), else the journal's
   priority.
 
-The parse rule is `TRAINER_LINE` (`trainer.progress`: TIME LEVEL LOGGER [rank=N] event=NAME
-key=value ...) and `SCRIPT_LINE` (the boot scripts: TIME spottrain-startup: ...), then `PAIR` over
-the text. It is the only parse rule: the entries' fields, the stack's log-based metrics (which
-filter on `jsonPayload.event` and extract `jsonPayload.fields.*`) and `logs` all depend on it.
+Whose line it is. Alerts, log-based metrics, `logs` and the stall watchdog act on `event`, `step`
+and `fields`, so those come only from text nobody else can write:
+- the trainer unit's lines: only a line the trainer signed (`sign`: `TRAINER_LINE` followed by
+  ` ~sig:` and an HMAC of the line under the VM's log key, `KEY_FILE`, which this shipper creates at
+  start and the trainer reads, `SPOTTRAIN_LOG_KEY_FILE`). The trainer signs the first line of each
+  record its own loggers write; what its task prints, what a library or a subprocess writes, a
+  traceback's lines, and any line that text from a bucket, the data or an exception split off with
+  a newline carry no valid signature and stay a plain message. The signature is taken off the
+  message before it is shipped;
+- a boot script's lines (`SCRIPT_LINE`, from the metadata script runner only);
+- nothing else (systemd's lines, the other units').
+Within such a line, `event=NAME` must be the first word after the prefix, then `key=value` words up
+to the first word that is not one; a value is either one word or a double-quoted string with JSON
+escapes (`quote`: how the trainer shows text from outside it, so that no `key=`, blank or newline in
+that text is read as the line's own), and the first of two same keys wins.
+
+The parse rule is this module's: `parse_message` (the format: `TRAINER_LINE`, `trainer.observe.
+progress`'s TIME LEVEL LOGGER [rank=N] event=NAME key=value ...; `SCRIPT_LINE`, TIME
+spottrain-startup: ...; then `fields`), `verify` (the signature) and `entry` (which lines may be
+parsed). The entries' fields, the stack's log-based metrics (which filter on `jsonPayload.event`
+and extract `jsonPayload.fields.*`) and `logs` all depend on it. `logs --file` reads a local file
+(a trainer's own log, with no key) by the format alone: a person's view, which nothing acts on.
 
 Delivery: batches of at most `MAX_ENTRIES` entries or `MAX_BYTES` once a second. The journal is
 the buffer: the cursor advances only once Cloud Logging accepted a batch, and the reader stops
@@ -40,8 +59,8 @@ account's grant propagating after a deploy) are retried with a backoff doubling 
 batch the API refuses as invalid (400) is written with partialSuccess, reported on stderr, and
 passed over: it would be refused forever.
 
-The stall watchdog: while the trainer unit is active, the time since its last `event=step` line
-accumulates; past `stall_s` the shipper writes its own entry `event=stalled` (again every `stall_s`
+The stall watchdog: while the trainer unit is active, the time since its last signed `event=step`
+line accumulates; past `stall_s` the shipper writes its own entry `event=stalled` (again every `stall_s`
 while it lasts). A trainer that hangs writes nothing, so nothing else could say it; the stack's
 stall alert counts these entries ("no training progress for N minutes while a VM is up").
 
@@ -54,6 +73,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import hmac
 import http.client
 import json
 import os
@@ -89,8 +109,16 @@ SCRIPT_LINE = re.compile(
     r"^(?P<time>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?Z) "
     r"(?P<logger>spottrain-(?:startup|shutdown)): "
     r"(?P<text>.*)$")
-#: One `key=value` of a line's text; the value runs to the next blank.
-PAIR = re.compile(r"(?:^|(?<=\s))(?P<key>[a-z][a-z0-9_]*)=(?P<value>\S+)")
+#: One `key=value` word of a line's text: a bare word, or a quoted string (`quote`).
+PAIR = re.compile(r'(?P<key>[a-z][a-z0-9_]*)=(?P<value>"(?:[^"\\\n]|\\.)*"|[^\s"]\S*)(?=\s|$)')
+#: The trainer's signature at the end of a line's first line (`sign`): 128 bits of HMAC-SHA256.
+SIGNATURE = re.compile(r" ~sig:(?P<sig>[0-9a-f]{32})$")
+#: Where the trainer finds the VM's log key (`spottrain.service` sets it) and the shipper keeps it:
+#: /run is a tmpfs, so every boot has a new key, which the shipper creates before the trainer runs.
+KEY_ENV = "SPOTTRAIN_LOG_KEY_FILE"
+KEY_FILE = "/run/spottrain/log.key"
+#: How much of one outside value a line shows (`quote`).
+QUOTE_MAX = 512
 _INT = re.compile(r"^-?\d{1,18}$")
 _FLOAT = re.compile(r"^-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?$")
 _STEP = re.compile(r"^(\d{1,18})(?:/(\d{1,18}))?$")
@@ -128,9 +156,90 @@ def _number(value: str) -> Any:
     return value
 
 
+def quote(value: Any) -> str:
+    """`value` as a line shows text from outside the trainer (a bucket object, the task, the data,
+    an exception): one double-quoted word with JSON escapes, ASCII only, at most `QUOTE_MAX`
+    characters of it. No blank, newline, quote or `key=` in it can end the word, start a line or
+    become a field of the line it is in (`fields` reads it back as the text)."""
+    text = str(value)
+    if len(text) > QUOTE_MAX:
+        text = text[:QUOTE_MAX] + f"... ({len(text) - QUOTE_MAX} more characters)"
+    return json.dumps(text, ensure_ascii=True)
+
+
+def _sig(key: bytes, line: str) -> str:
+    return hmac.new(key, line.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()[:32]
+
+
+def sign(key: bytes, text: str) -> str:
+    """`text` (a log record, possibly of several lines) with its first line signed: the one line
+    `entry` takes fields from. The lines after it (a traceback) stay plain messages."""
+    first, nl, rest = text.partition("\n")
+    return f"{first} ~sig:{_sig(key, first)}{nl}{rest}"
+
+
+def verify(key: Optional[bytes], line: str) -> Optional[str]:
+    """`line` without its signature when `key` signed it, else None."""
+    m = SIGNATURE.search(line)
+    if key is None or m is None:
+        return None
+    body = line[:m.start()]
+    return body if hmac.compare_digest(m.group("sig"), _sig(key, body)) else None
+
+
+def load_key(path: str, *, create: bool) -> Optional[bytes]:
+    """The VM's log key from `path`; the shipper (`create`) makes one when there is none yet
+    (exclusively: two starts never write two keys). None when there is none to read."""
+    if create:
+        try:
+            os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+            fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(os.urandom(32).hex() + "\n")
+            try:
+                os.link(path + ".tmp", path)  # fails when a key exists: that one stays
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(path + ".tmp")
+        except OSError:
+            pass  # read below what is there, if anything
+    try:
+        with open(path) as f:
+            key = f.read().strip()
+    except OSError:
+        return None
+    return key.encode() if len(key) >= 32 else None
+
+
+def fields(body: str) -> Dict[str, Any]:
+    """The `key=value` words at the start of `body`, up to the first word that is not one (the
+    first of two same keys wins; a quoted value is its text, a bare one a number where it is one)."""
+    out: Dict[str, Any] = {}
+    pos = 0
+    while True:
+        m = PAIR.match(body, pos)
+        if m is None:
+            return out
+        value = m.group("value")
+        if value.startswith('"'):
+            try:
+                parsed: Any = json.loads(value)
+            except ValueError:
+                return out
+        else:
+            parsed = _number(value)
+        out.setdefault(m.group("key"), parsed)
+        pos = m.end()
+        if pos < len(body) and body[pos] == " ":
+            pos += 1
+
+
 def parse_message(text: str) -> Dict[str, Any]:
-    """The structured fields of one log line (a trainer's or a boot script's): level, logger,
-    rank, event, step and `fields` (every key=value); {} keys absent where the line has none."""
+    """The structured fields of one log line by its format (a trainer's or a boot script's): level,
+    logger, rank, event, step and `fields`; keys absent where the line has none. An event is the
+    first word after the line's prefix, or there is none (and no fields). Which lines may be read
+    this way at all is `entry`'s rule."""
     out: Dict[str, Any] = {}
     m = TRAINER_LINE.match(text)
     if m:
@@ -140,24 +249,25 @@ def parse_message(text: str) -> Dict[str, Any]:
         body = m.group("text")
     else:
         m = SCRIPT_LINE.match(text)
-        if m:
-            out["logger"] = m.group("logger")
-            body = m.group("text")
-            if body.startswith("FAILED:") or " FAILED: " in body:
-                out["level"] = "ERROR"
-        else:
-            body = text
-    fields = {p.group("key"): _number(p.group("value")) for p in PAIR.finditer(body)}
-    if isinstance(fields.get("event"), str):
-        out["event"] = fields["event"]
-    step = fields.get("step")
-    sm = _STEP.match(str(step)) if step is not None else None
+        if not m:
+            return out
+        out["logger"] = m.group("logger")
+        body = m.group("text")
+        if body.startswith("FAILED:") or " FAILED: " in body:
+            out["level"] = "ERROR"
+    if not body.startswith("event="):
+        return out
+    found = fields(body)
+    if not isinstance(found.get("event"), str):
+        return out
+    out["event"] = found["event"]
+    step = found.get("step")
+    sm = _STEP.match(str(step)) if step is not None and not isinstance(step, float) else None
     if sm:
         out["step"] = int(sm.group(1))
         if sm.group(2):
-            fields["total_steps"] = int(sm.group(2))
-    if fields:
-        out["fields"] = fields
+            found["total_steps"] = int(sm.group(2))
+    out["fields"] = found
     return out
 
 
@@ -179,8 +289,12 @@ def source_of(record: Dict[str, str], trainer_unit: str) -> str:
     return unit.rsplit(".", 1)[0] if unit else record.get("SYSLOG_IDENTIFIER", "journal")
 
 
-def entry(record: Dict[str, str], cfg: Dict[str, Any], resource: Dict[str, Any]) -> Dict[str, Any]:
-    """The LogEntry of one journal record (`journalctl --output=json`)."""
+def entry(record: Dict[str, str], cfg: Dict[str, Any], resource: Dict[str, Any],
+          key: Optional[bytes] = None, *, by_format: bool = False) -> Dict[str, Any]:
+    """The LogEntry of one journal record (`journalctl --output=json`); `key` is the VM's log key,
+    without which no trainer line is read for fields (see the module docstring). `by_format`: a
+    journal export a person reads with `logs --file`, whose trainer lines are read by their format
+    alone (there is no key to check them with; nothing acts on what that shows)."""
     trainer_unit = cfg.get("trainer_unit", "spottrain.service")
     message = record.get("MESSAGE", "")
     if not isinstance(message, str):  # journald gives non-UTF-8 messages as a list of bytes
@@ -194,7 +308,13 @@ def entry(record: Dict[str, str], cfg: Dict[str, Any], resource: Dict[str, Any])
         else record.get("INVOCATION_ID") if record.get("UNIT") == trainer_unit else None
     if invocation:
         payload["session"] = invocation[:12]
-    payload.update(parse_message(line))
+    if source == "trainer":
+        signed = SIGNATURE.sub("", line) if by_format else verify(key, line)
+        if signed is not None and TRAINER_LINE.match(signed):
+            line = signed
+            payload.update(parse_message(line))
+    elif source in ("startup", "shutdown") and SCRIPT_LINE.match(line):
+        payload.update(parse_message(line))
     payload["source"] = source
     payload["message"] = line
     level = payload.get("level")
@@ -211,10 +331,12 @@ def entry(record: Dict[str, str], cfg: Dict[str, Any], resource: Dict[str, Any])
 
 
 def local_entry(line: str, cfg: Dict[str, Any], *, node: str = "", session: str = "") -> Dict[str, Any]:
-    """The entry a plain log line (not a journal record) stands for: a trainer's own log file."""
+    """The entry a plain log line (not a journal record) stands for: a trainer's own log file, read
+    by the format alone (`logs --file`: a person's view, which nothing acts on)."""
     payload: Dict[str, Any] = {"experiment": cfg.get("experiment", ""), "run": cfg.get("run", ""), "node": node}
     if session:
         payload["session"] = session
+    line = SIGNATURE.sub("", line)  # a VM's signed line, read by its format alone like any other here
     parsed = parse_message(line)
     payload.update(parsed)
     payload["source"] = "trainer" if "level" in parsed else "file"
@@ -253,6 +375,12 @@ class Shipper:
         self.drain_s = float(cfg.get("drain_s", 10))
         self.retry_s = float(cfg.get("retry_s", 1.0))  # the first wait after a failed write
         self.cursor_file = cfg.get("cursor_file", "/var/lib/spottrain/logs.cursor")
+        #: The VM's log key: what tells the trainer's own lines from any text in its output.
+        self.key_file = cfg.get("key_file", KEY_FILE)
+        self.key = load_key(self.key_file, create=True)
+        if self.key is None:
+            say(f"spottrain-logs: no log key in {self.key_file}: the trainer's lines are shipped as plain "
+                "messages (no events, no fields) and the stall watchdog cannot see its steps")
         self.queue: "queue.Queue[Dict[str, str]]" = queue.Queue(maxsize=QUEUE_MAX)
         self.stopping = threading.Event()
         #: monotonic time by which a stopping shipper gives up (set once SIGTERM is seen)
@@ -445,8 +573,8 @@ class Shipper:
                                    "node": self._node, "boot": self._boot}
         if self._session:
             payload["session"] = self._session
-        payload.update(parse_message(text))
-        payload.update(source="logs", message=text)
+        # The shipper's own words: its fields are read straight from them (no prefix, no signature).
+        payload.update(event=STALL_EVENT, fields=fields(text), source="logs", message=text)
         now_wall = time.time()
         return {"logName": f"projects/{self.cfg['project']}/logs/{self.cfg.get('log_id', LOG_ID)}",
                 "resource": self._resource(), "labels": {LABEL: self.cfg["experiment"]},
@@ -483,7 +611,7 @@ class Shipper:
             try:
                 record = self.queue.get(timeout=0.25 if deadline else 1.0)
                 while True:
-                    e = entry(record, self.cfg, resource)
+                    e = entry(record, self.cfg, resource, self.key)
                     self._saw(e)
                     batch.append(e)
                     size += len(json.dumps(e))

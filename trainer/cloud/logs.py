@@ -97,7 +97,7 @@ def read_file(path: Path) -> list[dict[str, Any]]:
             out.append(record)
             continue
         if isinstance(record, dict) and "MESSAGE" in record:
-            out.append(entry(record, cfg, {}))
+            out.append(entry(record, cfg, {}, by_format=True))
             continue
         m = _SHORT.match(line)
         message = m.group("message") if m else line

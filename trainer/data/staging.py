@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from trainer import retry
+from trainer import retry, untrusted
 from trainer.checkpoint import crc32c
 from trainer.checkpoint.stores import fsync_dir, is_retryable, parse_gcs_uri
 
@@ -492,7 +492,8 @@ class Stager:
             try:
                 self._finish(job, manifest, result)
             except _Changed as e:
-                log.warning("event=staging_object_changed object=%s error=%r", job.remote.name, str(e)[:200])
+                log.warning("event=staging_object_changed object=%s error=%s", untrusted.shown(job.remote.name),
+                            untrusted.shown(str(e)[:200]))
                 changed.set()
 
         def unit(job: _Job, start: int, end: int) -> None:
@@ -507,7 +508,8 @@ class Stager:
                 if last:
                     finishing.append(finishers.submit(finish, job))
             except _Changed as e:  # pinned to the listed generation: the next round lists it again
-                log.warning("event=staging_object_changed object=%s error=%r", job.remote.name, str(e)[:200])
+                log.warning("event=staging_object_changed object=%s error=%s", untrusted.shown(job.remote.name),
+                            untrusted.shown(str(e)[:200]))
                 changed.set()
 
         def first_failure(futures: list[Any]) -> BaseException | None:
@@ -570,8 +572,9 @@ class Stager:
             if attempts >= MAX_VERIFY_ATTEMPTS:
                 raise StagingError(f"{self.source}/{r.key}: downloaded {attempts} times and never "
                                    f"verified (crc32c {got_crc}, object says {r.crc32c})")
+            # The object's name and its crc32c are the data bucket's text: quoted (untrusted.shown).
             log.warning("event=staging_corrupt object=%s crc32c=%s expected=%s attempt=%d; downloading "
-                        "again", r.name, got_crc, r.crc32c, attempts)
+                        "again", untrusted.shown(r.name), got_crc, untrusted.shown(r.crc32c), attempts)
             job.attempts = attempts + 1
             bucket = self._bucket()
             for s, e in job.slices:

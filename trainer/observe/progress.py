@@ -5,6 +5,13 @@ Cloud Logging and tests can pick fields out of it. Terminal escape sequences tha
 into its messages (torch's unpickling errors bold their advice) are removed from every line: in a
 journal or a log file they are noise (``setup_logging``).
 
+On a VM the first line of every record the trainer's own loggers (``trainer``, ``trainer.*``) write
+ends in a signature under the VM's log key (``trainer.cloud.log_shipper.sign``; the key file is
+``SPOTTRAIN_LOG_KEY_FILE``): the log shipper takes events and fields only from signed lines, so
+that nothing the task prints, no library's output and no text from a bucket, the data or an
+exception that reaches a line can pass for one of the trainer's events. Without the variable (a
+terminal, the tests) nothing is signed and the lines are as they were.
+
 ``StepWindow`` turns the steps into the figures of each logging interval (the mean loss and task
 metrics, the learning rate, steps/s, tokens/s or samples/s, the ETA): the ``Step`` event carries
 them (``trainer.observe.events``), and the log line (``trainer.observe.sinks.log``) and
@@ -13,10 +20,13 @@ TensorBoard both show them. ``LiveLine`` is the progress bar a terminal gets.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
 from typing import Callable, TextIO
+
+from trainer.cloud.log_shipper import KEY_ENV, load_key, sign
 
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
@@ -30,9 +40,26 @@ class _PlainFormatter(logging.Formatter):
 
 
 class _LiveAwareHandler(logging.StreamHandler):
-    """Clears the live progress line before a log line, so the two do not interleave."""
+    """Clears the live progress line before a log line, so the two do not interleave; signs the
+    trainer's own records where the VM has a log key (see the module docstring)."""
 
     live: "LiveLine | None" = None
+
+    def __init__(self, stream: TextIO, key_file: str | None = None) -> None:
+        super().__init__(stream)
+        self.key_file = key_file
+        self.key: bytes | None = None
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if self.key_file and (record.name == "trainer" or record.name.startswith("trainer.")):
+            # Read until it is there: the shipper creates the key at its start, which a trainer
+            # started at the same moment may precede; its first lines then go unsigned (plain messages).
+            if self.key is None:
+                self.key = load_key(self.key_file, create=False)
+            if self.key is not None:
+                text = sign(self.key, text)
+        return text
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.live is not None:
@@ -42,7 +69,7 @@ class _LiveAwareHandler(logging.StreamHandler):
 
 def setup_logging(rank: int = 0, stream: TextIO | None = None) -> logging.Logger:
     stream = stream or sys.stderr
-    handler = _LiveAwareHandler(stream)
+    handler = _LiveAwareHandler(stream, os.environ.get(KEY_ENV) or None)
     prefix = f"rank={rank} " if rank else ""
     handler.setFormatter(_PlainFormatter(
         f"%(asctime)s.%(msecs)03d %(levelname)s %(name)s {prefix}%(message)s", "%Y-%m-%dT%H:%M:%S"))

@@ -826,7 +826,7 @@ def test_only_unauthenticated_checkpoints_block_a_fresh_start_and_are_kept(tmp_p
     c = ckpt(tmp_path, with_local=False)
     with pytest.raises(ResumeMismatch, match=rf"no checkpoint on any tier is authentic under this run's "
                                              rf"checkpoint key {KEY.id}.*persistent step 2 .*names checkpoint key "
-                                             rf"{other.id}"):
+                                             rf'"{other.id}"'):
         c.restore()
     assert c.restore(download=False) is None  # a read-only look (status) just sees none
     # A save at an occupied step skips that tier rather than overwrite the kept checkpoint.

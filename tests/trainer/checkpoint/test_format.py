@@ -307,7 +307,7 @@ def test_the_hmac_authenticates_the_manifest(tmp_path: Path) -> None:
         assert quarantined(str(e.value))  # never deleted, never overwritten
         return str(e.value)
 
-    assert f"names checkpoint key {KEY.id}, this run's key is {OTHER_KEY.id}" in refused(folder, OTHER_KEY)
+    assert f"names checkpoint key \"{KEY.id}\", this run's key is {OTHER_KEY.id}" in refused(folder, OTHER_KEY)
     # A bucket writer changes the data position and recomputes every sha256: no HMAC to show.
     state = folder / STATE
     state.write_text(state.read_text().replace('"index":1234', '"index":0'))

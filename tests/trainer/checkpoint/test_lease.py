@@ -58,9 +58,9 @@ def test_a_live_holder_makes_a_second_trainer_exit_naming_it(gcs_proxy) -> None:
     a.start()
     b = lease(gcs_proxy, "vm-b:/other-run", ttl=2.0)
     waits: list[str] = []
-    with pytest.raises(LeaseHeld, match=r"held and renewed by vm-a:/run \(pid \d+ on host "):
+    with pytest.raises(LeaseHeld, match=r'held and renewed by "vm-a:/run \(pid \d+ on host '):
         b.acquire(sleep=no_wait, on_wait=waits.append)
-    assert waits and waits[0].startswith("for the writer lease held by vm-a:/run")
+    assert waits and waits[0].startswith('for the writer lease held by "vm-a:/run')
     with pytest.raises(LeaseLost):
         b.store.put_bytes("probe", b"x")
     assert "probe" not in store(gcs_proxy).list("")
@@ -101,7 +101,7 @@ def test_a_restart_on_the_same_run_dir_takes_its_predecessors_lease_at_once(gcs_
     record.write_text(json.dumps(cloned))
     again.start()
     clone = lease(gcs_proxy, "vm-b:/run", ttl=30.0, record=record)
-    with pytest.raises(LeaseHeld, match=r"held and renewed by vm-b:/run \(pid "):
+    with pytest.raises(LeaseHeld, match=r'held and renewed by "vm-b:/run \(pid '):
         clone.acquire(sleep=_renewed(gcs_proxy), on_wait=lambda s: None)
     again.check()
     again.release()
@@ -119,7 +119,7 @@ def test_a_second_incarnation_of_a_pool_job_does_not_take_its_live_lease(
     first.start()
     second = lease(gcs_proxy, holder_id(tmp_path / "run"), ttl=2.0)
     assert second.holder == first.holder
-    with pytest.raises(LeaseHeld, match=r"held and renewed by torchrun job pool "):
+    with pytest.raises(LeaseHeld, match=r'held and renewed by "torchrun job pool '):
         second.acquire(sleep=_renewed(gcs_proxy), on_wait=lambda s: None)
     first.check()
     first.release()
@@ -132,7 +132,7 @@ def test_a_taker_whose_clock_runs_ahead_does_not_take_a_live_lease(gcs_proxy) ->
     a.acquire(sleep=no_wait, on_wait=lambda s: None)
     a.start()
     b = lease(gcs_proxy, "vm-b:/run", ttl=2.0, wall=lambda: time.time() + 20.0)
-    with pytest.raises(LeaseHeld, match=r"held and renewed by vm-a:/run "):
+    with pytest.raises(LeaseHeld, match=r'held and renewed by "vm-a:/run '):
         b.acquire(sleep=_renewed(gcs_proxy), on_wait=lambda s: None)
     a.check()
     a.release()
@@ -166,8 +166,8 @@ def test_a_taken_lease_is_lost_and_nothing_more_is_written(gcs_proxy) -> None:
     gcs_proxy.client().bucket(gcs_proxy.bucket).blob(a.store._object(LEASE_KEY)).upload_from_string(
         json.dumps({"holder": "vm-z:/run", "pid": 7, "host": "z"}))
     assert _wait(lambda: a.lost is not None)
-    assert a.lost.startswith("vm-z:/run (pid 7 on host z")
-    with pytest.raises(LeaseLost, match="taken by vm-z"):
+    assert a.lost.startswith('"vm-z:/run (pid 7 on host z')
+    with pytest.raises(LeaseLost, match='taken by "vm-z'):
         a.store.put_bytes("late", b"x")
     assert "late" not in store(gcs_proxy).list("")
     a.release()  # not ours any more: left alone
@@ -229,6 +229,6 @@ def test_a_garbage_lease_is_an_unreadable_holder_that_expires(gcs_proxy) -> None
     waits: list[str] = []
     b = lease(gcs_proxy, "vm-b:/run", ttl=1.0)
     b.acquire(sleep=no_wait, on_wait=waits.append)
-    assert waits and waits[0].startswith("for the writer lease held by unreadable lease object gs://")
+    assert waits and waits[0].startswith('for the writer lease held by "unreadable lease object gs://')
     b.check()
     assert json.loads(store(gcs_proxy).read_versioned(LEASE_KEY)[0])["holder"] == "vm-b:/run"

@@ -30,7 +30,7 @@ def test_waits_with_backoff_then_returns_what_the_attempt_found(caplog) -> None:
     assert clock.sleeps == [1, 2, 4, 8, 16, 30, 30]  # doubling, capped
     assert WAITS.cap_s == 30
     line = next(r.getMessage() for r in caplog.records if "event=waiting_for_tier" in r.getMessage())
-    assert "tier=gcs error=Forbidden: 403 waited_s=0 until=" in line
+    assert 'tier=gcs error="Forbidden: 403" waited_s=0 until=' in line
     assert said[0].startswith("for gcs (unknown for 0s, giving up at ")
     assert "event=tiers_known" in caplog.text
 

@@ -18,10 +18,12 @@ from drill.fake_observability import FakeObservability, Filter
 from drill.metadata_server import MetadataServer
 from tests.trainer.support import REPO, Proc, run_args, write_config
 from trainer import retry
-from trainer.cloud.log_shipper import (LABEL, RETRY, RETRY_CAP_S, SCRIPT_LINE, TRAINER_LINE, entry, parse_message)
+from trainer.cloud.log_shipper import (LABEL, RETRY, RETRY_CAP_S, SCRIPT_LINE, TRAINER_LINE, entry, load_key,
+                                       parse_message, sign)
 
 GUARD_S = 60.0  # a failure guard for waits, never a timing assertion
 TOKEN = "drill-fake-token"  # what drill.metadata_server hands out
+KEY = b"0123456789abcdef" * 4  # a VM's log key, for entries made here
 
 
 # --- the parse rule, over real lines ---------------------------------------------------------------
@@ -88,8 +90,8 @@ RESOURCE = {"type": "gce_instance", "labels": {"project_id": "my-project-123456"
 
 def test_a_journal_record_becomes_an_entry_with_the_run_fields() -> None:
     unit = {"_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "0123456789abcdef" * 2}
-    e = entry(_record(1, "2026-01-02T03:04:05.678 WARNING trainer rank=1 event=tier_failing tier=gcs since=x",
-                      **unit), CFG, RESOURCE)
+    e = entry(_record(1, sign(KEY, "2026-01-02T03:04:05.678 WARNING trainer rank=1 event=tier_failing tier=gcs "
+                                   "since=x"), **unit), CFG, RESOURCE, KEY)
     p = e["jsonPayload"]
     assert (p["experiment"], p["run"], p["node"], p["session"], p["rank"], p["event"], p["source"]) == (
         "example", "runs/example", "example-group-abcd", "0123456789ab", 1, "tier_failing", "trainer")
@@ -128,7 +130,13 @@ class Rig:
         self.logging = FakeObservability("my-project-123456", token=TOKEN).start()
         self.metadata = MetadataServer(project_id="my-project-123456").start()
         config = {**CFG, "stall_s": 3600, "drain_s": 10, "retry_s": 0.05, "cursor_file": str(root / "cursor"),
-                  "units": ["spottrain.service"], "identifiers": ["google_metadata_script_runner"], **cfg}
+                  "key_file": str(root / "run" / "log.key"), "units": ["spottrain.service"],
+                  "identifiers": ["google_metadata_script_runner"], **cfg}
+        # The key the shipper finds at its start (as on a VM, where it made it before the trainer ran):
+        # the trainer's lines below are signed with it, as the trainer signs them.
+        self.key_file = Path(config["key_file"])
+        self.key = load_key(config["key_file"], create=True)
+        assert self.key is not None
         (root / "logs.json").write_text(json.dumps(config))
         (root / "journal.jsonl").touch()
         self.env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "GCE_METADATA_HOST": self.metadata.host,
@@ -138,8 +146,15 @@ class Rig:
     def set_trainer(self, state: str) -> None:
         (self.root / "unit-state").write_text(state + "\n")
 
-    def line(self, message: str, **fields: str) -> None:
+    def line(self, message: str, *, signed: bool | None = None, **fields: str) -> None:
+        """One journal record; the trainer unit's by default, signed when it is a trainer line
+        (`signed=False`: text in its output that only looks like one)."""
         self.n += 1
+        if signed is None:
+            signed = not fields and TRAINER_LINE.match(message) is not None
+        if signed:
+            assert self.key is not None
+            message = sign(self.key, message)
         fields = fields or {"_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "c" * 32}
         with open(self.root / "journal.jsonl", "a") as f:
             f.write(json.dumps(_record(self.n, message, self.boot, **fields)) + "\n")

@@ -17,12 +17,13 @@ from drill.fake_gcp import FakeGcp
 from drill.fake_observability import FakeObservability
 from drill.net import free_port
 from tests.trainer.support import REPO
-from trainer.cloud.log_shipper import entry
+from trainer.cloud.log_shipper import TRAINER_LINE, entry, sign
 from trainer.cloud.logs import log_filter
 
 PROJECT, TOKEN = "my-project-123456", "fake-access-token"
 CFG = {"project": PROJECT, "experiment": "example", "run": "runs/example"}
 RESOURCE = {"type": "gce_instance", "labels": {"project_id": PROJECT, "instance_id": "1", "zone": "us-central1-a"}}
+KEY = b"0123456789abcdef" * 4  # the VMs' log key: the trainer signs its own lines with it
 
 
 class Journal:
@@ -45,7 +46,9 @@ class Journal:
             r.update(_PID="1", UNIT="spottrain.service", INVOCATION_ID=session)
         elif session:
             r.update(_SYSTEMD_UNIT="spottrain.service", _SYSTEMD_INVOCATION_ID=session)
-        self.entries.append(entry(r, {**CFG, "experiment": experiment}, RESOURCE))
+            if TRAINER_LINE.match(message):  # the trainer's own line, as it writes it on a VM
+                r.update(MESSAGE=sign(KEY, message))
+        self.entries.append(entry(r, {**CFG, "experiment": experiment}, RESOURCE, KEY))
 
 
 def _trainer(msg: str) -> str:

@@ -342,7 +342,7 @@ def test_a_planted_checkpoint_never_lets_the_disk_go(world, capsys) -> None:
     assert "step 99999999: manifest has" in err or "step 99999999: unauthenticated" in err
     assert "step 150: unauthenticated: its manifest carries no HMAC" in err
     assert "step 120: unauthenticated: its manifest names checkpoint key" in err
-    assert "step 130: another run's: signed for the run at 'gs://another-bucket/runs/other'" in err
+    assert "step 130: another run's: signed for the run at \"gs://another-bucket/runs/other\"" in err
     assert "step 200: model.bin is missing" in err
     assert w.gcp.group("exp-group").target_size == 2 and w.gcp.calls_to("POST", ":run") == []
     # The disk's own step, authentic and complete in the bucket: now it may go.

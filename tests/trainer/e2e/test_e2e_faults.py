@@ -59,7 +59,7 @@ def test_a_blank_disk_waits_while_gcs_answers_403_then_resumes_from_its_step(tmp
     p = start(run_dir, STEPS, config, "--gcs-uri", gcs_proxy.uri, env=trainer_env(**gcs_proxy.env))
     try:
         port = int(p.wait_for(r"event=health_listening host=\S+ port=(\d+)").group(1))
-        line = p.wait_for(r"event=waiting_for_tier tier=gcs error=Forbidden: 403 .* waited_s=\d+ until=\S+Z").string
+        line = p.wait_for(r"event=waiting_for_tier tier=gcs error=\"Forbidden: 403 .* waited_s=\d+ until=\S+Z").string
         assert "not deciding where to resume while gcs cannot be read" in line
         # The group must not recreate the VM meanwhile: the answer passes ("ok" first).
         assert ask("127.0.0.1", port).startswith("ok waiting for gcs (unknown for ")
@@ -114,7 +114,7 @@ def test_a_restore_whose_download_fails_waits_instead_of_falling_back(tmp_path: 
     p = start(run_dir, STEPS, config, "--gcs-uri", gcs_proxy.uri, "--stop-at-step", "12",
               env=trainer_env(**gcs_proxy.env))
     try:
-        p.wait_for(r"event=waiting_for_tier tier=gcs error=Forbidden")
+        p.wait_for(r"event=waiting_for_tier tier=gcs error=\"Forbidden")
         gcs_proxy.proxy.clear()
         assert int(p.wait_for(r"event=restore step=(\d+) tier=gcs").group(1)) == 10
         assert p.wait() == 75, p.output[-3000:]
@@ -217,7 +217,7 @@ def test_two_run_dirs_on_one_gcs_prefix_never_write_it_at_once(tmp_path: Path, g
         a.seen(r"event=lease_acquired holder=\S+:\S+/a object=")
         b = start(tmp_path / "b", 400, config, "--task", GATE, "--gcs-uri", gcs_proxy.uri, env=env)
         assert b.wait() == 2, b.output[-3000:]
-        b.seen(r"event=waiting_for_lease holder=\S+/a \(pid \d+ on host ")
+        b.seen(r'event=waiting_for_lease holder="\S+/a \(pid \d+ on host ')
         b.seen(r"event=failed reason=bad_input another trainer is writing this job: the writer lease "
                rf"{gcs_proxy.uri}/{LEASE_KEY} is held and renewed by \S+/a ")
         assert "event=restore" not in b.output
@@ -268,7 +268,7 @@ def test_a_second_incarnation_of_a_pool_job_exits_2_and_the_first_keeps_its_leas
             second.wait()
         finally:
             second.kill()
-        assert "held and renewed by torchrun job pool on pool-0:" in reason.read_text(), second.output[-3000:]
+        assert 'held and renewed by "torchrun job pool on pool-0:' in reason.read_text(), second.output[-3000:]
         assert "event=restore" not in second.output
         assert "event=lease_lost" not in first.output
         first.signal(signal.SIGTERM, group=True)
@@ -295,7 +295,7 @@ def test_a_holder_that_died_is_replaced_after_the_ttl(tmp_path: Path, gcs_proxy)
               env=trainer_env(**gcs_proxy.env))
     assert b.wait() == 75, b.output[-3000:]
     # (Whether b had to wait depends on how long it took to start: test_lease shows the wait.)
-    b.seen(r"event=lease_acquired holder=\S+/b object=.* took_over=expired previous=\S+/a ")
+    b.seen(r'event=lease_acquired holder=\S+/b object=.* took_over=expired previous="\S+/a ')
     assert int(b.seen(r"event=restore step=(\d+) tier=").group(1)) >= 5
 
 
@@ -308,7 +308,7 @@ def test_a_trainer_whose_lease_is_taken_stops_writing_gcs_and_exits_2(tmp_path: 
         blob = gcs_proxy.client(direct=True).bucket(gcs_proxy.bucket).blob(
             f"{gcs_proxy.uri.split('/', 3)[3]}/{LEASE_KEY}")
         blob.upload_from_string(json.dumps({"holder": "vm-z:/run", "pid": 7, "host": "vm-z"}))
-        a.wait_for(r"event=lease_lost taker=vm-z:/run \(pid 7 on host vm-z")
+        a.wait_for(r'event=lease_lost taker="vm-z:/run \(pid 7 on host vm-z')
         flag.unlink()  # the step in flight completes, then every rank stops
         assert a.wait() == 2, a.output[-3000:]
     finally:

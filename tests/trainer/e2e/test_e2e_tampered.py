@@ -178,7 +178,7 @@ def test_garbage_objects_in_the_bucket_never_stop_the_job(tmp_path: Path, gcs_em
     p = run_to_end(run_dir, STEPS, config, *gcs, env=env)
     assert "Traceback" not in p.output and "RecursionError" not in p.output
     p.seen(r"ignoring gcs checkpoint step 30 at gs://\S+: manifest is nested too deeply to be one")
-    p.seen(r"event=lease_acquired .*took_over=expired previous=unreadable lease object gs://\S+lease\.json")
+    p.seen(r'event=lease_acquired .*took_over=expired previous="unreadable lease object gs://\S+lease\.json')
     p.seen(r"event=restore step=20 tier=persistent")
     assert status(run_dir, "--gcs-uri", gcs_emulator.uri)["latest_step"] == STEPS
 
@@ -232,7 +232,7 @@ def test_another_runs_authentic_checkpoint_copied_in_is_never_resumed(tmp_path: 
     _copy_step(gcs_emulator.client, other_uri, gcs_emulator.uri, 30)
 
     p = run_to_end(run_dir, STEPS, config, *gcs, env=env)
-    p.seen(r"refusing gcs checkpoint step 30 at gs://\S+: another run's: signed for the run at 'gs://\S+-other'")
+    p.seen(r"refusing gcs checkpoint step 30 at gs://\S+: another run's: signed for the run at \"gs://\S+-other\"")
     p.seen(r"event=restore step=20 tier=persistent")
     assert "step-00000030/manifest.json" in bucket_names(gcs_emulator.client, gcs_emulator.uri)
     final = status(run_dir, "--gcs-uri", gcs_emulator.uri)
