@@ -166,7 +166,11 @@ class Scaler:
         if reason == "finished":
             why = self._unauthentic(s.steps, sizes, secret)
             if why is None:
-                return True, f"gs://{s.bucket}/{s.prefix}/step-{s.steps:08d} is there and authentic", s.steps, secret
+                # The marker names the newest authentic step (an earlier, longer run's may be newer
+                # than the final one): the control job refuses a marker the bucket has overtaken.
+                newer, _ = stop_marker.newest_authentic(self._read, s.prefix, self._run, sizes, secret, above=s.steps)
+                return (True, f"gs://{s.bucket}/{s.prefix}/step-{s.steps:08d} is there and authentic",
+                        s.steps if newer is None else newer, secret)
             return False, (f"the final checkpoint gs://{s.bucket}/{s.prefix}/step-{s.steps:08d} is not in the "
                            f"bucket ({why}); its only copy may be on this VM's disk, which scaling to zero "
                            "would delete"), None, None

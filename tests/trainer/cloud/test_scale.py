@@ -466,3 +466,15 @@ def test_the_control_job_without_its_grant_on_the_key_acts_on_no_marker(world, c
     w.gcp.join_jobs()
     assert (f"serviceAccount:{CONTROL}", "secretmanager.versions.access",
             f"{w.key_secret}/versions/1") in w.gcp.refusals
+
+
+def test_a_finished_marker_names_the_newest_authentic_step_so_the_job_acts_on_it(world) -> None:
+    """A bucket that also holds a newer authentic step than the final one (an earlier, longer run
+    of the experiment): the VM's marker names that newest step, so the job, which refuses a
+    marker the bucket has overtaken, acts on it."""
+    w = world()
+    w.put_checkpoint(250)
+    w.put_checkpoint(200)
+    assert w.main("stop", "finished") == 0
+    assert json.loads(w.bucket.blob(w.markers["finished"]).download_as_bytes())["step"] == 250
+    assert w.gcp.group("exp-group").target_size == 0
