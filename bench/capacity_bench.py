@@ -68,7 +68,7 @@ def simulate(stockout_min: int, fallback_min: int | None, prices: tuple[float, f
             stop_markers=(), paused=False, fallback_after_s=(fallback_min or 10**9) * 60,
             min_on_demand_s=30 * 60, back_to_spot=0.7)
         client = Client(token=lambda: (gcp.token, 3600.0), compute=gcp.compute_api, storage=bucket_host)
-        check = cap.Check(settings, client, clock=lambda: now[0], log=lambda line: None)
+        check = cap.Check(settings, client, clock=lambda: now[0], log=lambda line: None, stopped=False)
         trained, last, minute = 0.0, "", 0
         while trained < HOURS * 60:
             now[0] = minute * 60.0

@@ -5,7 +5,7 @@ start one execution of the job for every `jobs.run` call they accept: a `python 
 process with the job's settings (`SPOTTRAIN_CONTROL`, built by `stacks.control.control_settings`
 as the stack builds them), its own metadata server (so its own token, which the fake maps to the
 job's service account: the stack's grants for that account are all it has), and the fakes'
-endpoints. Each execution's exit status and output are kept (`runs`), so a test or the drill can
+endpoints (Compute, Cloud Storage, Secret Manager: it reads the checkpoint key to verify a stop marker). Each execution's exit status and output are kept (`runs`), so a test or the drill can
 say what the job did and whether Google would have let it.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ControlJob:
             return  # another job of the project: not ours to run
         env = {**os.environ, "SPOTTRAIN_CONTROL": json.dumps(self.settings), "GCE_METADATA_HOST": self.metadata.host,
                "SPOTTRAIN_COMPUTE_API": self.fake.compute_api, "STORAGE_EMULATOR_HOST": self.storage,
-               "PYTHONPATH": str(self.pythonpath)}
+               "SPOTTRAIN_SECRETMANAGER_API": self.fake.secretmanager_api, "PYTHONPATH": str(self.pythonpath)}
         try:
             proc = subprocess.run([sys.executable, "-m", "trainer.cloud.control"], env=env, cwd=self.pythonpath,
                                   capture_output=True, text=True, timeout=self.timeout_s)

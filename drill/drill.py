@@ -334,6 +334,7 @@ def control_job(fake: FakeGcp, rendered: list[Rendered], storage: str, image: Pa
     markers = sorted({m for r in rendered for m in scale.markers(prefix, r.props.steps, scale.digest(r.startup)).values()})
     settings = control_settings(project=t.project, region=t.region, location=t.location, groups=t.groups,
                                 bucket=r0.bucket, prefix=prefix, stop_markers=tuple(markers),
+                                checkpoint_key_secret=r0.props.checkpoint_key_secret,
                                 coordinator=t.coordinator, flex_run_duration_s=t.run_duration_s)
     return ControlJob(fake, settings, account=account(r0, "control"), storage=storage, pythonpath=image,
                       poll_s=0.5)
@@ -413,6 +414,10 @@ class Deployment:
                                                    "shutdown-script": rendered.shutdown, **(attributes or {})},
                                        instance_name=hostname, zone=zone, project_id=project, token=DRILL_TOKEN,
                                        email=account(rendered, "trainer"))
+        if self.owns_compute and target is not None:
+            # The VM is the group's member: its metadata says the id the group lists (the
+            # control job acts on a stop marker only when its writer is a member).
+            self.metadata.set_value("instance/id", self.compute.instance(zone, hostname).id)
         self.disk = Disk(root / "checkpoint-disk.img", cfg.disk_mb)
         # Local NVMe SSDs: blank on every boot (Spot VMs lose them on preemption).
         self.local_ssds = {f"local-nvme-ssd-{i}": Disk(root / f"local-ssd-{i}.img", cfg.disk_mb)
@@ -486,6 +491,9 @@ class Deployment:
         offsets = (len(self.vm.journal()), len(self.vm.events()))
         if self.fake_project is not None and self.group is not None:
             self.fake_project.instance_up(self.group, self.hostname)
+        if self.owns_compute and self.group is not None:
+            # A recreated VM has a new id on Google; a stop marker is bound to its writer's.
+            self.metadata.set_value("instance/id", self.compute.recreate(self.group, self.hostname).id)
         self.vm.boot(keep_boot_disk=False)
         return offsets
 

@@ -95,6 +95,9 @@ class Instance:
     status: str = "RUNNING"  # PROVISIONING, RUNNING, STOPPING, TERMINATED
     created: float = 0.0
     machine_type: str = ""
+    #: Compute's unique id (a uint64 as a string): a VM the group recreates under the same name
+    #: gets a new one, as on Google, so a record bound to an id tells incarnations apart.
+    id: str = field(default_factory=lambda: str(uuid.uuid4().int >> 65))
 
 
 @dataclass
@@ -345,6 +348,23 @@ class FakeGcp:
             self.secrets.setdefault(name, [])
         return name
 
+    def add_secret_version(self, name: str, data: bytes) -> int:
+        """What `secrets.addVersion` does for whoever may call it (a test standing in for the first
+        VM's boot); the new version's number."""
+        with self._lock:
+            self.secrets[name].append({"data": bytes(data), "state": "ENABLED", "created": self.clock()})
+            return len(self.secrets[name])
+
+    def recreate(self, group: str, name: str) -> Instance:
+        """The group recreated its VM ``name`` (repair after a preemption, or a resize back up): a
+        new VM under the same name, with a new id, as on Google."""
+        with self._lock:
+            g = self.groups[group]
+            old = g.instances[name]
+            g.instances[name] = Instance(name, old.zone, old.provisioning, created=self.clock(),
+                                         machine_type=old.machine_type)
+            return g.instances[name]
+
     def secret_versions(self, name: str) -> list[dict[str, Any]]:
         with self._lock:
             return [dict(v) for v in self.secrets[name]]
@@ -456,7 +476,7 @@ class FakeGcp:
 
     def _managed(self, g: Group) -> dict[str, Any]:
         items = [{"instance": f"{self.compute_api}/projects/{self.project}/zones/{i.zone}/instances/{i.name}",
-                  "name": i.name, "instanceStatus": i.status, "currentAction": "NONE"}
+                  "id": i.id, "name": i.name, "instanceStatus": i.status, "currentAction": "NONE"}
                  for i in sorted(g.instances.values(), key=lambda i: i.created)]
         if g.auto:
             items += [{"name": f"{g.name.removesuffix('-group')}-pending-{n}", "currentAction": "CREATING",
@@ -750,7 +770,7 @@ class FakeGcp:
                         f"Required '{permission}' permission for '{name}'")
         inst = self._find_instance(zone, tail[0])
         if verb is None:
-            return {"kind": "compute#instance", "name": inst.name, "status": inst.status,
+            return {"kind": "compute#instance", "id": inst.id, "name": inst.name, "status": inst.status,
                     "zone": f"{self.compute_api}/projects/{self.project}/zones/{zone}",
                     "scheduling": {"provisioningModel": inst.provisioning}}
         if verb == "stop":

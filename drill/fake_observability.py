@@ -70,6 +70,8 @@ LOG_RESOURCES = {
     "gce_instance": {"project_id", "instance_id", "zone"},
     "generic_node": {"project_id", "location", "namespace", "node_id"},
     "generic_task": {"project_id", "location", "namespace", "job", "task_id"},
+    # What Cloud Run writes a job's stdout/stderr under (the control job's entries).
+    "cloud_run_job": {"project_id", "job_name", "location"},
 }
 LOG_ID = re.compile(r"^[A-Za-z0-9/_.\-]{1,512}$")
 METRIC_PREFIXES = ("custom.googleapis.com/", "workload.googleapis.com/", "external.googleapis.com/")

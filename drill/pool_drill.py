@@ -217,6 +217,8 @@ class Pool:
                                          attributes={ROLE_KEY: role, "enable-guest-attributes": "TRUE"},
                                          image_files={"/etc/hosts": hosts}, unit_environment=self.workaround,
                                          compute=self.compute))
+            if target is not None:  # its metadata says the id Compute lists (stop markers are bound to it)
+                self.nodes[-1].metadata.set_value("instance/id", self.compute.instance(zone, host).id)
         self.offsets: dict[str, tuple[int, int]] = {}
         self.rejoin_marks: dict[str, int] = {}
         """Journal ends when the last preempted worker was booted again."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stacks.boot import needs_control
 from stacks.experiment import Experiment
 
 #: How long an incident stays open once its condition no longer holds (it closes by itself).
@@ -66,6 +67,14 @@ def rules(exp: Experiment) -> list[AlertRule]:
                   "minutes (a stockout): the run waits and costs nothing meanwhile (see docs/capacity.md).",
                   duration_s=a.capacity_wait_minutes * 60, severity="WARNING"),
     ]
+    if needs_control(exp):
+        out.append(AlertRule("marker-refused", "stop marker refused", "markers_refused", 0, 3600,
+                             "The control job found a stop marker it would not act on: not signed with the run's "
+                             "checkpoint key (planted by a writer of the bucket), or one the bucket no longer backs "
+                             "(a replay). It left the groups alone, so nothing was deleted, but a VM that asked to "
+                             "stop may still be running and paying. Read the job's outcome "
+                             "(runs/<experiment>/control/outcome.json: `refused` says why) and who wrote the marker "
+                             "(the bucket's data access logs); docs/security.md, stop markers.", severity="CRITICAL"))
     if a.notify_finished:
         out.append(AlertRule("finished", "run finished", "finished", 0, 300,
                              "The run finished: its final checkpoint is durable on every tier, and the VM scales "

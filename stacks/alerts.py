@@ -97,7 +97,8 @@ class RunAlerts(Construct):
         self.policies: list[MonitoringAlertPolicy] = []
         for r in rules:
             metric = self.metrics[r.metric]
-            flt = (f'metric.type="{run_metrics.USER_PREFIX}{metric.name}" AND resource.type="gce_instance"'
+            flt = (f'metric.type="{run_metrics.USER_PREFIX}{metric.name}" '
+                   f'AND resource.type="{run_metrics.by_name(p, name)[r.metric].resource}"'
                    + (f" AND {r.label_filter}" if r.label_filter else ""))
             self.policies.append(MonitoringAlertPolicy(
                 self, f"alert-{r.key}", project=p, display_name=f"spottrain {name}: {r.title}", combiner="OR",

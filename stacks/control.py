@@ -18,8 +18,15 @@ flex-start successors, or fall back to on demand (`trainer.cloud.control` runs i
   other.
 - For the on-demand fallback: `roles/compute.viewer` on the project, for the capacity advice.
 - On the bucket, under conditions on object names (objects support them): read the delivered code
-  (`code/`) and the stop markers (`runs/<exp>/stop/`); read and write its own objects
-  (`runs/<exp>/control/`: the outcome, the successor requests, the fallback's state).
+  (`code/`), the stop markers (`runs/<exp>/stop/`) and the checkpoints' manifests a marker names
+  (`runs/<exp>/step-`); read and write its own objects (`runs/<exp>/control/`: the outcome, the
+  successor requests, the fallback's state). Listing is checked on the bucket (no name condition
+  can match it): a custom role `spottrain_<experiment>_control_list` with `storage.objects.list`
+  alone, bound on the bucket.
+- On the checkpoint-key secret (`stacks.checkpoint_key`): `roles/secretmanager.secretAccessor`,
+  bound on that one secret. The job acts on a stop marker only when the run signed it with that key
+  and the bucket still holds what it names (`trainer.cloud.stop_marker`): a bucket writer can plant
+  a marker's name, never the deletion of a disk ahead of the bucket.
 - A Cloud Run job `<experiment>-control` (Google's Cloud SDK image: it fetches the trainer archive
   the stack delivers, checks its sha256 and runs one execution), `roles/run.invoker` on it for the
   **trainer's** account (a VM starts it when the job is done or wants a successor) and for its own
@@ -52,6 +59,7 @@ from cdktn_provider_google.cloud_scheduler_job import (
 from cdktn_provider_google.compute_instance_iam_member import ComputeInstanceIamMember
 from cdktn_provider_google.project_iam_custom_role import ProjectIamCustomRole
 from cdktn_provider_google.project_iam_member import ProjectIamMember
+from cdktn_provider_google.secret_manager_secret_iam_member import SecretManagerSecretIamMember
 from cdktn_provider_google.service_account import ServiceAccount
 from cdktn_provider_google.storage_bucket_iam_member import (
     StorageBucketIamMember,
@@ -63,6 +71,10 @@ from stacks.boot import Release, control_job_name as job_name, needs_control  # 
 
 #: What the job may do to the experiment's groups (project-wide: see the module docstring).
 GROUP_PERMISSIONS = ("compute.instanceGroupManagers.get", "compute.instanceGroupManagers.update")
+#: On the bucket: list objects (names, sizes), so the job can tell the newest authentic checkpoint.
+LIST_PERMISSIONS = ("storage.objects.list",)
+#: On the checkpoint-key secret: read it (never add a version).
+KEY_ROLE = "roles/secretmanager.secretAccessor"
 #: What the job may do to a pool's coordinator (a binding on that instance).
 COORDINATOR_PERMISSIONS = ("compute.instances.get", "compute.instances.stop")
 #: How often Cloud Scheduler runs the job when no fallback sets the pace: the backstop for a VM
@@ -97,12 +109,14 @@ sys.exit(main())
 
 
 def control_settings(*, project: str, region: str, location: str, groups: tuple[str, ...], bucket: str,
-                     prefix: str, stop_markers: tuple[str, ...], coordinator: str | None = None,
-                     flex_run_duration_s: int | None = None,
+                     prefix: str, stop_markers: tuple[str, ...], checkpoint_key_secret: str,
+                     coordinator: str | None = None, flex_run_duration_s: int | None = None,
                      capacity: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`trainer.cloud.control.Settings` as the job receives it (the stack and the drill build it here)."""
+    """`trainer.cloud.control.Settings` as the job receives it (the stack and the drill build it here).
+    ``checkpoint_key_secret``: `projects/P/secrets/S`, the key that verifies a stop marker."""
     return {"project": project, "region": region, "location": location, "groups": list(groups),
             "bucket": bucket, "prefix": prefix, "stop_markers": list(stop_markers),
+            "checkpoint_key_secret": checkpoint_key_secret,
             "coordinator": coordinator, "flex_run_duration_s": flex_run_duration_s, "capacity": capacity}
 
 
@@ -115,6 +129,7 @@ class ControlProps:
     settings: dict[str, Any]  # `control_settings(...)`
     code: Release  # the delivered trainer archive
     vm_member: str  # serviceAccount:... of the trainer VMs: they may start the job
+    key_secret_id: str  # the checkpoint key's secret (a reference): the job reads it to verify stop markers
     schedule_minutes: int = BACKSTOP_MINUTES
     capacity_advice: bool = False  # the fallback asks the Compute API's capacity advice
     labels: dict[str, str] = field(default_factory=dict)
@@ -148,14 +163,29 @@ class ControlJob(Construct):
                                                 member=self.member))
         objects = f"projects/_/buckets/{p.bucket}/objects/"
         prefix = p.settings["prefix"]
+        list_role = ProjectIamCustomRole(
+            self, "list-role", project=p.project, role_id=f"spottrain_{ident}_control_list",
+            title=f"spottrain {p.name}: list its bucket",
+            description="List the objects of one bucket (names and sizes): bound on the experiment's bucket only.",
+            permissions=list(LIST_PERMISSIONS))
         self.grants += [
             StorageBucketIamMember(
                 self, "read-code-and-markers", bucket=p.bucket, role="roles/storage.objectViewer",
                 member=self.member,
                 condition=StorageBucketIamMemberCondition(
-                    title="code-and-stop-markers", description="The delivered code and the stop markers.",
+                    title="code-markers-manifests",
+                    description="The delivered code, the stop markers and the checkpoints a marker names.",
                     expression=f'resource.name.startsWith("{objects}code/") || '
-                               f'resource.name.startsWith("{objects}{prefix}/stop/")')),
+                               f'resource.name.startsWith("{objects}{prefix}/stop/") || '
+                               f'resource.name.startsWith("{objects}{prefix}/step-")')),
+            # Listing is checked on the bucket, never on an object name (a condition on a name
+            # prefix never matches it): a role with nothing but `storage.objects.list` shows the
+            # job the checkpoints' names and sizes, not their contents.
+            StorageBucketIamMember(self, "list-objects", bucket=p.bucket, role=list_role.name, member=self.member),
+            # The checkpoint key, to verify a marker (`trainer.cloud.stop_marker`): read version 1
+            # of that one secret; never add one (a key of its own would verify nothing).
+            SecretManagerSecretIamMember(self, "checkpoint-key-accessor", project=p.project,
+                                         secret_id=p.key_secret_id, role=KEY_ROLE, member=self.member),
             StorageBucketIamMember(
                 self, "own-objects", bucket=p.bucket, role="roles/storage.objectUser", member=self.member,
                 condition=StorageBucketIamMemberCondition(

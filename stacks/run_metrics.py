@@ -46,7 +46,8 @@ class LogMetric:
     unit: str = "1"
     value_field: str | None = None  # jsonPayload path: a DISTRIBUTION of that number
     labels: dict[str, str] = field(default_factory=dict)  # label -> jsonPayload path
-    own_log: bool = True  # False: a filter over other logs (Compute Engine's audit log)
+    own_log: bool = True  # False: a filter over other logs (Compute Engine's audit log, the control job's)
+    resource: str = "gce_instance"  # the monitored resource of the entries it counts (what an alert filters on)
 
     @property
     def distribution(self) -> bool:
@@ -109,6 +110,14 @@ def metrics(project: str, experiment: str) -> list[LogMetric]:
            for m in own]
     out.append(LogMetric("capacity_waits", "The group's VM creations refused for lack of capacity (Compute "
                          "Engine's audit log: a stockout)", audit, own_log=False))
+    # The control job (a Cloud Run job, `trainer.cloud.control`) writes JSON lines to stderr, which
+    # Cloud Run turns into jsonPayload entries of the `cloud_run_job` resource in its own log;
+    # `<experiment>-control` is `stacks.boot.control_job_name` (not imported: this module stays light).
+    refused = (f'logName="projects/{project}/logs/run.googleapis.com%2Fstderr" AND resource.type="cloud_run_job" AND '
+               f'resource.labels.job_name="{experiment}-control" AND jsonPayload.event="stop_marker_refused"')
+    out.append(LogMetric("markers_refused", "Stop markers the control job refused to act on (not signed by the run, "
+                         "or no longer backed by the bucket: the groups were left alone)", refused, own_log=False,
+                         resource="cloud_run_job"))
     return out
 
 

@@ -173,9 +173,10 @@ class TrainingStack(TerraformStack):
                     project=gcp.project, region=gcp.region, location=location,
                     groups=(group_name(name),) + ((group_name(name, "od"),) if fallback else ()),
                     bucket=bucket.name, prefix=f"runs/{name}", stop_markers=markers,
+                    checkpoint_key_secret=key.name,
                     coordinator=f"zones/{gcp.zones[0]}/instances/{pool.coordinator_name}" if pool else None,
                     flex_run_duration_s=c.flex_max_run_hours * 3600 if flex else None, capacity=capacity),
-                code=archives[0].release, vm_member=identity.member,
+                code=archives[0].release, vm_member=identity.member, key_secret_id=key.secret_id,
                 schedule_minutes=c.fallback_check_minutes if fallback else BACKSTOP_MINUTES,
                 capacity_advice=fallback, labels=labels, depends_on=tuple(delivery.objects)))
         # The VMs may start the control job: a VM that needs it must not boot before it may.

@@ -590,10 +590,18 @@ _LOG_TEXT_AT_START = ("the trainer logs the planted text where it reads it, at a
                       "the manifests listed, the task built): the start-up cell; what the shipper makes of a line "
                       "does not depend on the moment")
 _STOP_MARKER = ("`trainer run` never reads a stop marker: only the VM's stop path (`python -m trainer.cloud.scale "
-                "honour` at boot, before the trainer starts; `stop`) and the control job do, by the object's presence "
-                "alone (never parsed: garbage or size change nothing). A planted one stops the job, which "
-                "docs/security.md lists among what a bucket writer can do; tests/trainer/cloud/test_scale.py covers "
-                "honour and the stop path")
+                "honour` at boot, before the trainer starts; `stop`) and the control job do. The rig runs the trainer "
+                "alone (no group, no control job), so there is no cell: a marker the run did not sign (garbage, "
+                "forged, another key's) is refused by the control job, which leaves the groups alone and logs "
+                "stop_marker_refused; a bucket writer can delay or pause the job, never delete a good checkpoint "
+                "(docs/security.md). tests/trainer/cloud/test_scale.py runs the real stop path and the real control "
+                "job against the fakes under the stack's grants")
+_STOP_MARKER_AHEAD = ("what scales to zero is the control job resizing the group, which deletes the VMs' disks; the rig "
+                      "has neither (it runs `trainer run` on one disk), so the cell cannot be expressed here. The "
+                      "proof is end to end in tests/trainer/cloud/test_scale.py: the disk at step 686, the bucket's "
+                      "newest authentic step 600, planted markers and replayed authentic ones (an earlier VM's, one "
+                      "overtaken by a newer step): the scheduled control job, the real process under the stack's "
+                      "IAM, resizes nothing, fails, and logs stop_marker_refused")
 _FIRST_BOOT = ("a first boot is the start-up moment: planted later, beside the run's own checkpoints, they are the "
                "replay and tampered cells")
 _SAVES_ONLY = "the trainer reads a checkpoint only when it starts: a forgery planted during the run is met at the next start-up"
@@ -747,6 +755,11 @@ FAULTS: dict[str, Fault] = {f.key: f for f in [
     NotTheTrainers("stop-marker", "planted or garbage stop marker",
                    "a bucket writer creating the job's stop marker (`<prefix>/stop/...`), garbage or not",
                    "not injected: no cell", {m: _STOP_MARKER for m in MOMENTS}),
+    NotTheTrainers("stop-marker-disk-ahead", "a planted stop marker while a disk is ahead",
+                   "a bucket writer planting (or restoring an old authentic) stop marker while a VM's disk holds a "
+                   "newer valid step than the bucket's newest authentic one (a disturbed lease): the scheduled "
+                   "control job would scale the group to zero and delete that disk",
+                   "not injected: no cell", {m: _STOP_MARKER_AHEAD for m in MOMENTS}),
 ]}
 
 

@@ -12,7 +12,7 @@ from stack_support import VARIANTS, unless_stopped, variant
 
 from drill.iam import Policy, Resource
 from stacks.boot import boot_props, render
-from stacks.control import COORDINATOR_PERMISSIONS, GROUP_PERMISSIONS
+from stacks.control import COORDINATOR_PERMISSIONS, GROUP_PERMISSIONS, LIST_PERMISSIONS
 from trainer.cloud import scale
 
 pytestmark = pytest.mark.xdist_group("stacks")
@@ -67,7 +67,8 @@ def test_the_control_job_resizes_its_groups_with_a_grant_google_honours(synthesi
     (binding,) = [m for m in s.resources("google_project_iam_member") if m["role"].startswith("${")]
     assert "condition" not in binding
     roles = {r["role_id"]: sorted(r["permissions"]) for r in s.resources("google_project_iam_custom_role")}
-    assert roles == {f"spottrain_{name}_control": sorted(GROUP_PERMISSIONS)}
+    assert roles == {f"spottrain_{name}_control": sorted(GROUP_PERMISSIONS),
+                     f"spottrain_{name}_control_list": sorted(LIST_PERMISSIONS)}
     # ...and it cannot wait on operations, read or stop VMs: it confirms from the group itself.
     assert not policy.allows(control, "compute.zoneOperations.get", OPERATION)
     assert not policy.allows(control, "compute.instances.stop", instance(f"{name}-group-abcd"))
@@ -87,6 +88,9 @@ def test_a_pools_control_job_may_stop_its_coordinator_and_no_other_vm(synthesize
 
 
 def test_the_control_job_reads_markers_and_code_and_writes_only_its_own_objects(synthesized):
+    """Its own objects, the markers, and what verifies a marker: the checkpoints' manifests and
+    the bucket's listing (names and sizes; the only permission its list role holds), never
+    another object's content, never a write outside `control/`."""
     s = synthesized["example"]
     policy, control = Policy.from_stack(s.json), sa("example-control")
     bucket = "my-project-123456-example-ckpt"
@@ -99,7 +103,13 @@ def test_the_control_job_reads_markers_and_code_and_writes_only_its_own_objects(
     assert policy.allows(control, "storage.objects.get", obj("code/trainer-0123456789abcdef.tar.gz"))
     for permission in ("storage.objects.get", "storage.objects.create", "storage.objects.delete"):
         assert policy.allows(control, permission, obj("runs/example/control/outcome.json"))
-    assert not policy.allows(control, "storage.objects.get", obj("runs/example/step-00000100/manifest.json"))
+    assert policy.allows(control, "storage.objects.get", obj("runs/example/step-00000100/manifest.json"))
+    bucket_resource = Resource("storage.googleapis.com", "storage.googleapis.com/Bucket",
+                               f"projects/_/buckets/{bucket}", (f"projects/{P}",))
+    assert policy.allows(control, "storage.objects.list", bucket_resource)
+    for other in ("runs/example/lease.json", "runs/example/goodput/s/events.jsonl", "runs/other/stop/x.json"):
+        assert not policy.allows(control, "storage.objects.get", obj(other))
+    assert not policy.allows(control, "storage.objects.create", obj("runs/example/step-00000100/manifest.json"))
     assert not policy.allows(control, "storage.objects.create", obj("runs/example/stop/finished-steps-20000.json"))
     assert not policy.allows(control, "storage.objects.create", obj("code/trainer-0123456789abcdef.tar.gz"))
 

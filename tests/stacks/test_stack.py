@@ -83,7 +83,8 @@ def test_group_waits_for_every_grant(example):
 def test_a_checkpoint_key_secret_only_the_trainer_can_read(synthesized, name):
     """The key that authenticates checkpoints: a secret without a version (the key never reaches
     Terraform), readable and fillable by the trainer's account on that one secret, named in the
-    boot; no bucket role reaches it."""
+    boot; readable (never fillable) by the control job's account, which verifies stop markers
+    with it; no bucket role reaches it."""
     s = synthesized[name]
     secret = s.one("google_secret_manager_secret")
     (trainer, account), = [(k, a) for k, a in s.json["resource"]["google_service_account"].items()
@@ -92,10 +93,14 @@ def test_a_checkpoint_key_secret_only_the_trainer_can_read(synthesized, name):
     assert "google_secret_manager_secret_version" not in s.json["resource"]
     member = f"serviceAccount:${{google_service_account.{trainer}.email}}"
     grants = s.resources("google_secret_manager_secret_iam_member")
-    assert sorted(g["role"] for g in grants) == ["roles/secretmanager.secretAccessor",
-                                                 "roles/secretmanager.secretVersionAdder"]
-    assert all(g["member"] == member and g["secret_id"] == f"{ref(s, 'google_secret_manager_secret')}.secret_id}}"
-               for g in grants)
+    assert sorted(g["role"] for g in grants if g["member"] == member) == ["roles/secretmanager.secretAccessor",
+                                                                          "roles/secretmanager.secretVersionAdder"]
+    controls = [k for k, a in s.json["resource"]["google_service_account"].items()
+                if a["account_id"].endswith("-control")]
+    assert sorted((g["member"], g["role"]) for g in grants if g["member"] != member) == [
+        (f"serviceAccount:${{google_service_account.{c}.email}}", "roles/secretmanager.secretAccessor")
+        for c in controls]
+    assert all(g["secret_id"] == f"{ref(s, 'google_secret_manager_secret')}.secret_id}}" for g in grants)
     assert not any("secretmanager" in m["role"] for m in s.resources("google_project_iam_member"))
     name_ = f"projects/{secret['project']}/secrets/{secret['secret_id']}"
     startup = s.text

@@ -89,6 +89,7 @@ EXPECTED = {
     "stalls": ["event=stalled"], "failures": ["event=boot_failed", "event=failed"],
     "finished": ["event=finished step=300"], "tier_failing": ["event=tier_failing"], "capacity_waits": [],
     "set_aside": ["event=checkpoints_set_aside"],
+    "markers_refused": [],
 }
 
 
@@ -128,6 +129,36 @@ def test_the_capacity_metric_counts_compute_engines_stockout_audit_entries() -> 
         assert len(fake.matching(run_metrics.by_name(PROJECT, "example")["capacity_waits"].filter)) == 1
 
 
+def test_the_refused_marker_metric_counts_the_control_jobs_refusals_as_cloud_run_logs_them() -> None:
+    """The control job's JSON line on stderr (`trainer.cloud.control.Control.refuse`), as Cloud Run
+    turns it into an entry of the `cloud_run_job` resource in its stderr log: this experiment's
+    job's refusal counts; another experiment's job, another event, or the VMs' log do not."""
+    from trainer.cloud.control import Control, Settings
+
+    lines: list[str] = []
+    control = Control(Settings(project=PROJECT, region="us-central1", location="zones/us-central1-a",
+                               groups=("example-group",), bucket="b", prefix="runs/example", stop_markers=()),
+                      client=None, log=lines.append)  # type: ignore[arg-type]
+    control.refuse("runs/example/stop/finished-steps-300.json", "not a signed stop marker")
+    control.say("control_done", status=1)
+
+    def entry(line: str, job: str = "example-control") -> dict[str, Any]:
+        payload = json.loads(line)
+        return {"logName": f"projects/{PROJECT}/logs/run.googleapis.com%2Fstderr",
+                "resource": {"type": "cloud_run_job",
+                             "labels": {"project_id": PROJECT, "job_name": job, "location": "us-central1"}},
+                "severity": payload.get("severity", "DEFAULT"), "jsonPayload": payload}
+
+    refused, done = lines
+    with FakeObservability(PROJECT) as fake:
+        _write(fake, [entry(refused), entry(done), entry(refused, job="other-control")])
+        got = fake.matching(run_metrics.by_name(PROJECT, "example")["markers_refused"].filter)
+    assert [e["jsonPayload"]["marker"] for e in got] == ["gs://b/runs/example/stop/finished-steps-300.json"]
+    assert got[0]["severity"] == "ERROR"
+    assert run_metrics.by_name(PROJECT, "example")["markers_refused"].resource == "cloud_run_job"
+    assert "example-control" == __import__("stacks.boot", fromlist=["x"]).control_job_name("example")
+
+
 def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     s = synthesized["example"]
     metrics = {m["name"]: m for m in s.resources("google_logging_metric")}
@@ -141,9 +172,11 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     assert len(policies) == len(alert_rules.rules(s.spec)) == 7
     for p in policies:
         (condition,) = p["conditions"]
-        # The condition names its metric resource (so it waits for it), on the VMs' resource type.
+        # The condition names its metric resource (so it waits for it), on the resource type of
+        # the entries it counts: the VMs', or the control job's for a refused stop marker.
         assert "${google_logging_metric." in condition["condition_threshold"]["filter"]
-        assert 'resource.type="gce_instance"' in condition["condition_threshold"]["filter"]
+        kind = "cloud_run_job" if p["display_name"].endswith("stop marker refused") else "gce_instance"
+        assert f'resource.type="{kind}"' in condition["condition_threshold"]["filter"]
         doc = p["documentation"]["content"]
         assert "make logs EXPERIMENT=example" in doc and "python -m trainer logs --project my-project-123456" in doc
         assert p["documentation"]["mime_type"] == "text/markdown" and "notification_channels" not in p
@@ -155,6 +188,8 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     capacity = next(p for p in policies if p["display_name"].endswith("waiting for capacity"))
     assert capacity["conditions"][0]["condition_threshold"]["duration"] == "7200s"
     assert s.resources("google_monitoring_notification_channel") == []
+    refused = next(p for p in policies if p["display_name"].endswith("stop marker refused"))
+    assert refused["severity"] == "CRITICAL" and "metric-markers_refused_" in refused["conditions"][0]["condition_threshold"]["filter"]
     assert alert_rules.note(s.spec) == ("alerts: 7 alert policies notify nobody (no email, webhook_url or "
                                         "pubsub_topic in [alerts]); their incidents show in Cloud Monitoring only")
 

@@ -43,13 +43,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer import manifest_auth, retry
+from trainer.cloud import gce
 
 log = logging.getLogger(__name__)
 
 ENV = "SPOTTRAIN_CHECKPOINT_KEY_FILE"
-#: Secret Manager's REST endpoint; a loopback fake stands in for it in tests and the drill.
-SECRETMANAGER_ENV = "SPOTTRAIN_SECRETMANAGER_API"
-DEFAULT_SECRETMANAGER = "https://secretmanager.googleapis.com/v1"
+#: Secret Manager's REST endpoint (``trainer.cloud.gce`` owns the names; the control job reads it too).
+SECRETMANAGER_ENV = gce.SECRETMANAGER_ENV
+DEFAULT_SECRETMANAGER = gce.DEFAULT_SECRETMANAGER
 MIN_BYTES = 32
 MAX_BYTES = 4096
 

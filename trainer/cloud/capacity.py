@@ -14,7 +14,8 @@ own state (an object in the bucket), decides, resizes, and writes the state back
   So two VMs never train at once: every switch goes through a save, and a VM starts only after
   the other is gone. (A trainer that is slow to die is still covered by the job's GCS writer
   lease: the newcomer cannot write the job's prefix until the lease is released or expires.)
-- **stopped**: a stop marker (`trainer.cloud.scale`) is in the bucket: both groups go to 0 and stay.
+- **stopped**: a stop marker (`trainer.cloud.scale`) that the control job verified
+  (`trainer.cloud.stop_marker`) is in the bucket: both groups go to 0 and stay.
 - **paused**: the experiment says `group.workers = 0`: both groups go to 0; when it says 1
   again, the job starts over in `spot`.
 
@@ -50,7 +51,7 @@ class Settings:
     zones: tuple[str, ...]
     bucket: str
     state_object: str  # runs/<experiment>/control/capacity.json
-    stop_markers: tuple[str, ...]  # object names whose presence means: the job is done
+    stop_markers: tuple[str, ...]  # the job's marker names (the control job verifies them: `Check.stopped`)
     paused: bool
     fallback_after_s: int
     min_on_demand_s: int
@@ -161,8 +162,12 @@ class Check:
     """One run of the check against the real APIs (or the fakes), with an injectable clock."""
 
     def __init__(self, settings: Settings, client: Client, clock: Callable[[], float] = time.time,
-                 log: Callable[[str], None] = lambda line: print(line, flush=True)) -> None:
+                 log: Callable[[str], None] = lambda line: print(line, flush=True), *, stopped: bool) -> None:
+        """``stopped``: the control job's verdict on the stop markers (`trainer.cloud.control.verified`):
+        a marker's presence is not enough, since whoever writes the bucket can plant one, and taking
+        the groups to zero deletes their checkpoint disks."""
         self.s, self.c, self.clock, self.log = settings, client, clock, log
+        self.stopped = stopped
         self.failures: list[str] = []  # what the last run() could not do, one line each
 
     def _group(self, name: str) -> tuple[int, int, int]:
@@ -191,7 +196,7 @@ class Check:
     def run(self) -> Decision:
         now = self.clock()
         state = State.from_json((self.c.read_object(self.s.bucket, self.s.state_object) or b"").decode() or None)
-        stopped = any(self.c.object_exists(self.s.bucket, m) for m in self.s.stop_markers)
+        stopped = self.stopped
         spot, od = self._group(self.s.spot_group), self._group(self.s.od_group)
         obs = Observation(*spot, *od, stopped=stopped)
         decision = decide(state, obs, now, self.s)

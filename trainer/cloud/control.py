@@ -13,20 +13,32 @@ VM that runs a model's dependencies. docs/security.md has the whole map.
 One execution (`python -m trainer.cloud.control`, settings in `SPOTTRAIN_CONTROL`, `Settings`), started
 by a VM (`trainer.cloud.scale`) or by Cloud Scheduler as a backstop:
 
-1. **Stopped** (a stop marker of `trainer.cloud.scale` is in the bucket): a pool's coordinator is stopped
-   and every group is resized to zero, each step tried whatever happened to the others; then each
-   is confirmed from the resource itself (the group's `targetSize`, the coordinator's `status`),
-   never from the operation (which needs `compute.zoneOperations.get`, project-wide). The outcome
-   goes to `<prefix>/control/outcome.json` for the VM that asked.
+1. **Stopped** (a stop marker of `trainer.cloud.scale` is in the bucket *and verifies*): a pool's
+   coordinator is stopped and every group is resized to zero, each step tried whatever happened to
+   the others; then each is confirmed from the resource itself (the group's `targetSize`, the
+   coordinator's `status`), never from the operation (which needs `compute.zoneOperations.get`,
+   project-wide). The outcome goes to `<prefix>/control/outcome.json` for the VM that asked.
+
+   Resizing to zero deletes every VM's checkpoint disk, and whoever can write the bucket can write
+   a marker's name, so presence is never enough (`verified`, `trainer.cloud.stop_marker`): the
+   marker must be a record the run signed with its checkpoint key (version 1 of the secret
+   `checkpoint_key_secret`, read through Secret Manager's REST API with this job's grant on that
+   one secret), bound to this run and to its object name; the step it names must be authentic and
+   complete in the bucket now, with no newer authentic step there (training went on after it); and
+   the VM that wrote it must still be one of the experiment's (a group member or the coordinator),
+   unless the groups have no VM left (a stop already done). A marker that fails any of these is
+   refused: the groups are left alone, the outcome lists it under `refused` with why, the job logs
+   `{"event": "stop_marker_refused", "severity": "ERROR", ...}` (what an alert counts) and exits 1.
+   docs/security.md says what is left of a replay.
 2. **Capacity** (the on-demand fallback, `trainer.cloud.capacity`): one check; it also takes both groups
-   to zero when stopped.
+   to zero when a marker verified.
 3. **Successor** (flex-start): `<prefix>/control/successor.json` names the VM whose successor is
    wanted; if it is still a member of the group, one resize request of `resizeBy` 1 and the
    stack's run duration, named after that VM (so asking twice makes one), confirmed with
    `resizeRequests.get`; the answer is written back into the same object.
 
-Exit status: 0 done (or nothing to do), 1 a call failed (each failure logged, all tried), 2 bad
-settings.
+Exit status: 0 done (or nothing to do), 1 a call failed (each failure logged, all tried) or a
+marker was refused and none acted on, 2 bad settings.
 """
 from __future__ import annotations
 
@@ -38,12 +50,17 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from trainer import manifest_auth, untrusted
 from trainer.cloud import capacity as cap
-from trainer import untrusted
+from trainer.cloud import stop_marker
 from trainer.cloud.gce import ApiError, Client
 
 ENV = "SPOTTRAIN_CONTROL"
 EXIT_OK, EXIT_FAILED, EXIT_BAD = 0, 1, 2
+
+
+class KeyProblem(Exception):
+    """The checkpoint key cannot be read: no marker can be verified."""
 
 
 @dataclass(frozen=True)
@@ -54,12 +71,14 @@ class Settings:
     groups: tuple[str, ...]
     bucket: str
     prefix: str  # runs/<experiment>
-    stop_markers: tuple[str, ...]  # object names: any of them present means the job is done
+    stop_markers: tuple[str, ...]  # object names: one that verifies (`verified`) means the job is done
     coordinator: str | None = None  # a pool's coordinator, zones/<zone>/instances/<name>
     flex_run_duration_s: int | None = None  # flex-start: the successor's run duration
     capacity: dict[str, Any] | None = None  # the on-demand fallback's `trainer.cloud.capacity.Settings`
     confirm_s: float = 600.0  # how long a change may take to show on the resource
     poll_s: float = 2.0
+    #: projects/P/secrets/S: the run's checkpoint key, which verifies a marker (`trainer.cloud.stop_marker`)
+    checkpoint_key_secret: str | None = None
 
     @property
     def outcome_object(self) -> str:
@@ -110,6 +129,7 @@ class Control:
                  log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
         self.s, self.c, self.log = settings, client, log
         self.failures: list[str] = []
+        self.refused: dict[str, str] = {}  # marker -> why it was not acted on
 
     def say(self, event: str, **fields: Any) -> None:
         self.log(json.dumps({"event": event, **fields}, sort_keys=True))
@@ -121,18 +141,121 @@ class Control:
 
     def run(self) -> int:
         s = self.s
-        self.failures = []
-        markers = [m for m in s.stop_markers if self.c.object_exists(s.bucket, m)]
+        self.failures, self.refused = [], {}
+        found = [m for m in s.stop_markers if self.c.object_exists(s.bucket, m)]
+        markers = self.verified(found) if found else []
         if s.capacity is not None:
-            check = cap.Check(cap.Settings.from_dict(s.capacity), self.c, log=self.log)
+            # The fallback takes both groups to zero only on a marker that verified here.
+            check = cap.Check(cap.Settings.from_dict(s.capacity), self.c, log=self.log, stopped=bool(markers))
             check.run()
             for line in check.failures:
                 self.failures.append(line)
         if markers:
             self.stop(markers, resize=s.capacity is None)
-        elif s.flex_run_duration_s is not None:
-            self.successor()
-        return EXIT_FAILED if self.failures else EXIT_OK
+        else:
+            if self.refused:  # the VM that asked learns why nothing happened
+                self.write_outcome({"groups": {}, "coordinator": None})
+            if s.flex_run_duration_s is not None:
+                self.successor()
+        if self.failures or (self.refused and not markers):
+            return EXIT_FAILED
+        return EXIT_OK
+
+    # --- may the job act on a stop marker? (`trainer.cloud.stop_marker`) ---------------------
+    def verified(self, found: list[str]) -> list[str]:
+        """The markers among ``found`` that the run wrote and that still hold; each other one is
+        refused (`refused`, event `stop_marker_refused`) and the groups are left alone for it.
+        Scaling to zero deletes every VM's checkpoint disk: it is safe only when the bucket holds an
+        authentic checkpoint at least as new as every disk's, which only the run can attest."""
+        s = self.s
+        run = manifest_auth.run_uri(s.bucket, s.prefix)
+        try:
+            secret = self.key()
+        except (ApiError, KeyProblem) as e:
+            self.fail(f"read the checkpoint key {s.checkpoint_key_secret}", e)
+            for m in found:
+                self.refuse(m, f"cannot verify it without the checkpoint key ({e})")
+            return []
+        sizes: dict[str, int] | None = None
+        members: tuple[int, set[str]] | None = None
+        ok = []
+        for name in found:
+            try:
+                raw = self.c.read_object(s.bucket, name)
+                if raw is None:
+                    continue  # deleted since it was found: nothing to act on, nothing to refuse
+                record, why = stop_marker.verify(raw, secret, name=name, run=run)
+                if record is None:
+                    self.refuse(name, why)
+                    continue
+                if sizes is None:
+                    sizes = self.c.object_sizes(s.bucket, f"{s.prefix}/step-")
+                step = record.get("step")
+                if step is not None:
+                    why = stop_marker.unauthentic_step(lambda n: self.c.read_object(s.bucket, n), s.prefix, run,
+                                                       step, sizes, secret)
+                    if why is not None:
+                        self.refuse(name, f"its step {step} in the bucket is not authentic and complete: {why}")
+                        continue
+                newer, _ = stop_marker.newest_authentic(lambda n: self.c.read_object(s.bucket, n), s.prefix, run,
+                                                        sizes, secret, above=-1 if step is None else step)
+                if members is None:
+                    members = self.members()
+                why = stop_marker.stale(record, vms=members[0], ids=members[1], newer=newer)
+                if why is not None:
+                    self.refuse(name, why)
+                    continue
+                ok.append(name)
+            except ApiError as e:
+                self.fail(f"verify gs://{s.bucket}/{name}", e)
+                self.refuse(name, f"could not be verified ({e})")
+        return ok
+
+    def members(self) -> tuple[int, set[str]]:
+        """How many VMs a resize to zero would delete now (every group's members, with their
+        disks) and the ids of the VMs that may have written a marker (those, and a pool's
+        coordinator, which the job only stops: its disk stays)."""
+        s = self.s
+        count, ids = 0, set()
+        for g in s.groups:
+            answer = self.c.compute_call("POST", f"{s.group_path(g)}/listManagedInstances")
+            count += len(answer.get("managedInstances", []))
+            ids |= stop_marker.member_ids(answer)
+        if s.coordinator:
+            vm = self.c.compute_call("GET", f"projects/{s.project}/{s.coordinator}", ok404=True)
+            if vm is not None and vm.get("id"):
+                ids.add(str(vm["id"]))
+        return count, ids
+
+    def key(self) -> bytes:
+        """The run's checkpoint key, version 1 of its secret (the one the VMs read and sign with),
+        read only when a marker is there to verify, and held in memory only. Never created here:
+        a key the job made up would verify nothing."""
+        name = self.s.checkpoint_key_secret
+        if not name:
+            raise KeyProblem("the job's settings name no checkpoint_key_secret")
+        data = self.c.secret_version(name, "1")
+        if data is None:
+            raise KeyProblem(f"{name} has no version 1: no VM of this experiment has booted")
+        if not 32 <= len(data) <= 4096:
+            raise KeyProblem(f"{name} version 1 holds {len(data)} bytes, not a checkpoint key")
+        return data
+
+    def refuse(self, name: str, why: str) -> None:
+        self.refused[name] = why
+        # What an alert acts on (`stacks.run_metrics`): a marker that would have scaled the job to
+        # zero, and whose deletion of the disks the run never vouched for.
+        self.say("stop_marker_refused", severity="ERROR", marker=f"gs://{self.s.bucket}/{name}", why=why,
+                 action="groups left alone: a human must look (docs/security.md, stop markers)")
+
+    def write_outcome(self, fields: dict[str, Any], markers: list[str] | tuple[str, ...] = ()) -> None:
+        s = self.s
+        outcome = {"at": _now(), "markers": list(markers), "refused": dict(self.refused), **fields,
+                   "failures": list(self.failures), "ok": not self.failures and not (self.refused and not markers)}
+        try:
+            self.c.write_object(s.bucket, s.outcome_object, json.dumps(outcome, sort_keys=True).encode())
+        except ApiError as e:
+            self.fail(f"write gs://{s.bucket}/{s.outcome_object}", e)
 
     # --- the job is done: nothing of it may keep running --------------------------------------
     def stop(self, markers: list[str], resize: bool = True) -> None:
@@ -180,12 +303,7 @@ class Control:
                 self.say("instance_stopped", instance=s.coordinator)
             except ApiError as e:
                 self.fail(f"confirm {s.coordinator} stopped", e)
-        outcome = {"at": _now(), "markers": markers, "groups": sizes, "coordinator": coordinator,
-                   "failures": list(self.failures), "ok": not self.failures}
-        try:
-            self.c.write_object(s.bucket, s.outcome_object, json.dumps(outcome, sort_keys=True).encode())
-        except ApiError as e:
-            self.fail(f"write gs://{s.bucket}/{s.outcome_object}", e)
+        self.write_outcome({"groups": sizes, "coordinator": coordinator}, markers)
 
     # --- flex-start: the next VM of the job ---------------------------------------------------
     def successor(self) -> None:

@@ -5,7 +5,8 @@ by `trainer.retry`'s rule (`REST`: 408, 429, 5xx and dropped connections, six tr
 Google's error body turned into one `ApiError` line. Endpoints are overridable so that loopback
 fakes can stand in for Google:
 `SPOTTRAIN_COMPUTE_API` (default https://compute.googleapis.com/compute/v1), `SPOTTRAIN_RUN_API`
-(default https://run.googleapis.com/v2) and `STORAGE_EMULATOR_HOST` (as the google-cloud-storage
+(default https://run.googleapis.com/v2), `SPOTTRAIN_SECRETMANAGER_API` (default
+https://secretmanager.googleapis.com/v1) and `STORAGE_EMULATOR_HOST` (as the google-cloud-storage
 client reads it). The trainer's own checkpoint traffic goes through google-cloud-storage; this
 module serves the small control-plane calls (`trainer.cloud.scale`, `trainer.cloud.control`,
 `trainer.cloud.capacity`) that must work before or without it.
@@ -33,6 +34,9 @@ from trainer import retry
 DEFAULT_COMPUTE = "https://compute.googleapis.com/compute/v1"
 DEFAULT_RUN = "https://run.googleapis.com/v2"
 DEFAULT_STORAGE = "https://storage.googleapis.com"
+#: Secret Manager's REST endpoint; a loopback fake stands in for it in tests and the drill.
+SECRETMANAGER_ENV = "SPOTTRAIN_SECRETMANAGER_API"
+DEFAULT_SECRETMANAGER = "https://secretmanager.googleapis.com/v1"
 DEFAULT_METADATA_HOST = "metadata.google.internal"
 # Loopback fakes must never be reached through a proxy; Google's endpoints may be.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -154,6 +158,23 @@ class Client:
         """Start one execution of a Cloud Run job (`projects/P/locations/R/jobs/J`); its
         long-running operation, which nobody needs to wait on (the job reports in the bucket)."""
         return self.request("POST", f"{self.run}/{job}:run", body={})
+
+    # --- Secret Manager ----------------------------------------------------------------------
+    def secret_version(self, secret: str, version: str = "1") -> bytes | None:
+        """The payload of ``secret``'s (``projects/P/secrets/S``) ``version``; None when the secret
+        or the version does not exist (404). Read only: never adds a version."""
+        import base64
+        import binascii
+
+        api = (os.environ.get(SECRETMANAGER_ENV) or DEFAULT_SECRETMANAGER).rstrip("/")
+        answer = self.request("GET", f"{api}/{secret}/versions/{version}:access", ok404=True)
+        if answer is None:
+            return None
+        try:
+            return base64.b64decode(answer["payload"]["data"], validate=True)
+        except (KeyError, TypeError, binascii.Error):
+            raise ApiError(200, "MALFORMED", f"{secret} version {version} answered without a base64 payload",
+                           api) from None
 
     # --- Cloud Storage (JSON API) -----------------------------------------------------------
     def object_exists(self, bucket: str, name: str) -> bool:

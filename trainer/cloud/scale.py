@@ -16,15 +16,20 @@ without a human (the exit-2 path calls it through `/etc/spottrain/stop_paying.sh
    judges it), it is signed for this run (not another run's copied in), its step is its folder's, and every file it lists is there with the listed size. A
    name is never enough: whoever can write the bucket can plant one. Otherwise it refuses (exit 3):
    the VM stays, idle and paying, and the log says why.
-2. It writes a stop marker into the bucket, create-only: `<prefix>/stop/finished-steps-<steps>.json`
-   or `<prefix>/stop/bad-input-<digest>.json` (digest: the first 16 hex of the startup script's
-   sha256, so a fixed experiment, which renders another script, is a new start). The stack reads
-   these markers at the next deploy and keeps the group at zero (`stacks.scale_to_zero`); a VM
-   that boots anyway (a manual resize) honours them (`honour`) and stops again.
+2. It writes a stop marker into the bucket: `<prefix>/stop/finished-steps-<steps>.json` or
+   `<prefix>/stop/bad-input-<digest>.json` (digest: the first 16 hex of the startup script's
+   sha256, so a fixed experiment, which renders another script, is a new start). The marker is a
+   record signed with the checkpoint key (`trainer.cloud.stop_marker`), bound to the run, its own
+   name, this VM (name and instance id) and the bucket's step it just verified (the newest
+   authentic one, at least as new as the disk's): the control job acts on nothing else. It
+   replaces whatever object has that name (a planted one, which the job would refuse). The stack
+   reads these markers at the next deploy and keeps the group at zero (`stacks.scale_to_zero`); a
+   VM that boots anyway (a manual resize) honours them (`honour`: step 1 again) and stops again.
 3. It starts the control job, which stops a pool's coordinator and resizes every group of the
    experiment to zero, and waits for the job's outcome (`<prefix>/control/outcome.json`): exit 0
-   when every step was confirmed, 1 when any failed (the outcome names each). The marker is
-   durable either way: the job's scheduled runs finish what a failed one left.
+   when every step was confirmed, 1 when any failed or the job refused the marker (the outcome
+   names each; event=stop_marker_refused). The marker is durable either way: the job's scheduled
+   runs finish what a failed one left.
 
 `python -m trainer.cloud.scale honour` (at boot): exit 10 after stopping again when a marker for this
 experiment exists, 0 when there is none. `python -m trainer.cloud.scale successor` (flex-start): asks
@@ -54,6 +59,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer import manifest_auth, retry, untrusted
+from trainer.cloud import stop_marker
 from trainer.cloud.control import outcome_object, successor_object
 from trainer.cloud.gce import ApiError, Client, metadata
 
@@ -143,86 +149,85 @@ class Scaler:
     def markers(self) -> dict[str, str]:
         return markers(self.s.prefix, self.s.steps, self.digest)
 
-    def durable(self, reason: str) -> tuple[bool, str]:
-        """Would scaling to zero (which deletes this VM's disk) lose a checkpoint?"""
+    def durable(self, reason: str) -> tuple[bool, str, int | None, bytes | None]:
+        """Would scaling to zero (which deletes this VM's disk) lose a checkpoint? (ok, why, the
+        bucket's authentic step that covers the disk, the checkpoint key.) The key also signs the
+        marker (`trainer.cloud.stop_marker`): without it nothing is durable, since nothing the
+        control job could verify can be written."""
         s = self.s
         on_disk = local_newest(Path(s.run_dir))
-        if reason != "finished" and on_disk is None:
-            return True, "no checkpoint on this VM's disk"
         try:
             secret = read_key(s.checkpoint_key_file)
         except (OSError, ValueError) as e:
-            return False, (f"cannot authenticate the bucket's checkpoints without the checkpoint key "
-                           f"({e}); scaling to zero could delete the only authentic copy with the disk")
+            return False, (f"cannot authenticate the bucket's checkpoints, nor sign the stop marker, without the "
+                           f"checkpoint key ({e}); scaling to zero could delete the only authentic copy with the "
+                           "disk"), None, None
         sizes = self.c.object_sizes(s.bucket, f"{s.prefix}/step-")
         if reason == "finished":
             why = self._unauthentic(s.steps, sizes, secret)
             if why is None:
-                return True, f"gs://{s.bucket}/{s.prefix}/step-{s.steps:08d} is there and authentic"
+                # The marker names the newest authentic step (an earlier, longer run's may be newer
+                # than the final one): the control job refuses a marker the bucket has overtaken.
+                newer, _ = stop_marker.newest_authentic(self._read, s.prefix, self._run, sizes, secret, above=s.steps)
+                return (True, f"gs://{s.bucket}/{s.prefix}/step-{s.steps:08d} is there and authentic",
+                        s.steps if newer is None else newer, secret)
             return False, (f"the final checkpoint gs://{s.bucket}/{s.prefix}/step-{s.steps:08d} is not in the "
                            f"bucket ({why}); its only copy may be on this VM's disk, which scaling to zero "
-                           "would delete")
-        newer = sorted({st for n in sizes if n.endswith("/manifest.json")
-                        and (st := _newest_step([n])) is not None and st >= on_disk}, reverse=True)
-        refused = []
-        for step in newer:
-            why = self._unauthentic(step, sizes, secret)
-            if why is None:
-                return True, f"newest on disk {on_disk}, in the bucket {step} (authentic)"
-            refused.append(f"step {step}: {why}")
+                           "would delete"), None, None
+        # The newest authentic step (the marker names it: the control job refuses a marker when the
+        # bucket later holds a newer one), which must cover the disk's newest.
+        step, refused = stop_marker.newest_authentic(self._read, s.prefix, self._run, sizes, secret)
+        if on_disk is None:
+            return True, "no checkpoint on this VM's disk", step, secret
+        if step is not None and step >= on_disk:
+            return True, f"newest on disk {on_disk}, in the bucket {step} (authentic)", step, secret
         return False, (f"this VM's disk holds step {on_disk}, and the bucket no authentic copy of it or a newer "
                        f"one{' (' + '; '.join(refused[:5]) + ')' if refused else ''}: scaling to zero would "
-                       "delete the newest checkpoint with the disk")
+                       "delete the newest checkpoint with the disk"), None, None
+
+    @property
+    def _run(self) -> str:
+        return manifest_auth.run_uri(self.s.bucket, self.s.prefix)
+
+    def _read(self, name: str) -> bytes | None:
+        return self.c.read_object(self.s.bucket, name)
 
     def _unauthentic(self, step: int, sizes: dict[str, int], secret: bytes) -> str | None:
         """None when the bucket's ``step`` is authentic and complete (see the module docstring),
         else why not."""
-        folder = f"{self.s.prefix}/step-{step:08d}/"
-        size = sizes.get(folder + "manifest.json")
-        if size is None:
-            return "not there"
-        if not 0 <= size <= untrusted.MANIFEST_MAX_BYTES:
-            return f"its manifest is {size} bytes, too large to be one"
-        raw = self.c.read_object(self.s.bucket, folder + "manifest.json")
-        if raw is None:
-            return "not there"
-        try:
-            m = untrusted.loads(raw, limit=untrusted.MANIFEST_MAX_BYTES, what="manifest")
-        except untrusted.Garbage as e:
-            return str(e)
-        why = manifest_auth.unauthentic(m, secret)
-        if why is not None:
-            return "unauthenticated: " + why
-        why = manifest_auth.other_run(m, manifest_auth.run_uri(self.s.bucket, self.s.prefix))
-        if why is not None:
-            return "another run's: " + why
-        if m.get("step") != step or not isinstance(m.get("files"), dict):
-            return f"its manifest says step {m.get('step')!r}"
-        for name, info in m["files"].items():
-            want = info.get("size") if isinstance(info, dict) else None
-            if sizes.get(folder + name) != want:
-                return f"{name} is missing or not {want} bytes"
-        return None
+        return stop_marker.unauthentic_step(self._read, self.s.prefix, self._run, step, sizes, secret)
 
     def stop(self, reason: str, detail: str = "") -> int:
-        ok, why = self.durable(reason)
-        if not ok:
+        ok, why, step, secret = self.durable(reason)
+        if not ok or secret is None:
             log("stop_refused", reason=reason, why=repr(why))
             return EXIT_REFUSED
         marker = self.markers()[reason]
+        instance_id = _safe_metadata("instance/id")
+        if not instance_id:
+            # The control job acts only on a marker whose writer is still a VM of the group.
+            log("stop_refused", reason=reason, why=repr("this VM's instance id is unknown (no metadata server)"))
+            return EXIT_API
         record = {"reason": reason, "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "instance": _safe_metadata("instance/name"), "detail": detail[:2000],
-                  "steps": self.s.steps, "startup_script_digest": self.digest}
-        created = self.c.create_object(self.s.bucket, marker, json.dumps(record, sort_keys=True).encode())
-        log("stop_marker", object=f"gs://{self.s.bucket}/{marker}", created=int(created), durable=repr(why))
+                  "instance": _safe_metadata("instance/name"), "instance_id": instance_id,
+                  "detail": detail[:2000], "steps": self.s.steps, "startup_script_digest": self.digest,
+                  "step": step, "disk_step": local_newest(Path(self.s.run_dir)), "run": self._run, "name": marker}
+        # Overwritten, not create-only: an object already there may be a planted one (which the
+        # control job refuses), and this record was verified just now. A writer who replaces it
+        # again only delays the stop (the job refuses theirs and alerts).
+        self.c.write_object(self.s.bucket, marker, stop_marker.sign(secret, record))
+        log("stop_marker", object=f"gs://{self.s.bucket}/{marker}", step=step, durable=repr(why))
         # A stale outcome (an earlier stop) must not pass for this one's.
         outcome = outcome_object(self.s.prefix)
         self.c.delete_object(self.s.bucket, outcome)
         self.start_control()
-        answer = self.answer(outcome, lambda a: marker in a.get("markers", ()))
+        answer = self.answer(outcome, lambda a: marker in a.get("markers", ()) or marker in (a.get("refused") or {}))
         if answer is None:
             log("stop_unconfirmed", why=repr(f"no answer from the control job in {self.s.answer_s:.0f}s; "
                                              "its scheduled runs will act on the marker"))
+            return EXIT_API
+        if marker in (answer.get("refused") or {}):
+            log("stop_marker_refused", object=f"gs://{self.s.bucket}/{marker}", why=repr(answer["refused"][marker]))
             return EXIT_API
         for group, size in sorted((answer.get("groups") or {}).items()):
             log("group_resized" if size == 0 else "group_not_resized", group=group, target_size=size)

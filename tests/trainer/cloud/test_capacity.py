@@ -10,6 +10,7 @@ import pytest
 from drill.fake_gcp import FakeGcp
 from drill.iam import Policy
 from trainer.cloud import capacity as cap
+from trainer.cloud import stop_marker
 from trainer.cloud.gce import Client
 
 PROJECT, ZONES = "my-project-123456", ("us-central1-a", "us-central1-b")
@@ -106,7 +107,26 @@ def fake(gcs_emulator, stack_json, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         gcp.add_group("exp-od-group", region="us-central1", zones=ZONES, target_size=0,
                       provisioning="STANDARD", auto=True)
         monkeypatch.setenv("SPOTTRAIN_COMPUTE_API", gcp.compute_api)
+        monkeypatch.setenv("SPOTTRAIN_SECRETMANAGER_API", gcp.secretmanager_api)
+        gcp.add_secret("exp-checkpoint-key")
+        gcp.add_secret_version(KEY_SECRET, KEY)  # as the first VM's boot added it
         yield gcp, clock
+
+
+KEY = b"k" * 32
+KEY_SECRET = f"projects/{PROJECT}/secrets/exp-checkpoint-key"
+
+
+def controller(log=lambda line: None):
+    """The control job of the fallback experiment, as its account (the settings the stack gives it)."""
+    from trainer.cloud.control import Control, Settings
+
+    s = settings()
+    return Control(Settings(project=PROJECT, region="us-central1", location="regions/us-central1",
+                            groups=("exp-group", "exp-od-group"), bucket="spottrain-test", prefix="runs/exp",
+                            stop_markers=s.stop_markers, capacity=vars(s), poll_s=0.0,
+                            checkpoint_key_secret=KEY_SECRET),
+                   Client(token=lambda: ("control-token", 3600.0), sleep=lambda t: None), log=log)
 
 
 def client(gcp: FakeGcp) -> Client:
@@ -117,7 +137,7 @@ def test_one_check_against_the_fake_api_falls_back_and_returns(fake, gcs_emulato
     gcp, clock = fake
     spot_available = [False]
     gcp.capacity = lambda zone, model: model != "SPOT" or spot_available[0]
-    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0])
+    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0], stopped=False)
     for minute in range(0, 35, 5):
         clock[0] = minute * MIN
         gcp.tick()  # five minutes passed: the last check's resizes are done
@@ -137,8 +157,8 @@ def test_one_check_against_the_fake_api_falls_back_and_returns(fake, gcs_emulato
     assert gcp.group("exp-od-group").target_size == 0 and gcp.group("exp-group").target_size == 1
     assert len(gcp.group("exp-group").running()) == 1
     assert gcp.calls_to("POST", "/advice/capacity"), "the way back asks the capacity advice"
-    # A finished job: the check takes everything to zero.
-    gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/stop/finished-steps-10").upload_from_string(b"{}")
+    # A finished job (a marker the control job verified): the check takes everything to zero.
+    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0], stopped=True)
     clock[0] = 75 * MIN
     assert check.run().state.mode == "stopped"
     gcp.tick()
@@ -151,7 +171,7 @@ def test_one_check_against_the_fake_api_falls_back_and_returns(fake, gcs_emulato
 def test_a_failed_shrink_is_reported_and_nothing_grows_after_it(fake, gcs_emulator) -> None:
     gcp, clock = fake
     gcp.capacity = lambda zone, model: model != "SPOT"
-    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0])
+    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0], stopped=False)
     check.run()
     gcp.deny("POST", r"/instanceGroupManagers/exp-group/resize$")
     clock[0] = 31 * MIN
@@ -166,23 +186,40 @@ def test_a_failed_shrink_is_reported_and_nothing_grows_after_it(fake, gcs_emulat
 
 
 def test_a_stopped_fallback_job_has_both_groups_at_zero_confirmed_by_the_control_job(fake, gcs_emulator) -> None:
-    """The control job runs the check; a stop marker takes both groups to zero, each confirmed on
-    the group itself, and the outcome tells the VM that asked."""
-    from trainer.cloud.control import Control, Settings
-
+    """The control job runs the check; a stop marker the run signed (by the VM on demand now,
+    with no checkpoint anywhere yet) takes both groups to zero, each confirmed on the group
+    itself, and the outcome tells the VM that asked."""
     gcp, clock = fake
     gcp.set_target("exp-od-group", 1)  # on demand at the moment
-    gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/stop/finished-steps-10").upload_from_string(b"{}")
-    s = settings()
-    control = Control(Settings(project=PROJECT, region="us-central1", location="regions/us-central1",
-                               groups=("exp-group", "exp-od-group"), bucket="spottrain-test", prefix="runs/exp",
-                               stop_markers=s.stop_markers, capacity=vars(s), poll_s=0.0),
-                      Client(token=lambda: ("control-token", 3600.0), sleep=lambda t: None), log=lambda line: None)
+    gcp.tick()
+    (vm,) = gcp.group("exp-od-group").instances.values()
+    marker = "runs/exp/stop/finished-steps-10"
+    gcs_emulator.client.bucket("spottrain-test").blob(marker).upload_from_string(stop_marker.sign(KEY, {
+        "reason": "finished", "step": None, "instance": vm.name, "instance_id": vm.id, "name": marker,
+        "run": "gs://spottrain-test/runs/exp"}))
+    control = controller()
     assert control.run() == 0, control.failures
     assert gcp.group("exp-group").target_size == 0 and gcp.group("exp-od-group").target_size == 0
     outcome = json.loads(gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/control/outcome.json")
                          .download_as_bytes())
     assert outcome["ok"] and outcome["groups"] == {"exp-group": 0, "exp-od-group": 0}
+    assert gcp.refusals == []
+
+
+def test_a_planted_marker_leaves_the_fallback_running(fake, gcs_emulator) -> None:
+    """A marker the run did not sign (`{}`, planted by a bucket writer): the check goes on as if
+    there were none (the on-demand VM keeps its group and its disk), and the job fails with the
+    refusal, for an alert."""
+    gcp, clock = fake
+    gcp.set_target("exp-od-group", 1)
+    gcp.tick()
+    gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/stop/finished-steps-10").upload_from_string(b"{}")
+    lines: list[str] = []
+    control = controller(log=lines.append)
+    assert control.run() == 1
+    assert gcp.group("exp-od-group").target_size == 1
+    assert list(control.refused) == ["runs/exp/stop/finished-steps-10"]
+    assert [json.loads(x)["event"] for x in lines if '"stop_marker_refused"' in x] == ["stop_marker_refused"]
     assert gcp.refusals == []
 
 
@@ -199,9 +236,8 @@ def test_the_control_job_refuses_bad_settings_with_status_2(monkeypatch, capsys)
 def test_a_stopped_job_shrinks_every_group_even_when_one_shrink_fails(fake, gcs_emulator) -> None:
     gcp, clock = fake
     gcp.set_target("exp-od-group", 1)
-    gcs_emulator.client.bucket("spottrain-test").blob("runs/exp/stop/finished-steps-10").upload_from_string(b"{}")
     gcp.deny("POST", r"/instanceGroupManagers/exp-group/resize$")
-    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0])
+    check = cap.Check(settings(), client(gcp), clock=lambda: clock[0], stopped=True)
     assert check.run().state.mode == "stopped"
     gcp.tick()
     assert gcp.group("exp-od-group").target_size == 0 and gcp.group("exp-group").target_size == 1

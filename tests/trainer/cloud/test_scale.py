@@ -58,10 +58,11 @@ class World:
         self.steps = 200
         self.coordinator_path = f"zones/{ZONE}/instances/exp-coordinator" if coordinator else None
         self.markers = scale.markers(self.prefix, self.steps, scale.digest(SCRIPT))
+        self.key_secret = f"projects/{PROJECT}/secrets/exp-checkpoint-key"
         self.control_settings = control_settings(
             project=PROJECT, region=REGION, location=f"zones/{ZONE}", groups=("exp-group",),
             bucket=self.bucket_name, prefix=self.prefix, stop_markers=tuple(self.markers.values()),
-            coordinator=self.coordinator_path, flex_run_duration_s=86400 if flex else None)
+            checkpoint_key_secret=self.key_secret, coordinator=self.coordinator_path, flex_run_duration_s=86400 if flex else None)
         self.settings = scale.Settings(job=f"projects/{PROJECT}/locations/{REGION}/jobs/exp-control",
                                        bucket=self.bucket_name, prefix=self.prefix, steps=self.steps,
                                        run_dir=str(self.run_dir), run_duration_s=86400 if flex else None,
@@ -81,8 +82,13 @@ class World:
                                      client_options={"api_endpoint": self.emulator.host}).bucket(self.bucket_name)
         self.md.start()
         self.gcp.add_group("exp-group", zone=ZONE, instances=(self.instance, "exp-efgh"), target_size=2)
+        # This VM's metadata says the id the group lists (a stop marker is bound to it).
+        self.md.set_value("instance/id", self.gcp.instance(ZONE, self.instance).id)
         if self.coordinator_path:
             self.gcp.add_instance(ZONE, "exp-coordinator")
+        # The experiment's checkpoint key, as the first VM's boot added it (`stacks.checkpoint_key`).
+        self.gcp.add_secret("exp-checkpoint-key")
+        self.gcp.add_secret_version(self.key_secret, Path(self.settings.checkpoint_key_file).read_bytes())
         self.job = ControlJob(self.gcp, self.control_settings, account=CONTROL, name="exp-control",
                               storage=self.proxy.host)
         self.job.__enter__()
@@ -133,6 +139,14 @@ class World:
 
     def exists(self, name: str) -> bool:
         return self.bucket.get_blob(name) is not None
+
+    def scheduled(self) -> Any:
+        """One execution of the control job as Cloud Scheduler starts it (every 15 minutes), with
+        no VM asking: its exit status, output and the outcome it wrote (None: none)."""
+        self.job(self.job.job)
+        run = self.job.runs[-1]
+        blob = self.bucket.get_blob(f"{self.prefix}/control/outcome.json")
+        return run, json.loads(blob.download_as_bytes()) if blob is not None else None
 
     def by(self, principal: str, method: str, fragment: str) -> list:
         return [c for c in self.gcp.calls_to(method, fragment) if c.principal == f"serviceAccount:{principal}"]
@@ -355,5 +369,112 @@ def test_without_the_checkpoint_key_nothing_in_the_bucket_counts(world, capsys) 
     w = world()
     w.put_checkpoint(200)
     assert w.main("stop", "finished", checkpoint_key_file=str(w.tmp / "absent.key")) == scale.EXIT_REFUSED
-    assert "cannot authenticate the bucket's checkpoints without the checkpoint key" in capsys.readouterr().err
+    assert ("cannot authenticate the bucket's checkpoints, nor sign the stop marker, without the checkpoint key"
+            in capsys.readouterr().err)
     assert w.gcp.group("exp-group").target_size == 2
+
+
+# --- issue 28.4: what the control job acts on, on its own schedule ------------------------------
+def refusals(run: Any) -> list[dict[str, Any]]:
+    """The job's `stop_marker_refused` events (its JSON log lines, which an alert counts)."""
+    lines = [json.loads(line) for line in run.output.splitlines() if line.startswith("{")]
+    return [e for e in lines if e.get("event") == "stop_marker_refused"]
+
+
+def test_a_planted_stop_marker_never_deletes_a_disk_ahead_of_the_bucket(world) -> None:
+    """The issue's case: the disk holds step 686, the bucket's newest authentic step is 600 (the
+    lease was disturbed), and a bucket writer plants markers. Cloud Scheduler's run of the job
+    finds them: it resizes nothing, says why in the outcome, logs an event an alert counts and
+    fails the execution. Planted: `{}`, a record shaped like the VM's without an HMAC, and one
+    signed with another key."""
+    from trainer.cloud import stop_marker
+
+    w = world()
+    w.disk_checkpoint(686)
+    w.put_checkpoint(600)
+    shaped = {"kind": stop_marker.KIND, "version": 1, "reason": "finished", "step": 600, "instance": w.instance,
+              "instance_id": w.gcp.instance(ZONE, w.instance).id, "name": w.markers["finished"],
+              "run": f"gs://{w.bucket_name}/{w.prefix}", "hmac": "0" * 64,
+              # The key's public id, as every manifest in the bucket shows it.
+              "key_id": json.loads(w.bucket.blob(f"{w.prefix}/step-00000600/manifest.json")
+                                   .download_as_bytes())["auth"]["key_id"]}
+    w.bucket.blob(w.markers["finished"]).upload_from_string(json.dumps(shaped))
+    w.bucket.blob(w.markers["bad-input"]).upload_from_string(b"{}")
+    run, outcome = w.scheduled()
+    assert w.gcp.group("exp-group").target_size == 2 and [size for _, size in w.gcp.group("exp-group").history] == [2]
+    assert not w.by(CONTROL, "POST", "/resize")
+    assert run.returncode == 1
+    assert sorted(e["marker"].rsplit("/", 1)[-1] for e in refusals(run)) == sorted(
+        m.rsplit("/", 1)[-1] for m in w.markers.values())
+    assert all(e["severity"] == "ERROR" for e in refusals(run))
+    assert outcome["ok"] is False and outcome["markers"] == [] and outcome["groups"] == {}
+    assert "HMAC does not verify" in outcome["refused"][w.markers["finished"]]
+    assert "not a signed stop marker" in outcome["refused"][w.markers["bad-input"]]
+    # Signed with another experiment's key: refused as well.
+    other = stop_marker.sign(b"another experiment's key, 32 byte", {**shaped, "hmac": None})
+    w.bucket.blob(w.markers["finished"]).upload_from_string(other)
+    run, outcome = w.scheduled()
+    assert "names checkpoint key" in outcome["refused"][w.markers["finished"]]
+    assert w.gcp.group("exp-group").target_size == 2 and w.gcp.refusals == []
+    # The VM's own stop still works: it replaces the planted marker with its signed record.
+    w.put_checkpoint(686)
+    assert w.main("stop", "bad-input", "--detail", "trainer.args: bad") == 0
+    assert w.gcp.group("exp-group").target_size == 0
+
+
+def test_a_replayed_authentic_marker_is_refused(world, capsys) -> None:
+    """Authentic markers, replayed: (1) one the VM wrote while its job could not be started,
+    acted on after training went on and the bucket holds a newer authentic step; (2) one of an
+    earlier VM, restored after a human deleted it and the group recreated the VMs, whose disks
+    are now ahead of the bucket."""
+    w = world()
+    w.disk_checkpoint(600)
+    w.put_checkpoint(600)
+    w.gcp.deny("POST", r"/jobs/exp-control:run$", times=1)
+    assert w.main("stop", "bad-input", "--detail", "bad") == scale.EXIT_API  # the marker stays, unacted
+    w.put_checkpoint(700)  # the run went on (a human restarted it in place)
+    run, outcome = w.scheduled()
+    assert "the bucket holds authentic step 700, newer than the marker's 600" in outcome["refused"][w.markers["bad-input"]]
+    assert w.gcp.group("exp-group").target_size == 2 and run.returncode == 1
+    # (2): the VM stops again, now covered by step 700, and the job acts on its new marker.
+    assert w.main("stop", "bad-input", "--detail", "bad") == 0
+    assert w.gcp.group("exp-group").target_size == 0
+    marker = w.bucket.blob(w.markers["bad-input"]).download_as_bytes()
+    assert json.loads(marker)["step"] == 700
+    # A human deletes the marker and resizes back up: new VMs (new ids) train to 786 on new
+    # disks while the bucket lags at 700; a bucket writer restores the old marker.
+    w.bucket.blob(w.markers["bad-input"]).delete()
+    w.gcp.recreate("exp-group", w.instance)
+    w.gcp.recreate("exp-group", "exp-efgh")
+    w.gcp.set_target("exp-group", 2)
+    w.bucket.blob(w.markers["bad-input"]).upload_from_string(marker)  # restored from a noncurrent version
+    run, outcome = w.scheduled()
+    assert "which is no VM of the experiment now" in outcome["refused"][w.markers["bad-input"]]
+    assert w.gcp.group("exp-group").target_size == 2 and run.returncode == 1
+
+
+def test_the_control_job_without_its_grant_on_the_key_acts_on_no_marker(world, capsys) -> None:
+    """Verifying needs the key: without `secretmanager.versions.access` on that one secret (the
+    stack's binding), Secret Manager refuses the job, which then resizes nothing."""
+    w = world()
+    w.gcp.policy.bindings = [b for b in w.gcp.policy.bindings
+                             if not (b.member == f"serviceAccount:{CONTROL}" and "secretmanager" in b.role)]
+    w.put_checkpoint(200)
+    assert w.main("stop", "finished") == scale.EXIT_API
+    assert "event=stop_marker_refused" in capsys.readouterr().err
+    assert w.gcp.group("exp-group").target_size == 2
+    w.gcp.join_jobs()
+    assert (f"serviceAccount:{CONTROL}", "secretmanager.versions.access",
+            f"{w.key_secret}/versions/1") in w.gcp.refusals
+
+
+def test_a_finished_marker_names_the_newest_authentic_step_so_the_job_acts_on_it(world) -> None:
+    """A bucket that also holds a newer authentic step than the final one (an earlier, longer run
+    of the experiment): the VM's marker names that newest step, so the job, which refuses a
+    marker the bucket has overtaken, acts on it."""
+    w = world()
+    w.put_checkpoint(250)
+    w.put_checkpoint(200)
+    assert w.main("stop", "finished") == 0
+    assert json.loads(w.bucket.blob(w.markers["finished"]).download_as_bytes())["step"] == 250
+    assert w.gcp.group("exp-group").target_size == 0
