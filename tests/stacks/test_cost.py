@@ -78,7 +78,7 @@ def test_the_catalogs_date_and_the_watch_costs():
     text = "\n".join(cost.describe(_file({}), today=later))
     assert f"price catalog     {pricing.CATALOG_DATE.isoformat()} (10 days old; " in text
     assert "WARNING" not in text
-    assert "alerts            7 alert conditions: $10.50/month while deployed ($1.50 each" in text
+    assert "alerts            8 alert conditions: $12.00/month while deployed ($1.50 each" in text
     m = re.search(r"logs              ~(\S+ \S+) over the run \((\d+) entries/h of ~(\d+) B\)", text)
     assert m and int(m.group(2)) == 3600 // 10 + cost.OTHER_LOG_LINES_PER_HOUR  # 1 step/s, a line per 10 steps
     assert 500 < int(m.group(3)) < 2000  # the shipper's own entry for a step line

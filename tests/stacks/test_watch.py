@@ -169,7 +169,7 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     boots = metrics["spottrain/example/boots"]
     assert boots["label_extractors"] == {"after": "EXTRACT(jsonPayload.fields.after)"}
     policies = s.resources("google_monitoring_alert_policy")
-    assert len(policies) == len(alert_rules.rules(s.spec)) == 7
+    assert len(policies) == len(alert_rules.rules(s.spec)) == 8
     for p in policies:
         (condition,) = p["conditions"]
         # The condition names its metric resource (so it waits for it), on the resource type of
@@ -190,7 +190,7 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     assert s.resources("google_monitoring_notification_channel") == []
     refused = next(p for p in policies if p["display_name"].endswith("stop marker refused"))
     assert refused["severity"] == "CRITICAL" and "metric-markers_refused_" in refused["conditions"][0]["condition_threshold"]["filter"]
-    assert alert_rules.note(s.spec) == ("alerts: 7 alert policies notify nobody (no email, webhook_url or "
+    assert alert_rules.note(s.spec) == ("alerts: 8 alert policies notify nobody (no email, webhook_url or "
                                         "pubsub_topic in [alerts]); their incidents show in Cloud Monitoring only")
 
 
@@ -202,7 +202,7 @@ def test_channels_notify_every_policy_and_the_topic_grants_monitoring_its_publis
         ("webhook_tokenauth", '{"url": "https://hooks.example.com/spottrain?token=abc123"}'),
         ("pubsub", '{"topic": "projects/my-project-123456/topics/spottrain-alerts"}')])
     policies = s.resources("google_monitoring_alert_policy")
-    assert len(policies) == 6  # notify_finished = false
+    assert len(policies) == 7  # notify_finished = false
     assert all(len(p["notification_channels"]) == 4 for p in policies)
     grant = s.one("google_pubsub_topic_iam_member")
     assert (grant["project"], grant["topic"], grant["role"]) == (
