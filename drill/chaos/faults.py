@@ -775,7 +775,8 @@ def _ws2(key: str, moments: tuple[str, ...]) -> Fault:
     base = FAULTS[key]
     return dataclasses.replace(
         base, key=f"ws2-{key}", title=f"{base.title}, world size 2",
-        injects=f"{base.injects}; two ranks under torchrun (DDP, gloo on CPU), rank 0 saving",
+        injects=f"{base.injects}; two ranks under torchrun (DDP, gloo on CPU), rank 0 saving, training the "
+                "16-layer GPT (788 tensors with AdamW's state: a restore between ranks at a real shape)",
         na={m: base.na.get(m, _WS2_SAMPLE) for m in MOMENTS if m not in moments},
         blank_pd=tuple(m for m in base.blank_pd if m in moments),
         unfinishable={m: why for m, why in base.unfinishable.items() if m in moments}, nproc=2)
@@ -794,7 +795,7 @@ _NODES2_SAMPLE = ("two nodes run a sample of the matrix (two torchrun agents, a 
                   "from GCS; the others are the world size 1 and 2 rows'")
 _NODES2 = ("; two nodes on loopback (a torchrun agent each, --nnodes 2, one gloo rank each, c10d rendezvous on a "
            "coordinator that does not train), each with its own persistent disk, local SSD and metadata server, one "
-           "bucket; the notice reaches both nodes. Node a gets rank 0 in the first run (its disk holds the "
+           "bucket; the 16-layer GPT (788 tensors with AdamW's state); the notice reaches both nodes. Node a gets rank 0 in the first run (its disk holds the "
            "checkpoints), node b on every next boot (the rig orders their addresses; the logged node ranks are "
            "checked)")
 
