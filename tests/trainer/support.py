@@ -172,6 +172,46 @@ class Proc:
             self.p.wait()
 
 
+#: The environment variable a rank of ``run_ranks`` finds the test's TCPStore port in.
+RANKS_STORE_PORT = "SPOTTRAIN_TEST_STORE_PORT"
+
+
+def run_ranks(argv: list[str], nproc: int, env: dict[str, str] | None = None, timeout: float = TIMEOUT) -> list[str]:
+    """Run ``nproc`` real ranks of ``argv`` (a worker script that calls ``join_ranks``) with
+    torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE), joined through a TCPStore that this
+    process hosts (port 0: no race for a free port): what torchrun does, without its agent's
+    start-up cost. Every rank must exit 0; their outputs, by rank."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=nproc + 1, is_master=True, wait_for_workers=False)
+    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), **{RANKS_STORE_PORT: str(store.port)}, **(env or {}))
+    procs = [subprocess.Popen(argv, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(nproc)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * nproc, f"{argv[1:]} on {nproc} ranks exited {codes}:\n" + "\n".join(outputs)
+    return outputs
+
+
+def join_ranks() -> tuple[int, int]:
+    """A rank of ``run_ranks`` joins the gloo process group: (rank, world size)."""
+    import torch.distributed as dist
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ[RANKS_STORE_PORT]), is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    return rank, size
+
+
 def run_args(run_dir: Path, steps: int, config: Path, *extra: str, seed: int = 0) -> list[str]:
     return [sys.executable, "-m", "trainer", "run", "--run-dir", str(run_dir), "--steps", str(steps),
             "--seed", str(seed), "--health-port", "0", "--config", str(config), *extra]

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import resource
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:  # as a worker script
     sys.path.insert(0, str(REPO))
 
-from tests.trainer.support import Policy, checkpointer  # noqa: E402
+from tests.trainer.support import Policy, checkpointer, join_ranks, run_ranks  # noqa: E402
 from trainer.checkpoint import state_codec  # noqa: E402
 from trainer.checkpoint.broadcast import broadcast_state  # noqa: E402
 from trainer.distributed import World  # noqa: E402
@@ -88,9 +87,7 @@ def worker(args: dict) -> None:
     from trainer.loop import restore
 
     logging.basicConfig(level=logging.INFO, format=f"rank{os.environ['RANK']} %(message)s")
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore("127.0.0.1", int(os.environ["BCAST_TEST_STORE_PORT"]), is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    rank, size = join_ranks()
     world = World(rank=rank, local_rank=rank, size=size, local_size=size)
     base, out = Path(args["base"]), Path(args["out"])
     # One node: rank 0 leads and holds the run dir. "nodes": every rank is a node of its own, and
@@ -128,27 +125,10 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 
 
 def launch(nproc: int, mode: str, base: Path) -> list[dict]:
-    import torch.distributed as dist
-
     out = base / "out"
     out.mkdir(parents=True)
-    store = dist.TCPStore("127.0.0.1", 0, world_size=nproc + 1, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), WORLD_SIZE=str(nproc),
-               BCAST_TEST_STORE_PORT=str(store.port))
-    argv = [sys.executable, __file__, json.dumps({"base": str(base), "out": str(out), "mode": mode})]
-    procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r)), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(nproc)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=GUARD)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * nproc, f"{mode} at {nproc} ranks exited {codes}:\n" + "\n".join(outputs)
+    outputs = run_ranks([sys.executable, __file__, json.dumps({"base": str(base), "out": str(out), "mode": mode})],
+                        nproc, timeout=GUARD)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)] + \
         [{"saved": {int(p.stem.split("-")[1]): json.loads(p.read_text())["digest"] for p in out.glob("saved-*.json")},
           "log": "\n".join(outputs)}]

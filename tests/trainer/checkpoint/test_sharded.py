@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:  # as a torchrun worker script
     sys.path.insert(0, str(REPO))
 
-from tests.trainer.support import Policy, checkpointer  # noqa: E402
+from tests.trainer.support import Policy, checkpointer, join_ranks, run_ranks  # noqa: E402
 from trainer.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from trainer.checkpoint.manifest import MANIFEST, step_name  # noqa: E402
 from trainer.checkpoint.sharded import EXTRAS, Sharded, list_sharded, verify_sharded_dir  # noqa: E402
@@ -125,9 +124,7 @@ def worker(mode: str, args: dict) -> None:
     logging.basicConfig(level=logging.INFO, format=f"rank{os.environ['RANK']} %(message)s")
     if os.environ.get("SHARDED_TEST_STAGER_CLOSES"):
         stager_closes_after_every_stage()
-    store = dist.TCPStore("127.0.0.1", int(os.environ["SHARDED_TEST_STORE_PORT"]), is_master=False)
-    dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
+    join_ranks()
     world = World(rank=dist.get_rank(), local_rank=int(os.environ["LOCAL_RANK"]), size=dist.get_world_size())
     out = Path(args["out"])
     model, opt, sched = make(seed=0 if mode != "load" else 99)  # a load must overwrite other weights
@@ -193,29 +190,9 @@ def worker(mode: str, args: dict) -> None:
 
 
 def launch(nproc: int, mode: str, env: dict | None = None, **args: Any) -> None:
-    """Run ``nproc`` real ranks of ``worker`` (this file as a script), joined through a TCPStore
-    that this process hosts (port 0: no race for a free port). What torchrun would do, without
-    its agent's start-up cost, which would double this file's run time."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, world_size=nproc + 1, is_master=True, wait_for_workers=False)
-    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), SHARDED_TEST_STORE_PORT=str(store.port), **(env or {}))
-    argv = [sys.executable, __file__, mode, json.dumps({k: str(v) for k, v in args.items()})]
-    procs = [subprocess.Popen(argv, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(nproc)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=GUARD)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * nproc, f"{mode} at world size {nproc} exited {codes}:\n" + "\n".join(outputs)
+    """Run ``nproc`` real ranks of ``worker`` (this file as a script; ``run_ranks``)."""
+    run_ranks([sys.executable, __file__, mode, json.dumps({k: str(v) for k, v in args.items()})], nproc, env=env,
+              timeout=GUARD)
 
 
 # ----------------------------------------------------------------------------- checks

@@ -10,8 +10,6 @@ starts from scratch.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,14 +24,12 @@ GUARD = 180.0  # a failure guard for the ranks; never reached when the code is r
 def worker(args: dict) -> None:
     import torch.distributed as dist
 
-    from tests.trainer.support import Policy, checkpointer, run_key
+    from tests.trainer.support import Policy, checkpointer, join_ranks, run_key
     from trainer.checkpoint.manifest import ResumeMismatch
     from trainer.distributed import World
     from trainer.loop import restore
 
-    store = dist.TCPStore("127.0.0.1", int(os.environ["NODES_TEST_STORE_PORT"]), is_master=False)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    rank, _ = join_ranks()
     world = World(rank=rank, local_rank=0, size=2, local_size=1, node_rank=rank)  # a node per rank
     c = checkpointer(run_dir=Path(args["run_dir"]) / f"node{rank}", gcs_uri=args["uri"],
                      policies={"persistent": Policy(every_steps=1), "gcs": Policy(every_steps=1)},
@@ -49,23 +45,9 @@ def worker(args: dict) -> None:
 
 
 def launch(env: dict, **args: str) -> list[dict]:
-    import torch.distributed as dist
+    from tests.trainer.support import run_ranks
 
-    store = dist.TCPStore("127.0.0.1", 0, world_size=3, is_master=True, wait_for_workers=False)
-    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), NODES_TEST_STORE_PORT=str(store.port), **env)
-    argv = [sys.executable, __file__, json.dumps(args)]
-    procs = [subprocess.Popen(argv, env=dict(base, RANK=str(r)), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=GUARD)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    run_ranks([sys.executable, __file__, json.dumps(args)], 2, env=env, timeout=GUARD)
     return [json.loads(Path(args["out"], f"rank{r}.json").read_text()) for r in range(2)]
 
 
