@@ -150,6 +150,18 @@ class Cell:
     def durable(self, t: Trainer, step: int, tier: str = "gcs") -> None:
         self.must(t.wait_for(rf"checkpoint step {step} durable on {tier}\b", SYNC_S), f"step {step} durable on {tier}", t)
 
+    def boot_to_the_end(self, first: int = 1) -> None:
+        """Next boots (numbered from ``first``), each run to its end, until one exits 0, ``BOOTS``
+        at most; none exiting 0 is a violation."""
+        for i in range(first, first + BOOTS):
+            t = self.rig.start(f"boot {i}")
+            self.boots.append(t)
+            t.finish()
+            self.ended(t)
+            if t.rc == 0:
+                return
+        self.r.violations.append("the job never finished (no boot exited 0)")
+
     def ended(self, t: Trainer) -> None:
         """``t`` exited (or was powered off): record it; exit 0 must mean finished and durable."""
         if t.rc is None and t.killed is None:
@@ -376,15 +388,7 @@ def _planted_at_first_boot(c: Cell) -> None:
         c.r.violations.append(f"the first boot did not start from scratch beside the planted checkpoints "
                               f"(restored {first}, exit {c.first.exit if c.first else None})")
     c.rig.next_boot()
-    for i in range(1, BOOTS + 1):
-        t = c.rig.start(f"boot {i}")
-        c.boots.append(t)
-        t.finish()
-        c.ended(t)
-        if t.rc == 0:
-            break
-    if not any(t.rc == 0 for t in c.boots):
-        c.r.violations.append("the job never finished (no boot exited 0)")
+    c.boot_to_the_end()
 
 
 # ------------------------------------------------------------------------------------ two writers
@@ -526,15 +530,7 @@ def _corrupt_on_the_non_leader(c: Cell) -> None:
     c.r.allowed = max(0, c.r.stopped - on_a)
     c.r.notes.append(f"step {flipped} on node b's disk alone, a byte of it flipped there; step {on_a} on node a's "
                      f"disk alone; GCS's newest {gcs}: the newest valid step anywhere is {on_a}")
-    for i in range(2, 2 + BOOTS):
-        t = rig.start(f"boot {i}")
-        c.boots.append(t)
-        t.finish()
-        c.ended(t)
-        if t.rc == 0:
-            break
-    if not any(t.rc == 0 for t in c.boots):
-        c.r.violations.append("the job never finished (no boot exited 0)")
+    c.boot_to_the_end(first=2)
     if not rig.jobs[2].node["b"].find(rf"checkpoint step {flipped} (?:on \S+ at \S+ )?is unusable"):
         c.r.violations.append(f"the fault never struck: node b never found its step {flipped} unusable at boot 2")
     else:
