@@ -252,3 +252,20 @@ def test_no_key_version_means_no_marker_can_be_the_runs(world, monkeypatch, caps
     rc, ran, err = world.deploy_here(monkeypatch, capsys)
     assert (rc, ran) == (2, None), err
     assert f"cannot be the run's: {SECRET} has no version 1: no VM of this experiment has booted" in err
+
+
+def test_the_check_judges_exactly_the_names_every_stack_reads(synthesized) -> None:
+    """What `make deploy` lists is what each variant's data sources list (pools, regional groups,
+    flex-start, the fallback...): a name computed apart from the stack would check one object
+    while Terraform counts another."""
+    from stacks.stack import boot_scripts, stop_markers
+
+    checked = 0
+    for name, s in synthesized.items():
+        objects = s.json.get("data", {}).get("google_storage_bucket_objects", {})
+        read = sorted(o["prefix"] for o in objects.values())
+        _, props, scripts = boot_scripts(name, s.spec)
+        names = stop_markers(name, props, scripts)
+        assert sorted((names or {}).values()) == read, name
+        checked += bool(read)
+    assert checked >= 5
