@@ -26,6 +26,7 @@ from stack_support import ROOT
 from test_deploy import terraform_on_path
 
 from drill.fake_gcp import FakeGcp
+from drill.fault_proxy import FaultProxy
 from drill.gcs_emulator import StorageEmulator
 from drill.net import free_port
 
@@ -52,11 +53,12 @@ class World:
     """The example experiment after a deploy: its bucket, key, group (one VM) and an operator
     signed in with ADC; `deploy()` runs `stacks.deploy` as `make deploy` does."""
 
-    def __init__(self, tmp: Path, markers: dict[str, str], gcp: FakeGcp, emulator: StorageEmulator) -> None:
+    def __init__(self, tmp: Path, markers: dict[str, str], gcp: FakeGcp, emulator: StorageEmulator,
+                 proxy: FaultProxy) -> None:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
-        self.tmp, self.markers, self.gcp, self.emulator = tmp, markers, gcp, emulator
+        self.tmp, self.markers, self.gcp, self.emulator, self.proxy = tmp, markers, gcp, emulator, proxy
         self.bucket = storage.Client(project=PROJECT, credentials=AnonymousCredentials(),
                                      client_options={"api_endpoint": emulator.host}).bucket(BUCKET)
         self.vm = "example-abcd"
@@ -72,7 +74,7 @@ class World:
         self.world = {"state": {}, "cloud": {}, "objects": {}, "calls": []}
         self.env = {**os.environ, **terraform_on_path(tmp, self.world), "GOOGLE_APPLICATION_CREDENTIALS": str(adc),
                     "SPOTTRAIN_COMPUTE_API": gcp.compute_api, "SPOTTRAIN_SECRETMANAGER_API": gcp.secretmanager_api,
-                    "STORAGE_EMULATOR_HOST": emulator.host, "NO_GCE_CHECK": "True",
+                    "STORAGE_EMULATOR_HOST": proxy.host, "NO_GCE_CHECK": "True",
                     "GCE_METADATA_HOST": f"127.0.0.1:{free_port()}", "HOME": str(tmp)}
 
     def deploy(self, verb: str = "deploy") -> subprocess.CompletedProcess[str]:
@@ -128,8 +130,11 @@ def world(tmp_path: Path, example) -> Iterator[World]:
     objects = example.json["data"]["google_storage_bucket_objects"]
     markers = {key.split("_")[1].removesuffix("-marker"): o["prefix"] for key, o in objects.items()}
     assert sorted(markers) == ["bad-input", "finished"], markers
-    with FakeGcp(PROJECT) as gcp, StorageEmulator(BUCKET, quiet=True) as emulator:
-        yield World(tmp_path, markers, gcp, emulator)
+    # The operator's calls go through a proxy that can refuse or drop them as Cloud Storage or the
+    # network would; the test writes the bucket directly.
+    with FakeGcp(PROJECT) as gcp, StorageEmulator(BUCKET, quiet=True) as emulator, \
+            FaultProxy(emulator.host) as proxy:
+        yield World(tmp_path, markers, gcp, emulator, proxy)
 
 
 def shaped(world: World, reason: str, step: int) -> dict[str, Any]:
@@ -229,7 +234,8 @@ def test_no_marker_and_no_bucket_let_deploy_run_without_the_key(world, monkeypat
 
 
 def test_what_cannot_be_checked_refuses(world, monkeypatch, capsys) -> None:
-    """Unknown is not empty: the key refused (403), then no credentials at all."""
+    """Unknown is not empty: the key refused (403), the bucket refused (403) or unreachable, no
+    credentials at all."""
     world.put_checkpoint(100)
     world.put(world.markers["finished"], world.marker("finished", 100))
     world.gcp.deny("GET", r":access$")
@@ -239,6 +245,18 @@ def test_what_cannot_be_checked_refuses(world, monkeypatch, capsys) -> None:
             "marker is not an absent one:") in err
     assert f"  read the checkpoint key {SECRET}: 403 " in err
     assert f"secretmanager.versions.access on {SECRET}" in err and "Traceback" not in err
+    # The bucket: refused (a 403 as Cloud Storage answers one), then unreachable.
+    world.gcp.denied.clear()
+    world.proxy.add("GET", r"/o\?", "status", status=403, times=None)
+    rc, ran, err = world.deploy_here(monkeypatch, capsys)
+    assert (rc, ran) == (2, None), err
+    assert f"  list gs://{BUCKET}/{PREFIX}/stop/: 403 " in err
+    world.proxy.clear()
+    world.proxy.down()
+    rc, ran, err = world.deploy_here(monkeypatch, capsys)
+    assert (rc, ran) == (2, None), err
+    assert f"  list gs://{BUCKET}/{PREFIX}/stop/: 0 UNREACHABLE" in err
+    world.proxy.up()
     world.env["GOOGLE_APPLICATION_CREDENTIALS"] = str(world.tmp / "missing.json")
     rc, ran, err = world.deploy_here(monkeypatch, capsys)
     assert (rc, ran) == (2, None), err
