@@ -153,7 +153,7 @@ def test_a_planted_marker_refuses_make_deploy_and_nothing_runs(world) -> None:
     assert "Traceback" not in proc.stderr and "npx cdktn" not in proc.stdout
     assert world.terraform_calls() == []  # cdktn never started, so Terraform never planned size 0
     url = f"gs://{BUCKET}/{world.markers['finished']}"
-    assert (f"stacks.deploy: not deploying example: its stack sets the group's size to 0 (and stops a pool's "
+    assert ("stacks.deploy: not deploying example: its stack sets the group's size to 0 (and stops a pool's "
             "coordinator) while a stop marker exists, and these do not verify as the run's:") in proc.stderr
     assert f"\n  {url}: a stop marker is not valid JSON" in proc.stderr, proc.stderr
     assert "if the run did not write it, or it is stale, delete it (gcloud storage rm URL)" in proc.stderr
@@ -206,13 +206,13 @@ def test_an_authentic_marker_the_bucket_or_the_group_has_overtaken_is_refused(wo
 def test_a_marker_the_run_signed_lets_deploy_scale_to_zero(world, monkeypatch, capsys) -> None:
     world.put_checkpoint(100)
     world.put(world.markers["finished"], world.marker("finished", 100))
-    rc, ran, err = world.deploy_here(monkeypatch, capsys)
+    _, ran, err = world.deploy_here(monkeypatch, capsys)
     assert ran is not None and ran[-3:] == ["cdktn", "deploy", "example"], err
     assert (f"stacks.deploy: stop markers: gs://{BUCKET}/{world.markers['finished']} verified (signed by the run, "
             "its step the bucket's newest authentic one): the group goes to zero") in err
     # The same marker once the group is gone (a destroy, or the stop done): no VM, no disk to lose.
     world.gcp.groups.pop(GROUP)
-    rc, ran, err = world.deploy_here(monkeypatch, capsys, "diff")
+    _, ran, err = world.deploy_here(monkeypatch, capsys, "diff")
     assert ran is not None and ran[-3:] == ["cdktn", "diff", "example"], err
 
 
@@ -222,13 +222,13 @@ def test_no_marker_and_no_bucket_let_deploy_run_without_the_key(world, monkeypat
     world.gcp.deny("GET", r":access$")
     world.put_checkpoint(100)
     world.put(f"{PREFIX}/stop/finished-steps-99.json", b"another step count's: not read by this stack")
-    rc, ran, err = world.deploy_here(monkeypatch, capsys)
+    _, ran, err = world.deploy_here(monkeypatch, capsys)
     assert ran is not None and ran[-2:] == ["deploy", "example"], err
     assert f"stacks.deploy: stop markers: none in gs://{BUCKET} (" in err
     for blob in world.bucket.list_blobs():
         blob.delete()
     world.bucket.delete()  # a first deploy: the stack has not created the bucket yet
-    rc, ran, err = world.deploy_here(monkeypatch, capsys)
+    _, ran, err = world.deploy_here(monkeypatch, capsys)
     assert ran is not None, err
     assert f"stacks.deploy: stop markers: gs://{BUCKET} does not exist yet, so none" in err
 
