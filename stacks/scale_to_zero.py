@@ -16,6 +16,15 @@ keeps the next deploy from growing it again.
 
 On the first deploy the bucket does not exist yet: the data sources depend on it, so Terraform
 reads them during apply and the target size is known only then.
+
+Terraform sees only that an object exists (the data sources list by prefix: any object whose name
+starts with a marker's counts), never whether the run signed it, and a resize to zero deletes the
+VMs' checkpoint disks. So this construct alone would let a bucket writer without the key take the
+group to zero at the next deploy. `make deploy` / `make diff` (`stacks.deploy.check_stop_markers`)
+close that: before cdktn runs, every object these data sources would count is verified as the
+control job verifies a marker (`trainer.cloud.control.judge`), and the deploy refuses (exit 2) unless
+each one does. A `cdktn deploy` run by hand skips that check (docs/security.md, stop markers at
+deploy time).
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ from constructs import Construct
 
 from stacks import apis as A
 from stacks import gcp_rules as R
-from stacks.boot import boot_props, group_name, render
+from stacks.boot import BootProps, BootScripts, boot_props, group_name, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
 from stacks.checkpoint_key import CheckpointKeyProps, CheckpointKeySecret
 from stacks.deploy import ADOPT_ENV
-from stacks.delivery import CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
+from stacks.delivery import Archive, CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
 from stacks.experiment import Experiment, code_path
 from stacks.control import BACKSTOP_MINUTES, ControlJob, ControlProps, control_settings, needs_control
 from stacks.fallback import FallbackProps, check_settings
@@ -48,6 +48,30 @@ from stacks.wheels import shipped_wheels
 from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
 from stacks.vm_spec import vm_spec
 from trainer.cloud import scale as vm_scale
+
+
+def boot_scripts(name: str, exp: Experiment) -> tuple[list[Archive], BootProps, BootScripts]:
+    """(the archives the stack delivers, the boot's props, its rendered scripts): what the stack
+    synthesizes, and what `make deploy` needs to know the stop markers' names before it runs."""
+    # The trainer (and the user's code) as content-named objects in the bucket: a code
+    # change renames them, which changes the startup script and so the template.
+    archives = [trainer_archive()]
+    code = code_path(exp.trainer.code_dir) if exp.trainer.code_dir is not None else None
+    if code is not None:
+        archives.append(user_archive(code))
+    # The dependencies as wheels for the image's Python, exactly as the committed lock names
+    # them (never resolved here): the VM installs them offline.
+    archives.append(wheels_archive(shipped_wheels(exp, code, name)))
+    props = boot_props(name, exp, releases=tuple(a.release for a in archives))
+    return archives, props, render(props)
+
+
+def stop_markers(name: str, props: BootProps, scripts: BootScripts) -> dict[str, str] | None:
+    """reason -> the stop marker object whose existence the stack's data sources read
+    (`stacks.scale_to_zero`); None when the stack has none (its VMs never scale their group)."""
+    if props.scale is None:
+        return None
+    return vm_scale.markers(f"runs/{name}", props.steps, vm_scale.digest(scripts.startup))
 
 
 def state_path(name: str) -> str:
@@ -130,20 +154,10 @@ class TrainingStack(TerraformStack):
             iap_ssh=net.iap_ssh,
         ))
 
-        # The trainer (and the user's code) as content-named objects in the bucket: a code
-        # change renames them, which changes the startup script and so the template.
-        archives = [trainer_archive()]
-        code = code_path(exp.trainer.code_dir) if exp.trainer.code_dir is not None else None
-        if code is not None:
-            archives.append(user_archive(code))
-        # The dependencies as wheels for the image's Python, exactly as the committed lock names
-        # them (never resolved here): the VM installs them offline.
-        archives.append(wheels_archive(shipped_wheels(exp, code, name)))
+        archives, props, scripts = boot_scripts(name, exp)
         delivery = CodeDelivery(self, "code", DeliveryProps(
             bucket=bucket.name, archives=tuple(archives)))
 
-        props = boot_props(name, exp, releases=tuple(a.release for a in archives))
-        scripts = render(props)
         c, flex = exp.capacity, m.provisioning == "flex-start"
         fallback = c.on_demand_fallback_minutes is not None
         regional = exp.group.placement == "regional"

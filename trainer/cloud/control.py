@@ -29,7 +29,8 @@ by a VM (`trainer.cloud.scale`) or by Cloud Scheduler as a backstop:
    unless the groups have no VM left (a stop already done). A marker that fails any of these is
    refused: the groups are left alone, the outcome lists it under `refused` with why, the job logs
    `{"event": "stop_marker_refused", "severity": "ERROR", ...}` (what an alert counts) and exits 1.
-   docs/security.md says what is left of a replay.
+   docs/security.md says what is left of a replay. The judgement (`judge`, `read_key`, `members`)
+   is shared with `make deploy` (`stacks.deploy`), whose plan would scale to zero on a marker too.
 2. **Capacity** (the on-demand fallback, `trainer.cloud.capacity`): one check; it also takes both groups
    to zero when a marker verified.
 3. **Successor** (flex-start): `<prefix>/control/successor.json` names the VM whose successor is
@@ -124,6 +125,99 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+# --- may a stop marker be acted on? Shared by this job and `make deploy` (`stacks.deploy`) ----------
+@dataclass
+class Verdict:
+    ok: list[str]  # the markers that may be acted on
+    refused: dict[str, str]  # marker -> why not (a call that failed on it included)
+    failures: list[tuple[str, ApiError]]  # (what was tried, the error): a call that failed
+
+
+def read_key(client: Client, secret: str) -> bytes:
+    """The run's checkpoint key, version 1 of ``secret`` (`projects/P/secrets/S`: the version the
+    VMs read and sign with), held in memory only; KeyProblem or ApiError when it cannot be had.
+    Never created here: a key made up by the reader would verify nothing."""
+    data = client.secret_version(secret, "1")
+    if data is None:
+        raise KeyProblem(f"{secret} has no version 1: no VM of this experiment has booted")
+    if not 32 <= len(data) <= 4096:
+        raise KeyProblem(f"{secret} version 1 holds {len(data)} bytes, not a checkpoint key")
+    return data
+
+
+def members(client: Client, groups: list[str], coordinator: str | None, *,
+            absent_ok: bool = False) -> tuple[int, set[str]]:
+    """How many VMs a resize to zero would delete now (every group's members, with their disks) and
+    the ids of the VMs that may have written a marker (those, and a pool's coordinator, which is
+    only stopped: its disk stays). ``groups``, ``coordinator``: full resource paths
+    (`projects/P/zones/Z/instanceGroupManagers/G`, `projects/P/zones/Z/instances/I`).
+    ``absent_ok``: a group that does not exist (404) has no VM (a deploy before the group is
+    created); the job, whose groups the stack made, treats a 404 as the failure it is."""
+    count, ids = 0, set()
+    for g in groups:
+        try:
+            answer = client.compute_call("POST", f"{g}/listManagedInstances")
+        except ApiError as e:
+            if not (absent_ok and e.code == 404):
+                raise
+            continue
+        count += len(answer.get("managedInstances", []))
+        ids |= stop_marker.member_ids(answer)
+    if coordinator:
+        vm = client.compute_call("GET", coordinator, ok404=True)
+        if vm is not None and vm.get("id"):
+            ids.add(str(vm["id"]))
+    return count, ids
+
+
+def judge(client: Client, *, bucket: str, prefix: str, found: list[str], secret: bytes,
+          members: Callable[[], tuple[int, set[str]]]) -> Verdict:
+    """Which of the marker objects ``found`` in ``bucket`` may scale the experiment to zero: each
+    must be a record the run signed (`stop_marker.verify`), bound to this run and to its own object
+    name; the step it names must be authentic and complete in the bucket now, with no newer
+    authentic step there; and its writer must still be one of the experiment's VMs unless none is
+    left (`stop_marker.stale`; ``members`` as `members` answers, asked at most once). A call that
+    fails refuses the marker it was for: what could not be checked is not known to be safe."""
+    run = manifest_auth.run_uri(bucket, prefix)
+    verdict = Verdict([], {}, [])
+    sizes: dict[str, int] | None = None
+    vms: tuple[int, set[str]] | None = None
+
+    def read(n: str) -> bytes | None:
+        return client.read_object(bucket, n)
+
+    for name in found:
+        try:
+            raw = client.read_object(bucket, name)
+            if raw is None:
+                continue  # deleted since it was found: nothing to act on, nothing to refuse
+            record, why = stop_marker.verify(raw, secret, name=name, run=run)
+            if record is None:
+                verdict.refused[name] = why
+                continue
+            if sizes is None:
+                sizes = client.object_sizes(bucket, f"{prefix}/step-")
+            step = record.get("step")
+            if step is not None:
+                why = stop_marker.unauthentic_step(read, prefix, run, step, sizes, secret)
+                if why is not None:
+                    verdict.refused[name] = f"its step {step} in the bucket is not authentic and complete: {why}"
+                    continue
+            newer, _ = stop_marker.newest_authentic(read, prefix, run, sizes, secret,
+                                                    above=-1 if step is None else step)
+            if vms is None:
+                vms = members()
+            why = stop_marker.stale(record, vms=vms[0], ids=vms[1], newer=newer)
+            if why is not None:
+                verdict.refused[name] = why
+                continue
+            verdict.ok.append(name)
+        except ApiError as e:
+            verdict.failures.append((f"verify gs://{bucket}/{name}", e))
+            verdict.refused[name] = f"could not be verified ({e})"
+    return verdict
+
+
 class Control:
     def __init__(self, settings: Settings, client: Client,
                  log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
@@ -168,7 +262,6 @@ class Control:
         Scaling to zero deletes every VM's checkpoint disk: it is safe only when the bucket holds an
         authentic checkpoint at least as new as every disk's, which only the run can attest."""
         s = self.s
-        run = manifest_auth.run_uri(s.bucket, s.prefix)
         try:
             secret = self.key()
         except (ApiError, KeyProblem) as e:
@@ -176,70 +269,26 @@ class Control:
             for m in found:
                 self.refuse(m, f"cannot verify it without the checkpoint key ({e})")
             return []
-        sizes: dict[str, int] | None = None
-        members: tuple[int, set[str]] | None = None
-        ok = []
-        for name in found:
-            try:
-                raw = self.c.read_object(s.bucket, name)
-                if raw is None:
-                    continue  # deleted since it was found: nothing to act on, nothing to refuse
-                record, why = stop_marker.verify(raw, secret, name=name, run=run)
-                if record is None:
-                    self.refuse(name, why)
-                    continue
-                if sizes is None:
-                    sizes = self.c.object_sizes(s.bucket, f"{s.prefix}/step-")
-                step = record.get("step")
-                if step is not None:
-                    why = stop_marker.unauthentic_step(lambda n: self.c.read_object(s.bucket, n), s.prefix, run,
-                                                       step, sizes, secret)
-                    if why is not None:
-                        self.refuse(name, f"its step {step} in the bucket is not authentic and complete: {why}")
-                        continue
-                newer, _ = stop_marker.newest_authentic(lambda n: self.c.read_object(s.bucket, n), s.prefix, run,
-                                                        sizes, secret, above=-1 if step is None else step)
-                if members is None:
-                    members = self.members()
-                why = stop_marker.stale(record, vms=members[0], ids=members[1], newer=newer)
-                if why is not None:
-                    self.refuse(name, why)
-                    continue
-                ok.append(name)
-            except ApiError as e:
-                self.fail(f"verify gs://{s.bucket}/{name}", e)
-                self.refuse(name, f"could not be verified ({e})")
-        return ok
+        verdict = judge(self.c, bucket=s.bucket, prefix=s.prefix, found=found, secret=secret,
+                        members=self.members)
+        for what, error in verdict.failures:
+            self.fail(what, error)
+        for name, why in verdict.refused.items():
+            self.refuse(name, why)
+        return verdict.ok
 
     def members(self) -> tuple[int, set[str]]:
-        """How many VMs a resize to zero would delete now (every group's members, with their
-        disks) and the ids of the VMs that may have written a marker (those, and a pool's
-        coordinator, which the job only stops: its disk stays)."""
+        """How many VMs a resize to zero would delete now, and the ids of the VMs that may have
+        written a marker (`members`)."""
         s = self.s
-        count, ids = 0, set()
-        for g in s.groups:
-            answer = self.c.compute_call("POST", f"{s.group_path(g)}/listManagedInstances")
-            count += len(answer.get("managedInstances", []))
-            ids |= stop_marker.member_ids(answer)
-        if s.coordinator:
-            vm = self.c.compute_call("GET", f"projects/{s.project}/{s.coordinator}", ok404=True)
-            if vm is not None and vm.get("id"):
-                ids.add(str(vm["id"]))
-        return count, ids
+        return members(self.c, [s.group_path(g) for g in s.groups],
+                       f"projects/{s.project}/{s.coordinator}" if s.coordinator else None)
 
     def key(self) -> bytes:
-        """The run's checkpoint key, version 1 of its secret (the one the VMs read and sign with),
-        read only when a marker is there to verify, and held in memory only. Never created here:
-        a key the job made up would verify nothing."""
-        name = self.s.checkpoint_key_secret
-        if not name:
+        """The run's checkpoint key (`read_key`), read only when a marker is there to verify."""
+        if not self.s.checkpoint_key_secret:
             raise KeyProblem("the job's settings name no checkpoint_key_secret")
-        data = self.c.secret_version(name, "1")
-        if data is None:
-            raise KeyProblem(f"{name} has no version 1: no VM of this experiment has booted")
-        if not 32 <= len(data) <= 4096:
-            raise KeyProblem(f"{name} version 1 holds {len(data)} bytes, not a checkpoint key")
-        return data
+        return read_key(self.c, self.s.checkpoint_key_secret)
 
     def refuse(self, name: str, why: str) -> None:
         self.refused[name] = why
