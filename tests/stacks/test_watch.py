@@ -98,6 +98,31 @@ def test_each_log_based_metric_counts_exactly_its_entries() -> None:
     assert set(EXPECTED) == set(run_metrics.by_name(PROJECT, "example"))
 
 
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "3", "--bogus"]], ids=["config", "usage"])
+def test_a_command_line_the_trainer_refuses_counts_as_a_failure(argv, tmp_path, capsys) -> None:
+    """A VM whose trainer refuses its command line stops itself (exit 2): the line it logs must be
+    the structured failure that the `failures` metric, and so the "run stopped" alert, counts."""
+    from trainer.cli import main
+
+    try:
+        code = main(["run", "--run-dir", str(tmp_path), *argv])
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    assert code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    cfg = {"project": PROJECT, "experiment": "example", "run": "runs/example"}
+    unit = {"_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "9" * 32}
+    entries = [entry({"__CURSOR": f"s=w;i={i}", "__REALTIME_TIMESTAMP": str(int(time.time() * 1e6)),
+                      "_BOOT_ID": "b" * 32, "_HOSTNAME": "example-x1y2", "MESSAGE": line, "PRIORITY": "3", **unit},
+                     cfg, RESOURCE) for i, line in enumerate(lines)]
+    with FakeObservability(PROJECT) as fake:
+        _write(fake, entries)
+        got = fake.matching(run_metrics.by_name(PROJECT, "example")["failures"].filter)
+    assert len(got) == 1, lines
+    assert got[0]["jsonPayload"]["fields"]["reason"] == "bad_input"
+    assert "command line:" in got[0]["jsonPayload"]["message"]
+
+
 def test_the_capacity_metric_counts_compute_engines_stockout_audit_entries() -> None:
     audit = {"logName": f"projects/{PROJECT}/logs/cloudaudit.googleapis.com%2Factivity", "resource": RESOURCE,
              "severity": "ERROR", "protoPayload": {
