@@ -179,11 +179,20 @@ class Filter:
             raise FilterError(f"a comparison cannot start with {tok[1]!r}")
         path = self._path(tok)
         op = self._take()
-        if op[0] != "op" or op[1] not in ("=", "!=", ":", "<", "<=", ">", ">="):
+        if op[0] != "op" or op[1] not in ("=", "!=", ":", "<", "<=", ">", ">=", "=~", "!~"):
             raise FilterError(f"unsupported operator {op[1]!r} after {'.'.join(path)}")
         value = self._take()
         if value[0] == "op":
             raise FilterError(f"no value after {'.'.join(path)} {op[1]}")
+        if op[1] in ("=~", "!~"):
+            # Regular expressions (RE2) match anywhere in the value unless anchored, and take a
+            # quoted pattern (cloud.google.com/logging/docs/view/logging-query-language#regular-expressions).
+            if value[0] != "str":
+                raise FilterError(f"a regular expression must be quoted after {'.'.join(path)} {op[1]}")
+            try:
+                re.compile(value[1])
+            except re.error as e:
+                raise FilterError(f"invalid regular expression {value[1]!r}: {e}") from None
         return ("cmp", path, op[1], value[1], value[0] == "str")
 
     def _path(self, first: tuple[str, str]) -> list[str]:
@@ -232,6 +241,9 @@ def _eval(node: tuple, e: dict[str, Any]) -> bool:
         return False
     if op == ":":
         return str(want).lower() in str(have).lower()
+    if op in ("=~", "!~"):
+        found = re.search(str(want), str(have)) is not None
+        return found if op == "=~" else not found
     if path == ["severity"]:
         if want not in SEVERITIES:
             raise FilterError(f"unknown severity {want!r}")

@@ -134,9 +134,21 @@ def test_the_capacity_metric_counts_compute_engines_stockout_audit_entries() -> 
     other["protoPayload"]["resourceName"] = f"projects/{PROJECT}/zones/us-central1-a/instances/other-abcd"
     quota = json.loads(json.dumps(audit))
     quota["protoPayload"]["status"]["message"] = "Quota 'PREEMPTIBLE_NVIDIA_L4_GPUS' exceeded."
+
+    def on(name: str) -> dict[str, Any]:
+        e = json.loads(json.dumps(audit))
+        e["protoPayload"]["resourceName"] = f"projects/{PROJECT}/zones/us-central1-a/instances/{name}"
+        return e
+
+    # The experiment's own VMs: its fallback group's and its pool's coordinator too.
+    own = [audit, on("example-od-x1y2"), on("example-coordinator")]
+    # Another experiment whose name starts with this one's ("example-big"): none of its VMs count.
+    others = [on("example-big-abcd"), on("example-big-od-abcd"), on("example-big-coordinator")]
     with FakeObservability(PROJECT) as fake:
-        _write(fake, [audit, other, quota])
-        assert len(fake.matching(run_metrics.by_name(PROJECT, "example")["capacity_waits"].filter)) == 1
+        _write(fake, [*own, *others, other, quota])
+        got = fake.matching(run_metrics.by_name(PROJECT, "example")["capacity_waits"].filter)
+        assert sorted(e["protoPayload"]["resourceName"] for e in got) == sorted(
+            e["protoPayload"]["resourceName"] for e in own)
 
 
 def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
