@@ -87,3 +87,17 @@ def test_apply_refuses_an_archive_the_stack_does_not_declare(stack, tmp_path) ->
     stray.write_bytes(b"x")
     with FakeProject("my-project-123456") as p, pytest.raises(ProjectError, match="the drill ships code/other"):
         p.apply(s, {"code/other-0123.tar.gz": stray})
+
+
+def test_a_plan_after_the_apply_changes_nothing_and_the_dashboard_reads_back_as_written(stack, tmp_path) -> None:
+    """Monitoring answers a dashboard without its default values (a tile at xPos 0): a stack that
+    writes them shows the dashboard changed at every `make diff`."""
+    with applied(stack, tmp_path) as p:
+        assert p.plan(stack) == []
+        (address,) = [f"google_monitoring_dashboard.{k}" for k in stack["resource"]["google_monitoring_dashboard"]]
+        zeros = copy.deepcopy(stack)
+        (d,) = zeros["resource"]["google_monitoring_dashboard"].values()
+        body = json.loads(d["dashboard_json"])
+        body["mosaicLayout"]["tiles"][0]["xPos"] = 0
+        d["dashboard_json"] = json.dumps(body)
+        assert p.plan(zeros) == [address]

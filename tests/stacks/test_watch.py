@@ -222,9 +222,9 @@ def test_the_dashboard_reads_only_metrics_the_stack_declares_or_the_trainer_writ
         tiles = body["mosaicLayout"]["tiles"]
         cells = set()
         for t in tiles:
-            assert t["xPos"] + t["width"] <= body["mosaicLayout"]["columns"], t
-            area = {(x, y) for x in range(t["xPos"], t["xPos"] + t["width"])
-                    for y in range(t["yPos"], t["yPos"] + t["height"])}
+            x0, y0 = t.get("xPos", 0), t.get("yPos", 0)  # a position of 0 is omitted (the API drops it)
+            assert x0 + t["width"] <= body["mosaicLayout"]["columns"], t
+            area = {(x, y) for x in range(x0, x0 + t["width"]) for y in range(y0, y0 + t["height"])}
             assert not area & cells, f"tiles overlap at {t['widget']['title']}"
             cells |= area
         assert body["displayName"] == f"spottrain {name}"
