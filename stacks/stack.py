@@ -81,6 +81,7 @@ class TrainingStack(TerraformStack):
             keep_noncurrent_versions=exp.bucket.keep_noncurrent_versions,
             noncurrent_days=exp.bucket.noncurrent_days,
             soft_delete_days=exp.bucket.soft_delete_days,
+            run_prefix=f"runs/{name}",
             labels=labels,
         ))
         identity.grant_bucket(bucket.name)
