@@ -70,12 +70,15 @@ class RunAlerts(Construct):
 
         rules = alert_rules.rules(props.exp)
         self.channels: list[MonitoringNotificationChannel] = []
+        #: The email channels alone: the only kind a billing budget takes (stacks.billing_budget).
+        self.email_channels: list[MonitoringNotificationChannel] = []
         if rules:
             user_labels = dict(props.labels)
             for i, address in enumerate(a.email):
                 self.channels.append(MonitoringNotificationChannel(
                     self, f"email-{i}", project=p, type="email", display_name=f"spottrain {name}: {address}",
                     labels={"email_address": address}, user_labels=user_labels))
+            self.email_channels = list(self.channels)
             if a.webhook_url is not None:
                 self.channels.append(MonitoringNotificationChannel(
                     self, "webhook", project=p, type="webhook_tokenauth", display_name=f"spottrain {name}: webhook",

@@ -6,6 +6,7 @@ notification text; the dashboard reads only metrics that exist; the billing budg
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -234,13 +235,18 @@ def test_the_budget_counts_the_experiments_label_and_alerts_its_channels(synthes
     s = synthesized["watch"]
     b = s.one("google_billing_budget")
     assert b["billing_account"] == "012345-6789AB-CDEF01" and b["display_name"] == "spottrain watch"
-    assert b["amount"]["specified_amount"] == {"currency_code": "USD", "units": "500"}
+    # No currency unless the experiment states one: the API refuses any but the billing account's.
+    assert b["amount"]["specified_amount"] == {"units": "500"}
     f = b["budget_filter"]
     assert f["labels"] == {"spottrain-experiment": "watch"} and f["calendar_period"] == "QUARTER"
     assert f["projects"][0].startswith("projects/${data.google_project.")
     assert [(r["threshold_percent"], r["spend_basis"]) for r in b["threshold_rules"]] == [
         (0.25, "CURRENT_SPEND"), (0.5, "CURRENT_SPEND"), (1, "CURRENT_SPEND"), (1, "FORECASTED_SPEND")]
-    assert len(b["all_updates_rule"]["monitoring_notification_channels"]) == 4
+    # The Budget API takes email channels only: the webhook and the Pub/Sub topic hear the alerts alone.
+    channels = s.json["resource"]["google_monitoring_notification_channel"]
+    named = [re.fullmatch(r"\$\{google_monitoring_notification_channel\.([^.]+)\.name\}", c)
+             for c in b["all_updates_rule"]["monitoring_notification_channels"]]
+    assert all(named) and sorted(channels[m.group(1)]["type"] for m in named if m) == ["email", "email"]
     # Through a provider alias that bills the API's quota to the experiment's project.
     providers = s.json["provider"]["google"]
     billing = next(p for p in providers if p.get("alias") == "billing")
@@ -252,6 +258,18 @@ def test_the_budget_counts_the_experiments_label_and_alerts_its_channels(synthes
     assert synthesized["example"].resources("google_billing_budget") == []
 
 
+def test_a_stated_currency_reaches_the_budget() -> None:
+    from cdktn import Testing
+
+    from stacks.stack import TrainingStack
+
+    exp = variant({"budget": {"billing_account": "012345-6789AB-CDEF01", "amount_usd": 300,
+                              "currency_code": "EUR"}}, "eur")
+    synth = json.loads(Testing.synth(TrainingStack(Testing.app(), "eur", exp)))
+    (b,) = synth["resource"]["google_billing_budget"].values()
+    assert b["amount"]["specified_amount"] == {"currency_code": "EUR", "units": "300"}
+
+
 @pytest.mark.parametrize(("section", "values", "field"), [
     ("budget", {"billing_account": "12345-6789AB-CDEF01", "amount_usd": 100}, "budget.billing_account"),
     ("budget", {"billing_account": "012345-6789ab-cdef01", "amount_usd": 100}, "budget.billing_account"),
@@ -259,6 +277,8 @@ def test_the_budget_counts_the_experiments_label_and_alerts_its_channels(synthes
     ("budget", {"billing_account": "012345-6789AB-CDEF01", "amount_usd": 9, "thresholds": [0.9, 0.5]},
      "budget.thresholds"),
     ("budget", {"amount_usd": 9}, "budget.billing_account"),
+    ("budget", {"billing_account": "012345-6789AB-CDEF01", "amount_usd": 9, "currency_code": "usd"},
+     "budget.currency_code"),
     ("alerts", {"email": ["not an address"]}, "alerts.email"),
     ("alerts", {"webhook_url": "http://hooks.example.com/x"}, "alerts.webhook_url"),
     ("alerts", {"webhook_url": "https://hooks.example.com/x'; rm -rf /"}, "alerts.webhook_url"),
