@@ -2,10 +2,17 @@
 notification says (the command to see more included). `stacks.alerts` turns them into Cloud
 Monitoring resources; the tests, the cost estimate and docs/watch.md read them here.
 
-Every condition is a threshold on one log-based metric (`stacks.run_metrics`), summed over an
-alignment period that slides with each evaluation (cloud.google.com/monitoring/alerts/
-concepts-indepth): "more than N in an hour" is a sum over 3600 s compared with N. A condition whose
-count stays above 0 for `duration_s` says that something lasted that long (the capacity wait).
+An alert that fires on one entry (a stall, a failure, the finish) is a log-match condition on
+the metric's own Logging filter (`matched_log`): it needs no metric descriptor, so it works on the
+first deploy, when the log-based metrics it would otherwise read were created moments before in
+the same apply and Monitoring answers 404 "Cannot find metric(s)" for up to 10 minutes (the
+provider retries only 409: hashicorp/terraform-provider-google#11102). Its notifications are
+rate-limited to one per `period_s` (the API requires `notification_rate_limit` on log-match).
+
+A rule that counts ("more than N in an hour", "for 120 minutes") is a threshold on its log-based
+metric, summed over an alignment period that slides with each evaluation (cloud.google.com/
+monitoring/alerts/concepts-indepth): "more than N in an hour" is a sum over 3600 s compared with N.
+A condition whose count stays above 0 for `duration_s` says that something lasted that long.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class AlertRule:
     duration_s: int = 0
     severity: str | None = None  # CRITICAL, ERROR, WARNING or none
     label_filter: str = ""  # more of the Monitoring filter (metric labels)
+    matched_log: bool = False  # a log-match condition on the metric's Logging filter (no descriptor)
 
 
 def rules(exp: Experiment) -> list[AlertRule]:
@@ -40,7 +48,7 @@ def rules(exp: Experiment) -> list[AlertRule]:
         AlertRule("stall", "training stalled", "stalls", 0, 300,
                   f"The trainer ran on a VM for {a.stall_minutes} minutes without completing a step "
                   "(a hung collective or data loader, a tier it keeps waiting for, or a start-up that "
-                  "takes longer than that).", severity="WARNING"),
+                  "takes longer than that).", severity="WARNING", matched_log=True),
         AlertRule("repair-loop", "repair loop", "boots", a.repairs_per_hour, 3600,
                   f"More than {a.repairs_per_hour} VM boots within an hour that no preemption explains: "
                   "the group keeps recreating the VM (its health check fails), or its boot keeps failing.",
@@ -52,7 +60,7 @@ def rules(exp: Experiment) -> list[AlertRule]:
         AlertRule("stopped", "run stopped", "failures", 0, 300,
                   "The run stopped on bad input (exit 2: it stays stopped and stops paying until you fix the "
                   "experiment and deploy again) or failed (a crash the unit restarts a few times, a boot that "
-                  "failed).", severity="ERROR"),
+                  "failed).", severity="ERROR", matched_log=True),
         AlertRule("capacity", "waiting for capacity", "capacity_waits", 0, 1800,
                   f"Compute Engine has refused to create the VM for lack of capacity for {a.capacity_wait_minutes} "
                   "minutes (a stockout): the run waits and costs nothing meanwhile (see docs/capacity.md).",
@@ -61,7 +69,7 @@ def rules(exp: Experiment) -> list[AlertRule]:
     if a.notify_finished:
         out.append(AlertRule("finished", "run finished", "finished", 0, 300,
                              "The run finished: its final checkpoint is durable on every tier, and the VM scales "
-                             "its group to zero (stop_when_done)."))
+                             "its group to zero (stop_when_done).", matched_log=True))
     return out
 
 
