@@ -22,6 +22,9 @@ and what whatever is left costs a month.
   takes its managed instances with it (for good).
 - `left()`: what still exists, each with its size and monthly cost (`stacks.pricing`: disks from
   stacks/prices.json, Cloud Storage and Secret Manager list prices).
+- A budget is created as the Budget API creates it (`_check_budget`): only with
+  billing.budgets.create on its billing account (`billing_accounts`: none unless a test grants
+  it, as a project Owner has none), email channels only, and no currency but the account's.
 - `plan(stack)`: the addresses a plan after the apply would change: the state holds what the API
   answers on read (`read_back`), compared with what the stack declares as the provider compares
   it. A dashboard's JSON comes back without its default values, so one that writes them (a tile
@@ -146,9 +149,13 @@ class _Managed:
 class FakeProject:
     """One project; a context manager (it owns the Cloud Storage emulator of the stack's bucket)."""
 
-    def __init__(self, project: str, *, log: Path | None = None) -> None:
+    def __init__(self, project: str, *, log: Path | None = None,
+                 billing_accounts: dict[str, str] | None = None) -> None:
         self.project = project
         self.log = log
+        #: Billing accounts the deployer holds billing.budgets.create on -> each one's currency.
+        #: None by default: a project's Owner alone holds nothing on a billing account.
+        self.billing_accounts: dict[str, str] = dict(billing_accounts or {})
         self.things: dict[str, Thing] = {}
         #: What Terraform's state knows: address -> attributes (references resolved)
         self.state: dict[str, dict[str, Any]] = {}
@@ -177,6 +184,8 @@ class FakeProject:
             raise ProjectError(f"the stack declares {len(buckets)} buckets; the fake project holds one")
         resolved = {k: {key: self._resolve(resources, attrs) for key, attrs in items.items()}
                     for k, items in resources.items()}
+        for key, budget in resolved.get("google_billing_budget", {}).items():
+            self._check_budget(f"google_billing_budget.{key}", budget, resolved)
         self.bucket = resolved["google_storage_bucket"][next(iter(resources["google_storage_bucket"]))]["name"]
         self.gcs = StorageEmulator(self.bucket, log=self.log).start()
         declared = {a["name"] for a in resolved.get("google_storage_bucket_object", {}).values()}
@@ -202,6 +211,30 @@ class FakeProject:
                 self.things[thing.key] = thing
                 if k in GROUP_KINDS:
                     self.managed[name] = {}
+
+    def _check_budget(self, address: str, budget: dict[str, Any], resolved: dict[str, Any]) -> None:
+        """What the Budget API refuses (cloud.google.com/billing/docs/reference/budget/rest/v1/
+        billingAccounts.budgets): a caller without billing.budgets.create on the billing account (a
+        permission of the account, never of a project: cloud.google.com/billing/docs/how-to/
+        budgets#budget-permissions); a notification channel that is not an email channel
+        (NotificationsRule.monitoringNotificationChannels: "only email channels are supported");
+        a currencyCode other than the billing account's ("must match the currency of the billing
+        account")."""
+        account = budget.get("billing_account")
+        if account not in self.billing_accounts:
+            raise ProjectError(f"{address}: 403 PERMISSION_DENIED: the caller does not have permission "
+                               f"billing.budgets.create on billingAccounts/{account}")
+        channels = resolved.get("google_monitoring_notification_channel", {})
+        for ref in (budget.get("all_updates_rule") or {}).get("monitoring_notification_channels", []):
+            m = re.fullmatch(r"\$\{google_monitoring_notification_channel\.([^.]+)\.name\}", str(ref))
+            kind = channels.get(m.group(1), {}).get("type") if m else None
+            if kind != "email":
+                raise ProjectError(f"{address}: 400 INVALID_ARGUMENT: notification channel {ref} is "
+                                   f"{kind or 'unknown'}; budgets take email channels only")
+        currency = ((budget.get("amount") or {}).get("specified_amount") or {}).get("currency_code")
+        if currency is not None and currency != self.billing_accounts[account]:
+            raise ProjectError(f"{address}: 400 INVALID_ARGUMENT: currency_code {currency} does not match the "
+                               f"billing account's currency {self.billing_accounts[account]}")
 
     def plan(self, stack: dict[str, Any]) -> list[str]:
         """The addresses a plan of `stack` against this project's state would create or change."""
