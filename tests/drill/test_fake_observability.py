@@ -97,9 +97,12 @@ def test_entries_list_filters_orders_and_pages(fake) -> None:
     _, first = call(fake, "POST", "/v2/entries:list", body)
     assert call(fake, "POST", "/v2/entries:list", {**body, "filter": "", "pageToken": first["nextPageToken"]})[0] == 400
     for change in ({"pageSize": 1001}, {"orderBy": "severity"}, {"filter": 'nosuchfield="x"'},
-                   {"filter": 'jsonPayload.n =~ "x"'}, {"resourceNames": []}):
+                   {"filter": 'jsonPayload.n =~ "("'}, {"resourceNames": []}):  # an invalid RE2 pattern
         assert call(fake, "POST", "/v2/entries:list", {**body, **change})[0] == 400, change
     assert call(fake, "POST", "/v2/entries:list", {**body, "resourceNames": ["projects/other"]})[0] == 403
+    # A regular expression matches anywhere unless anchored, as Logging's =~ does.
+    status, found = call(fake, "POST", "/v2/entries:list", {**body, "pageSize": 10, "filter": 'jsonPayload.n =~ "^[2-4]$"'})
+    assert status == 200 and sorted(e["jsonPayload"]["n"] for e in found.get("entries", [])) == [2, 3, 4]
 
 
 def test_the_filter_language_subset() -> None:
