@@ -49,10 +49,7 @@ def rules(exp: Experiment) -> list[AlertRule]:
                   f"The trainer ran on a VM for {a.stall_minutes} minutes without completing a step "
                   "(a hung collective or data loader, a tier it keeps waiting for, or a start-up that "
                   "takes longer than that).", severity="WARNING", matched_log=True),
-        AlertRule("repair-loop", "repair loop", "boots", a.repairs_per_hour, 3600,
-                  f"More than {a.repairs_per_hour} VM boots within an hour that no preemption explains: "
-                  "the group keeps recreating the VM (its health check fails), or its boot keeps failing.",
-                  severity="ERROR", label_filter='metric.labels.after=one_of("stop", "unknown")'),
+        repair_loop(exp),
         AlertRule("preemptions", "frequent preemptions", "preemptions", a.preemptions_per_hour, 3600,
                   f"More than {a.preemptions_per_hour} Spot preemptions within an hour: each costs a restore "
                   "and the work since the last checkpoint (see docs/capacity.md for other capacity options).",
@@ -71,6 +68,28 @@ def rules(exp: Experiment) -> list[AlertRule]:
                              "The run finished: its final checkpoint is durable on every tier, and the VM scales "
                              "its group to zero (stop_when_done).", matched_log=True))
     return out
+
+
+def keeps_boot_notes(exp: Experiment) -> bool:
+    """Whether a recreated VM finds its predecessor's note on a stateful checkpoint disk (why it
+    booted). A flex-start group and one with `zone_change_on_repair` keep no stateful disk: every
+    VM boots on a blank disk and says `after=first`."""
+    return not exp.capacity.zone_change_on_repair and exp.machine.provisioning != "flex-start"
+
+
+def repair_loop(exp: Experiment) -> AlertRule:
+    """VMs recreated again and again. Where boots can say why, boots no preemption explains;
+    where they cannot (a blank disk on every VM), the shutdown script's own word: VMs that shut
+    down other than by a preemption (a VM lost without its shutdown script is not seen there)."""
+    n = exp.alerts.repairs_per_hour
+    if keeps_boot_notes(exp):
+        return AlertRule("repair-loop", "repair loop", "boots", n, 3600,
+                         f"More than {n} VM boots within an hour that no preemption explains: the group keeps "
+                         "recreating the VM (its health check fails), or its boot keeps failing.",
+                         severity="ERROR", label_filter='metric.labels.after=one_of("stop", "unknown")')
+    return AlertRule("repair-loop", "repair loop", "stops", n, 3600,
+                     f"More than {n} VMs shut down within an hour other than by a preemption: the group keeps "
+                     "recreating the VM (its health check fails), or its boot keeps failing.", severity="ERROR")
 
 
 def see_more(exp: Experiment, name: str) -> str:

@@ -99,6 +99,9 @@ def metrics(project: str, experiment: str) -> list[LogMetric]:
                   _trainer("restore") + " AND jsonPayload.step>0", labels={"tier": "jsonPayload.fields.tier"}),
         LogMetric("preemptions", "VMs preempted (the shutdown script's event=shutdown reason=preemption)",
                   'jsonPayload.event="shutdown" AND jsonPayload.fields.reason="preemption"'),
+        LogMetric("stops", "VMs that shut down other than by a preemption (a repair, a resize, a finish: the "
+                  "shutdown script's event=shutdown reason=stop)",
+                  'jsonPayload.event="shutdown" AND jsonPayload.fields.reason="stop"'),
         LogMetric("boots", "VM boots, by why the VM booted (after=first, preemption, stop, unknown)",
                   'jsonPayload.source="startup" AND jsonPayload.event="boot"',
                   labels={"after": "jsonPayload.fields.after"}),

@@ -73,7 +73,7 @@ def _write(fake: FakeObservability, entries: list[dict[str, Any]]) -> None:
 EXPECTED = {
     "steps": ["event=step"], "steps_per_s": ["event=step"], "loss": ["event=step"], "step": ["event=step"],
     "eval_loss": ["event=eval"], "restores": ["event=restore step=120"],
-    "preemptions": ["reason=preemption"], "boots": ["after=stop", "after=preemption"],
+    "preemptions": ["reason=preemption"], "stops": ["reason=stop"], "boots": ["after=stop", "after=preemption"],
     "stalls": ["event=stalled"], "failures": ["event=boot_failed", "event=failed"],
     "finished": ["event=finished step=300"], "tier_failing": ["event=tier_failing"], "capacity_waits": [],
 }
@@ -193,6 +193,21 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     assert s.resources("google_monitoring_notification_channel") == []
     assert alert_rules.note(s.spec) == ("alerts: 6 alert policies notify nobody (no email, webhook_url or "
                                         "pubsub_topic in [alerts]); their incidents show in Cloud Monitoring only")
+
+
+def test_the_repair_loop_alert_counts_what_a_group_without_boot_notes_still_says(synthesized) -> None:
+    """A group without a stateful checkpoint disk (zone_change_on_repair, flex-start) boots every VM
+    on a blank disk, after=first: the boots cannot tell a repair, so the alert counts the shutdown
+    script's reason=stop instead; a group that keeps its notes counts boots no preemption explains."""
+    def condition(name: str) -> dict[str, Any]:
+        (p,) = [p for p in synthesized[name].resources("google_monitoring_alert_policy")
+                if p["display_name"].endswith("repair loop")]
+        return p["conditions"][0]["condition_threshold"]
+
+    assert not alert_rules.keeps_boot_notes(synthesized["zone-change"].spec)
+    assert "metric-stops_" in condition("zone-change")["filter"] and "after" not in condition("zone-change")["filter"]
+    assert "metric-boots_" in condition("example")["filter"]
+    assert 'metric.labels.after=one_of("stop", "unknown")' in condition("example")["filter"]
 
 
 def test_channels_notify_every_policy_and_the_topic_grants_monitoring_its_publisher_role(synthesized) -> None:
