@@ -38,6 +38,8 @@ Protocol kept (cloud.google.com/compute/docs/reference/rest/v1, /run/docs/refere
 - Cloud Run v2 `POST .../locations/R/jobs/J:run`: an execution of the job (`job_runner`, if set,
   is called with the job's name and runs it the way the test or drill wants) and its long-running
   operation;
+- Resource Manager `projects.testIamPermissions` and Cloud Billing `billingAccounts.testIamPermissions`
+  (a billing account's permissions only from bindings on the account: a project Owner has none);
 - Service Usage `services.get` and `services:batchGet`; `POST /token` (refresh-token and JWT-bearer
   grants, both for the deployer);
 - Secret Manager `secrets.addVersion` and `secrets.versions.access` (versions numbered from 1; 404
@@ -265,6 +267,16 @@ class FakeGcp:
 
     @property
     def serviceusage_api(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def crm_api(self) -> str:
+        """The value for SPOTTRAIN_CRM_API (what https://cloudresourcemanager.googleapis.com/v1 is)."""
+        return f"{self.url}/v1"
+
+    @property
+    def billing_api(self) -> str:
+        """The value for SPOTTRAIN_BILLING_API (what https://cloudbilling.googleapis.com/v1 is)."""
         return f"{self.url}/v1"
 
     @property
@@ -574,6 +586,8 @@ class FakeGcp:
             return self._compute(method, path[len(prefix):].strip("/").split("/"), query, body, principal)
         if path.startswith(RUN_PREFIX):
             return self._run(method, path[len(RUN_PREFIX):], principal)
+        if path.startswith(SERVICEUSAGE_PREFIX) and path.endswith(":testIamPermissions"):
+            return self._test_permissions(method, path[len(SERVICEUSAGE_PREFIX):], body, principal)
         if path.startswith(SERVICEUSAGE_PREFIX) and "/secrets/" in path:
             return self._secretmanager(method, path[len(SERVICEUSAGE_PREFIX):], body, principal)
         if path.startswith(SERVICEUSAGE_PREFIX):
@@ -807,6 +821,28 @@ class FakeGcp:
             "scores": {"obtainability": round(best, 3), "estimatedUptime": "3600s"},
             "shards": [{"zone": f"zones/{zone}", "machineType": mt, "instanceCount": int(body.get("size", 1)),
                         "provisioningModel": model}]}]}
+
+    def _test_permissions(self, method: str, rest: str, body: Any, principal: str) -> Any:
+        """`projects.testIamPermissions` (Resource Manager v1) and `billingAccounts.testIamPermissions`
+        (Cloud Billing v1): the subset of `permissions` the caller holds on that resource. A billing
+        account's permissions come from bindings on the account alone: a project Owner holds none
+        of them (cloud.google.com/billing/docs/how-to/billing-access: billing roles are granted on
+        the Cloud Billing account; budgets need billing.budgets.create there)."""
+        m = re.fullmatch(r"(projects/([^/:]+)|billingAccounts/([0-9A-F]{6}-[0-9A-F]{6}-[0-9A-F]{6})):testIamPermissions",
+                         rest)
+        if m is None or method != "POST":
+            raise _not_found(rest)
+        wanted = (body or {}).get("permissions", [])
+        if not isinstance(wanted, list) or len(wanted) > 100:  # the documented maximum per request
+            raise Refused(400, "INVALID_ARGUMENT", "permissions: at most 100 per request", "badRequest")
+        if m.group(2) is not None:
+            if m.group(2) != self.project:
+                raise Refused(403, "PERMISSION_DENIED", f"Permission denied on project {m.group(2)}", "forbidden")
+            target = Resource("cloudresourcemanager.googleapis.com", "cloudresourcemanager.googleapis.com/Project",
+                              f"projects/{self.project}")
+        else:
+            target = Resource("cloudbilling.googleapis.com", "cloudbilling.googleapis.com/BillingAccount", m.group(1))
+        return {"permissions": [x for x in wanted if self.policy.allows(principal, x, target)]}
 
     def _serviceusage(self, method: str, rest: str, query: dict[str, list[str]], principal: str) -> Any:
         m = re.fullmatch(r"projects/([^/]+)/services(?::batchGet|/([^/]+))", rest)

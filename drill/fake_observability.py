@@ -9,7 +9,9 @@ error bodies (`drill.fake_gcp.Refused`), its own port; the clients are pointed h
 `FakeGcp.token_uri`.
 
 Protocol kept, and refused where Google refuses:
-- every call needs `Authorization: Bearer TOKEN` (401 UNAUTHENTICATED); errors are Google's JSON
+- every call needs `Authorization: Bearer TOKEN` (401 UNAUTHENTICATED); given a `drill.iam.Policy`
+  (`policy`, `principal`: whose token it is), `entries:write` needs `logging.logEntries.create` and
+  `timeSeries.create` needs `monitoring.timeSeries.create` on the project (403 otherwise); errors are Google's JSON
   `{"error": {"code", "message", "status", "errors": [...]}}`; a request over 10 MB is refused;
 - Logging `POST /v2/entries:write` (cloud.google.com/logging/docs/reference/v2/rest/v2/entries/write):
   the request's `logName`, `resource` and `labels` default each entry's; a `logName` is
@@ -181,11 +183,20 @@ class Filter:
             raise FilterError(f"a comparison cannot start with {tok[1]!r}")
         path = self._path(tok)
         op = self._take()
-        if op[0] != "op" or op[1] not in ("=", "!=", ":", "<", "<=", ">", ">="):
+        if op[0] != "op" or op[1] not in ("=", "!=", ":", "<", "<=", ">", ">=", "=~", "!~"):
             raise FilterError(f"unsupported operator {op[1]!r} after {'.'.join(path)}")
         value = self._take()
         if value[0] == "op":
             raise FilterError(f"no value after {'.'.join(path)} {op[1]}")
+        if op[1] in ("=~", "!~"):
+            # Regular expressions (RE2) match anywhere in the value unless anchored, and take a
+            # quoted pattern (cloud.google.com/logging/docs/view/logging-query-language#regular-expressions).
+            if value[0] != "str":
+                raise FilterError(f"a regular expression must be quoted after {'.'.join(path)} {op[1]}")
+            try:
+                re.compile(value[1])
+            except re.error as e:
+                raise FilterError(f"invalid regular expression {value[1]!r}: {e}") from None
         return ("cmp", path, op[1], value[1], value[0] == "str")
 
     def _path(self, first: tuple[str, str]) -> list[str]:
@@ -234,6 +245,9 @@ def _eval(node: tuple, e: dict[str, Any]) -> bool:
         return False
     if op == ":":
         return str(want).lower() in str(have).lower()
+    if op in ("=~", "!~"):
+        found = re.search(str(want), str(have)) is not None
+        return found if op == "=~" else not found
     if path == ["severity"]:
         if want not in SEVERITIES:
             raise FilterError(f"unknown severity {want!r}")
@@ -255,9 +269,12 @@ class FakeObservability:
     """Cloud Logging, Monitoring's time series and the Billing Catalog of one project."""
 
     def __init__(self, project: str = "spottrain-drill", *, token: str = "fake-access-token",
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, policy: Any = None, principal: str = "") -> None:
         self.project = project
         self.token = token
+        #: With a `drill.iam.Policy`, the token is `principal`'s and each write needs its permission
+        #: on the project, as Google checks it (`_authorize`); without one, the caller holds them.
+        self.policy, self.principal = policy, principal
         self.clock = clock or time.time
         self._lock = threading.Condition()
         self.entries: list[dict[str, Any]] = []
@@ -368,13 +385,31 @@ class FakeObservability:
             self._lock.notify_all()
             return status, answer
 
+    def _authorize(self, permission: str, project: str) -> None:
+        """entries:write needs logging.logEntries.create, timeSeries.create needs
+        monitoring.timeSeries.create, on the project (cloud.google.com/logging/docs/reference/v2/rest/
+        v2/entries/write and cloud.google.com/monitoring/api/ref_v3/rest/v3/projects.timeSeries/create,
+        "Authorization requires the following IAM permission"): a VM account without
+        roles/logging.logWriter or roles/monitoring.metricWriter gets 403."""
+        if self.policy is None:
+            return
+        from drill.iam import Resource
+
+        target = Resource(permission.split(".", 1)[0] + ".googleapis.com", "cloudresourcemanager.googleapis.com/Project",
+                          f"projects/{project}")
+        if not self.policy.allows(self.principal, permission, target):
+            raise Refused(403, "PERMISSION_DENIED", f"Permission '{permission}' denied on resource "
+                          f"'projects/{project}' (or it may not exist).", "forbidden")
+
     def _dispatch(self, method: str, path: str, query: dict[str, list[str]], body: Any) -> Any:
         if path == "/v2/entries:write" and method == "POST":
+            self._authorize("logging.logEntries.create", self.project)
             return self._write(body if isinstance(body, dict) else {})
         if path == "/v2/entries:list" and method == "POST":
             return self._list(body if isinstance(body, dict) else {})
         m = re.fullmatch(r"/v3/projects/([^/]+)/timeSeries", path)
         if m and method == "POST":
+            self._authorize("monitoring.timeSeries.create", m.group(1))
             return self._time_series(m.group(1), body if isinstance(body, dict) else {})
         if path == "/v1/services" and method == "GET":
             return self._page(query, "services", [{"name": f"services/{sid}", "serviceId": sid,

@@ -22,6 +22,13 @@ and what whatever is left costs a month.
   takes its managed instances with it (for good).
 - `left()`: what still exists, each with its size and monthly cost (`stacks.pricing`: disks from
   stacks/prices.json, Cloud Storage and Secret Manager list prices).
+- A budget is created as the Budget API creates it (`_check_budget`): only with
+  billing.budgets.create on its billing account (`billing_accounts`: none unless a test grants
+  it, as a project Owner has none), email channels only, and no currency but the account's.
+- `plan(stack)`: the addresses a plan after the apply would change: the state holds what the API
+  answers on read (`read_back`), compared with what the stack declares as the provider compares
+  it. A dashboard's JSON comes back without its default values, so one that writes them (a tile
+  at `xPos` 0) shows a change at every plan.
 """
 from __future__ import annotations
 
@@ -40,6 +47,55 @@ TEMPLATE_KINDS = ("google_compute_instance_template", "google_compute_region_ins
 LABELS = {"google_storage_bucket": "storage bucket", "google_secret_manager_secret": "secret",
           "disk": "compute disk", "instance": "compute instance"}
 _REF = re.compile(r"\$\{([a-z0-9_]+)\.([A-Za-z0-9_-]+)\.([a-z_]+)\}")
+
+
+#: Enum values that are their field's default (number 0) in the Dashboard API's protos.
+_ENUM_DEFAULTS = re.compile(r"^(?:[A-Z_]+_UNSPECIFIED|REDUCE_NONE|ALIGN_NONE)$")
+
+
+def _without_defaults(value: Any, in_map: bool = False) -> Any:
+    """A proto3 message as its JSON mapping prints it: fields at their default value (0, false,
+    "", [], an enum's 0 value) are omitted (protobuf.dev/programming-guides/json: "If a field has
+    the default value ... it is omitted"); a map keeps every entry, empty values too."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            v = _without_defaults(v, in_map=k == "labels")
+            if not in_map and (v is None or v == [] or v == {} or v is False or v == "" or
+                               (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0) or
+                               (isinstance(v, str) and _ENUM_DEFAULTS.match(v))):
+                continue
+            out[k] = v
+        return out
+    if isinstance(value, list):
+        return [_without_defaults(v) for v in value]
+    return value
+
+
+def read_back(kind: str, attrs: dict[str, Any]) -> dict[str, Any]:
+    """What the provider's refresh reads back into the state. Monitoring's `projects.dashboards.get`
+    answers the dashboard without its default-valued fields (chainguard-dev/common's
+    modules/dashboard/json strips `"xPos":0`, `"yPos":0`, `"collapsed":false`, `"REDUCE_NONE"` for
+    exactly this reason); everything else comes back as written."""
+    if kind == "google_monitoring_dashboard" and isinstance(attrs.get("dashboard_json"), str):
+        body = json.loads(attrs["dashboard_json"].replace("$${", "${"))
+        return {**attrs, "dashboard_json": json.dumps(_without_defaults(body), sort_keys=True).replace("${", "$${")}
+    return attrs
+
+
+def _dashboard_same(old: str, new: str) -> bool:
+    """The provider's `monitoringDashboardDiffSuppress` (terraform-provider-google,
+    services/monitoring/resource_monitoring_dashboard.go): keys the API added on read (in the
+    state, not in the configuration) are removed from the state's JSON, then the two must be
+    equal. A key only the configuration has (a default the API dropped) is a change."""
+    def computed_removed(o: Any, n: Any) -> Any:
+        if isinstance(o, dict) and isinstance(n, dict):
+            return {k: computed_removed(v, n[k]) for k, v in o.items() if k in n}
+        if isinstance(o, list) and isinstance(n, list) and len(o) == len(n):
+            return [computed_removed(a, b) for a, b in zip(o, n)]
+        return o
+    o, n = json.loads(old), json.loads(new)
+    return computed_removed(o, n) == n
 
 
 class ProjectError(Exception):
@@ -93,9 +149,13 @@ class _Managed:
 class FakeProject:
     """One project; a context manager (it owns the Cloud Storage emulator of the stack's bucket)."""
 
-    def __init__(self, project: str, *, log: Path | None = None) -> None:
+    def __init__(self, project: str, *, log: Path | None = None,
+                 billing_accounts: dict[str, str] | None = None) -> None:
         self.project = project
         self.log = log
+        #: Billing accounts the deployer holds billing.budgets.create on -> each one's currency.
+        #: None by default: a project's Owner alone holds nothing on a billing account.
+        self.billing_accounts: dict[str, str] = dict(billing_accounts or {})
         self.things: dict[str, Thing] = {}
         #: What Terraform's state knows: address -> attributes (references resolved)
         self.state: dict[str, dict[str, Any]] = {}
@@ -124,6 +184,8 @@ class FakeProject:
             raise ProjectError(f"the stack declares {len(buckets)} buckets; the fake project holds one")
         resolved = {k: {key: self._resolve(resources, attrs) for key, attrs in items.items()}
                     for k, items in resources.items()}
+        for key, budget in resolved.get("google_billing_budget", {}).items():
+            self._check_budget(f"google_billing_budget.{key}", budget, resolved)
         self.bucket = resolved["google_storage_bucket"][next(iter(resources["google_storage_bucket"]))]["name"]
         self.gcs = StorageEmulator(self.bucket, log=self.log).start()
         declared = {a["name"] for a in resolved.get("google_storage_bucket_object", {}).values()}
@@ -134,7 +196,7 @@ class FakeProject:
         for k, items in resolved.items():
             for key, attrs in items.items():
                 address = f"{k}.{key}"
-                self.state[address] = attrs
+                self.state[address] = read_back(k, attrs)  # the refresh after the create
                 if k == "google_storage_bucket_object":
                     if attrs["name"] not in files:
                         raise ProjectError(f"{address}: no file for object {attrs['name']} (the drill packs "
@@ -149,6 +211,50 @@ class FakeProject:
                 self.things[thing.key] = thing
                 if k in GROUP_KINDS:
                     self.managed[name] = {}
+
+    def _check_budget(self, address: str, budget: dict[str, Any], resolved: dict[str, Any]) -> None:
+        """What the Budget API refuses (cloud.google.com/billing/docs/reference/budget/rest/v1/
+        billingAccounts.budgets): a caller without billing.budgets.create on the billing account (a
+        permission of the account, never of a project: cloud.google.com/billing/docs/how-to/
+        budgets#budget-permissions); a notification channel that is not an email channel
+        (NotificationsRule.monitoringNotificationChannels: "only email channels are supported");
+        a currencyCode other than the billing account's ("must match the currency of the billing
+        account")."""
+        account = budget.get("billing_account")
+        if account not in self.billing_accounts:
+            raise ProjectError(f"{address}: 403 PERMISSION_DENIED: the caller does not have permission "
+                               f"billing.budgets.create on billingAccounts/{account}")
+        channels = resolved.get("google_monitoring_notification_channel", {})
+        for ref in (budget.get("all_updates_rule") or {}).get("monitoring_notification_channels", []):
+            m = re.fullmatch(r"\$\{google_monitoring_notification_channel\.([^.]+)\.name\}", str(ref))
+            kind = channels.get(m.group(1), {}).get("type") if m else None
+            if kind != "email":
+                raise ProjectError(f"{address}: 400 INVALID_ARGUMENT: notification channel {ref} is "
+                                   f"{kind or 'unknown'}; budgets take email channels only")
+        currency = ((budget.get("amount") or {}).get("specified_amount") or {}).get("currency_code")
+        if currency is not None and currency != self.billing_accounts[account]:
+            raise ProjectError(f"{address}: 400 INVALID_ARGUMENT: currency_code {currency} does not match the "
+                               f"billing account's currency {self.billing_accounts[account]}")
+
+    def plan(self, stack: dict[str, Any]) -> list[str]:
+        """The addresses a plan of `stack` against this project's state would create or change."""
+        resources: dict[str, dict[str, Any]] = stack.get("resource", {})
+        changed = []
+        for k, items in resources.items():
+            for key, attrs in items.items():
+                address = f"{k}.{key}"
+                want, have = self._resolve(resources, attrs), self.state.get(address)
+                if have is None:
+                    changed.append(address)
+                    continue
+                for field_, value in want.items():
+                    old = have.get(field_)
+                    same = (_dashboard_same(old, value) if k == "google_monitoring_dashboard" and
+                            field_ == "dashboard_json" and isinstance(old, str) else old == value)
+                    if not same:
+                        changed.append(address)
+                        break
+        return sorted(changed)
 
     def _resolve(self, resources: dict[str, dict[str, Any]], attrs: dict[str, Any]) -> dict[str, Any]:
         """`${TYPE.ID.ATTR}` -> what apply fills in, where it is an attribute of the stack itself

@@ -40,6 +40,10 @@ DEPLOYER = "user:deployer@example.com"
 #: monitoring} (read 2026-11). `roles/owner` is the deployer's basic role: everything.
 PREDEFINED: dict[str, frozenset[str]] = {
     "roles/owner": frozenset({"*"}),
+    # Granted on a Cloud Billing account (cloud.google.com/iam/docs/roles-permissions/billing).
+    "roles/billing.costsManager": frozenset({"billing.budgets.create", "billing.budgets.delete",
+                                             "billing.budgets.get", "billing.budgets.list",
+                                             "billing.budgets.update", "billing.accounts.get"}),
     "roles/logging.logWriter": frozenset({"logging.logEntries.create", "logging.logEntries.route"}),
     "roles/monitoring.metricWriter": frozenset({"monitoring.metricDescriptors.create",
                                                 "monitoring.metricDescriptors.get",

@@ -8,8 +8,9 @@ this construct declares them.
   secret) and a Pub/Sub topic of yours, on which the stack grants Cloud Monitoring's notification
   service agent (service-NUMBER@gcp-sa-monitoring-notification.iam.gserviceaccount.com, created
   with the first Pub/Sub channel) roles/pubsub.publisher, on that topic only.
-- **Policies:** one per `alert_rules.rules`, each a single threshold condition on its metric (the
-  filter names the metric resource, so each waits for its metric), notifying every channel, its
+- **Policies:** one per `alert_rules.rules`, each a single condition: a log-match on the metric's
+  Logging filter for a rule that fires on one entry (no metric descriptor to wait for), else a
+  threshold on its metric (the filter names the metric resource); notifying every channel, its
   documentation saying what happened and the command to see more; incidents close by themselves
   `AUTO_CLOSE_S` after the condition stops holding.
 """
@@ -23,6 +24,7 @@ from cdktn_provider_google.logging_metric import LoggingMetric, LoggingMetricMet
 from cdktn_provider_google.monitoring_alert_policy import (
     MonitoringAlertPolicy,
     MonitoringAlertPolicyConditions,
+    MonitoringAlertPolicyConditionsConditionMatchedLog,
     MonitoringAlertPolicyConditionsConditionThreshold,
     MonitoringAlertPolicyConditionsConditionThresholdAggregations,
 )
@@ -70,12 +72,15 @@ class RunAlerts(Construct):
 
         rules = alert_rules.rules(props.exp)
         self.channels: list[MonitoringNotificationChannel] = []
+        #: The email channels alone: the only kind a billing budget takes (stacks.billing_budget).
+        self.email_channels: list[MonitoringNotificationChannel] = []
         if rules:
             user_labels = dict(props.labels)
             for i, address in enumerate(a.email):
                 self.channels.append(MonitoringNotificationChannel(
                     self, f"email-{i}", project=p, type="email", display_name=f"spottrain {name}: {address}",
                     labels={"email_address": address}, user_labels=user_labels))
+            self.email_channels = list(self.channels)
             if a.webhook_url is not None:
                 self.channels.append(MonitoringNotificationChannel(
                     self, "webhook", project=p, type="webhook_tokenauth", display_name=f"spottrain {name}: webhook",
@@ -95,10 +100,23 @@ class RunAlerts(Construct):
                     member=f"serviceAccount:service-{number}@gcp-sa-monitoring-notification.iam.gserviceaccount.com")
         names = [c.name for c in self.channels]
         self.policies: list[MonitoringAlertPolicy] = []
+        by_name = run_metrics.by_name(p, name)
         for r in rules:
             metric = self.metrics[r.metric]
+            if r.matched_log:
+                self.policies.append(MonitoringAlertPolicy(
+                    self, f"alert-{r.key}", project=p, display_name=f"spottrain {name}: {r.title}", combiner="OR",
+                    conditions=[MonitoringAlertPolicyConditions(
+                        display_name=r.title, condition_matched_log=MonitoringAlertPolicyConditionsConditionMatchedLog(
+                            filter=by_name[r.metric].filter))],
+                    documentation={"content": alert_rules.documentation(props.exp, name, r),
+                                   "mime_type": "text/markdown", "subject": f"spottrain {name}: {r.title}"},
+                    alert_strategy={"auto_close": f"{alert_rules.AUTO_CLOSE_S}s",
+                                    "notification_rate_limit": {"period": f"{r.period_s}s"}},
+                    notification_channels=names or None, severity=r.severity, user_labels=dict(props.labels)))
+                continue
             flt = (f'metric.type="{run_metrics.USER_PREFIX}{metric.name}" '
-                   f'AND resource.type="{run_metrics.by_name(p, name)[r.metric].resource}"'
+                   f'AND resource.type="{by_name[r.metric].resource}"'
                    + (f" AND {r.label_filter}" if r.label_filter else ""))
             self.policies.append(MonitoringAlertPolicy(
                 self, f"alert-{r.key}", project=p, display_name=f"spottrain {name}: {r.title}", combiner="OR",

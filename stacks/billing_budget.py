@@ -4,7 +4,11 @@ thresholds (cloud.google.com/billing/docs/how-to/budgets; the `google_billing_bu
 The budget filters the billing account's costs by the experiment's label (`spottrain-experiment`,
 on every resource the stack creates) within its project, over a calendar period, and alerts at
 each threshold of `amount_usd` (spent, and, with `forecast`, forecast to be spent), by email to the
-account's billing administrators and to the `[alerts]` channels (at most 5). Only costs of
+account's billing administrators and to the `[alerts]` email channels (at most 5: the Budget API
+takes email channels only, so a webhook or Pub/Sub channel hears the alerts, not the budget).
+The amount's currency is left to the billing account unless `currency_code` is set: the API
+refuses any currency but the account's (cloud.google.com/billing/docs/reference/budget/rest/v1/
+billingAccounts.budgets#Budget: "currencyCode ... must match the currency of the billing account"). Only costs of
 labelled resources count: VMs, disks and the bucket; not Cloud Logging and Monitoring, whose
 entries carry no resource label (`make cost` prices those separately).
 
@@ -34,7 +38,7 @@ class BudgetProps:
     project: str
     name: str
     budget: Budget
-    channels: list[str] = field(default_factory=list)  # notification channel names
+    channels: list[str] = field(default_factory=list)  # email notification channels' names
 
 
 class RunBudget(Construct):
@@ -50,7 +54,8 @@ class RunBudget(Construct):
         self.budget = BillingBudget(
             self, "budget", provider=provider, billing_account=b.billing_account,
             display_name=f"spottrain {props.name}",
-            amount={"specified_amount": {"currency_code": "USD", "units": str(b.amount_usd)}},
+            amount={"specified_amount": {"units": str(b.amount_usd)}
+                    | ({"currency_code": b.currency_code} if b.currency_code else {})},
             budget_filter={"projects": [f"projects/{number}"], "labels": {"spottrain-experiment": props.name},
                            "calendar_period": b.period.upper(), "credit_types_treatment": "INCLUDE_ALL_CREDITS"},
             threshold_rules=rules,

@@ -8,6 +8,11 @@ Kept by `destroy` unless the experiment opts in to `force_destroy`: by default t
 the provider's `deletion_policy = "ABANDON"`, so a destroy removes it from Terraform's state and
 leaves it, with every checkpoint in it, in the project (and finishes, instead of failing on a
 non-empty bucket). With `force_destroy` the destroy deletes it and everything in it.
+
+One rule always applies to live objects: the parts of a composite upload that was cut off
+(`PREFIX/.tmp-parts/`, trainer.checkpoint.gcs_streams) are deleted `PARTS_MAX_AGE_DAYS` after
+their creation. The next restore deletes them too, but a run that never restarts (finished, or
+destroyed) would keep them, billed, forever.
 """
 
 from __future__ import annotations
@@ -25,6 +30,15 @@ from cdktn_provider_google.storage_bucket import (
 from constructs import Construct
 
 
+#: Where the trainer's GCS store puts a composite upload's parts, under its prefix (the trainer's
+#: `trainer.checkpoint.gcs_streams.PARTS_DIR`; tests/stacks/test_stack.py holds them equal).
+PARTS_DIR = ".tmp-parts"
+#: A part older than this belongs to an upload that is over: every upload runs under a deadline
+#: of minutes (durable_timeout_s, the preemption budget), and lifecycle actions run within a day
+#: of an object qualifying, so a live upload's parts are never at risk.
+PARTS_MAX_AGE_DAYS = 1
+
+
 @dataclass(frozen=True)
 class CheckpointBucketProps:
     project: str
@@ -35,6 +49,7 @@ class CheckpointBucketProps:
     keep_noncurrent_versions: int
     noncurrent_days: int
     soft_delete_days: int
+    run_prefix: str  # the run's objects (runs/NAME), where its uploads leave their parts
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -57,6 +72,12 @@ class CheckpointBucket(Construct):
                 ),
             ),
         ]
+        parts = StorageBucketLifecycleRule(
+            action=delete,
+            condition=StorageBucketLifecycleRuleCondition(
+                age=PARTS_MAX_AGE_DAYS, matches_prefix=[f"{props.run_prefix}/{PARTS_DIR}/"]
+            ),
+        )
         self.bucket = StorageBucket(
             self,
             "bucket",
@@ -71,7 +92,7 @@ class CheckpointBucket(Construct):
             # A destroy forgets the bucket instead of deleting it (or failing on its objects).
             deletion_policy=None if props.force_destroy else "ABANDON",
             labels=props.labels,
-            lifecycle_rule=noncurrent if props.versioning else None,
+            lifecycle_rule=[parts, *noncurrent] if props.versioning else [parts],
             soft_delete_policy=StorageBucketSoftDeletePolicy(
                 retention_duration_seconds=props.soft_delete_days * 86400
             ),

@@ -698,6 +698,7 @@ WEBHOOK = re.compile(r"^https://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[^\s\x00-\x1f\x7f\
 PUBSUB_TOPIC = re.compile(r"^projects/([a-z][-a-z0-9]{4,28}[a-z0-9])/topics/[A-Za-z][-A-Za-z0-9._~%+]{2,254}$")
 #: A Cloud Billing account id: three groups of six hexadecimal digits, e.g. 012345-6789AB-CDEF01.
 BILLING_ACCOUNT = re.compile(r"^[0-9A-F]{6}-[0-9A-F]{6}-[0-9A-F]{6}$")
+CURRENCY = re.compile(r"^[A-Z]{3}$")
 
 
 class Alerts(Section):
@@ -763,7 +764,11 @@ class Budget(Section):
     """REQUIRED in [budget]. The Cloud Billing account id, e.g. "012345-6789AB-CDEF01"
     (`gcloud billing accounts list`)."""
     amount_usd: int = Field(ge=1, le=10_000_000)
-    """REQUIRED in [budget]. The budget per period, in whole US dollars."""
+    """REQUIRED in [budget]. The budget per period, in whole units of the billing account's
+    currency (US dollars for a USD account)."""
+    currency_code: str | None = None
+    """The billing account's currency (ISO 4217, "EUR"), if you want it stated. Absent: the budget
+    takes the account's own; set, the Budget API refuses any currency but the account's."""
     period: Literal["month", "quarter", "year"] = "month"
     """The budget's calendar period: spend counts from its start (Pacific time)."""
     thresholds: list[float] = [0.5, 0.9, 1.0]
@@ -776,6 +781,11 @@ class Budget(Section):
     def _account(cls, v: str) -> str:
         return _pattern(v, BILLING_ACCOUNT, "18 characters, three groups of six uppercase hexadecimal "
                         "digits joined by dashes, e.g. \"012345-6789AB-CDEF01\"")
+
+    @field_validator("currency_code")
+    @classmethod
+    def _currency(cls, v: str | None) -> str | None:
+        return v if v is None else _pattern(v, CURRENCY, 'three uppercase letters (ISO 4217), e.g. "EUR"')
 
     @field_validator("thresholds")
     @classmethod

@@ -316,6 +316,7 @@ _BUCKETS = "https://cloud.google.com/monitoring/api/ref_v3/rest/v3/TypedValue#ex
 _UCUM = "https://cloud.google.com/monitoring/api/ref_v3/rest/v3/projects.metricDescriptors#MetricDescriptor"
 _ALERTS = "https://cloud.google.com/monitoring/api/ref_v3/rest/v3/projects.alertPolicies"
 _AGGREGATION = "https://cloud.google.com/monitoring/api/ref_v3/rest/v3/projects.alertPolicies#Aggregation"
+_LOG_ALERTS = "https://cloud.google.com/logging/docs/alerting/log-based-alerts"
 _CHANNELS = "https://cloud.google.com/monitoring/support/notification-options"
 _BUDGETS = "https://cloud.google.com/billing/docs/reference/budget/rest/v1/billingAccounts.budgets"
 
@@ -523,6 +524,9 @@ API_FIELDS: dict[str, dict[str, FieldRule]] = {
             _AGGREGATION, "REDUCE_NONE", "REDUCE_SUM", "REDUCE_MEAN", "REDUCE_MAX", "REDUCE_MIN", "REDUCE_COUNT"),
         "alert_strategy.auto_close": FieldRule(_ALERTS, values=(1800,), duration=True,
                                                note="the page read states no range: only the value we set"),
+        # Required on a log-match policy; "the minimum time between notifications" is 5 minutes.
+        "alert_strategy.notification_rate_limit.period": _range(
+            _LOG_ALERTS, 300, 86400, duration=True, note="log-match policies: at least 5 minutes; at most our day"),
     },
     "google_monitoring_notification_channel": {
         "type": _enum(_CHANNELS, "email", "webhook_tokenauth", "pubsub"),

@@ -13,11 +13,16 @@ login`), one line per check:
 - **machine type** offered in each zone (`machineTypes.get`), the ranked alternatives too;
 - **image family** resolvable (`images.getFromFamily`);
 - **Spot obtainability** per zone from the Compute API's capacity advice (`advice.capacity`):
-  a score below 0.4 is a warning (likely a stockout now), not a failure.
+  a score below 0.4 is a warning (likely a stockout now), not a failure;
+- **your permissions**: the experiment's stack is synthesized and every permission its resource
+  types need (`stacks.permissions`) is tested with `testIamPermissions` on the project (Resource
+  Manager) and, for a `[budget]`, on the billing account (Cloud Billing), whose permissions no
+  project role grants. A missing one fails, naming it, its resource types and a role that has it.
 
 Exit status: 0 all checks passed (warnings allowed), 1 a check failed, 2 a bad experiment file,
 3 no credentials (it then says what it would check). Endpoints: `SPOTTRAIN_COMPUTE_API` and
-`SPOTTRAIN_SERVICEUSAGE_API` point the calls at the loopback fakes in the tests.
+`SPOTTRAIN_SERVICEUSAGE_API`, `SPOTTRAIN_CRM_API` and `SPOTTRAIN_BILLING_API` point the calls at
+the loopback fakes in the tests.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ from stacks.load import ExperimentError, ExperimentFile, argument, display, load
 from trainer.cloud.gce import ApiError, Client
 
 SERVICEUSAGE = "https://serviceusage.googleapis.com/v1"
+CRM = "https://cloudresourcemanager.googleapis.com/v1"
+BILLING = "https://cloudbilling.googleapis.com/v1"
+#: Permissions per testIamPermissions request (Resource Manager and Cloud Billing take at most 100).
+TEST_BATCH = 100
 BASE_APIS = ("compute.googleapis.com", "iam.googleapis.com", "storage.googleapis.com")
 #: The control job (`stacks.control`): Cloud Run runs it, Cloud Scheduler starts it.
 CONTROL_APIS = ("run.googleapis.com", "cloudscheduler.googleapis.com")
@@ -98,16 +107,37 @@ def what_it_checks(exp: Experiment) -> list[str]:
              f"image family {m.image_project}/{m.image_family} resolvable"]
     if m.provisioning == "spot":
         lines.append(f"Spot obtainability of {m.machine_type} per zone (capacity advice)")
+    lines.append("your permissions for every resource type of the stack (docs/reference/permissions.md)"
+                 + (f", and on billing account {exp.budget.billing_account}" if exp.budget else ""))
     return lines
 
 
+def synthesize(name: str, exp: Experiment) -> dict:
+    """The experiment's stack as `cdktn synth` writes it, as JSON."""
+    import json
+    import shutil
+
+    from cdktn import Testing
+
+    from stacks.stack import TrainingStack
+
+    app = Testing.app()
+    try:
+        return json.loads(Testing.synth(TrainingStack(app, name, exp)))
+    finally:  # Testing.app() leaves a cdktf.outdir.* folder behind otherwise
+        if "cdktf.outdir." in str(app.outdir):
+            shutil.rmtree(app.outdir, ignore_errors=True)
+
+
 class Preflight:
-    def __init__(self, exp: Experiment, client: Client) -> None:
-        self.exp, self.c = exp, client
+    def __init__(self, exp: Experiment, client: Client, name: str = "") -> None:
+        self.exp, self.c, self.name = exp, client, name
         self.serviceusage = (os.environ.get("SPOTTRAIN_SERVICEUSAGE_API") or SERVICEUSAGE).rstrip("/")
+        self.crm = (os.environ.get("SPOTTRAIN_CRM_API") or CRM).rstrip("/")
+        self.billing = (os.environ.get("SPOTTRAIN_BILLING_API") or BILLING).rstrip("/")
 
     def run(self) -> Iterator[Result]:
-        for check in (self.apis, self.quota, self.machine_types, self.image, self.obtainability):
+        for check in (self.apis, self.quota, self.machine_types, self.image, self.obtainability, self.permissions):
             try:
                 yield from check()
             except ApiError as e:
@@ -160,6 +190,37 @@ class Preflight:
         else:
             yield Result("ok", "image", f"{m.image_project}/{m.image_family} -> {image.get('name')}")
 
+    def _granted(self, url: str, wanted: list[str]) -> set[str]:
+        granted: set[str] = set()
+        for i in range(0, len(wanted), TEST_BATCH):
+            answer = self.c.request("POST", url, body={"permissions": wanted[i:i + TEST_BATCH]}) or {}
+            granted |= set(answer.get("permissions", []))
+        return granted
+
+    def permissions(self) -> Iterator[Result]:
+        from stacks import permissions as P
+
+        if not self.name:
+            return
+        need = P.needed(synthesize(self.name, self.exp))
+        p = self.exp.gcp.project
+        checks = [(P.PROJECT, f"project {p}", f"{self.crm}/projects/{p}:testIamPermissions")]
+        if need.billing_account is not None:
+            checks.append((P.BILLING_ACCOUNT, f"billing account {need.billing_account}",
+                           f"{self.billing}/billingAccounts/{need.billing_account}:testIamPermissions"))
+        for scope, where, url in checks:
+            wanted = need.permissions(scope)
+            granted = self._granted(url, wanted)
+            missing = [x for x in wanted if x not in granted]
+            if not missing:
+                yield Result("ok", "permissions", f"all {len(wanted)} the stack needs on {where}")
+                continue
+            kinds = need.by_scope[scope]
+            roles = sorted({P.NEEDS[k].role if k in P.NEEDS and x in P.NEEDS[k].permissions else P.BUDGET_QUOTA.role
+                            for x in missing for k in kinds[x]})
+            yield Result("FAIL", "permissions", f"missing on {where}: " + ", ".join(
+                f"{x} ({', '.join(sorted(kinds[x]))})" for x in missing) + f"; a role that grants them: {', '.join(roles)}")
+
     def obtainability(self) -> Iterator[Result]:
         g, m = self.exp.gcp, self.exp.machine
         if m.provisioning != "spot":
@@ -198,7 +259,7 @@ def adc_token() -> Callable[[], tuple[str, float]]:
 
 
 def preflight(e: ExperimentFile, client: Client) -> tuple[list[str], bool]:
-    results = list(Preflight(e.spec, client).run())
+    results = list(Preflight(e.spec, client, e.name).run())
     lines = [f"preflight of {e.name} ({display(e.path)}): project {e.spec.gcp.project}, {e.spec.gcp.region}"]
     lines += [r.line() for r in results]
     return lines, not any(r.level == "FAIL" for r in results)

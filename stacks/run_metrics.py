@@ -68,6 +68,15 @@ def base_filter(project: str, experiment: str) -> str:
     return f'logName="projects/{project}/logs/{LOG_ID}" AND labels."{LABEL}"="{experiment}"'
 
 
+def instance_pattern(experiment: str) -> str:
+    """The experiment's VMs, exactly (a regular expression on an audit entry's resourceName): its
+    groups' `NAME-xxxx` and `NAME-od-xxxx` (a group's base name and its 4 random characters,
+    stacks.group) and the pool's `NAME-coordinator`. Never a prefix: experiment `exp` must not
+    count `exp-big`'s VMs. (`exp-od`'s would be `exp`'s fallback's names, but the two cannot share
+    a project: their groups would both be `exp-od-group`, stacks.boot.group_name.)"""
+    return f"/instances/{experiment}(-od)?-[a-z0-9]{{4}}$|/instances/{experiment}-coordinator$"
+
+
 def _trainer(event: str) -> str:
     return f'jsonPayload.source="trainer" AND jsonPayload.event="{event}"'
 
@@ -77,7 +86,7 @@ def metrics(project: str, experiment: str) -> list[LogMetric]:
     base = base_filter(project, experiment)
     audit = (f'logName="projects/{project}/logs/cloudaudit.googleapis.com%2Factivity" AND '
              f'protoPayload.methodName:"compute.instances.insert" AND '
-             f'protoPayload.resourceName:"/instances/{experiment}-" AND severity>=ERROR AND ('
+             f'protoPayload.resourceName=~"{instance_pattern(experiment)}" AND severity>=ERROR AND ('
              + " OR ".join(f'protoPayload.status.message:"{m}"' for m in STOCKOUT_MESSAGES) + ")")
     own = [
         LogMetric("steps", "Step lines the trainer logged (one per logging interval)", _trainer("step")),
@@ -91,6 +100,9 @@ def metrics(project: str, experiment: str) -> list[LogMetric]:
                   _trainer("restore") + " AND jsonPayload.step>0", labels={"tier": "jsonPayload.fields.tier"}),
         LogMetric("preemptions", "VMs preempted (the shutdown script's event=shutdown reason=preemption)",
                   'jsonPayload.event="shutdown" AND jsonPayload.fields.reason="preemption"'),
+        LogMetric("stops", "VMs that shut down other than by a preemption (a repair, a resize, a finish: the "
+                  "shutdown script's event=shutdown reason=stop)",
+                  'jsonPayload.event="shutdown" AND jsonPayload.fields.reason="stop"'),
         LogMetric("boots", "VM boots, by why the VM booted (after=first, preemption, stop, unknown)",
                   'jsonPayload.source="startup" AND jsonPayload.event="boot"',
                   labels={"after": "jsonPayload.fields.after"}),

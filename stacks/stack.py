@@ -105,6 +105,7 @@ class TrainingStack(TerraformStack):
             keep_noncurrent_versions=exp.bucket.keep_noncurrent_versions,
             noncurrent_days=exp.bucket.noncurrent_days,
             soft_delete_days=exp.bucket.soft_delete_days,
+            run_prefix=f"runs/{name}",
             labels=labels,
         ))
         identity.grant_bucket(bucket.name)
@@ -305,7 +306,7 @@ class TrainingStack(TerraformStack):
         RunDashboard(self, "dashboard", DashboardProps(project=exp.gcp.project, name=name, exp=exp))
         if exp.budget is not None:
             RunBudget(self, "budget", BudgetProps(project=exp.gcp.project, name=name, budget=exp.budget,
-                                                  channels=[c.name for c in alerts.channels]))
+                                                  channels=[c.name for c in alerts.email_channels]))
         TerraformOutput(self, "logs_command", value=f"make logs EXPERIMENT={name}",
                         description="Every session of the run across recreated VMs, and how each ended "
                         "(python -m trainer logs; docs/watch.md)")

@@ -53,12 +53,29 @@ from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, retry, startup_notice
 from trainer.config import ConfigError, RunConfig, load_export_config, load_run_config, load_status_config
 
 
+class _UsageError(SystemExit):
+    """argparse refused the command line (exit 2); `main` logs it as a failure of a `run`."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(EXIT_BAD_INPUT)
+        self.line = line
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors: same format and exit code as ours
         self.print_usage(sys.stderr)
         print(f"command line: {message}", file=sys.stderr)
         record_bad_input([f"command line: {message}"])
-        sys.exit(EXIT_BAD_INPUT)
+        raise _UsageError(f"command line: {message}")
+
+
+def log_bad_input(lines: list[str]) -> None:
+    """Log a refused input as the trainer's structured failure (``event=failed reason=bad_input``),
+    the line the stack's `failures` metric and its "run stopped" alert count (stacks.run_metrics):
+    without it a VM whose trainer refuses its command line stops itself and no alert says why."""
+    from trainer.observe.progress import setup_logging  # light: no torch
+
+    setup_logging(int(os.environ.get("RANK", "0"))).error("event=failed reason=bad_input %s", "; ".join(lines))
 
 
 def record_bad_input(lines: list[str]) -> None:
@@ -228,7 +245,13 @@ def _run_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     started = _process_start()
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parser().parse_args(argv)
+    except _UsageError as e:
+        if argv[:1] == ["run"]:
+            log_bad_input([e.line])
+        raise
     try:
         if args.command == "run":
             cfg = run_config(args)
@@ -257,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr)
         if args.command == "run":
             record_bad_input(e.lines)
+            log_bad_input(e.lines)
         return EXIT_BAD_INPUT
 
     if args.command == "run":

@@ -24,14 +24,14 @@ import threading
 import sys
 from datetime import timedelta
 
-from trainer.observe.progress import setup_logging
+from trainer.observe.progress import HEARTBEAT_S, setup_logging
 
 #: The store key of a job's rendezvous epoch (torch's own keys start with "torch.").
 EPOCH_KEY = "spottrain.rendezvous_epoch."
 
 
 def serve(host: str, port: int, *, ready: threading.Event | None = None,
-          stop: threading.Event | None = None) -> int:
+          stop: threading.Event | None = None, heartbeat_s: float = HEARTBEAT_S) -> int:
     from torch.distributed import TCPStore
 
     log = setup_logging(0)
@@ -50,7 +50,10 @@ def serve(host: str, port: int, *, ready: threading.Event | None = None,
     log.info("event=rendezvous_store host=%s port=%d", host, store.port)
     if ready is not None:
         ready.set()
-    stop.wait()
+    # The trainer unit is active here and never steps: without a line now and then the node's log
+    # shipper would report a stall every stall_minutes for as long as the pool runs.
+    while not stop.wait(heartbeat_s):
+        log.info("event=heartbeat role=rendezvous (the coordinator hosts the rendezvous store; it does not train)")
     log.info("event=rendezvous_stopped")
     logging.shutdown()
     return 0

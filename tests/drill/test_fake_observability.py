@@ -97,9 +97,12 @@ def test_entries_list_filters_orders_and_pages(fake) -> None:
     _, first = call(fake, "POST", "/v2/entries:list", body)
     assert call(fake, "POST", "/v2/entries:list", {**body, "filter": "", "pageToken": first["nextPageToken"]})[0] == 400
     for change in ({"pageSize": 1001}, {"orderBy": "severity"}, {"filter": 'nosuchfield="x"'},
-                   {"filter": 'jsonPayload.n =~ "x"'}, {"resourceNames": []}):
+                   {"filter": 'jsonPayload.n =~ "("'}, {"resourceNames": []}):  # an invalid RE2 pattern
         assert call(fake, "POST", "/v2/entries:list", {**body, **change})[0] == 400, change
     assert call(fake, "POST", "/v2/entries:list", {**body, "resourceNames": ["projects/other"]})[0] == 403
+    # A regular expression matches anywhere unless anchored, as Logging's =~ does.
+    status, found = call(fake, "POST", "/v2/entries:list", {**body, "pageSize": 10, "filter": 'jsonPayload.n =~ "^[2-4]$"'})
+    assert status == 200 and sorted(e["jsonPayload"]["n"] for e in found.get("entries", [])) == [2, 3, 4]
 
 
 def test_the_filter_language_subset() -> None:
@@ -158,3 +161,29 @@ def test_the_billing_catalog_pages_its_skus(fake) -> None:
     assert call(fake, "GET", "/v1/services/6F81-5844-456A/skus?pageSize=5001")[0] == 400
     assert call(fake, "GET", "/v1/services/6F81-5844-456A/skus?pageToken=garbage")[0] == 400
     assert call(fake, "GET", "/v1/services")[1]["services"][0]["displayName"] == "Compute Engine"
+
+
+def test_writes_need_the_vm_accounts_logging_and_monitoring_permissions() -> None:
+    """The VM's account writes its entries and points with the roles the stack grants it
+    (roles/logging.logWriter, roles/monitoring.metricWriter); without them Google answers 403."""
+    from pathlib import Path
+
+    from drill.iam import Policy, accounts, service_account, synthesize
+    from stacks.load import load_file
+
+    ef = load_file(Path(__file__).resolve().parents[2] / "experiments" / "example.toml")
+    stack = synthesize(ef.name, ef.spec)
+    project = ef.spec.gcp.project
+    granted = Policy.from_stack(stack)
+    vms = [e for a, e in accounts(stack).items() if "control" not in a]
+    assert vms
+    entry = {"logName": f"projects/{project}/logs/spottrain", "resource": {"type": "global", "labels": {
+        "project_id": project}}, "jsonPayload": {"n": 1}}
+    point = {"timeSeries": [{"metric": {"type": "custom.googleapis.com/spottrain/step"},
+                             "resource": {"type": "global", "labels": {"project_id": project}},
+                             "points": [{"interval": {"endTime": datetime.now(timezone.utc).strftime(
+                                 "%Y-%m-%dT%H:%M:%SZ")}, "value": {"doubleValue": 1.0}}]}]}
+    for policy, want in ((granted, 200), (Policy(), 403)):
+        with FakeObservability(project, policy=policy, principal=service_account(vms[0])) as fake:
+            assert fake.handle("POST", "/v2/entries:write", {}, {"entries": [entry]})[0] == want
+            assert fake.handle("POST", f"/v3/projects/{project}/timeSeries", {}, point)[0] == want

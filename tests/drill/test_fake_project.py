@@ -87,3 +87,67 @@ def test_apply_refuses_an_archive_the_stack_does_not_declare(stack, tmp_path) ->
     stray.write_bytes(b"x")
     with FakeProject("my-project-123456") as p, pytest.raises(ProjectError, match="the drill ships code/other"):
         p.apply(s, {"code/other-0123.tar.gz": stray})
+
+
+def test_a_plan_after_the_apply_changes_nothing_and_the_dashboard_reads_back_as_written(stack, tmp_path) -> None:
+    """Monitoring answers a dashboard without its default values (a tile at xPos 0): a stack that
+    writes them shows the dashboard changed at every `make diff`."""
+    with applied(stack, tmp_path) as p:
+        assert p.plan(stack) == []
+        (address,) = [f"google_monitoring_dashboard.{k}" for k in stack["resource"]["google_monitoring_dashboard"]]
+        zeros = copy.deepcopy(stack)
+        (d,) = zeros["resource"]["google_monitoring_dashboard"].values()
+        body = json.loads(d["dashboard_json"])
+        body["mosaicLayout"]["tiles"][0]["xPos"] = 0
+        d["dashboard_json"] = json.dumps(body)
+        assert p.plan(zeros) == [address]
+
+
+@pytest.fixture(scope="module")
+def budgeted() -> dict[str, Any]:
+    """The example with a budget and every kind of alert channel (what the stack hands the budget)."""
+    import tempfile
+
+    from drill.iam import synthesize
+    from stacks.load import load_file
+
+    text = (Path(__file__).resolve().parents[2] / "experiments" / "example.toml").read_text()
+    text = text.replace("[alerts]\n", '[alerts]\nemail = ["oncall@example.com"]\n'
+                        'webhook_url = "https://hooks.example.com/x?token=t"\n', 1)
+    text += '\n[budget]\nbilling_account = "012345-6789AB-CDEF01"\namount_usd = 100\n'
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "example.toml"
+        f.write_text(text)
+        ef = load_file(f)
+        return synthesize(ef.name, ef.spec)
+
+
+def _apply_budget(stack: dict[str, Any], tmp_path: Path, accounts: dict[str, str]) -> None:
+    s = copy.deepcopy(stack)
+    files = {}
+    for o in s["resource"]["google_storage_bucket_object"].values():
+        files[o["name"]] = tmp_path / o["name"].replace("/", "_")
+        files[o["name"]].write_bytes(b"archive")
+    with FakeProject("my-project-123456", billing_accounts=accounts) as p:
+        p.apply(s, files)
+
+
+def test_the_budget_is_refused_as_the_budget_api_refuses_it(budgeted, tmp_path) -> None:
+    account = "012345-6789AB-CDEF01"
+    # A project Owner alone holds nothing on the billing account.
+    with pytest.raises(ProjectError, match=f"billing.budgets.create on billingAccounts/{account}"):
+        _apply_budget(budgeted, tmp_path, {})
+    # The stack's budget: email channels only, the account's currency left to the account.
+    _apply_budget(budgeted, tmp_path, {account: "EUR"})
+    webhook = copy.deepcopy(budgeted)
+    (b,) = webhook["resource"]["google_billing_budget"].values()
+    (key,) = [k for k, c in webhook["resource"]["google_monitoring_notification_channel"].items()
+              if c["type"] == "webhook_tokenauth"]
+    b["all_updates_rule"]["monitoring_notification_channels"].append(f"${{google_monitoring_notification_channel.{key}.name}}")
+    with pytest.raises(ProjectError, match="is webhook_tokenauth; budgets take email channels only"):
+        _apply_budget(webhook, tmp_path, {account: "EUR"})
+    usd = copy.deepcopy(budgeted)
+    (b,) = usd["resource"]["google_billing_budget"].values()
+    b["amount"]["specified_amount"]["currency_code"] = "USD"
+    with pytest.raises(ProjectError, match="currency_code USD does not match the billing account's currency EUR"):
+        _apply_budget(usd, tmp_path, {account: "EUR"})

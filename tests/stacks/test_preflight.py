@@ -38,7 +38,8 @@ def gcp(tmp_path: Path) -> Iterator[tuple[FakeGcp, dict[str, str]]]:
                                    "private_key_id": "k1", "private_key": _private_key(), "client_email": email,
                                    "client_id": "1", "token_uri": fake.token_uri}))
         env = {**os.environ, "GOOGLE_APPLICATION_CREDENTIALS": str(adc), "SPOTTRAIN_COMPUTE_API": fake.compute_api,
-               "SPOTTRAIN_SERVICEUSAGE_API": fake.serviceusage_api, "GCE_METADATA_HOST": f"127.0.0.1:{free_port()}",
+               "SPOTTRAIN_SERVICEUSAGE_API": fake.serviceusage_api, "SPOTTRAIN_CRM_API": fake.crm_api,
+               "SPOTTRAIN_BILLING_API": fake.billing_api, "GCE_METADATA_HOST": f"127.0.0.1:{free_port()}",
                "NO_GCE_CHECK": "True", "HOME": str(tmp_path)}
         yield fake, env
 
@@ -68,6 +69,8 @@ def test_every_check_passes_against_a_ready_project(gcp) -> None:
     assert "  ok   machine type: g2-standard-8 offered in us-central1-a" in lines
     assert f"  ok   image: {IMAGE[0]}/{IMAGE[1]} -> {IMAGE[1]}-v20260101" in lines
     assert "  ok   spot obtainability: g2-standard-8 in us-central1-a: 0.90 (estimated uptime 3600s)" in lines
+    assert any(line.startswith("  ok   permissions: all ") and line.endswith(" on project my-project-123456")
+               for line in lines), lines
     # The real protocol: a refreshed ADC token on every call, the capacity advice asked for Spot.
     assert fake.calls_to("POST", "/token")
     (advice,) = fake.calls_to("POST", "/advice/capacity")
@@ -116,3 +119,44 @@ def test_a_bad_experiment_file_is_bad_input(tmp_path: Path) -> None:
     bad.write_text(EXAMPLE.read_text().replace("steps = 20000", "steps = -1"))
     out = preflight(dict(os.environ), bad)
     assert out.returncode == 2 and "bad.toml: trainer.steps" in out.stderr
+
+
+def test_the_deployers_permissions_come_from_the_stack_and_a_budget_needs_the_billing_accounts(
+        gcp, tmp_path: Path) -> None:
+    """A budget needs billing.budgets.create on the billing account, which no project role grants:
+    the project's Owner alone fails, naming what is missing and where; a role on the account passes.
+    What is tested on the project is what the synthesized stack's resource types need."""
+    from drill.iam import DEPLOYER
+    from stacks import permissions
+    from stacks.load import load_file
+    from stacks.preflight import synthesize
+
+    fake, env = gcp
+    account = "012345-6789AB-CDEF01"
+    exp = tmp_path / "budgeted.toml"
+    exp.write_text(EXAMPLE.read_text() + f'\n[budget]\nbilling_account = "{account}"\namount_usd = 100\n')
+    out = preflight(env, exp)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert (f"  FAIL permissions: missing on billing account {account}: billing.budgets.create (google_billing_budget), "
+            "billing.budgets.delete (google_billing_budget), billing.budgets.get (google_billing_budget), "
+            "billing.budgets.update (google_billing_budget); a role that grants them: roles/billing.costsManager"
+            ) in out.stdout.splitlines()
+    tested = [c.body["permissions"] for c in fake.calls_to("POST", ":testIamPermissions") if "projects/" in c.path]
+    ef = load_file(exp)
+    want = permissions.needed(synthesize(ef.name, ef.spec)).permissions(permissions.PROJECT)
+    assert sorted(p for batch in tested for p in batch) == want
+    assert {"logging.logMetrics.create", "monitoring.alertPolicies.create", "monitoring.dashboards.create",
+            "serviceusage.services.use"} <= set(want)
+
+    fake.policy.grant(DEPLOYER, "roles/billing.costsManager", f"billingAccounts/{account}")
+    out = preflight(env, exp)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"  ok   permissions: all 4 the stack needs on billing account {account}" in out.stdout.splitlines()
+
+
+def test_every_resource_type_the_stacks_use_has_its_permissions() -> None:
+    from stacks import apis, permissions
+
+    assert set(apis.SERVICE_OF) <= set(permissions.NEEDS)
+    with pytest.raises(permissions.UnknownResourceType, match="google_new_thing: no permissions known"):
+        permissions.needed({"resource": {"google_new_thing": {"x": {}}}})

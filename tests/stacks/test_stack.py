@@ -222,7 +222,8 @@ def test_checkpoint_bucket_is_private_and_soft_deletes_without_versions(example)
     assert b["uniform_bucket_level_access"] is True
     assert b["public_access_prevention"] == "enforced"
     assert b["versioning"] == {"enabled": False}
-    assert "lifecycle_rule" not in b
+    assert b["lifecycle_rule"] == [{"action": {"type": "Delete"}, "condition": {
+        "age": 1, "matches_prefix": ["runs/example/.tmp-parts/"]}}]  # only a cut-off upload's parts
     assert b["force_destroy"] is False
     assert b["soft_delete_policy"] == {"retention_duration_seconds": 7 * 86400}
     assert b["labels"] == {"team": "ml", "purpose": "example", "spottrain-experiment": "example"}
@@ -242,8 +243,50 @@ def test_versioning_on_request_prunes_noncurrent_versions():
     assert all(r["action"] == {"type": "Delete"} for r in b["lifecycle_rule"])
     assert {"with_state": "ARCHIVED", "num_newer_versions": 2} in conditions
     assert {"with_state": "ARCHIVED", "days_since_noncurrent_time": 3} in conditions
-    # No rule ever touches live (current) checkpoints.
-    assert all(c["with_state"] == "ARCHIVED" for c in conditions)
+    # No rule ever touches live (current) checkpoints: only a cut-off upload's parts.
+    assert all(c.get("with_state") == "ARCHIVED" or c.get("matches_prefix") == ["runs/versioned/.tmp-parts/"]
+               for c in conditions)
+
+
+def _lifecycle_deletes(rule: dict, name: str, age_days: float) -> bool:
+    """Cloud Storage's reading of one Delete rule on a live object (cloud.google.com/storage/docs/
+    lifecycle#conditions): every condition holds; `age` in days since creation, `matches_prefix`
+    any of the prefixes; a `with_state` of ARCHIVED never matches a live object."""
+    c = rule["condition"]
+    return (rule["action"]["type"] == "Delete" and c.get("with_state", "ANY") in ("ANY", "LIVE")
+            and age_days >= c.get("age", 0)
+            and any(name.startswith(p) for p in c.get("matches_prefix", [""]))
+            and "num_newer_versions" not in c and "days_since_noncurrent_time" not in c)
+
+
+@pytest.mark.parametrize("versioning", [False, True])
+def test_a_cut_off_uploads_parts_are_deleted_a_day_on_and_nothing_else_live_ever(versioning, tmp_path):
+    """An aborted composite upload leaves parts that only a later restore deletes: a run that never
+    restarts would be billed for them forever. The names are the trainer's own store's."""
+    from cdktn import Testing
+
+    from stacks import bucket
+    from stacks.stack import TrainingStack
+    from trainer.checkpoint.gcs_streams import PARTS_DIR
+    from trainer.checkpoint.stores import GcsStore
+
+    assert bucket.PARTS_DIR == PARTS_DIR
+    exp = variant({"bucket": {"versioning": versioning}}, "parts")
+    synth = json.loads(Testing.synth(TrainingStack(Testing.app(), "parts", exp)))
+    (b,) = synth["resource"]["google_storage_bucket"].values()
+    class NoNetwork:  # the store only names objects here
+        def bucket(self, name: str) -> object:
+            return object()
+
+    store = GcsStore(f"gs://{b['name']}/runs/parts", client=NoNetwork())
+    part = store._object(f"{PARTS_DIR}/step-00000120/model.pt.abc/03")
+    live = [store._object("step-00000120/model.pt"), store._object("ledger.jsonl"), "runs/parts-big/x"]
+
+    def deleted(name: str, age: float) -> bool:
+        return any(_lifecycle_deletes(r, name, age) for r in b.get("lifecycle_rule", []))
+
+    assert deleted(part, 1.0) and not deleted(part, 0.5)
+    assert not any(deleted(name, 365.0) for name in live)
 
 
 def test_force_destroy_only_when_the_experiment_opts_in(synthesized):

@@ -6,6 +6,7 @@ notification text; the dashboard reads only metrics that exist; the billing budg
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -85,7 +86,7 @@ def _write(fake: FakeObservability, entries: list[dict[str, Any]]) -> None:
 EXPECTED = {
     "steps": ["event=step"], "steps_per_s": ["event=step"], "loss": ["event=step"], "step": ["event=step"],
     "eval_loss": ["event=eval"], "restores": ["event=restore step=120"],
-    "preemptions": ["reason=preemption"], "boots": ["after=stop", "after=preemption"],
+    "preemptions": ["reason=preemption"], "stops": ["reason=stop"], "boots": ["after=stop", "after=preemption"],
     "stalls": ["event=stalled"], "failures": ["event=boot_failed", "event=failed"],
     "finished": ["event=finished step=300"], "tier_failing": ["event=tier_failing"], "capacity_waits": [],
     "set_aside": ["event=checkpoints_set_aside"],
@@ -113,6 +114,31 @@ def test_each_log_based_metric_counts_exactly_its_entries() -> None:
     assert set(EXPECTED) == set(run_metrics.by_name(PROJECT, "example"))
 
 
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "3", "--bogus"]], ids=["config", "usage"])
+def test_a_command_line_the_trainer_refuses_counts_as_a_failure(argv, tmp_path, capsys) -> None:
+    """A VM whose trainer refuses its command line stops itself (exit 2): the line it logs must be
+    the structured failure that the `failures` metric, and so the "run stopped" alert, counts."""
+    from trainer.cli import main
+
+    try:
+        code = main(["run", "--run-dir", str(tmp_path), *argv])
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    assert code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    cfg = {"project": PROJECT, "experiment": "example", "run": "runs/example"}
+    unit = {"_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "9" * 32}
+    entries = [entry({"__CURSOR": f"s=w;i={i}", "__REALTIME_TIMESTAMP": str(int(time.time() * 1e6)),
+                      "_BOOT_ID": "b" * 32, "_HOSTNAME": "example-x1y2", "MESSAGE": line, "PRIORITY": "3", **unit},
+                     cfg, RESOURCE) for i, line in enumerate(lines)]
+    with FakeObservability(PROJECT) as fake:
+        _write(fake, entries)
+        got = fake.matching(run_metrics.by_name(PROJECT, "example")["failures"].filter)
+    assert len(got) == 1, lines
+    assert got[0]["jsonPayload"]["fields"]["reason"] == "bad_input"
+    assert "command line:" in got[0]["jsonPayload"]["message"]
+
+
 def test_the_capacity_metric_counts_compute_engines_stockout_audit_entries() -> None:
     audit = {"logName": f"projects/{PROJECT}/logs/cloudaudit.googleapis.com%2Factivity", "resource": RESOURCE,
              "severity": "ERROR", "protoPayload": {
@@ -124,9 +150,21 @@ def test_the_capacity_metric_counts_compute_engines_stockout_audit_entries() -> 
     other["protoPayload"]["resourceName"] = f"projects/{PROJECT}/zones/us-central1-a/instances/other-abcd"
     quota = json.loads(json.dumps(audit))
     quota["protoPayload"]["status"]["message"] = "Quota 'PREEMPTIBLE_NVIDIA_L4_GPUS' exceeded."
+
+    def on(name: str) -> dict[str, Any]:
+        e = json.loads(json.dumps(audit))
+        e["protoPayload"]["resourceName"] = f"projects/{PROJECT}/zones/us-central1-a/instances/{name}"
+        return e
+
+    # The experiment's own VMs: its fallback group's and its pool's coordinator too.
+    own = [audit, on("example-od-x1y2"), on("example-coordinator")]
+    # Another experiment whose name starts with this one's ("example-big"): none of its VMs count.
+    others = [on("example-big-abcd"), on("example-big-od-abcd"), on("example-big-coordinator")]
     with FakeObservability(PROJECT) as fake:
-        _write(fake, [audit, other, quota])
-        assert len(fake.matching(run_metrics.by_name(PROJECT, "example")["capacity_waits"].filter)) == 1
+        _write(fake, [*own, *others, other, quota])
+        got = fake.matching(run_metrics.by_name(PROJECT, "example")["capacity_waits"].filter)
+        assert sorted(e["protoPayload"]["resourceName"] for e in got) == sorted(
+            e["protoPayload"]["resourceName"] for e in own)
 
 
 def test_the_refused_marker_metric_counts_the_control_jobs_refusals_as_cloud_run_logs_them() -> None:
@@ -174,6 +212,22 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
         (condition,) = p["conditions"]
         # The condition names its metric resource (so it waits for it), on the resource type of
         # the entries it counts: the VMs', or the control job's for a refused stop marker.
+    assert len(policies) == len(alert_rules.rules(s.spec)) == 6
+    filters = {m.name: m.filter for m in run_metrics.metrics("my-project-123456", "example")}
+    rules = {f"spottrain example: {r.title}": r for r in alert_rules.rules(s.spec)}
+    for p in policies:
+        (condition,) = p["conditions"]
+        r = rules[p["display_name"]]
+        if r.key in ("stall", "stopped", "finished"):
+            # One entry fires it: a log-match on the metric's own Logging filter, which needs no
+            # metric descriptor (a threshold on a log-based metric created in the same apply gets
+            # 404 "Cannot find metric(s)" for up to 10 minutes), rate-limited as the API requires.
+            assert "condition_threshold" not in condition
+            assert condition["condition_matched_log"] == {"filter": filters[r.metric]}
+            assert p["alert_strategy"]["notification_rate_limit"] == {"period": f"{r.period_s}s"}
+            assert "google_logging_metric" not in json.dumps(p)
+            continue
+        # A count: the condition names its metric resource, on the VMs' resource type.
         assert "${google_logging_metric." in condition["condition_threshold"]["filter"]
         kind = "cloud_run_job" if p["display_name"].endswith("stop marker refused") else "gce_instance"
         assert f'resource.type="{kind}"' in condition["condition_threshold"]["filter"]
@@ -192,6 +246,21 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     assert refused["severity"] == "CRITICAL" and "metric-markers_refused_" in refused["conditions"][0]["condition_threshold"]["filter"]
     assert alert_rules.note(s.spec) == ("alerts: 8 alert policies notify nobody (no email, webhook_url or "
                                         "pubsub_topic in [alerts]); their incidents show in Cloud Monitoring only")
+
+
+def test_the_repair_loop_alert_counts_what_a_group_without_boot_notes_still_says(synthesized) -> None:
+    """A group without a stateful checkpoint disk (zone_change_on_repair, flex-start) boots every VM
+    on a blank disk, after=first: the boots cannot tell a repair, so the alert counts the shutdown
+    script's reason=stop instead; a group that keeps its notes counts boots no preemption explains."""
+    def condition(name: str) -> dict[str, Any]:
+        (p,) = [p for p in synthesized[name].resources("google_monitoring_alert_policy")
+                if p["display_name"].endswith("repair loop")]
+        return p["conditions"][0]["condition_threshold"]
+
+    assert not alert_rules.keeps_boot_notes(synthesized["zone-change"].spec)
+    assert "metric-stops_" in condition("zone-change")["filter"] and "after" not in condition("zone-change")["filter"]
+    assert "metric-boots_" in condition("example")["filter"]
+    assert 'metric.labels.after=one_of("stop", "unknown")' in condition("example")["filter"]
 
 
 def test_channels_notify_every_policy_and_the_topic_grants_monitoring_its_publisher_role(synthesized) -> None:
@@ -234,9 +303,9 @@ def test_the_dashboard_reads_only_metrics_the_stack_declares_or_the_trainer_writ
         tiles = body["mosaicLayout"]["tiles"]
         cells = set()
         for t in tiles:
-            assert t["xPos"] + t["width"] <= body["mosaicLayout"]["columns"], t
-            area = {(x, y) for x in range(t["xPos"], t["xPos"] + t["width"])
-                    for y in range(t["yPos"], t["yPos"] + t["height"])}
+            x0, y0 = t.get("xPos", 0), t.get("yPos", 0)  # a position of 0 is omitted (the API drops it)
+            assert x0 + t["width"] <= body["mosaicLayout"]["columns"], t
+            area = {(x, y) for x in range(x0, x0 + t["width"]) for y in range(y0, y0 + t["height"])}
             assert not area & cells, f"tiles overlap at {t['widget']['title']}"
             cells |= area
         assert body["displayName"] == f"spottrain {name}"
@@ -246,13 +315,18 @@ def test_the_budget_counts_the_experiments_label_and_alerts_its_channels(synthes
     s = synthesized["watch"]
     b = s.one("google_billing_budget")
     assert b["billing_account"] == "012345-6789AB-CDEF01" and b["display_name"] == "spottrain watch"
-    assert b["amount"]["specified_amount"] == {"currency_code": "USD", "units": "500"}
+    # No currency unless the experiment states one: the API refuses any but the billing account's.
+    assert b["amount"]["specified_amount"] == {"units": "500"}
     f = b["budget_filter"]
     assert f["labels"] == {"spottrain-experiment": "watch"} and f["calendar_period"] == "QUARTER"
     assert f["projects"][0].startswith("projects/${data.google_project.")
     assert [(r["threshold_percent"], r["spend_basis"]) for r in b["threshold_rules"]] == [
         (0.25, "CURRENT_SPEND"), (0.5, "CURRENT_SPEND"), (1, "CURRENT_SPEND"), (1, "FORECASTED_SPEND")]
-    assert len(b["all_updates_rule"]["monitoring_notification_channels"]) == 4
+    # The Budget API takes email channels only: the webhook and the Pub/Sub topic hear the alerts alone.
+    channels = s.json["resource"]["google_monitoring_notification_channel"]
+    named = [re.fullmatch(r"\$\{google_monitoring_notification_channel\.([^.]+)\.name\}", c)
+             for c in b["all_updates_rule"]["monitoring_notification_channels"]]
+    assert all(named) and sorted(channels[m.group(1)]["type"] for m in named if m) == ["email", "email"]
     # Through a provider alias that bills the API's quota to the experiment's project.
     providers = s.json["provider"]["google"]
     billing = next(p for p in providers if p.get("alias") == "billing")
@@ -264,6 +338,18 @@ def test_the_budget_counts_the_experiments_label_and_alerts_its_channels(synthes
     assert synthesized["example"].resources("google_billing_budget") == []
 
 
+def test_a_stated_currency_reaches_the_budget() -> None:
+    from cdktn import Testing
+
+    from stacks.stack import TrainingStack
+
+    exp = variant({"budget": {"billing_account": "012345-6789AB-CDEF01", "amount_usd": 300,
+                              "currency_code": "EUR"}}, "eur")
+    synth = json.loads(Testing.synth(TrainingStack(Testing.app(), "eur", exp)))
+    (b,) = synth["resource"]["google_billing_budget"].values()
+    assert b["amount"]["specified_amount"] == {"currency_code": "EUR", "units": "300"}
+
+
 @pytest.mark.parametrize(("section", "values", "field"), [
     ("budget", {"billing_account": "12345-6789AB-CDEF01", "amount_usd": 100}, "budget.billing_account"),
     ("budget", {"billing_account": "012345-6789ab-cdef01", "amount_usd": 100}, "budget.billing_account"),
@@ -271,6 +357,8 @@ def test_the_budget_counts_the_experiments_label_and_alerts_its_channels(synthes
     ("budget", {"billing_account": "012345-6789AB-CDEF01", "amount_usd": 9, "thresholds": [0.9, 0.5]},
      "budget.thresholds"),
     ("budget", {"amount_usd": 9}, "budget.billing_account"),
+    ("budget", {"billing_account": "012345-6789AB-CDEF01", "amount_usd": 9, "currency_code": "usd"},
+     "budget.currency_code"),
     ("alerts", {"email": ["not an address"]}, "alerts.email"),
     ("alerts", {"webhook_url": "http://hooks.example.com/x"}, "alerts.webhook_url"),
     ("alerts", {"webhook_url": "https://hooks.example.com/x'; rm -rf /"}, "alerts.webhook_url"),

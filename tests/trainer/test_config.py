@@ -66,7 +66,11 @@ def test_fingerprint_excludes_checkpoint_cadence(tmp_path: Path) -> None:
 
 def test_cli_exit_2_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--run-dir", str(tmp_path), "--steps", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "command line: steps: Input should be greater than 0"
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "command line: steps: Input should be greater than 0"
+    # ... and the structured failure a VM's "run stopped" alert counts (tests/stacks/test_watch.py).
+    assert err[1].endswith(" ERROR trainer event=failed reason=bad_input command line: steps: Input should be "
+                           "greater than 0") and len(err) == 2
     with pytest.raises(SystemExit) as e:
         main(["run", "--steps", "x"])
     assert e.value.code == 2
@@ -78,7 +82,9 @@ def test_bad_config_subprocess_has_no_traceback(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "trainer", "run", "--run-dir", str(tmp_path / "r"), "--steps", "3",
                           "--config", str(f)], capture_output=True, text=True, env=trainer_env(), cwd=REPO, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.strip() == f"{f}: batch_size: Input should be a valid integer, unable to parse string as an integer"
+    why = f"{f}: batch_size: Input should be a valid integer, unable to parse string as an integer"
+    assert out.stderr.splitlines()[0] == why
+    assert out.stderr.splitlines()[1].endswith(f" ERROR trainer event=failed reason=bad_input {why}")
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "r").exists()  # nothing was touched
 

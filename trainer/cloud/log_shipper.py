@@ -60,7 +60,9 @@ batch the API refuses as invalid (400) is written with partialSuccess, reported 
 passed over: it would be refused forever.
 
 The stall watchdog: while the trainer unit is active, the time since its last signed `event=step`
-line accumulates; past `stall_s` the shipper writes its own entry `event=stalled` (again every `stall_s`
+or `event=heartbeat` line (`PROGRESS_EVENTS`: the other nodes of a pool and a coordinator that does
+not train log heartbeats, since only global rank 0 logs step lines) accumulates; past `stall_s` the
+shipper writes its own entry `event=stalled` (again every `stall_s`
 while it lasts). A trainer that hangs writes nothing, so nothing else could say it; the stack's
 stall alert counts these entries ("no training progress for N minutes while a VM is up").
 
@@ -123,8 +125,11 @@ _INT = re.compile(r"^-?\d{1,18}$")
 _FLOAT = re.compile(r"^-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?$")
 _STEP = re.compile(r"^(\d{1,18})(?:/(\d{1,18}))?$")
 
-#: What the watchdog counts as training progress (`trainer.progress.Progress.update`).
-PROGRESS_EVENT = "step"
+#: What the watchdog counts as training progress: rank 0's step lines, and the heartbeat of every
+#: other node of a pool and of a coordinator that only hosts the rendezvous store
+#: (`trainer.observe.progress.Heartbeat`, `trainer.rendezvous.serve`), whose own lines would
+#: otherwise never reset their node's stall clock.
+PROGRESS_EVENTS = ("step", "heartbeat")
 STALL_EVENT = "stalled"
 #: journald PRIORITY -> LogEntry severity.
 PRIORITY = {"0": "EMERGENCY", "1": "ALERT", "2": "CRITICAL", "3": "ERROR", "4": "WARNING",
@@ -587,7 +592,7 @@ class Shipper:
         self._node, self._boot = p.get("node") or self._node, p.get("boot") or self._boot
         if p.get("source") == "trainer":
             self._session = p.get("session", self._session)
-            if p.get("event") == PROGRESS_EVENT:
+            if p.get("event") in PROGRESS_EVENTS:
                 self._active_s, self._reported_at = 0.0, 0.0
                 self._last_step = p.get("step", self._last_step)
 

@@ -42,7 +42,7 @@ from trainer.observe.events import (CapacityWait, CheckpointDurable, DataWorkers
                                     TierFailing, TierOk, CheckpointsSetAside)
 from trainer.observe.health import Health, HealthServer
 from trainer.observe.ledger import new_session_id, session_start_fields
-from trainer.observe.progress import StepWindow
+from trainer.observe.progress import Heartbeat, StepWindow
 
 
 class BadWorld(Exception):
@@ -77,6 +77,7 @@ class Session:
         self.start = self.done = 0  # the step this session restored, and how far it got
         self.restored = False  # it continues from a checkpoint (not step 0 or init_from's weights)
         self._window: StepWindow | None = None
+        self._heartbeat: Heartbeat | None = None
         self._progress_at = time.monotonic()
         #: (cost so far, max_usd) once rank 0 saw the spend cap reached (``spend_cap``)
         self.capped: tuple[float, float] | None = None
@@ -308,6 +309,10 @@ class Session:
         if self.world.is_main:
             window = self._window.add(step, loss, lr, metrics) if self._window is not None else None
             self.bus.emit(Step(step, self.cfg.steps, loss, lr, metrics, window))
+        elif self.world.is_node_leader:  # another node of a pool: its own shipper's stall clock
+            if self._heartbeat is None:
+                self._heartbeat = Heartbeat(self.log)
+            self._heartbeat.beat(step)
 
     def _workers_died(self, died: WorkersDied) -> None:
         """This rank's data workers died inside step ``done + 1`` (restarted at the position, or

@@ -81,6 +81,29 @@ def setup_logging(rank: int = 0, stream: TextIO | None = None) -> logging.Logger
     return logging.getLogger("trainer")
 
 
+#: How often a node that trains but does not log the step lines says so (`Heartbeat`), and how often
+#: a coordinator that only hosts the rendezvous store says it is up: well under the shortest stall
+#: alert (`[alerts] stall_minutes` >= 5), at a few hundred short lines a day.
+HEARTBEAT_S = 60.0
+
+
+class Heartbeat:
+    """``event=heartbeat step=N``, at most once every ``every_s``: what a node of a pool that trains
+    without rank 0 (whose step lines speak for the job) logs, so that its own log shipper's stall
+    clock sees the training go on (trainer/cloud/log_shipper.py counts step and heartbeat lines)."""
+
+    def __init__(self, log: logging.Logger, every_s: float = HEARTBEAT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log, self.every_s, self.clock = log, every_s, clock
+        self._due = clock()  # the first step says so at once
+
+    def beat(self, step: int) -> None:
+        now = self.clock()
+        if now >= self._due:
+            self._due = now + self.every_s
+            self.log.info("event=heartbeat step=%d (this node trains; rank 0 logs the step lines)", step)
+
+
 class StepWindow:
     """The figures of each logging interval: ``add`` after every step returns them at every
     ``every``-th step and at the last one (None otherwise). ``step`` counts optimizer steps

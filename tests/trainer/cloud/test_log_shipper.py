@@ -328,3 +328,41 @@ def test_logs_reads_a_trainers_own_log_into_its_sessions(trainer_lines, tmp_path
     first, second = vm["sessions"]
     assert first["ended"].startswith("preempted: emergency save of step ") and first["first_step"] == 0
     assert second["ended"] == "finished at step 40" and second["first_step"] == first["last_step"]
+
+
+def _stall_clock_entries(lines: list[str]) -> list[dict[str, Any]]:
+    from trainer.cloud.log_shipper import local_entry
+
+    return [local_entry(line, {"experiment": "pool", "run": "runs/pool"}) for line in lines]
+
+
+@pytest.mark.parametrize(("lines", "stalls"), [
+    # Another node of a healthy pool: rank 0 logs the step lines elsewhere; this node's leader says
+    # it trains (trainer.observe.progress.Heartbeat) once a minute.
+    (["2026-01-02T03:04:05.000 INFO trainer event=heartbeat step=40 (this node trains; rank 0 logs the step lines)"],
+     False),
+    # A coordinator that only hosts the rendezvous store (trainer.rendezvous.serve).
+    (["2026-01-02T03:04:05.000 INFO trainer event=heartbeat role=rendezvous (the coordinator hosts the rendezvous "
+      "store; it does not train)"], False),
+    # A hung trainer still writes other lines, none of them progress: a stall.
+    (["2026-01-02T03:04:05.000 INFO trainer event=checkpoint_save step=40 blocked_s=0.1"], True),
+])
+def test_the_stall_clock_resets_on_every_nodes_heartbeat_not_only_on_rank_0s_step_lines(lines, stalls) -> None:
+    """In a pool only global rank 0 logs step lines; each node's shipper resets its stall clock
+    on its own node's lines alone, so every other node (and a coordinator that does not train)
+    would report a stall every stall_s while the pool trains well."""
+    from trainer.cloud.log_shipper import Shipper
+
+    s = Shipper({"project": "p", "experiment": "pool", "run": "runs/pool", "stall_s": 300})
+    s._trainer_active = lambda: True  # type: ignore[method-assign]  # the unit runs the whole time
+    s._resource = lambda: {"type": "global", "labels": {"project_id": "p"}}  # type: ignore[method-assign]
+    s._last_poll, now, seen = 0.0, 0.0, []
+    while now < 1800:  # half an hour of a line a minute, the watchdog polled every 10 s
+        if now % 60 == 0:
+            for e in _stall_clock_entries(lines):
+                s._saw(e)
+        stalled = s.watchdog(now)
+        if stalled is not None:
+            seen.append(stalled)
+        now += 10.0
+    assert bool(seen) is stalls, [e["jsonPayload"]["message"] for e in seen]
