@@ -115,11 +115,16 @@ def test_each_log_based_metric_counts_exactly_its_entries() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "3", "--bogus"]], ids=["config", "usage"])
-def test_a_command_line_the_trainer_refuses_counts_as_a_failure(argv, tmp_path, capsys) -> None:
+def test_a_command_line_the_trainer_refuses_counts_as_a_failure(argv, tmp_path, capsys, monkeypatch) -> None:
     """A VM whose trainer refuses its command line stops itself (exit 2): the line it logs must be
-    the structured failure that the `failures` metric, and so the "run stopped" alert, counts."""
+    the structured failure that the `failures` metric, and so the "run stopped" alert, counts (a
+    line the trainer signs with the VM's log key, as on a VM)."""
     from trainer.cli import main
+    from trainer.cloud.log_shipper import KEY_ENV
 
+    key_file = tmp_path / "log.key"
+    key_file.write_text(KEY.decode() + "\n")  # the key is the file's text (trainer.cloud.log_shipper.load_key)
+    monkeypatch.setenv(KEY_ENV, str(key_file))
     try:
         code = main(["run", "--run-dir", str(tmp_path), *argv])
     except SystemExit as e:  # argparse's own refusal
@@ -130,7 +135,7 @@ def test_a_command_line_the_trainer_refuses_counts_as_a_failure(argv, tmp_path, 
     unit = {"_SYSTEMD_UNIT": "spottrain.service", "_SYSTEMD_INVOCATION_ID": "9" * 32}
     entries = [entry({"__CURSOR": f"s=w;i={i}", "__REALTIME_TIMESTAMP": str(int(time.time() * 1e6)),
                       "_BOOT_ID": "b" * 32, "_HOSTNAME": "example-x1y2", "MESSAGE": line, "PRIORITY": "3", **unit},
-                     cfg, RESOURCE) for i, line in enumerate(lines)]
+                     cfg, RESOURCE, KEY) for i, line in enumerate(lines)]
     with FakeObservability(PROJECT) as fake:
         _write(fake, entries)
         got = fake.matching(run_metrics.by_name(PROJECT, "example")["failures"].filter)
@@ -208,17 +213,13 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     assert boots["label_extractors"] == {"after": "EXTRACT(jsonPayload.fields.after)"}
     policies = s.resources("google_monitoring_alert_policy")
     assert len(policies) == len(alert_rules.rules(s.spec)) == 8
-    for p in policies:
-        (condition,) = p["conditions"]
-        # The condition names its metric resource (so it waits for it), on the resource type of
-        # the entries it counts: the VMs', or the control job's for a refused stop marker.
-    assert len(policies) == len(alert_rules.rules(s.spec)) == 6
     filters = {m.name: m.filter for m in run_metrics.metrics("my-project-123456", "example")}
     rules = {f"spottrain example: {r.title}": r for r in alert_rules.rules(s.spec)}
     for p in policies:
         (condition,) = p["conditions"]
         r = rules[p["display_name"]]
-        if r.key in ("stall", "stopped", "finished"):
+        assert r.matched_log == (r.key in ("stall", "stopped", "set-aside", "marker-refused", "finished"))
+        if r.matched_log:
             # One entry fires it: a log-match on the metric's own Logging filter, which needs no
             # metric descriptor (a threshold on a log-based metric created in the same apply gets
             # 404 "Cannot find metric(s)" for up to 10 minutes), rate-limited as the API requires.
@@ -229,8 +230,7 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
             continue
         # A count: the condition names its metric resource, on the VMs' resource type.
         assert "${google_logging_metric." in condition["condition_threshold"]["filter"]
-        kind = "cloud_run_job" if p["display_name"].endswith("stop marker refused") else "gce_instance"
-        assert f'resource.type="{kind}"' in condition["condition_threshold"]["filter"]
+        assert 'resource.type="gce_instance"' in condition["condition_threshold"]["filter"]
         doc = p["documentation"]["content"]
         assert "make logs EXPERIMENT=example" in doc and "python -m trainer logs --project my-project-123456" in doc
         assert p["documentation"]["mime_type"] == "text/markdown" and "notification_channels" not in p
@@ -243,7 +243,9 @@ def test_metrics_alerts_and_their_words_in_the_stack(synthesized) -> None:
     assert capacity["conditions"][0]["condition_threshold"]["duration"] == "7200s"
     assert s.resources("google_monitoring_notification_channel") == []
     refused = next(p for p in policies if p["display_name"].endswith("stop marker refused"))
-    assert refused["severity"] == "CRITICAL" and "metric-markers_refused_" in refused["conditions"][0]["condition_threshold"]["filter"]
+    # The control job's refusals, in its Cloud Run log: the log-match is on that resource.
+    assert refused["severity"] == "CRITICAL"
+    assert 'resource.type="cloud_run_job"' in refused["conditions"][0]["condition_matched_log"]["filter"]
     assert alert_rules.note(s.spec) == ("alerts: 8 alert policies notify nobody (no email, webhook_url or "
                                         "pubsub_topic in [alerts]); their incidents show in Cloud Monitoring only")
 
