@@ -35,6 +35,7 @@ class _NeverDue:
     on_durable: Any = None  # the session sets these hooks on any checkpointer
     on_tier_health: Any = None
     steps_seen: set[int] | None = None  # no survey: nothing for the rollback guard to compare
+    set_aside: Any = None  # nothing planted to set aside
 
     def __init__(self, tiers: Any) -> None:
         self.tiers = tiers

@@ -261,7 +261,7 @@ def test_checkpoints_planted_at_a_first_boot_never_stop_the_run(tmp_path: Path, 
     assert "Traceback" not in p.output
     line = p.seen(r"event=checkpoints_set_aside saved_before=0 steps=10,30 \(started from scratch beside "
                   r"checkpoints nobody can vouch for as this run's: .*").group(0)
-    assert re.search(r"gcs step 10 at gs://\S+: another run's: signed for the run at '\S+-moved-from'", line)
+    assert re.search(r"gcs step 10 at gs://\S+: another run's: signed for the run at " + r'"\S+-moved-from"', line)
     assert re.search(r"gcs step 30 at gs://\S+: unauthenticated: its manifest carries no HMAC", line)
     p.seen(r"event=restore step=0 \(no checkpoint: starting fresh\)")
     p.seen(r"gcs holds a checkpoint at step 10 that is never overwritten")
