@@ -11,7 +11,7 @@ run it. Then it replaces itself with `npx cdktn VERB STACK`, synthesizing that e
 
 `destroy` leaves the checkpoint bucket and its key in the project (unless `bucket.force_destroy`;
 docs/deploy.md). Deploying the same experiment again then finds them there: `--adopt-kept` (with
-deploy or diff) has the stack import them into the state instead of creating them (`ADOPT_ENV`).
+deploy or diff) has the stack import them into the state instead of creating them (`stacks.stack.ADOPT_ENV`).
 
 **Stop markers, before deploy and diff** (`check_stop_markers`). The stack sets the group's size
 to 0 (and a pool's coordinator TERMINATED) whenever one of its stop marker objects exists
@@ -44,8 +44,6 @@ from stacks.load import load_file, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 VERBS = ("deploy", "diff", "destroy", "output")
-#: Set for the synthesis: import the kept bucket and key (Terraform `import` blocks, >= 1.5).
-ADOPT_ENV = "SPOTTRAIN_ADOPT_KEPT"
 MIN_NODE = (22, 19)
 #: The verbs whose plan takes the group's size from the stop markers (`check_stop_markers`).
 MARKER_VERBS = ("deploy", "diff")
@@ -105,6 +103,8 @@ def command(verb: str, experiment: str, extra: list[str],
         shipped_wheels(spec.spec, code, spec.name)
     except InputError as e:
         raise DeployError("\n".join(e.lines)) from None
+    from stacks.stack import ADOPT_ENV  # the stack reads it; importing it here loads the stack only now
+
     search = tool_path()
     node_path, version = node(search)
     tf, tf_env = terraform(search)

@@ -19,7 +19,6 @@ from stacks import gcp_rules as R
 from stacks.boot import BootProps, BootScripts, boot_props, group_name, render
 from stacks.bucket import CheckpointBucket, CheckpointBucketProps
 from stacks.checkpoint_key import CheckpointKeyProps, CheckpointKeySecret
-from stacks.deploy import ADOPT_ENV
 from stacks.delivery import Archive, CodeDelivery, DeliveryProps, trainer_archive, user_archive, wheels_archive
 from stacks.experiment import Experiment, code_path
 from stacks.control import BACKSTOP_MINUTES, ControlJob, ControlProps, control_settings, needs_control
@@ -48,6 +47,10 @@ from stacks.wheels import shipped_wheels
 from stacks.scale_to_zero import ScaleToZero, ScaleToZeroProps
 from stacks.vm_spec import vm_spec
 from trainer.cloud import scale as vm_scale
+
+#: Set by `make deploy|diff --adopt-kept` for the synthesis (stacks.deploy): import the kept bucket and
+#: key into the state (Terraform `import` blocks, >= 1.5) instead of creating them.
+ADOPT_ENV = "SPOTTRAIN_ADOPT_KEPT"
 
 
 def boot_scripts(name: str, exp: Experiment) -> tuple[list[Archive], BootProps, BootScripts]:

@@ -121,7 +121,7 @@ def test_deploying_again_after_a_destroy_adopts_the_kept_bucket_and_key(monkeypa
     resources a destroy left, instead of a create that fails on an existing name."""
     from stack_support import variant
 
-    from stacks.deploy import ADOPT_ENV
+    from stacks.stack import ADOPT_ENV
 
     assert "import" not in example.json
     monkeypatch.setenv(ADOPT_ENV, "1")
