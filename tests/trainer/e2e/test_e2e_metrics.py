@@ -30,7 +30,10 @@ def test_curves_continue_across_crash_preemption_and_lost_disk(tmp_path: Path, g
     flag.touch()
     p = start(run_dir, STEPS, config, *gcs, env=dict(env, GATE_FLAG=str(flag), GATE_AFTER=str(27 * 4)))
     p.wait_for(r"event=step step=27/")
-    p.seen_or_wait(r"checkpoint step 20 durable on persistent")  # the save is asynchronous
+    # A checkpoint on the disk before the crash. Step 10's, the first: the one at 20 may be deferred
+    # past the parked step 27 while step 10's disk write still runs (steps take milliseconds here,
+    # a loaded disk's fsyncs longer), and then never comes. The restore below takes the newest.
+    p.seen_or_wait(r"checkpoint step 10 durable on persistent")  # the save is asynchronous
     p.signal(signal.SIGKILL)  # a crash: the steps after the newest checkpoint are lost
     p.wait()
     flag.unlink()
