@@ -283,13 +283,13 @@ _POLICIES: dict[tuple[str, str], Any] = {}
 
 
 def stack_json(r: Rendered) -> dict[str, Any]:
-    """The experiment's stack as `cdktn synth` writes it for the drill's spec (`drill.iam.synthesize`),
+    """The experiment's stack as `cdktn synth` writes it for the drill's spec (`stacks.stack.synthesized`),
     synthesized once per experiment; a fresh copy each call (callers may alter it)."""
-    from drill.iam import synthesize
+    from stacks.stack import synthesized
 
     key = (r.name, r.spec.model_dump_json())
     if key not in _STACKS:
-        _STACKS[key] = json.dumps(synthesize(r.name, r.spec))
+        _STACKS[key] = json.dumps(synthesized(r.name, r.spec))
     return json.loads(_STACKS[key])
 
 

@@ -434,23 +434,6 @@ def accounts(stack: dict[str, Any]) -> dict[str, str]:
             for key, r in stack.get("resource", {}).get("google_service_account", {}).items()}
 
 
-def synthesize(name: str, spec: Any) -> dict[str, Any]:
-    """The stack of experiment `spec` as `cdktn synth` writes it (`Testing.synth`), as JSON."""
-    import shutil
-
-    import stacks  # noqa: F401 - environment defaults before cdktn loads
-    from cdktn import Testing
-
-    from stacks.stack import TrainingStack
-
-    app = Testing.app()
-    try:
-        return json.loads(Testing.synth(TrainingStack(app, name, spec)))
-    finally:  # Testing.app() leaves a cdktf.outdir.* folder behind otherwise
-        if "cdktf.outdir." in str(app.outdir):
-            shutil.rmtree(app.outdir, ignore_errors=True)
-
-
 def missing(policy: Policy, member: str, checks: Iterable[tuple[str, Resource]]) -> list[str]:
     """The (permission on resource) lines of `checks` that `member` is not granted."""
     return [f"{p} on {r.name}" for p, r in checks if not policy.allows(member, p, r)]

@@ -112,23 +112,6 @@ def what_it_checks(exp: Experiment) -> list[str]:
     return lines
 
 
-def synthesize(name: str, exp: Experiment) -> dict:
-    """The experiment's stack as `cdktn synth` writes it, as JSON."""
-    import json
-    import shutil
-
-    from cdktn import Testing
-
-    from stacks.stack import TrainingStack
-
-    app = Testing.app()
-    try:
-        return json.loads(Testing.synth(TrainingStack(app, name, exp)))
-    finally:  # Testing.app() leaves a cdktf.outdir.* folder behind otherwise
-        if "cdktf.outdir." in str(app.outdir):
-            shutil.rmtree(app.outdir, ignore_errors=True)
-
-
 class Preflight:
     def __init__(self, exp: Experiment, client: Client, name: str = "") -> None:
         self.exp, self.c, self.name = exp, client, name
@@ -202,7 +185,9 @@ class Preflight:
 
         if not self.name:
             return
-        need = P.needed(synthesize(self.name, self.exp))
+        from stacks.stack import synthesized
+
+        need = P.needed(synthesized(self.name, self.exp))
         p = self.exp.gcp.project
         checks = [(P.PROJECT, f"project {p}", f"{self.crm}/projects/{p}:testIamPermissions")]
         if need.billing_account is not None:

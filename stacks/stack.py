@@ -384,3 +384,20 @@ class TrainingStack(TerraformStack):
         }
         for key, (value, description) in outputs.items():
             TerraformOutput(self, key, value=value, description=description)
+
+
+def synthesized(name: str, exp: Experiment) -> dict:
+    """The stack of experiment ``exp`` (named ``name``) as `cdktn synth` writes it, as JSON: what
+    the deployer's permissions (`stacks.preflight`) and the drill's stand-in IAM (`drill.iam`) are
+    read from."""
+    import json
+    import shutil
+
+    from cdktn import Testing
+
+    app = Testing.app()
+    try:
+        return json.loads(Testing.synth(TrainingStack(app, name, exp)))
+    finally:  # Testing.app() leaves a cdktf.outdir.* folder behind otherwise
+        if "cdktf.outdir." in str(app.outdir):
+            shutil.rmtree(app.outdir, ignore_errors=True)

@@ -168,11 +168,12 @@ def test_writes_need_the_vm_accounts_logging_and_monitoring_permissions() -> Non
     (roles/logging.logWriter, roles/monitoring.metricWriter); without them Google answers 403."""
     from pathlib import Path
 
-    from drill.iam import Policy, accounts, service_account, synthesize
+    from drill.iam import Policy, accounts, service_account
+    from stacks.stack import synthesized
     from stacks.load import load_file
 
     ef = load_file(Path(__file__).resolve().parents[2] / "experiments" / "example.toml")
-    stack = synthesize(ef.name, ef.spec)
+    stack = synthesized(ef.name, ef.spec)
     project = ef.spec.gcp.project
     granted = Policy.from_stack(stack)
     vms = [e for a, e in accounts(stack).items() if "control" not in a]

@@ -16,11 +16,11 @@ GROUP = "example-group"
 
 @pytest.fixture(scope="module")
 def stack() -> dict[str, Any]:
-    from drill.iam import synthesize
+    from stacks.stack import synthesized
     from stacks.load import load_file
 
     ef = load_file(Path(__file__).resolve().parents[2] / "experiments" / "example.toml")
-    return synthesize(ef.name, ef.spec)
+    return synthesized(ef.name, ef.spec)
 
 
 def applied(stack: dict[str, Any], tmp_path: Path, change: Any = None) -> FakeProject:
@@ -108,7 +108,7 @@ def budgeted() -> dict[str, Any]:
     """The example with a budget and every kind of alert channel (what the stack hands the budget)."""
     import tempfile
 
-    from drill.iam import synthesize
+    from stacks.stack import synthesized
     from stacks.load import load_file
 
     text = (Path(__file__).resolve().parents[2] / "experiments" / "example.toml").read_text()
@@ -119,7 +119,7 @@ def budgeted() -> dict[str, Any]:
         f = Path(d) / "example.toml"
         f.write_text(text)
         ef = load_file(f)
-        return synthesize(ef.name, ef.spec)
+        return synthesized(ef.name, ef.spec)
 
 
 def _apply_budget(stack: dict[str, Any], tmp_path: Path, accounts: dict[str, str]) -> None:

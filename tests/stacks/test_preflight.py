@@ -129,7 +129,7 @@ def test_the_deployers_permissions_come_from_the_stack_and_a_budget_needs_the_bi
     from drill.iam import DEPLOYER
     from stacks import permissions
     from stacks.load import load_file
-    from stacks.preflight import synthesize
+    from stacks.stack import synthesized
 
     fake, env = gcp
     account = "012345-6789AB-CDEF01"
@@ -143,7 +143,7 @@ def test_the_deployers_permissions_come_from_the_stack_and_a_budget_needs_the_bi
             ) in out.stdout.splitlines()
     tested = [c.body["permissions"] for c in fake.calls_to("POST", ":testIamPermissions") if "projects/" in c.path]
     ef = load_file(exp)
-    want = permissions.needed(synthesize(ef.name, ef.spec)).permissions(permissions.PROJECT)
+    want = permissions.needed(synthesized(ef.name, ef.spec)).permissions(permissions.PROJECT)
     assert sorted(p for batch in tested for p in batch) == want
     assert {"logging.logMetrics.create", "monitoring.alertPolicies.create", "monitoring.dashboards.create",
             "serviceusage.services.use"} <= set(want)

@@ -261,7 +261,7 @@ def stack_json() -> Callable[..., dict]:
     import tomllib
     from pathlib import Path
 
-    from drill.iam import synthesize
+    from stacks.stack import synthesized
     from stacks.load import parse
 
     repo = Path(__file__).resolve().parents[2]
@@ -277,7 +277,7 @@ def stack_json() -> Callable[..., dict]:
         key = json.dumps([name, overrides or {}, base], sort_keys=True)
         if key not in cache:
             data = merge(tomllib.loads((repo / base).read_text()), overrides or {})
-            cache[key] = synthesize(name, parse(data, name, f"{name}.toml"))
+            cache[key] = synthesized(name, parse(data, name, f"{name}.toml"))
         return cache[key]
 
     return synth
