@@ -63,6 +63,7 @@ import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
@@ -287,6 +288,22 @@ class FakeGcp:
     @property
     def token_uri(self) -> str:
         return f"{self.url}/token"
+
+    def key_file(self, path: Path, email: str) -> Path:
+        """Application-default credentials for ``email`` at ``path`` (GOOGLE_APPLICATION_CREDENTIALS):
+        a service-account key of a fresh RSA key whose ``token_uri`` is this fake's (google-auth pins
+        user credentials to Google's endpoint, but honours a key file's), the account known here, so
+        ADC signs a JWT and trades it at `token_grant` for the deployer's token."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+        self.service_accounts.add(email)
+        path.write_text(json.dumps({"type": "service_account", "project_id": self.project, "private_key_id": "k1",
+                                    "private_key": pem, "client_email": email, "client_id": "1",
+                                    "token_uri": self.token_uri}))
+        return path
 
     @property
     def token(self) -> str:

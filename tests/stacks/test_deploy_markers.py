@@ -40,15 +40,6 @@ SECRET = f"projects/{PROJECT}/secrets/example-checkpoint-key"
 GROUP = "example-group"
 
 
-def _private_key() -> str:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
-
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption()).decode()
-
-
 class World:
     """The example experiment after a deploy: its bucket, key, group (one VM) and an operator
     signed in with ADC; `deploy()` runs `stacks.deploy` as `make deploy` does."""
@@ -65,12 +56,7 @@ class World:
         gcp.add_group(GROUP, zone=ZONE, instances=(self.vm,), target_size=1)
         gcp.add_secret("example-checkpoint-key")
         gcp.add_secret_version(SECRET, KEY)
-        email = "deployer@my-project-123456.iam.gserviceaccount.com"
-        gcp.service_accounts.add(email)
-        adc = tmp / "adc.json"
-        adc.write_text(json.dumps({"type": "service_account", "project_id": PROJECT, "private_key_id": "k1",
-                                   "private_key": _private_key(), "client_email": email, "client_id": "1",
-                                   "token_uri": gcp.token_uri}))
+        adc = gcp.key_file(tmp / "adc.json", "deployer@my-project-123456.iam.gserviceaccount.com")
         self.world = {"state": {}, "cloud": {}, "objects": {}, "calls": []}
         self.env = {**os.environ, **terraform_on_path(tmp, self.world), "GOOGLE_APPLICATION_CREDENTIALS": str(adc),
                     "SPOTTRAIN_COMPUTE_API": gcp.compute_api, "SPOTTRAIN_SECRETMANAGER_API": gcp.secretmanager_api,

@@ -3,7 +3,6 @@ Google APIs (drill/fake_gcp.py), and what it says without credentials."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -29,28 +28,12 @@ def gcp(tmp_path: Path) -> Iterator[tuple[FakeGcp, dict[str, str]]]:
         fake.services.update({a: "ENABLED" for a in ("compute.googleapis.com", "iam.googleapis.com",
                                                       "storage.googleapis.com", "run.googleapis.com",
                                                       "cloudscheduler.googleapis.com")})
-        # A service-account key whose token_uri is the fake's (google-auth pins user credentials
-        # to Google's endpoint, but honours a key file's): ADC signs a JWT and trades it there.
-        email = "deployer@my-project-123456.iam.gserviceaccount.com"
-        fake.service_accounts.add(email)
-        adc = tmp_path / "adc.json"
-        adc.write_text(json.dumps({"type": "service_account", "project_id": "my-project-123456",
-                                   "private_key_id": "k1", "private_key": _private_key(), "client_email": email,
-                                   "client_id": "1", "token_uri": fake.token_uri}))
+        adc = fake.key_file(tmp_path / "adc.json", "deployer@my-project-123456.iam.gserviceaccount.com")
         env = {**os.environ, "GOOGLE_APPLICATION_CREDENTIALS": str(adc), "SPOTTRAIN_COMPUTE_API": fake.compute_api,
                "SPOTTRAIN_SERVICEUSAGE_API": fake.serviceusage_api, "SPOTTRAIN_CRM_API": fake.crm_api,
                "SPOTTRAIN_BILLING_API": fake.billing_api, "GCE_METADATA_HOST": f"127.0.0.1:{free_port()}",
                "NO_GCE_CHECK": "True", "HOME": str(tmp_path)}
         yield fake, env
-
-
-def _private_key() -> str:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
-
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption()).decode()
 
 
 def preflight(env: dict[str, str], target: Path = EXAMPLE) -> subprocess.CompletedProcess[str]:

@@ -151,7 +151,6 @@ def test_a_refusal_says_which_role_is_missing(logging_api, tmp_path) -> None:
 
 
 def test_application_default_credentials_or_a_clear_exit_3(logging_api, tmp_path) -> None:
-    from tests.stacks.test_preflight import _private_key
 
     j = Journal()
     two_vms(j)
@@ -161,12 +160,7 @@ def test_application_default_credentials_or_a_clear_exit_3(logging_api, tmp_path
                      "GCE_METADATA_HOST": f"127.0.0.1:{free_port()}", "NO_GCE_CHECK": "True", "HOME": str(tmp_path)})
     assert none.returncode == 3 and "application-default" in none.stderr and "Traceback" not in none.stderr
     with FakeGcp(PROJECT, token=TOKEN) as gcp:
-        email = "viewer@my-project-123456.iam.gserviceaccount.com"
-        gcp.service_accounts.add(email)
-        adc = tmp_path / "adc.json"
-        adc.write_text(json.dumps({"type": "service_account", "project_id": PROJECT, "private_key_id": "k1",
-                                   "private_key": _private_key(), "client_email": email, "client_id": "1",
-                                   "token_uri": gcp.token_uri}))
+        adc = gcp.key_file(tmp_path / "adc.json", "viewer@my-project-123456.iam.gserviceaccount.com")
         out = logs(logging_api, tmp_path, "--project", PROJECT, "--experiment", "example",
                    env={"GOOGLE_APPLICATION_CREDENTIALS": str(adc), "NO_GCE_CHECK": "True", "HOME": str(tmp_path),
                         "GCE_METADATA_HOST": f"127.0.0.1:{free_port()}"})
