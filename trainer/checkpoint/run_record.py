@@ -54,11 +54,11 @@ def unauthentic(data: bytes, key: CheckpointKey) -> str | None:
     if "hmac" not in r:
         return "it carries no HMAC"
     if named_key(r) != key.id:
-        return f"it names checkpoint key {named_key(r)}, this run's key is {key.id}"
+        return f"it names checkpoint key {untrusted.shown(named_key(r))}, this run's key is {key.id}"
     if not key.verify(signed_body(r), r.get("hmac")):
         return f"its HMAC does not verify with this run's checkpoint key {key.id}"
     if r.get("run") != key.run:
-        return f"signed for the run at {str(r.get('run'))[:200]!r}, this run is {key.run!r}"
+        return f"signed for the run at {untrusted.shown(str(r.get('run'))[:200])}, this run is {key.run!r}"
     return None
 
 

@@ -162,7 +162,7 @@ def test_a_lost_key_stops_the_run_while_its_disk_holds_them_and_not_with_a_blank
     before = manifests(emu.client, emu.uri)
     c = ckpt(tmp_path / "run", emu.uri, emu.client)
     assert c.restore() is None and not c.set_aside.saved_before
-    assert f"names checkpoint key {lost.id}" in c.set_aside.record
+    assert f'names checkpoint key "{lost.id}"' in c.set_aside.record  # bucket text, quoted
     save(c, [3])
     c.close()
     assert {k: v for k, v in manifests(emu.client, emu.uri).items() if k in before} == before
