@@ -57,7 +57,7 @@ class World:
         """Element-wise OR of boolean flags across ranks (one small all-reduce)."""
         if not self.distributed:
             return list(flags)
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=_comm_device())
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=comm_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [bool(v) for v in t.tolist()]
 
@@ -65,7 +65,7 @@ class World:
         """The largest ``value`` over all ranks."""
         if not self.distributed:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+        t = torch.tensor([value], dtype=torch.float64, device=comm_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
@@ -74,7 +74,7 @@ class World:
         ``broadcast_object_list`` does, with the bytes counted in ``object_bytes``)."""
         if not self.distributed:
             return obj
-        device = _comm_device()
+        device = comm_device()
         data = pickle.dumps(obj) if self.rank == src else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         dist.broadcast(size, src=src)
@@ -160,7 +160,8 @@ def node_name() -> str:
     return os.environ.get("SPOTTRAIN_NODE") or socket.gethostname()
 
 
-def _comm_device() -> torch.device:
+def comm_device() -> torch.device:
+    """Where a collective's tensors live: this rank's GPU under NCCL, the CPU under gloo."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -3,11 +3,12 @@
 A restored checkpoint's tensors are views into one buffer (``whole_model.load_dir``), and pickling a
 view serializes its whole storage: ``broadcast_object_list`` of such a state sends (number of
 tensors) x (checkpoint size), terabytes for a real DDP job. So nothing of model size goes through
-pickle between ranks. The source rank encodes the state's structure with ``state_codec`` (the same
-plain-data encoding a checkpoint's ``state.json`` uses: no pickle on either side) plus a table of
-each tensor's dtype, shape and place in a byte arena; every other rank allocates that arena once and
-receives the tensors' bytes into it with ``dist.broadcast``, in chunks of at most ``CHUNK`` bytes
-and a sixteenth of the state.
+pickle between ranks. The source rank encodes the state as a checkpoint's ``state.json`` holds it
+and its ``tensors.bin`` lays it out (``whole_model.encode_state``: plain data, a table of each
+tensor's dtype, shape and offset; no pickle on either side); every other rank allocates that byte
+arena once, receives the tensors' bytes into it with ``dist.broadcast``, in chunks of at most
+``CHUNK`` bytes and a sixteenth of the state, and decodes it as a restore from disk does
+(``whole_model.decode_state``).
 
 Peak memory: a receiving rank holds the arena (one copy of the state) and, under NCCL, one chunk on
 the device; the source holds its state as restored plus one chunk it packs the tensors' bytes into.
@@ -19,21 +20,19 @@ Tensors come back on CPU, contiguous, as views into the arena, as a restore from
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import state_codec
+from trainer.checkpoint import state_codec, whole_model
+from trainer.distributed import comm_device
 
 #: Bytes sent per collective: at most CHUNK (a GiB is 16 calls) and at most a sixteenth of the
 #: state (at least MIN_CHUNK), so the source's packing buffer (and a chunk on the device under
 #: NCCL) stays noise beside the state at any size.
 CHUNK = 64 << 20
 MIN_CHUNK = 1 << 20
-ALIGN = 64
-FORMAT = "spottrain-broadcast"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,57 +45,12 @@ class Sent:
     tensors: int
 
 
-def _encode(state: Any) -> tuple[bytes, list[torch.Tensor], int]:
-    """(the header every rank needs, the tensors in table order, the arena's size). A tensor object
-    that appears twice (tied weights) is sent once and comes back as one object."""
-    found: list[torch.Tensor] = []
-    ids: dict[int, int] = {}
-    table: list[list[Any]] = []
-    offset = 0
-
-    def ref(t: torch.Tensor, path: tuple) -> dict:
-        nonlocal offset
-        i = ids.get(id(t))
-        if i is None:
-            state_codec.check_tensor(t, path)
-            i = ids[id(t)] = len(found)
-            found.append(t)
-            nbytes = t.numel() * t.element_size()
-            table.append([offset, nbytes, str(t.dtype).removeprefix("torch."), list(t.shape),
-                          bool(t.requires_grad), type(t) is torch.nn.Parameter])
-            offset += -(-nbytes // ALIGN) * ALIGN
-        return {state_codec.TAG: "t", "i": i}
-
-    tree = state_codec.encode(state, ref)
-    header = json.dumps({"format": FORMAT, "tree": tree, "tensors": table, "size": offset},
-                        separators=(",", ":"), allow_nan=False).encode()
-    return header, found, offset
-
-
-def _decode(header: dict, arena: torch.Tensor) -> Any:
-    tensors = []
-    for off, nbytes, dtype_name, shape, requires_grad, is_param in header["tensors"]:
-        t = arena[off:off + nbytes].view(state_codec.dtype(dtype_name)).view(tuple(shape))
-        if is_param:
-            t = torch.nn.Parameter(t, requires_grad=bool(requires_grad))
-        elif requires_grad:
-            t.requires_grad_(True)
-        tensors.append(t)
-    return state_codec.decode(header["tree"], lambda d: tensors[int(d["i"])])
-
-
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a flat uint8 tensor (a view when ``t`` is contiguous on CPU)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def broadcast_state(world: Any, state: Any, src: int = 0) -> tuple[Any, Sent]:
@@ -107,25 +61,25 @@ def broadcast_state(world: Any, state: Any, src: int = 0) -> tuple[Any, Sent]:
         return state, Sent(0, 0, 0)
     header: bytes | str = b""
     found: list[torch.Tensor] = []
+    table: list[Any] = []
     size = 0
     if world.rank == src:
         try:
-            header, found, size = _encode(state)
+            header, found, table, size = whole_model.encode_state(state)
         except state_codec.NotPlainData as e:
             header = f"error: {e}"
-    header = world.broadcast(header, src=src)
+    header, size, count = world.broadcast((header, size, len(table)), src=src)
     if isinstance(header, str):
         raise state_codec.NotPlainData(header.removeprefix("error: "))
-    meta = json.loads(header)
-    size = int(meta["size"])
-    device = _comm_device()
+    device = comm_device()
     mine = world.rank == src
     arena = None if mine else torch.empty(max(size, 1), dtype=torch.uint8)
     step = min(CHUNK, max(MIN_CHUNK, size // 16))
     chunk = torch.empty(min(step, max(size, 1)), dtype=torch.uint8, device=device) \
         if (mine or device.type != "cpu") and size else None
-    # Walk the arena in chunks; the source packs each chunk from the tensors that overlap it.
-    spans = [(row[0], row[1]) for row in meta["tensors"]]
+    # Walk the arena in chunks; the source packs each chunk from the tensors that overlap it (the
+    # others receive whole chunks: they need only the size).
+    spans = [(row[0], row[1]) for row in table]
     k = 0  # the first tensor that may overlap the current chunk
     cached: tuple[int, torch.Tensor] | None = None  # a tensor spanning chunks is made bytes once
     for a in range(0, size, step):
@@ -152,8 +106,8 @@ def broadcast_state(world: Any, state: Any, src: int = 0) -> tuple[Any, Sent]:
             assert arena is not None
             dist.broadcast(chunk[: b - a], src=src)
             arena[a:b].copy_(chunk[: b - a])
-    sent = Sent(structure_bytes=len(header), tensor_bytes=size, tensors=len(meta["tensors"]))
+    sent = Sent(structure_bytes=len(header), tensor_bytes=size, tensors=count)
     if mine:
         return state, sent
     assert arena is not None
-    return _decode(meta, arena), sent
+    return whole_model.decode_state(header, arena, size), sent

@@ -95,6 +95,25 @@ def _encode_structure(state: Any) -> tuple[Any, list[torch.Tensor]]:
     return state_codec.encode(state, ref), found
 
 
+def encode_state(state: Any) -> tuple[bytes, list[torch.Tensor], list[tuple], int]:
+    """``state`` as ``state.json`` holds it and ``tensors.bin`` lays it out: (the structure's bytes,
+    the tensors in table order, the table: each tensor's offset, bytes, dtype, shape, requires_grad
+    and whether it is a Parameter, and tensors.bin's size, each tensor at an ``ALIGN``-byte
+    offset). ``decode_state`` is its inverse. Also what a restore sends between ranks
+    (``trainer.checkpoint.broadcast``)."""
+    tree, found = _encode_structure(state)
+    table = []
+    off = 0
+    for t in found:
+        nbytes = t.numel() * t.element_size()
+        table.append((off, nbytes, str(t.dtype), tuple(t.shape),
+                      bool(t.requires_grad), type(t) is torch.nn.Parameter))
+        off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    structure = json.dumps({"format": STRUCTURE, "version": 1, "tensors": table, "tree": tree},
+                           separators=(",", ":"), allow_nan=False).encode()
+    return structure, found, table, off
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -173,19 +192,10 @@ class SnapshotBuffer:
 
     def _take(self, step: int, state: Any, meta: dict | None, later: Callable[[torch.Tensor], bool] | None) -> Snapshot:
         self.last_alloc_s = 0.0
-        tree, found = _encode_structure(state)  # NotPlainData here, in the caller's thread
-        table = []
-        off = 0
-        for t in found:
-            nbytes = t.numel() * t.element_size()
-            table.append((off, nbytes, str(t.dtype), tuple(t.shape),
-                          bool(t.requires_grad), type(t) is torch.nn.Parameter))
-            off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         # Encoding here (while the loop waits) freezes the plain Python objects too: the loop may
         # mutate them (data position, counters) as soon as save() returns. Before any copy starts:
         # a state that cannot be encoded leaves no copy running into the buffer.
-        structure = json.dumps({"format": STRUCTURE, "version": 1, "tensors": table, "tree": tree},
-                               separators=(",", ":"), allow_nan=False).encode()
+        structure, found, table, off = encode_state(state)  # NotPlainData here, in the caller's thread
         any_cuda = any(t.device.type == "cuda" for t in found)
         arena = self._ensure(off, pinned=any_cuda and torch.cuda.is_available())
         base = arena.data_ptr()
@@ -310,13 +320,14 @@ def load_dir(folder: Path, *, verified_manifest: dict | None = None,
     if fh.of(raw) != m["files"][STATE][fh.field]:
         raise CheckpointInvalid(f"{STATE} {fh.field} mismatch (corrupted)")
     try:
-        return m, _decode_state(raw, buf, tinfo["size"])
+        return m, decode_state(raw, buf, tinfo["size"])
     except (state_codec.DecodeError, KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
         raise CheckpointUnloadable(f"{STATE} verified but cannot be decoded ({type(e).__name__}: {e})") from None
 
 
-def _decode_state(raw: bytes, buf: torch.Tensor, size: int) -> Any:
-    """The state from ``state.json`` with its tensors as views into ``buf`` (tensors.bin)."""
+def decode_state(raw: bytes, buf: torch.Tensor, size: int) -> Any:
+    """The state from ``state.json`` with its tensors as views into ``buf`` (tensors.bin, ``size``
+    bytes of it): ``encode_state``'s inverse."""
     obj = json.loads(raw)
     if not isinstance(obj, dict) or obj.get("format") != STRUCTURE or obj.get("version") != 1:
         raise state_codec.DecodeError(f"{STATE} is not a spottrain structure of a known version")
