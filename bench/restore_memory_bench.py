@@ -98,27 +98,11 @@ def _checkpointer(run_dir: Path) -> Any:
 
 
 def _count_tensors(state: Any) -> tuple[int, int]:
-    from trainer.checkpoint import state_codec
+    """(how many tensors ``state`` holds, their bytes)."""
+    from trainer.checkpoint.state_codec import tensors_in
 
-    found: list[Any] = []
-    state_codec.encode(state, lambda t, p: found.append(t))
+    found = tensors_in(state)
     return len(found), sum(t.numel() * t.element_size() for t in found)
-
-
-def digest(state: Any) -> str:
-    """sha256 over the state's structure and every tensor's dtype, shape and bytes: equal on every
-    rank exactly when each received the same state."""
-    import hashlib
-
-    import torch
-
-    from trainer.checkpoint import state_codec
-
-    def tensor(t: Any, path: tuple) -> str:
-        c = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        return f"{t.dtype}{list(t.shape)}:{hashlib.sha256(c.numpy()).hexdigest()}"
-
-    return hashlib.sha256(json.dumps(state_codec.encode(state, tensor), sort_keys=True).encode()).hexdigest()
 
 
 # ----------------------------------------------------------------------------- the processes
@@ -163,7 +147,9 @@ def _rank(run_dir: Path, out: Path) -> None:
     m["pickled"] = world.object_bytes - pickled
     m["tensors"], m["bytes"] = _count_tensors(saved)
     if os.environ.get("BENCH_DIGEST"):
-        m["digest"] = digest(saved)
+        from trainer.checkpoint.format import state_digest
+
+        m["digest"] = state_digest(saved)
     (out / f"rank-{rank}.json").write_text(json.dumps(m))
     world.barrier()
     dist.destroy_process_group()
@@ -195,7 +181,9 @@ def measure(size_bytes: int, ranks: int, work: Path, *, backend: str = "gloo", d
     c.save(1, state, meta={"world_size": ranks})
     c.wait()
     c.close()
-    saved = digest(state) if digests else None
+    from trainer.checkpoint.format import state_digest
+
+    saved = state_digest(state) if digests else None
     del state
     one = work / "one.json"
     subprocess.run([sys.executable, "-m", "bench.restore_memory_bench", "--one", str(work / "run"), str(one)],

@@ -307,3 +307,13 @@ def tensor_digest(state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torc
         h.update(b"\1")
     return h.hexdigest()
 
+
+
+def state_digest(state: object) -> str:
+    """sha256 over a whole state (nested containers of plain values and tensors, as a checkpoint
+    holds it): its structure, and each tensor's dtype, shape and bytes (``tensor_digest``). Equal
+    digests mean bitwise-equal states (the multi-rank restore's tests and bench compare ranks)."""
+    from trainer.checkpoint import state_codec
+
+    tree = state_codec.encode(state, lambda t, path: f"{type(t).__name__}:{tensor_digest({'': t})}")
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()

@@ -109,6 +109,13 @@ def _items(obj: dict, tensor: Callable, path: tuple) -> list[list[Any]]:
             for k, v in obj.items()]
 
 
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor of ``obj``, in ``encode``'s order (one that appears twice, twice)."""
+    found: list[torch.Tensor] = []
+    encode(obj, lambda t, path: found.append(t))
+    return found
+
+
 def decode(data: Any, tensor: Callable[[dict], torch.Tensor]) -> Any:
     """The value ``encode`` was given; ``tensor(tagged)`` resolves a tensor's stand-in."""
     t = type(data)

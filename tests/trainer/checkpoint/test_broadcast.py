@@ -13,13 +13,11 @@ WORLD_SIZE) and joined over gloo on loopback through a TCPStore the test process
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import resource
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -29,7 +27,8 @@ if str(REPO) not in sys.path:  # as a worker script
     sys.path.insert(0, str(REPO))
 
 from tests.trainer.support import Policy, checkpointer, join_ranks, run_ranks  # noqa: E402
-from trainer.checkpoint import state_codec  # noqa: E402
+from trainer.checkpoint.format import state_digest  # noqa: E402
+from trainer.checkpoint.state_codec import tensors_in  # noqa: E402
 from trainer.checkpoint.broadcast import broadcast_state  # noqa: E402
 from trainer.distributed import World  # noqa: E402
 
@@ -51,25 +50,6 @@ def make_state(step: int, seed: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
-
-
-def digest(state: Any) -> str:
-    """sha256 over the state's structure and every tensor's dtype, shape and bytes."""
-    h = hashlib.sha256()
-
-    def tensor(t: torch.Tensor, path: tuple) -> str:
-        c = t.detach().contiguous()
-        d = hashlib.sha256(c.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-        return f"{c.dtype}{list(c.shape)}{type(t).__name__}:{d}"
-
-    h.update(json.dumps(state_codec.encode(state, tensor), sort_keys=True).encode())
-    return h.hexdigest()
-
-
-def tensor_count(state: Any) -> int:
-    found: list[int] = []
-    state_codec.encode(state, lambda t, p: found.append(1))
-    return len(found)
 
 
 def peak_rss() -> int:
@@ -102,26 +82,20 @@ def worker(args: dict) -> None:
             state = make_state(saves[rank], seed=rank)
             c.save(saves[rank], state, meta={"world_size": size})
             c.wait()
-            (out / f"saved-{saves[rank]}.json").write_text(json.dumps({"digest": digest(state)}))
+            (out / f"saved-{saves[rank]}.json").write_text(json.dumps({"digest": state_digest(state)}))
             del state
     world.barrier()
     before, rss0 = world.object_bytes, peak_rss()
     saved, where = restore.newest(c, world)
     rss1 = peak_rss()
     (out / f"rank-{rank}.json").write_text(json.dumps({
-        "step": saved["step"], "digest": digest(saved), "tier": where[0], "tensors": tensor_count(saved),
+        "step": saved["step"], "digest": state_digest(saved), "tier": where[0], "tensors": len(tensors_in(saved)),
         "pickled": world.object_bytes - before, "rss_growth": rss1 - rss0,
-        "state_bytes": sum(t.numel() * t.element_size() for t in _tensors(saved))}))
+        "state_bytes": sum(t.numel() * t.element_size() for t in tensors_in(saved))}))
     if c is not None:
         c.close()
     world.barrier()
     dist.destroy_process_group()
-
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    state_codec.encode(state, lambda t, p: found.append(t))
-    return found
 
 
 def launch(nproc: int, mode: str, base: Path) -> list[dict]:
