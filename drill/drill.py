@@ -189,16 +189,13 @@ def many_tensors(exp: Any) -> Any:
     choosing its size trains the model of hundreds of tensors (``drill.tiny_gpt``): a restore
     between ranks must cost one copy of the state whatever the number of tensors, and the default
     few-tensor model hid that it did not. Anything else is the experiment as written."""
-    from drill.tiny_gpt import MULTI_RANK_TASK_ARGS_TOML
-    from stacks.load import tomllib
+    from drill.tiny_gpt import MULTI_RANK_SIZE
 
     multi_rank = exp.pool is not None or exp.machine.gpu_count > 1
     args = dict(exp.trainer.config.get("task_args") or {})
     if not multi_rank or exp.trainer.task != "trainer.tasks.gpt:build" or "n_layer" in args:
         return exp
-    sized = {k: v for k, v in tomllib.loads(MULTI_RANK_TASK_ARGS_TOML)["task_args"].items()
-             if k in ("n_layer", "n_embd")}
-    config = {**exp.trainer.config, "task_args": {**args, **sized}}
+    config = {**exp.trainer.config, "task_args": {**args, **MULTI_RANK_SIZE}}
     return exp.model_copy(update={"trainer": exp.trainer.model_copy(update={"config": config})})
 
 

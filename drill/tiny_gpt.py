@@ -22,6 +22,9 @@ stride = 32
 warmup_steps = 5
 """
 
+#: The multi-rank model's size: what it changes in the table above.
+MULTI_RANK_SIZE = {"n_layer": 16, "n_embd": 16}
 #: The same table for multi-rank runs: hundreds of tensors.
-MULTI_RANK_TASK_ARGS_TOML = TASK_ARGS_TOML.replace("n_layer = 1\n", "n_layer = 16\n").replace(
-    "n_embd = 32\n", "n_embd = 16\n")
+MULTI_RANK_TASK_ARGS_TOML = TASK_ARGS_TOML.replace(
+    "n_layer = 1\n", f"n_layer = {MULTI_RANK_SIZE['n_layer']}\n").replace(
+    "n_embd = 32\n", f"n_embd = {MULTI_RANK_SIZE['n_embd']}\n")
