@@ -99,6 +99,9 @@ class DrillConfig:
     reference: bool = True
     """Run the uninterrupted reference first and require the same final model. Off only where the
     question is another one (the lifecycle drill's variants: what a deploy leaves behind)."""
+    stall_s: int | None = None
+    """The VMs' log shipper's stall window, seconds (default: the experiment's stall_minutes): a
+    drill that shows a healthy run raising no stall runs longer than it."""
 
 
 @dataclass
@@ -216,6 +219,10 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
 
     ef = load_file(cfg.experiment)
     exp = ef.spec if pool is None else ef.spec.model_copy(update={"pool": pool})
+    if cfg.stall_s is not None and "logs" not in (extra or {}):
+        from stacks.boot import LogShipping
+
+        extra = {**(extra or {}), "logs": LogShipping(project=exp.gcp.project, stall_s=cfg.stall_s)}
     exp = many_tensors(exp)
     # The VM stand-in's Python is this one (drill.sandbox), not the image's: its wheels are the
     # lock for this Python (`make lock` writes it beside the image's), and the startup script's

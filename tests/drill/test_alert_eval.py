@@ -14,6 +14,7 @@ import pytest
 from drill.alert_eval import EvalError, evaluate, policies
 from drill.fake_observability import FakeObservability
 from drill.sandbox import REPO
+from drill_support import zone_change_example
 from trainer.cloud.log_shipper import TRAINER_LINE, entry, sign
 
 PROJECT = "my-project-123456"
@@ -27,14 +28,7 @@ def _stack(tmp: Path, zone_change: bool = False) -> dict[str, Any]:
     from stacks.load import load_file
     from stacks.stack import synthesized
 
-    text = (REPO / "experiments" / "example.toml").read_text()
-    if zone_change:
-        text = text.replace('zones = ["us-central1-a"]', 'zones = ["us-central1-a", "us-central1-b"]', 1)
-        text = text.replace('\nplacement = "zonal"', '\nplacement = "regional"', 1)
-        text += "\n[capacity]\nzone_change_on_repair = true\n"
-    f = tmp / "example.toml"
-    f.write_text(text)
-    ef = load_file(f)
+    ef = load_file(zone_change_example(tmp) if zone_change else REPO / "experiments" / "example.toml")
     return synthesized(ef.name, ef.spec)
 
 
