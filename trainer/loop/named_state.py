@@ -71,13 +71,13 @@ class NamedStates:
             if not isinstance(name, str) or not NAME.match(name) or name in RESERVED:
                 raise StateError(f"{where}: states: name {name!r} is not allowed: letters, digits, _ . - (64 at "
                                  f"most, not starting with a digit), and none of {', '.join(RESERVED)}")
+            if isinstance(obj, torch.utils.data.DataLoader) and type(obj).__name__ != "StatefulDataLoader":
+                raise StateError(f"{where}: states[{name!r}]: a torch DataLoader cannot save its position; use "
+                                 "torchdata.stateful_dataloader.StatefulDataLoader (a drop-in replacement)")
             if not is_stateful(obj):
                 raise StateError(f"{where}: states[{name!r}]: a {type(obj).__name__} has no state_dict()/"
                                  "load_state_dict(), so a checkpoint cannot hold it (declare an object that has them, "
                                  "e.g. torchdata's StatefulDataLoader instead of a DataLoader)")
-            if isinstance(obj, torch.utils.data.DataLoader) and type(obj).__name__ != "StatefulDataLoader":
-                raise StateError(f"{where}: states[{name!r}]: a torch DataLoader cannot save its position; use "
-                                 "torchdata.stateful_dataloader.StatefulDataLoader (a drop-in replacement)")
             if id(obj) in seen:
                 raise StateError(f"{where}: states[{name!r}]: this object is declared twice")
             seen.add(id(obj))

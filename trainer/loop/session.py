@@ -233,6 +233,8 @@ class Session:
         fingerprint = cfg.fingerprint(dataset_len=dataset_len, device=device.type)
         if states.objects:
             fingerprint["states"] = states.fingerprint()
+        if getattr(data, "per_rank", False):  # a stream's split over workers is its order: it must not change
+            fingerprint["stream_workers"] = cfg.data_workers
         job = Job(task, model, data, batches, mixed.scaler, fingerprint, accum, world,
                   in_place=cfg.parallelism == "fsdp", states=states, models=models)
         if self.ckpt is not None:
