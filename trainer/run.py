@@ -50,11 +50,14 @@ _current: "Run | None" = None
 
 def start(config: str | Path | None = None, **settings: Any) -> "Run":
     """The run this process trains: the one ``python -m trainer run`` set up for the script, or,
-    in a script started by hand, a new one from ``config`` (a trainer TOML) and ``settings``
-    (``RunConfig`` fields), which exits the process with the trainer's status when it ends."""
+    in a script started by hand, a new one from ``config`` (a trainer TOML; default the file
+    ``$SPOTTRAIN_CONFIG`` names) and ``settings`` (``RunConfig`` fields), which exits the process
+    with the trainer's status when it ends."""
     global _current
     if _current is not None:
         return _current
+    if config is None and os.environ.get("SPOTTRAIN_CONFIG"):
+        config = os.environ["SPOTTRAIN_CONFIG"]
     from trainer.cli import _process_start
     from trainer.config import ConfigError, load_run_config
     from trainer.train import open_session

@@ -4,7 +4,7 @@ class is a stroke pattern), so the example needs no download; swap in torchvisio
 the original does.
 
     python -m trainer run --script examples/own_loop/train.py --steps 300 --run-dir run
-    python examples/own_loop/train.py --epochs 1          # by hand: a run of its own in ./run
+    SPOTTRAIN_CONFIG=trainer.toml python examples/own_loop/train.py    # by hand, the settings in a file
 
 docs/porting.md shows the diff against the original.
 """

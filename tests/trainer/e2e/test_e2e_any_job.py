@@ -185,14 +185,14 @@ def test_an_own_loop_iterating_a_plain_dataloader_is_refused(tmp_path: Path) -> 
 @pytest.mark.xdist_group("torchrun")
 def test_a_gan_on_two_ranks_resumes_bit_for_bit_and_its_ranks_stay_identical(tmp_path: Path) -> None:
     code = (EXAMPLES / "gan",)
-    # 20 extra layers a network: 782 tensors of state, the size at which pickled views once cost GBs.
+    # 20 extra layers a network: 659 tensors of state sent to rank 1, the size at which pickled views once cost GBs.
     cfg = config(tmp_path, 'task = "dcgan:build"\nbatch_size = 4\n[task_args]\nblocks = 20\nngf = 8\nndf = 8\n')
     ref = trainer(tmp_path / "ref", cfg, code=code, torchrun=2)
     assert ref.wait() == 0, ref.output[-4000:]
     p = interrupted(tmp_path / "run", cfg, code=code, torchrun=2)
     assert digests(tmp_path / "run", STEPS) == digests(tmp_path / "ref", STEPS)
     sent = p.seen(r"restore: step \d+ sent from rank 0 as (\d+) tensors")
-    assert int(sent.group(1)) > 700
+    assert int(sent.group(1)) > 600
     # Every save compared the ranks' weights of both networks (a drift is exit 2): none was seen.
     assert "hold different weights" not in p.output
 
@@ -222,3 +222,24 @@ def test_a_model_trained_outside_ddp_on_two_ranks_is_refused(tmp_path: Path, por
     assert p.wait() != 0
     assert p.seen(r"event=failed reason=bad_input .*" + want)
     assert not list((tmp_path / "run").glob("step-*"))
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_an_ema_on_shards_split_over_two_ranks_and_their_workers_resumes_bit_for_bit(tmp_path: Path) -> None:
+    sys.path.insert(0, str(EXAMPLES / "diffusion"))
+    try:
+        import shards
+    finally:
+        sys.path.remove(str(EXAMPLES / "diffusion"))
+    shards.write(tmp_path / "shards", shards=8, per_shard=12)  # 2 ranks x 2 workers: 2 shards each
+    code = (EXAMPLES / "diffusion",)
+    # 20 blocks a level: more than a thousand tensors of state with the EMA and AdamW's.
+    cfg = config(tmp_path, f'task = "denoiser:build"\nbatch_size = 4\ndata_workers = 2\n[task_args]\nwidth = 8\n'
+                           f'blocks = 20\nshards_dir = "{tmp_path / "shards"}"\n')
+    ref = trainer(tmp_path / "ref", cfg, code=code, torchrun=2)
+    assert ref.wait() == 0, ref.output[-4000:]
+    interrupted(tmp_path / "run", cfg, code=code, torchrun=2)
+    want = digests(tmp_path / "ref", STEPS)
+    assert {"states.ema", "rank_states.0", "rank_states.1"} <= set(want)
+    assert want["rank_states.0"] != want["rank_states.1"]  # each rank's own position in its own shards
+    assert digests(tmp_path / "run", STEPS) == want
