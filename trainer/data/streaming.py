@@ -44,7 +44,7 @@ class Stream:
     def __init__(self, dataset: Any, *, batch_size: int, workers: int, device: torch.device, seed: int = 0,
                  log: logging.Logger | None = None):
         try:
-            from torchdata.stateful_dataloader import StatefulDataLoader
+            from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
         except ImportError as e:
             raise StreamError(f"an iterable dataset needs torchdata's StatefulDataLoader to keep its position, and "
                               f"torchdata is not installed ({e}); add torchdata to the job's requirements") from None
