@@ -107,16 +107,18 @@ class Guard:
 
     def _candidates(self) -> list[Any]:
         skip = _declared_tensors(self.declared)
+        kinds: dict[type, bool] = {}  # per class: a few hundred classes among ~10^5 objects
         out = []
         for o in gc.get_objects():
-            if id(o) in self._ids or o is self:
-                continue
-            # Asked of the type, never the object: an object's own ``__getattr__`` (a proxy, a lazy
-            # module, pytest's ``mark``) may do anything when asked for an attribute it lacks.
             cls = type(o)
-            kind = (issubclass(cls, (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler))
+            kind = kinds.get(cls)
+            if kind is None:
+                # Asked of the type, never the object: an object's own ``__getattr__`` (a proxy, a
+                # lazy module, pytest's ``mark``) may do anything when asked for what it lacks.
+                kind = kinds[cls] = (
+                    issubclass(cls, (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler))
                     or (not issubclass(cls, type) and is_stateful(cls)))
-            if not kind:
+            if not kind or id(o) in self._ids or o is self:
                 continue
             own = _tensors(o)
             if isinstance(o, torch.nn.Module):  # a module is its own tensors; its children are visited apart
