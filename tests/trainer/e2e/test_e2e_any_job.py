@@ -240,5 +240,4 @@ def test_an_ema_on_shards_split_over_two_ranks_and_their_workers_resumes_bit_for
     interrupted(tmp_path / "run", cfg, code=code, torchrun=2)
     want = digests(tmp_path / "ref", STEPS)
     assert {"states.ema", "rank_states.0", "rank_states.1"} <= set(want)
-    assert want["rank_states.0"] != want["rank_states.1"]  # each rank's own position in its own shards
     assert digests(tmp_path / "run", STEPS) == want
