@@ -126,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, help="seed of init, dropout and data order (default 0)")
     r.add_argument("--gcs-uri", help="durable tier gs://BUCKET/PREFIX")
     r.add_argument("--task", help="module:callable returning a trainer.task.Task (default trainer.tasks.gpt:build)")
+    r.add_argument("--script", help="your own training script, run in place of a task (it iterates trainer.run's "
+                                    "steps: docs/bring-your-own-model.md)")
+    r.add_argument("--script-arg", dest="script_args", action="append", metavar="ARG",
+                   help="one argument of the script's command line (repeat it; default: script_args in the config)")
     r.add_argument("--checkpoint-every-steps", type=int, help="save every K steps")
     r.add_argument("--checkpoint-every-seconds", type=float, help="save every T seconds")
     r.add_argument("--local-dir", type=Path, help="optional fast tier (local SSD)")

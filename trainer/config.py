@@ -111,6 +111,12 @@ class RunConfig(BaseModel):
     """``module:callable`` returning a :class:`trainer.task.Task`. Part of the fingerprint."""
     task_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the task callable (e.g. model size). Part of the fingerprint."""
+    script: str | None = None
+    """Your own training script (a path, relative to the working directory: on a VM the code
+    directory) run in place of a task: it keeps its own loop and iterates ``trainer.run``'s
+    steps (docs/bring-your-own-model.md). Part of the fingerprint; ``task`` must then be unset."""
+    script_args: list[str] = Field(default_factory=list)
+    """The script's command line (``sys.argv[1:]``). Part of the fingerprint."""
     checkpoint_every_steps: int | None = Field(default=None, gt=0)
     """Save every K optimizer steps. With neither interval set, the checkpointer picks the
     interval itself from the measured save cost and ``mtbf_s`` (Young/Daly)."""
@@ -330,6 +336,18 @@ class RunConfig(BaseModel):
             raise ValueError(f"must hold plain values (numbers, strings, lists, tables): {e}") from None
         return v
 
+    @field_validator("script")
+    @classmethod
+    def _script(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        if not v.endswith(".py") or "\n" in v or "\x00" in v:
+            raise ValueError(f"must be the path of a Python file (NAME.py), got {v!r}")
+        if info.data.get("task", DEFAULT_TASK) != DEFAULT_TASK:
+            raise ValueError("give a task or a script, not both (a script keeps its own loop; a task is built by "
+                             "the trainer's)")
+        return v
+
     # Field validators, not a model validator: an error then names its field (and so its file).
     @field_validator("local_dir")
     @classmethod
@@ -402,8 +420,8 @@ class RunConfig(BaseModel):
             "device": device if device is not None else self.device,
             "seed": self.seed,
             "steps": self.steps,
-            "task": self.task,
-            "task_args": self.task_args,
+            "task": self.task if self.script is None else f"script {self.script}",
+            "task_args": self.task_args if self.script is None else self.script_args,
             "batch_size": self.batch_size,
             "grad_clip": self.grad_clip,
             "precision": self.precision,
