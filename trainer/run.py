@@ -121,7 +121,7 @@ class Run:
         """``model`` as it must train on this world: under DDP on several ranks, as it is on one."""
         from trainer.loop import parallel
 
-        return parallel.wrap(model, self._s.world, parallelism="ddp", device=self.device, optimizer=None)  # type: ignore[arg-type]
+        return parallel.wrap(model, self._s.world, parallelism="ddp", device=self.device, optimizer=None)
 
     def autocast(self) -> Any:
         """The run's precision (``precision`` in the experiment) as an autocast context."""

@@ -24,7 +24,7 @@ import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, Sized, cast
 
 import torch
 
@@ -189,7 +189,7 @@ def build(spec: str, ctx: TaskContext, args: dict[str, Any]) -> Task:
     _check_fields(spec, task)
     if task.loss_fn is not None and task.step is not None:
         raise TaskError(f"task: {spec} returned both loss_fn and step: step replaces loss_fn, give one")
-    if not streaming(task.dataset) and len(task.dataset) == 0:
+    if not streaming(task.dataset) and len(cast(Sized, task.dataset)) == 0:
         raise TaskError(f"task: {spec} returned an empty dataset")
     if task.eval_dataset is not None and len(task.eval_dataset) == 0:
         raise TaskError(f"task: {spec} returned an empty eval_dataset")

@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sized, cast
 
 import torch
 
@@ -105,7 +105,7 @@ class Session:
             return tier_wait.until_known(
                 attempt, wait_s=self.cfg.wait_for_tiers_s, waited_before=self.waited_s, log=self.log,
                 on_wait=self.health.waiting, sleep=self.preempt.wait, stop_requested=lambda: self.preempt.requested,
-                agree=lambda give_up, stop: tuple(self.world.any_flags(give_up, stop)))  # type: ignore[arg-type]
+                agree=lambda give_up, stop: _pair(self.world.any_flags(give_up, stop)))
         finally:
             self.waited_s += time.monotonic() - t0
             self.health.starting()
@@ -198,12 +198,12 @@ class Session:
                                   seed=cfg.seed, log=self.log.getChild("data"))
             data: Any = self.batches
         else:
-            data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size, rank=world.rank,
+            data = DataOrder(len(cast(Sized, task.dataset)), seed=cfg.seed, batch_size=cfg.batch_size, rank=world.rank,
                              world_size=world.size)
             self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
                                    log=self.log.getChild("data"), on_died=self._workers_died)
         job = self.adopt(task, states, data, self.batches, device=device, mixed=mixed, accum=accum,
-                         dataset_len=None if tasks.streaming(task.dataset) else len(task.dataset), where=where)
+                         dataset_len=getattr(data, "n", None), where=where)
         self.log_start(job, device, f"task={cfg.task} " + " ".join(f"{k}={v}" for k, v in task.info.items()))
         return job
 
@@ -294,10 +294,10 @@ class Session:
             self.bus.emit(Restored(start, seconds, world.size, max(0.0, time.monotonic() - self._mono_start - seconds),
                                    tier=tier if saved is not None else "", path=path if saved is not None else "",
                                    fresh_from="from init_from's weights" if cfg.init_from is not None else "fresh"))
-        task = job.task
+        task, batch = job.task, int(job.fingerprint.get("batch_size", cfg.batch_size))  # an own loop's run.batches
         self._window = StepWindow(total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
-                                  tokens_per_step=task.tokens_per_sample * cfg.batch_size * job.accum * world.size,
-                                  samples_per_step=cfg.batch_size * job.accum * world.size)
+                                  tokens_per_step=task.tokens_per_sample * batch * job.accum * world.size,
+                                  samples_per_step=batch * job.accum * world.size)
         self.preempt.step_completed(start)
         self._progress_at = time.monotonic()
         return start
@@ -467,6 +467,11 @@ def _waited(run_dir: Any, boot_time: float | None, session: str) -> float | None
 
     before = [float(e["t"]) for e in read_events(run_dir / LEDGER_DIR / LEDGER_FILE) if e["session"] != session]
     return max(0.0, float(boot_time) - max(before)) if before else None
+
+
+def _pair(flags: list[bool]) -> tuple[bool, bool]:
+    give_up, stop = flags
+    return give_up, stop
 
 
 def _seed(seed: int) -> None:

@@ -92,8 +92,9 @@ def build(
     """
     rngs = world.gather(rng_state())
     streamed = data is not None and getattr(data, "per_rank", False)
-    local = {**(states.rank_local() if states is not None else {}),
-             **({"$data": data.state_dict()} if streamed else {})}
+    local = states.rank_local() if states is not None else {}
+    if data is not None and streamed:
+        local["$data"] = data.state_dict()
     rank_states = world.gather(local) if local else None
     if not world.is_main:
         return None
@@ -103,7 +104,7 @@ def build(
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
         "rng": rngs,  # one per rank, indexed by rank
-        "data": data.state_dict() if data is not None and not streamed else None,
+        "data": None if data is None or streamed else data.state_dict(),
         "fingerprint": fingerprint,
         "torch": torch.__version__,  # compared at resume: a change is reported (check_versions)
     }
@@ -238,11 +239,8 @@ def _apply(state: dict[str, Any], *, model: torch.nn.Module | None, optimizer: t
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     mine = local[world.rank] if local is not None else {}
-    streamed = data is not None and getattr(data, "per_rank", False)
-    if streamed:
-        data.load_state_dict(mine["$data"])
-    elif data is not None:
-        data.load_state_dict(state["data"])
+    if data is not None:
+        data.load_state_dict(mine["$data"] if getattr(data, "per_rank", False) else state["data"])
     if states is not None:
         states.load(state.get("states"), mine)
     step = int(state["step"])

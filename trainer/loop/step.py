@@ -90,10 +90,12 @@ class StepFn:
         if not self.world.distributed:
             return stack
         for model in (self.job.models.values() or [self.model]):
-            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a switch, not a context
-                model.set_requires_gradient_sync(last)
-            elif not last and hasattr(model, "no_sync"):
-                stack.enter_context(model.no_sync())
+            switch = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: a switch, not a context
+            no_sync = getattr(model, "no_sync", None)  # DDP
+            if callable(switch):
+                switch(last)
+            elif not last and callable(no_sync):
+                stack.enter_context(no_sync())
         return stack
 
     def __call__(self) -> tuple[float, dict[str, float]]:
@@ -136,7 +138,7 @@ class StepFn:
         own = OwnStep(self)
         for model in self.job.models.values():
             model.train()
-        total, sums = 0.0, {}
+        total, sums = 0.0, dict[str, float]()
         for micro in range(self.accum):
             own.micro, own.last = micro, micro == self.accum - 1
             batch = self.batches.next()
