@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from drill.fake_observability import FakeObservability, Filter, parse_time
+from drill.fake_observability import FakeObservability, Filter, field_at, parse_time
 
 _METRIC_TYPE = re.compile(r'metric\.type="logging\.googleapis\.com/user/([^"]+)"')
 _METRIC_REF = re.compile(r"^\$\{google_logging_metric\.([A-Za-z0-9_-]+)\.name\}$")
@@ -111,21 +111,12 @@ def policies(stack: dict[str, Any]) -> dict[str, Policy]:
     return out
 
 
-def _path(e: dict[str, Any], path: list[str]) -> Any:
-    v: Any = e
-    for p in path:
-        if not isinstance(v, dict) or p not in v:
-            return None
-        v = v[p]
-    return v
-
-
 def counted(policy: Policy, observability: FakeObservability) -> list[dict[str, Any]]:
     """The entries the condition counts: its filter's, and of those the label values it keeps."""
     Filter(policy.filter)  # refused here, not matched as nothing, if the fake cannot read it
     entries = observability.matching(policy.filter)
     for label, values in policy.labels.items():
-        entries = [e for e in entries if str(_path(e, policy.extractors[label])) in values]
+        entries = [e for e in entries if str(field_at(e, policy.extractors[label])) in values]
     return entries
 
 
