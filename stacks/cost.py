@@ -242,7 +242,7 @@ def watch_lines(exp: Experiment, name: str, run_hours: float) -> list[str]:
         f"  metrics           ~{mib:,.1f} MiB of log-based and trainer metrics: {_money(metric_cost) if metric_cost else 'within'} "
         f"Monitoring's {pricing.MONITORING_FREE_MIB_MONTH} MiB free per billing account-month (then "
         f"{_money(pricing.MONITORING_USD_PER_MIB)}/MiB)",
-        f"  alerts            " + (f"{n} alert conditions: {_money(n * pricing.ALERT_CONDITION_USD_MONTH)}/month while "
+        "  alerts            " + (f"{n} alert conditions: {_money(n * pricing.ALERT_CONDITION_USD_MONTH)}/month while "
                                    f"deployed ({_money(pricing.ALERT_CONDITION_USD_MONTH)} each; [alerts] enabled = "
                                    "false removes them)" if n else "none ([alerts] enabled = false)"),
     ]
