@@ -238,7 +238,7 @@ def as_json(boots: list[Boot]) -> dict[str, Any]:
         out.append({"node": b.node, "boot": b.boot, "after": b.after, "started": stamps[0] if stamps else "",
                     "last_line": stamps[-1] if stamps else "", "boot_failed": b.failed, "shutdown": b.shutdown,
                     "sessions": sessions})
-    return {"vms": out, "sessions": sum(len(b["sessions"]) for b in out)}
+    return {"vms": out, "sessions": sum(len(b.sessions) for b in boots)}
 
 
 def _short(ts: str) -> str:
