@@ -7,7 +7,6 @@ or ``command line``) and the process exits 2 without a traceback.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 
@@ -479,10 +478,6 @@ class ExportConfig(BaseModel):
     checkpoint_key_file: Path | None = None
     """The run's checkpoint key, as for ``run`` (never created here): only checkpoints it
     authenticates are exported, and a sharded one only with it."""
-
-
-def settings_digest(fingerprint: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
 
 
 def _errors(e: ValidationError, source_of: dict[str, str]) -> list[str]:
