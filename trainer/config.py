@@ -372,7 +372,7 @@ class RunConfig(BaseModel):
 
         out = {}
         for tier in TIER_NAMES:
-            own = self.tiers.get(tier, TierCadence())
+            own = self._own(tier)
             fixed = own.every_steps is not None or own.every_seconds is not None
             out[tier] = Cadence(every_steps=own.every_steps if fixed else self.checkpoint_every_steps,
                                 every_seconds=own.every_seconds if fixed else self.checkpoint_every_seconds)
@@ -382,7 +382,11 @@ class RunConfig(BaseModel):
         """How many checkpoints each tier keeps: its own ``keep``, else the run's."""
         from trainer.checkpoint.tiers import TIER_NAMES
 
-        return {t: k if (k := self.tiers.get(t, TierCadence()).keep) is not None else self.keep for t in TIER_NAMES}
+        return {t: k if (k := self._own(t).keep) is not None else self.keep for t in TIER_NAMES}
+
+    def _own(self, tier: str) -> TierCadence:
+        """The ``[tiers.NAME]`` table of ``tier`` (an empty one when it has none)."""
+        return next((own for name, own in self.tiers.items() if name == tier), TierCadence())
 
     def tier_table(self, *, gcs_client: Any = None) -> Any:
         """This run's :class:`~trainer.checkpoint.tiers.Tiers` (``trainer.checkpoint.tiers.tier_table``)."""
