@@ -102,12 +102,12 @@ class RunAlerts(Construct):
                     self, "pubsub", project=p, type="pubsub", display_name=f"spottrain {name}: Pub/Sub",
                     labels={"topic": a.pubsub_topic}, user_labels=user_labels)
                 self.channels.append(channel)
-                m = PUBSUB_TOPIC.match(a.pubsub_topic)
-                assert m is not None  # validated upstream
+                topic = PUBSUB_TOPIC.match(a.pubsub_topic)
+                assert topic is not None  # validated upstream
                 number = DataGoogleProject(self, "project", project_id=p).number
                 # The agent exists once the first Pub/Sub channel does: the grant waits for it.
                 PubsubTopicIamMember(
-                    self, "pubsub-publisher", project=m.group(1), topic=a.pubsub_topic.rsplit("/", 1)[1],
+                    self, "pubsub-publisher", project=topic.group(1), topic=a.pubsub_topic.rsplit("/", 1)[1],
                     role="roles/pubsub.publisher", depends_on=[channel],
                     member=f"serviceAccount:service-{number}@gcp-sa-monitoring-notification.iam.gserviceaccount.com")
         names = [c.name for c in self.channels]

@@ -359,10 +359,12 @@ class RunConfig(BaseModel):
     @field_validator("tiers")
     @classmethod
     def _tiers_exist(cls, v: dict[str, TierCadence], info: ValidationInfo) -> dict[str, TierCadence]:
+        from trainer.checkpoint.tiers import GCS
+
         if "local" in v and info.data.get("local_dir") is None:
             raise ValueError("[tiers.local] is set but there is no local_dir (the local tier)")
-        if "gcs" in v and info.data.get("gcs_uri") is None:
-            raise ValueError("[tiers.gcs] is set but there is no gcs_uri (the GCS tier)")
+        if GCS in v and info.data.get("gcs_uri") is None:
+            raise ValueError(f"[tiers.{GCS}] is set but there is no gcs_uri (the GCS tier)")
         return v
 
     def tier_cadence(self) -> dict[str, Any]:

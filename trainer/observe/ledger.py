@@ -373,7 +373,7 @@ class Ledger:
             if _key(ev) not in remote_keys and ev["session"] != self.session:
                 self._mirror.put(ev)
         if missing_here:
-            self.log.info("event=ledger_recover events=%d from=gcs", len(missing_here))
+            self.log.info("event=ledger_recover events=%d from=%s", len(missing_here), store.name)
 
     def _mirror_loop(self, store: Any) -> None:
         try:
