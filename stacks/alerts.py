@@ -148,5 +148,6 @@ class RunAlerts(Construct):
                             cross_series_reducer="REDUCE_SUM")]))],
                 documentation={"content": alert_rules.documentation(props.exp, name, r), "mime_type": "text/markdown",
                                "subject": f"spottrain {name}: {r.title}"},
-                alert_strategy={"auto_close": f"{alert_rules.AUTO_CLOSE_S}s"}, depends_on=[self.wait],
+                alert_strategy={"auto_close": f"{alert_rules.AUTO_CLOSE_S}s"},
+                depends_on=[self.wait] if self.wait is not None else None,
                 notification_channels=names or None, severity=r.severity, user_labels=dict(props.labels)))
