@@ -9,7 +9,7 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup test demo drill lifecycle chaos soak bench synth cost review preflight docs lock wheels clean \
+.PHONY: setup lint test demo drill lifecycle chaos soak bench synth cost review preflight docs lock wheels clean \
 	deploy diff destroy output logs prices
 
 ## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
@@ -21,8 +21,13 @@ $(STAMP): requirements.lock package.json package-lock.json
 	$(VENV)/bin/npm ci --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 
-## test: the whole suite.
-test: setup
+## lint: ruff on the whole repository, mypy on the packages pyproject.toml's [tool.mypy] files lists.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+## test: lint, then the whole suite (a lint finding fails it).
+test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 ## demo: what the example experiment creates and costs, then a brief local preemption drill

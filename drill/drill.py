@@ -24,11 +24,9 @@ the timeouts are failure guards.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from drill.gcs_emulator import StorageEmulator
-from drill.provider import Destroyed, destroy, kind as kind_of
+from drill.provider import Destroyed, destroy
 
 GROUP_KINDS = ("google_compute_instance_group_manager", "google_compute_region_instance_group_manager")
 TEMPLATE_KINDS = ("google_compute_instance_template", "google_compute_region_instance_template")

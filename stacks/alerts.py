@@ -102,12 +102,12 @@ class RunAlerts(Construct):
                     self, "pubsub", project=p, type="pubsub", display_name=f"spottrain {name}: Pub/Sub",
                     labels={"topic": a.pubsub_topic}, user_labels=user_labels)
                 self.channels.append(channel)
-                m = PUBSUB_TOPIC.match(a.pubsub_topic)
-                assert m is not None  # validated upstream
+                topic = PUBSUB_TOPIC.match(a.pubsub_topic)
+                assert topic is not None  # validated upstream
                 number = DataGoogleProject(self, "project", project_id=p).number
                 # The agent exists once the first Pub/Sub channel does: the grant waits for it.
                 PubsubTopicIamMember(
-                    self, "pubsub-publisher", project=m.group(1), topic=a.pubsub_topic.rsplit("/", 1)[1],
+                    self, "pubsub-publisher", project=topic.group(1), topic=a.pubsub_topic.rsplit("/", 1)[1],
                     role="roles/pubsub.publisher", depends_on=[channel],
                     member=f"serviceAccount:service-{number}@gcp-sa-monitoring-notification.iam.gserviceaccount.com")
         names = [c.name for c in self.channels]
@@ -148,5 +148,6 @@ class RunAlerts(Construct):
                             cross_series_reducer="REDUCE_SUM")]))],
                 documentation={"content": alert_rules.documentation(props.exp, name, r), "mime_type": "text/markdown",
                                "subject": f"spottrain {name}: {r.title}"},
-                alert_strategy={"auto_close": f"{alert_rules.AUTO_CLOSE_S}s"}, depends_on=[self.wait],
+                alert_strategy={"auto_close": f"{alert_rules.AUTO_CLOSE_S}s"},
+                depends_on=[self.wait] if self.wait is not None else None,
                 notification_channels=names or None, severity=r.severity, user_labels=dict(props.labels)))

@@ -108,3 +108,13 @@ def test_make_lock_and_wheels_take_an_experiment():
     proc = make("wheels", "EXPERIMENT=example")  # the suite's cache has them: offline
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^experiments/example.toml: \d+ wheels of locks/py3.10-glibc2.35.lock in ", proc.stdout, re.M)
+
+
+def test_make_test_lints_first_and_a_lint_failure_fails_it():
+    """`make test` (what CI runs) runs `make lint` before the suite: ruff on the repository, mypy
+    on the packages pyproject.toml gates; make stops at the first command that fails."""
+    proc = make("-n", "test")
+    assert proc.returncode == 0, proc.stderr
+    commands = [line for line in proc.stdout.splitlines() if line.startswith(".venv/bin/python")]
+    assert commands[:2] == [".venv/bin/python -m ruff check .", ".venv/bin/python -m mypy"]
+    assert commands[-1].startswith(".venv/bin/python -m pytest ")

@@ -7,7 +7,6 @@ or ``command line``) and the process exits 2 without a traceback.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 
@@ -360,10 +359,12 @@ class RunConfig(BaseModel):
     @field_validator("tiers")
     @classmethod
     def _tiers_exist(cls, v: dict[str, TierCadence], info: ValidationInfo) -> dict[str, TierCadence]:
+        from trainer.checkpoint.tiers import GCS
+
         if "local" in v and info.data.get("local_dir") is None:
             raise ValueError("[tiers.local] is set but there is no local_dir (the local tier)")
-        if "gcs" in v and info.data.get("gcs_uri") is None:
-            raise ValueError("[tiers.gcs] is set but there is no gcs_uri (the GCS tier)")
+        if GCS in v and info.data.get("gcs_uri") is None:
+            raise ValueError(f"[tiers.{GCS}] is set but there is no gcs_uri (the GCS tier)")
         return v
 
     def tier_cadence(self) -> dict[str, Any]:
@@ -373,7 +374,7 @@ class RunConfig(BaseModel):
 
         out = {}
         for tier in TIER_NAMES:
-            own = self.tiers.get(tier, TierCadence())
+            own = self._own(tier)
             fixed = own.every_steps is not None or own.every_seconds is not None
             out[tier] = Cadence(every_steps=own.every_steps if fixed else self.checkpoint_every_steps,
                                 every_seconds=own.every_seconds if fixed else self.checkpoint_every_seconds)
@@ -383,7 +384,11 @@ class RunConfig(BaseModel):
         """How many checkpoints each tier keeps: its own ``keep``, else the run's."""
         from trainer.checkpoint.tiers import TIER_NAMES
 
-        return {t: k if (k := self.tiers.get(t, TierCadence()).keep) is not None else self.keep for t in TIER_NAMES}
+        return {t: k if (k := self._own(t).keep) is not None else self.keep for t in TIER_NAMES}
+
+    def _own(self, tier: str) -> TierCadence:
+        """The ``[tiers.NAME]`` table of ``tier`` (an empty one when it has none)."""
+        return next((own for name, own in self.tiers.items() if name == tier), TierCadence())
 
     def tier_table(self, *, gcs_client: Any = None) -> Any:
         """This run's :class:`~trainer.checkpoint.tiers.Tiers` (``trainer.checkpoint.tiers.tier_table``)."""
@@ -479,10 +484,6 @@ class ExportConfig(BaseModel):
     checkpoint_key_file: Path | None = None
     """The run's checkpoint key, as for ``run`` (never created here): only checkpoints it
     authenticates are exported, and a sharded one only with it."""
-
-
-def settings_digest(fingerprint: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
 
 
 def _errors(e: ValidationError, source_of: dict[str, str]) -> list[str]:

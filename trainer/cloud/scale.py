@@ -233,7 +233,7 @@ class Scaler:
                                              "its scheduled runs will act on the marker"))
             return EXIT_API
         if marker in (answer.get("refused") or {}):
-            log("stop_marker_refused", object=f"gs://{self.s.bucket}/{marker}", why=answer["refused"][marker])
+            log(stop_marker.REFUSED_EVENT, object=f"gs://{self.s.bucket}/{marker}", why=answer["refused"][marker])
             return EXIT_API
         for group, size in sorted((answer.get("groups") or {}).items()):
             log("group_resized" if size == 0 else "group_not_resized", group=group, target_size=size)
