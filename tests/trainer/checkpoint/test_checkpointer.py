@@ -599,7 +599,7 @@ def test_emergency_upload_running_past_deadline_leaves_nothing_valid(gcs_emulato
         if th.name == "checkpoint-emergency-upload":
             th.join(GUARD)
     assert not [i for i in list_checkpoints(c.tiers["gcs"].store) if i.valid]
-    assert not any(name.endswith(MANIFEST) for name in c.tiers["gcs"].store.list(""))
+    assert not any(name.endswith(MANIFEST) for name in c.tiers["gcs"].store.names(""))
     assert ckpt(tmp_path, gcs_emulator, with_local=False).restore().tier == "persistent"
 
 
