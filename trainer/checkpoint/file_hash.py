@@ -35,11 +35,13 @@ import hashlib
 import logging
 import os
 import threading
+import types
 from pathlib import Path
 from typing import Callable, Union
 
 import torch
 
+_blake3: types.ModuleType | None
 try:
     import blake3 as _blake3
 except ImportError:  # an image without it: checkpoints are written with SHA-256 (for_writing)

@@ -69,11 +69,11 @@ def _isolate_client_randomness() -> None:
 
     for name in _GLOBAL_RANDOM_USERS:
         try:
-            module = importlib.import_module(name)
+            module: Any = importlib.import_module(name)  # its attribute ``random`` is replaced
         except ImportError:
             continue
         if getattr(module, "random", None) is random:
-            setattr(module, "random", random.Random())  # same methods: randrange, randint, uniform, random
+            module.random = random.Random()  # same methods: randrange, randint, uniform, random
 
 
 @runtime_checkable
@@ -691,8 +691,9 @@ class GcsStore:
             if (got.size, got.crc32c) != (size, crc):
                 with contextlib.suppress(Exception):
                     self._delete_at(key, got.generation)
-                raise gcs_streams.CompositeMismatch(f"{self.location(key)}: composed {got.size} bytes with crc32c "
-                                                    f"{got.crc32c}; the parts uploaded were {size} bytes with crc32c {crc}")
+                raise gcs_streams.CompositeMismatch(
+                    f"{self.location(key)}: composed {got.size} bytes with crc32c {got.crc32c}; the parts uploaded "
+                    f"were {size} bytes with crc32c {crc}")
             return got
 
         self._create_only(key, compose, lambda: (size, crc))
