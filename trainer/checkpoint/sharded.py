@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import file_hash, state_codec
 from trainer.checkpoint.format import (CheckpointInfo, _verify_file, _write_hashed_plain,
-                                       check_checkpoint, copy_dir, download_dir, list_checkpoints, publish_dir,
+                                       copy_dir, download_dir, list_checkpoints, publish_dir,
                                        read_manifest)
 from trainer.checkpoint.host_copy import HostCopy
 from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written
@@ -117,11 +117,6 @@ def list_sharded(store: Store, *, key: Any = None) -> list[CheckpointInfo]:
     return list_checkpoints(store, parse_sharded_manifest, key=key)
 
 
-def check_sharded(store: Store, step: int, *, key: Any = None) -> CheckpointInfo | None:
-    """Quick check of one step (None when nothing of it exists on the store)."""
-    return check_checkpoint(store, step, parse_sharded_manifest, key=key)
-
-
 def verify_sharded_dir(folder: Path, *, key: Any = None) -> dict:
     """Full verification of a sharded checkpoint folder (the manifest's HMAC under ``key``, every
     file's digest); the manifest. Only after this may DCP read the folder."""
@@ -145,6 +140,13 @@ def _load_extras(path: Path) -> Any:
         return state_codec.loads(path.read_bytes())
     except state_codec.DecodeError as e:
         raise CheckpointUnloadable(f"{EXTRAS} verified but cannot be decoded ({e})") from None
+
+
+def _root(t: Tier) -> Path:
+    """A disk tier's folder (a remote tier has none)."""
+    root = t.store.folder()
+    assert root is not None, f"{t.name} is not a disk tier"
+    return root
 
 
 def _spill_roots() -> list[Path]:
@@ -219,6 +221,7 @@ class Ranks:
 
     @property
     def pg(self) -> Any:
+        """The save lane's process group, which DCP's own collectives run on (``Sharded._pg``)."""
         return self._lanes["save"]
 
     def close(self, *, abandoned: bool = False) -> None:
@@ -345,7 +348,7 @@ class Sharded:
         # 1. Every rank writes its shards (DCP's own collectives run on our group), and hashes the
         #    files it wrote (rank 0 also the index and the extras), on the first root that takes
         #    them on every rank.
-        roots = [t.store.folder() for t in disks] + (_spill_roots() if for_upload else [])
+        roots = [_root(t) for t in disks] + (_spill_roots() if for_upload else [])
         stage: Path | None = None
         files: dict[str, dict] = {}
         reasons = []
@@ -377,7 +380,7 @@ class Sharded:
         staged.shards = {}  # the host copy is no longer needed
         if stage is None or manifest is None:
             reason = " | ".join(reasons) or "nowhere to write them"
-            error = RuntimeError(f"writing the shards failed: {reason}")
+            error: RuntimeError | None = RuntimeError(f"writing the shards failed: {reason}")
             for t in disks:
                 out.errors[t.name] = error
                 if g.rank == 0:  # rank 0 speaks for the job (it has every rank's reason)
@@ -522,6 +525,7 @@ class Sharded:
         from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                              set_model_state_dict, set_state_dict)
 
+        sd: dict[str, Any]  # the model's state dict, and the optimizer's
         if optimizer is None:
             sd = {"model": get_model_state_dict(model)}
         else:

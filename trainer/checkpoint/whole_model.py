@@ -56,7 +56,7 @@ from trainer.checkpoint import background_copy, state_codec
 from trainer.checkpoint import file_hash
 from trainer.checkpoint.file_hash import byte_view, hash_workers
 from trainer.checkpoint.format import (CheckpointInfo, _verify_file, _write_hashed, _write_hashed_plain,
-                                       check_checkpoint, list_checkpoints, publish_dir, read_manifest)
+                                       list_checkpoints, publish_dir, read_manifest)
 from trainer.checkpoint.key import CheckpointKey
 from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written
 from trainer.checkpoint.manifest import (MANIFEST, OTHER_LAYOUT, CheckpointInvalid,
@@ -112,12 +112,6 @@ def encode_state(state: Any) -> tuple[bytes, list[torch.Tensor], list[tuple], in
     structure = json.dumps({"format": STRUCTURE, "version": 1, "tensors": table, "tree": tree},
                            separators=(",", ":"), allow_nan=False).encode()
     return structure, found, table, off
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 
 
 @dataclasses.dataclass
@@ -353,11 +347,6 @@ def decode_state(raw: bytes, buf: torch.Tensor, size: int) -> Any:
 def list_whole(store: Store, *, key: CheckpointKey | None = None) -> list[CheckpointInfo]:
     """Every ``step-N`` on the store, newest first, quick-checked as whole-model checkpoints."""
     return list_checkpoints(store, parse_manifest, key=key)
-
-
-def check_whole(store: Store, step: int, *, key: CheckpointKey | None = None) -> CheckpointInfo | None:
-    """Quick check of one step as a whole-model checkpoint (None when nothing of it exists)."""
-    return check_checkpoint(store, step, parse_manifest, key=key)
 
 
 # --------------------------------------------------------------------------------------------
