@@ -157,6 +157,14 @@ class LayoutOf(Protocol[S]):
 Layout = LayoutOf[Any]
 
 
+def disk_folder(t: Tier, key: str = "") -> Path:
+    """The folder of ``key`` on the disk tier ``t`` (``Layout.write`` gets disk tiers only; a
+    remote tier's store has no folder)."""
+    folder = t.store.folder(key)
+    assert folder is not None, f"{t.name} is not a disk tier"
+    return folder
+
+
 class Refs:
     """Runs ``cleanup`` once the last of its holders released it (an upload source shared by the
     uploads to several remote tiers)."""

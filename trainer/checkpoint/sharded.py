@@ -69,7 +69,7 @@ from trainer.checkpoint.format import (CheckpointInfo, _verify_file, _write_hash
                                        copy_dir, download_dir, list_checkpoints, publish_dir,
                                        read_manifest)
 from trainer.checkpoint.host_copy import HostCopy
-from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written
+from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written, disk_folder
 from trainer.checkpoint.manifest import (MANIFEST, OTHER_LAYOUT, CheckpointInvalid, CheckpointUnloadable,
                                          CheckpointUnreadable, StepOccupied, build_manifest,
                                          check_manifest_entries, parse_manifest_header, step_name, unreadable)
@@ -140,13 +140,6 @@ def _load_extras(path: Path) -> Any:
         return state_codec.loads(path.read_bytes())
     except state_codec.DecodeError as e:
         raise CheckpointUnloadable(f"{EXTRAS} verified but cannot be decoded ({e})") from None
-
-
-def _root(t: Tier) -> Path:
-    """A disk tier's folder (a remote tier has none)."""
-    root = t.store.folder()
-    assert root is not None, f"{t.name} is not a disk tier"
-    return root
 
 
 def _spill_roots() -> list[Path]:
@@ -348,7 +341,7 @@ class Sharded:
         # 1. Every rank writes its shards (DCP's own collectives run on our group), and hashes the
         #    files it wrote (rank 0 also the index and the extras), on the first root that takes
         #    them on every rank.
-        roots = [_root(t) for t in disks] + (_spill_roots() if for_upload else [])
+        roots = [disk_folder(t) for t in disks] + (_spill_roots() if for_upload else [])
         stage: Path | None = None
         files: dict[str, dict] = {}
         reasons = []
@@ -404,9 +397,9 @@ class Sharded:
             error = None if not whys else RuntimeError("; ".join(whys) if g.nodes > 1 else whys[0].split(": ", 1)[1])
             out.errors[t.name] = error
             out.seconds[t.name] = write_s if i == 0 else time.monotonic() - t0
-            folder = t.store.folder(final_name)
+            folder = disk_folder(t, final_name)
             if error is None and g.is_leader:
-                out.folders[t.name] = folder  # type: ignore[assignment]
+                out.folders[t.name] = folder
             if g.rank == 0:
                 on_tier(t, error, out.seconds[t.name], folder if error is None else None)
         if stage.exists():
@@ -455,7 +448,7 @@ class Sharded:
             return {t.name: f"{type(e).__name__}: {e}" for t in disks}
         src: Path | None = None
         for t in disks:
-            root: Path = t.store.folder()  # type: ignore[assignment]
+            root = disk_folder(t)
             target = root / step_name(step)
             try:
                 how = plan.get(t.name, "write")

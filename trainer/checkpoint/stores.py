@@ -673,7 +673,7 @@ class GcsStore:
                                       if_generation_match=generation, retry=None, timeout=self._timeout())
             return ObjectInfo(int(blob.size or size), blob.crc32c or "", int(blob.generation or 0))
 
-        return self._create_only(key, upload, lambda: (size, crc()))  # type: ignore[return-value]
+        return self._create_only(key, upload, lambda: (size, crc()))
 
     def _compose(self, key: str, parts: list[tuple[str, int]], size: int, crc: str, *, generation: int) -> None:
         """Compose ``parts`` (key, generation) into ``key``: create-only, or only over
@@ -711,8 +711,11 @@ class GcsStore:
         else:
             self._create_only(key, upload, lambda: (len(data), _crc32c_bytes(data)))
 
-    def _create_only(self, key: str, upload: Callable[[], ObjectInfo | None],
-                     identity: Callable[[], tuple[int, str]]) -> ObjectInfo | None:
+    def _create_only(self, key: str, upload: Callable[[], T],
+                     identity: Callable[[], tuple[int, str]]) -> T | ObjectInfo:
+        """``upload()``'s result; when the object exists already (a 412: our own upload whose
+        answer was lost), the object there if it has ``identity()`` (size, CRC32C), else
+        ``FileExistsError``."""
         from google.api_core import exceptions as gexc
 
         try:
