@@ -199,7 +199,7 @@ else:
     # Once the state is back the checkpointer reserves the first save's host buffer in the
     # background, beside the loop's first steps: work for that save, not the restore, which would
     # add its page faults to this process's CPU time. Left out here.
-    ckpt._reserve_in_background = lambda state: None
+    ckpt._survey._reserve_in_background = lambda state: None
     restored = ckpt.restore()
     assert restored is not None, "nothing restored"
     state = restored.state

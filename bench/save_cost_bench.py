@@ -174,7 +174,7 @@ class _Way:
 
     def done(self) -> bool:
         if self._ckpt is not None:
-            return not self._ckpt._busy()
+            return not self._ckpt._writer.busy()
         return all(f.done() for f in self._writes())
 
     def finish(self) -> None:

@@ -220,7 +220,7 @@ def auto_export(cfg: Any, step: int, log: logging.Logger, *, abort: Any = None) 
     try:
         if store is not None:
             where = store.location(key)
-            if store.list(f"{key}/{SIDECAR}"):
+            if store.names(f"{key}/{SIDECAR}"):
                 log.info("event=export step=%d already=1 at=%s", step, where)
                 return where
         else:

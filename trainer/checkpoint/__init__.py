@@ -3,10 +3,13 @@
 - ``tiers``: ``Tier`` (a place a checkpoint can be: its store, durable, remote, cadence, keep),
   ``Roles`` (home, lease, mirror) and ``tier_table``, the run's tiers;
 - ``stores``: ``DirStore`` and ``GcsStore`` behind one ``Store`` interface; ``gcs_streams``: a
-  large object in parallel streams (sliced downloads, composite uploads); ``crc32c``: Cloud
-  Storage's checksum, and of a concatenation from its parts';
-- ``checkpointer``: the one ``Checkpointer``: when and where to save, uploads, durability,
-  retention, the restore, the emergency save;
+  large object in parallel streams (sliced downloads, composite uploads); ``objects``: what both
+  speak of (``ObjectInfo``, ``UploadAborted``); ``crc32c``: Cloud Storage's checksum, and of a
+  concatenation from its parts';
+- ``checkpointer``: the one ``Checkpointer``, the save policy the loop talks to (when and where to
+  save, durability), and its parts: ``bookkeeping`` (each tier's schedule and health, the stats),
+  ``disk_writer``, ``uploader`` (the upload queue, retention), ``survey`` (what the tiers hold,
+  the restore) and ``emergency`` (the emergency save);
 - ``layout``: what a checkpoint layout is to the checkpointer, and the ranks that save together;
   ``whole_model`` and ``sharded`` (FSDP2 through DCP) are the two, ``host_copy`` the sharded
   layout's host buffers;

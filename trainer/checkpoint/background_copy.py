@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any
+from typing import AbstractSet, Any
 
 import torch
 
@@ -60,7 +60,8 @@ class BackgroundCopy:
     ``devices``: the CUDA devices whose current stream the save call queued copies on (the
     buffers'), which the host waits for too before the buffer is read."""
 
-    def __init__(self, arena: torch.Tensor, parts: list[Part], devices: set[torch.device] = frozenset()) -> None:
+    def __init__(self, arena: torch.Tensor, parts: list[Part],
+                 devices: AbstractSet[torch.device] = frozenset()) -> None:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._events: list[tuple[torch.device, Any]] = []

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
-from typing import BinaryIO
+
+from trainer.checkpoint.objects import Readable
 
 _POLY = 0x82F63B78  # Castagnoli, reflected
 _CHUNK = 16 << 20
@@ -73,7 +74,7 @@ def of_bytes(data: bytes | memoryview) -> int:
     return crc
 
 
-def of_stream(f: BinaryIO) -> int:
+def of_stream(f: Readable) -> int:
     """Of what ``f`` reads from where it is to its end."""
     import google_crc32c
 

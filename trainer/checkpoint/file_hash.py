@@ -35,11 +35,13 @@ import hashlib
 import logging
 import os
 import threading
+import types
 from pathlib import Path
 from typing import Callable, Union
 
 import torch
 
+_blake3: types.ModuleType | None
 try:
     import blake3 as _blake3
 except ImportError:  # an image without it: checkpoints are written with SHA-256 (for_writing)
@@ -85,7 +87,8 @@ def _sha256(data: Buffer) -> bytes:
 
 
 def _blake3_digest(data: Buffer) -> bytes:
-    return _blake3.blake3(data).digest()  # type: ignore[union-attr]
+    assert _blake3 is not None, "BLAKE3 exists only where blake3 imports"
+    return _blake3.blake3(data).digest()
 
 
 SHA256 = FileHash("sha256-of-64MiB-chunk-sha256s", "sha256", 64 << 20, _sha256)
@@ -118,7 +121,7 @@ def for_writing() -> FileHash:
 
 def of_manifest(m: dict) -> FileHash:
     """The hash a parsed manifest names (its parser made sure it is known and available here)."""
-    fh = HASHES.get(m.get("hash"))  # type: ignore[arg-type]
+    fh = HASHES.get(m.get("hash", ""))
     if fh is None:
         raise ValueError(f"no file hash {m.get('hash')!r} here")
     return fh

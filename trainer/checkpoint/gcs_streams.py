@@ -39,13 +39,10 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, ContextManager, TypeVar
+from typing import Any, Callable, ContextManager, Protocol, TypeVar
 
 from trainer.checkpoint import crc32c
-from trainer.checkpoint.stores import ObjectInfo, UploadAborted
-
-if TYPE_CHECKING:
-    from trainer.checkpoint.stores import GcsStore
+from trainer.checkpoint.objects import ObjectInfo, Readable, UploadAborted
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +53,29 @@ PARTS_DIR = ".tmp-parts"
 #: Seconds the deletion of an upload's parts may take (beyond them: clean_temporaries' job).
 DISCARD_S = 10.0
 _BLOCK = 1 << 20
+
+
+class GcsStore(Protocol):
+    """What the bucket store (``trainer.checkpoint.stores.GcsStore``, which imports this module)
+    lends its streams: its per-thread deadline and abort, and the single requests each stream
+    makes by the store's own rules (create-only, retries, the guard)."""
+
+    _local: threading.local  # this thread's ``deadline`` and ``abort``
+    _bucket: Any             # the client's bucket
+
+    def deadline(self, deadline: float | None) -> ContextManager[None]: ...
+    def aborting(self, event: Any) -> ContextManager[None]: ...  # an Event, or what is_set() and wait()
+    def location(self, key: str = "") -> str: ...
+    def _deadline(self) -> float | None: ...
+    def _aborted(self) -> bool: ...
+    def _check_stop(self, what: str) -> None: ...
+    def _object(self, key: str) -> str: ...
+    def _timeout(self) -> float: ...
+    def _retry(self, what: str, fn: Callable[[], T]) -> T: ...
+    def _put_stream(self, key: str, opener: Callable[[], Any], size: int, crc: Callable[[], str], *,
+                    generation: int = 0) -> ObjectInfo: ...
+    def _compose(self, key: str, parts: list[tuple[str, int]], size: int, crc: str, *, generation: int) -> None: ...
+    def _delete_at(self, key: str, generation: int) -> None: ...
 
 
 class ShortRead(ConnectionError):
@@ -100,7 +120,7 @@ def _run(store: GcsStore, tasks: list[Callable[[], T]]) -> list[T]:
 
     def run(i: int) -> None:
         try:
-            with store.deadline(deadline), store.aborting(abort):  # type: ignore[arg-type]
+            with store.deadline(deadline), store.aborting(abort):
                 results[i] = tasks[i]()
         except BaseException as e:  # noqa: BLE001 - raised by the caller, below
             errors[i] = e
@@ -155,7 +175,10 @@ class _SliceWriter:
 def download(store: GcsStore, key: str, tmp: Path, info: ObjectInfo, streams: int) -> None:
     """Object ``key`` (as ``info`` describes it) into the new file ``tmp``, in ``streams``
     slices at once, fsynced (see the module docstring); the caller renames it."""
-    from google.cloud.storage.exceptions import DataCorruption
+    import importlib
+
+    # The client ships no types: its exception is Any here.
+    DataCorruption: Any = importlib.import_module("google.cloud.storage.exceptions").DataCorruption
 
     ranges = split(info.size, streams)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -194,7 +217,7 @@ def _slice(store: GcsStore, key: str, fd: int, start: int, end: int, generation:
 
 
 # --- composite upload --------------------------------------------------------------------------
-def upload(store: GcsStore, key: str, opener: Callable[[int, int], ContextManager[BinaryIO]], size: int, *,
+def upload(store: GcsStore, key: str, opener: Callable[[int, int], ContextManager[Readable]], size: int, *,
            generation: int, streams: int) -> None:
     """``size`` bytes (``opener(start, end)`` opens a range of them) to ``key`` as a composite
     of ``streams`` parts uploaded at once (see the module docstring)."""
@@ -244,7 +267,7 @@ def discard(store: GcsStore, key: str, parts: dict[str, int], *, composed: bool)
                     type(e).__name__, str(e)[:200])
 
 
-def range_of_file(path: Path) -> Callable[[int, int], ContextManager[BinaryIO]]:
+def range_of_file(path: Path) -> Callable[[int, int], ContextManager[Readable]]:
     """``opener(start, end)`` of byte ranges of a file."""
     @contextlib.contextmanager
     def opener(start: int, end: int) -> Any:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from trainer.checkpoint.tiers import Tier
 
@@ -74,9 +74,12 @@ class Staged(Protocol):
     writes the weights or the optimizer state (True once it may; False when ``timeout`` passed),
     and ``copied`` blocks until the host copy is complete (the disk writer calls it first)."""
 
-    step: int
-    meta: dict
-    alloc_s: float
+    @property
+    def step(self) -> int: ...
+    @property
+    def meta(self) -> dict: ...
+    @property
+    def alloc_s(self) -> float: ...
 
     def hold(self) -> None: ...
     def release(self) -> None: ...
@@ -113,30 +116,53 @@ Plan = dict[str, str]
 OnTier = Callable[[Tier, BaseException | None, float, Path | None], None]
 
 
-class Layout(Protocol):
-    """A checkpoint layout (see the module docstring)."""
+#: The staged state of one layout (its own class: ``whole_model._Staged``, ``sharded._Staged``).
+S = TypeVar("S", bound=Staged)
 
-    name: str              # "whole-model" or "sharded", for messages
-    parallelism: str       # the setting that writes it ("ddp", "fsdp"), for messages
-    needs_key: str | None  # why this layout is never read without a checkpoint key (None: it may be)
-    group: Group
-    in_place: bool         # a restore loads the weights into the bound model itself
-    verify_on_obtain: bool  # a copy is verified whole before it is loaded (else load verifies it)
+
+class LayoutOf(Protocol[S]):
+    """A checkpoint layout whose ``stage`` makes an ``S`` and whose ``write`` and uploads from host
+    memory take it back (see the module docstring); ``Layout`` is any of them."""
+
+    @property
+    def name(self) -> str: ...              # "whole-model" or "sharded", for messages
+    @property
+    def parallelism(self) -> str: ...       # the setting that writes it ("ddp", "fsdp"), for messages
+    @property
+    def needs_key(self) -> str | None: ...  # why this layout is never read without a checkpoint key (None: it may be)
+    @property
+    def group(self) -> Group: ...
+    @property
+    def in_place(self) -> bool: ...         # a restore loads the weights into the bound model itself
+    @property
+    def verify_on_obtain(self) -> bool: ...  # a copy is verified whole before it is loaded (else load verifies it)
 
     def parse_manifest(self, data: bytes, step: int | None = None, *, key: Any = None) -> dict: ...
     def bind(self, model: Any, optimizer: Any) -> None: ...
     def can_stage(self, droppable: bool) -> bool: ...
-    def stage(self, step: int, state: Any, meta: dict, *, make_room: Callable[[], bool]) -> Staged: ...
+    def stage(self, step: int, state: Any, meta: dict, *, make_room: Callable[[], bool]) -> S: ...
     def reserve(self, state: Any) -> None: ...
-    def write(self, staged: Staged, disks: list[Tier], plan: Plan, *, for_upload: bool, parallel: bool,
+    def write(self, staged: S, disks: list[Tier], plan: Plan, *, for_upload: bool, parallel: bool,
               on_tier: OnTier, key: Any, writer: str) -> Written: ...
-    def memory_manifest(self, staged: Staged, *, key: Any, writer: str) -> bytes: ...
-    def memory_file(self, staged: Staged, name: str) -> memoryview: ...
+    def memory_manifest(self, staged: S, *, key: Any, writer: str) -> bytes: ...
+    def memory_file(self, staged: S, name: str) -> memoryview: ...
     def uploads(self, files: list[str], *, collective: bool) -> list[str]: ...
     def verify(self, folder: Path, *, key: Any) -> dict: ...
     def load(self, folder: Path, *, key: Any) -> Any: ...
     def look(self, folder: Path, *, key: Any) -> tuple[dict, Any]: ...
     def close(self) -> None: ...
+
+
+#: Any checkpoint layout: the checkpointer hands a layout back only the staged states it made.
+Layout = LayoutOf[Any]
+
+
+def disk_folder(t: Tier, key: str = "") -> Path:
+    """The folder of ``key`` on the disk tier ``t`` (``Layout.write`` gets disk tiers only; a
+    remote tier's store has no folder)."""
+    folder = t.store.folder(key)
+    assert folder is not None, f"{t.name} is not a disk tier"
+    return folder
 
 
 class Refs:

@@ -18,7 +18,7 @@ not verify with this key: forged, or written with a lost or rotated key), and on
 another run (an authentic checkpoint of a run under the same key, copied here). A restore that
 meets them with nothing authentic left refuses to start afresh beside them (``ResumeMismatch``),
 except unauthenticated and other-run ones that are only in the bucket, which a bucket writer may
-have planted: those are set aside (``trainer.checkpoint.checkpointer``, ``trainer.checkpoint.run_record``).
+have planted: those are set aside (``trainer.checkpoint.survey``, ``trainer.checkpoint.run_record``).
 """
 
 from __future__ import annotations
@@ -119,12 +119,6 @@ def other_layout(reason: str) -> bool:
 def quarantined(reason: str) -> bool:
     """A checkpoint that is never loaded, overwritten or deleted (see the module docstring)."""
     return reason.startswith(QUARANTINED)
-
-
-def blocks_fresh_start(reason: str) -> bool:
-    """Quarantined checkpoints a run may not silently continue beside: the other layout and another
-    format (an unauthenticated one blocks only when nothing authentic is left to resume from)."""
-    return reason.startswith((OTHER_LAYOUT, OTHER_FORMAT))
 
 
 def layout_mismatch(this: str, found: list[str]) -> str:

@@ -6,7 +6,7 @@ the run's own under a lost key, or moved here) let that writer stop the run for 
 writes ``run-record.json`` on each remote tier, HMAC-signed under its checkpoint key and naming the
 run it belongs to (``CheckpointKey.run``), before the manifest of its first checkpoint there in each
 session. Only a holder of the key can write one that verifies; a restore that finds nothing
-authentic to resume asks it whether the run ever saved (``trainer.checkpoint.checkpointer``).
+authentic to resume asks it whether the run ever saved (``trainer.checkpoint.survey``).
 
 Disk tiers get none: a bucket writer cannot write them, so whatever they hold is already the
 run's own (or root's) word, and a quarantined checkpoint there still stops the run.

@@ -66,10 +66,10 @@ import torch.distributed as dist
 
 from trainer.checkpoint import file_hash, state_codec
 from trainer.checkpoint.format import (CheckpointInfo, _verify_file, _write_hashed_plain,
-                                       check_checkpoint, copy_dir, download_dir, list_checkpoints, publish_dir,
+                                       copy_dir, download_dir, list_checkpoints, publish_dir,
                                        read_manifest)
 from trainer.checkpoint.host_copy import HostCopy
-from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written
+from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written, disk_folder
 from trainer.checkpoint.manifest import (MANIFEST, OTHER_LAYOUT, CheckpointInvalid, CheckpointUnloadable,
                                          CheckpointUnreadable, StepOccupied, build_manifest,
                                          check_manifest_entries, parse_manifest_header, step_name, unreadable)
@@ -115,11 +115,6 @@ def list_sharded(store: Store, *, key: Any = None) -> list[CheckpointInfo]:
     """Every ``step-N`` on the store, newest first, quick-checked (manifest and HMAC, presence,
     sizes)."""
     return list_checkpoints(store, parse_sharded_manifest, key=key)
-
-
-def check_sharded(store: Store, step: int, *, key: Any = None) -> CheckpointInfo | None:
-    """Quick check of one step (None when nothing of it exists on the store)."""
-    return check_checkpoint(store, step, parse_sharded_manifest, key=key)
 
 
 def verify_sharded_dir(folder: Path, *, key: Any = None) -> dict:
@@ -219,6 +214,7 @@ class Ranks:
 
     @property
     def pg(self) -> Any:
+        """The save lane's process group, which DCP's own collectives run on (``Sharded._pg``)."""
         return self._lanes["save"]
 
     def close(self, *, abandoned: bool = False) -> None:
@@ -345,7 +341,7 @@ class Sharded:
         # 1. Every rank writes its shards (DCP's own collectives run on our group), and hashes the
         #    files it wrote (rank 0 also the index and the extras), on the first root that takes
         #    them on every rank.
-        roots = [t.store.folder() for t in disks] + (_spill_roots() if for_upload else [])
+        roots = [disk_folder(t) for t in disks] + (_spill_roots() if for_upload else [])
         stage: Path | None = None
         files: dict[str, dict] = {}
         reasons = []
@@ -377,7 +373,7 @@ class Sharded:
         staged.shards = {}  # the host copy is no longer needed
         if stage is None or manifest is None:
             reason = " | ".join(reasons) or "nowhere to write them"
-            error = RuntimeError(f"writing the shards failed: {reason}")
+            error: RuntimeError | None = RuntimeError(f"writing the shards failed: {reason}")
             for t in disks:
                 out.errors[t.name] = error
                 if g.rank == 0:  # rank 0 speaks for the job (it has every rank's reason)
@@ -401,9 +397,9 @@ class Sharded:
             error = None if not whys else RuntimeError("; ".join(whys) if g.nodes > 1 else whys[0].split(": ", 1)[1])
             out.errors[t.name] = error
             out.seconds[t.name] = write_s if i == 0 else time.monotonic() - t0
-            folder = t.store.folder(final_name)
+            folder = disk_folder(t, final_name)
             if error is None and g.is_leader:
-                out.folders[t.name] = folder  # type: ignore[assignment]
+                out.folders[t.name] = folder
             if g.rank == 0:
                 on_tier(t, error, out.seconds[t.name], folder if error is None else None)
         if stage.exists():
@@ -452,7 +448,7 @@ class Sharded:
             return {t.name: f"{type(e).__name__}: {e}" for t in disks}
         src: Path | None = None
         for t in disks:
-            root: Path = t.store.folder()  # type: ignore[assignment]
+            root = disk_folder(t)
             target = root / step_name(step)
             try:
                 how = plan.get(t.name, "write")
@@ -522,6 +518,7 @@ class Sharded:
         from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                              set_model_state_dict, set_state_dict)
 
+        sd: dict[str, Any]  # the model's state dict, and the optimizer's
         if optimizer is None:
             sd = {"model": get_model_state_dict(model)}
         else:

@@ -134,9 +134,10 @@ def decode(data: Any, tensor: Callable[[dict], torch.Tensor]) -> Any:
         if tag == "dict":
             return {_key(decode(k, tensor)): decode(v, tensor) for k, v in data["items"]}
         if tag == "odict":
-            out = OrderedDict((_key(decode(k, tensor)), decode(v, tensor)) for k, v in data["items"])
+            # A module's state dict: an OrderedDict that carries torch's ``_metadata`` attribute.
+            out: Any = OrderedDict((_key(decode(k, tensor)), decode(v, tensor)) for k, v in data["items"])
             if "meta" in data:
-                out._metadata = decode(data["meta"], tensor)  # type: ignore[attr-defined]
+                out._metadata = decode(data["meta"], tensor)
             return out
         if tag == "tuple":
             return tuple(decode(v, tensor) for v in data["items"])

@@ -34,10 +34,11 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, ContextManager, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Any, BinaryIO, Callable, ContextManager, Iterator, Protocol, TypeVar, runtime_checkable
 
 from trainer import retry
-from trainer.checkpoint import crc32c
+from trainer.checkpoint import crc32c, gcs_streams
+from trainer.checkpoint.objects import ObjectInfo, UploadAborted
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def _isolate_client_randomness() -> None:
 
     for name in _GLOBAL_RANDOM_USERS:
         try:
-            module = importlib.import_module(name)
+            module: Any = importlib.import_module(name)  # its attribute ``random`` is replaced
         except ImportError:
             continue
         if getattr(module, "random", None) is random:
@@ -94,25 +95,13 @@ class Store(Protocol):
     def put_bytes(self, key: str, data: bytes, *, overwrite: bool = False) -> None: ...
     def get_bytes(self, key: str) -> bytes: ...
     def get_file(self, key: str, dst: Path) -> None: ...
-    def list(self, prefix: str) -> list[str]: ...
+    def names(self, prefix: str) -> list[str]: ...
     def sizes(self, prefix: str) -> dict[str, int]: ...
     def delete(self, key: str) -> None: ...
     def delete_prefix(self, prefix: str) -> None: ...
     def deadline(self, deadline: float | None) -> ContextManager[None]: ...
     def aborting(self, event: threading.Event | None) -> ContextManager[None]: ...
     def clean_temporaries(self) -> list[str]: ...
-
-
-class ObjectInfo(NamedTuple):
-    """One object as a listing shows it."""
-
-    size: int
-    crc32c: str  # base64, as GCS reports it
-    generation: int
-
-
-class UploadAborted(retry.Aborted):
-    """An upload was stopped on purpose (deadline passed or the checkpointer is shutting down)."""
 
 
 def is_unreachable(exc: BaseException) -> bool:
@@ -261,7 +250,7 @@ class DirStore:
         os.replace(tmp, dst)
         fsync_dir(dst.parent)
 
-    def list(self, prefix: str) -> list[str]:
+    def names(self, prefix: str) -> list[str]:
         """Keys starting with ``prefix`` (string prefix, as on GCS); temporary files excluded."""
         base = self.root
         head, _, _ = prefix.rpartition("/")
@@ -283,7 +272,7 @@ class DirStore:
     def sizes(self, prefix: str) -> dict[str, int]:
         """Key -> size for every key under ``prefix``."""
         out = {}
-        for k in self.list(prefix):
+        for k in self.names(prefix):
             with contextlib.suppress(FileNotFoundError):
                 out[k] = self.path(k).stat().st_size
         return out
@@ -302,7 +291,7 @@ class DirStore:
                 fsync_dir(d.parent)
                 shutil.rmtree(trash, ignore_errors=True)
                 return
-        for k in self.list(prefix):
+        for k in self.names(prefix):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(k))
 
@@ -316,7 +305,7 @@ class DirStore:
     def clean_temporaries(self) -> list[str]:
         """Remove leftovers of interrupted writes/deletes in the root (never visible, never valid).
         Best effort: on a disk that takes no writes (full, read-only) they stay, harmless."""
-        removed = []
+        removed: list[str] = []
         if not self.root.is_dir():
             return removed
         for p in self.root.iterdir():
@@ -389,7 +378,9 @@ def parse_gcs_uri(uri: str) -> tuple[str, str]:
 
 def default_gcs_client() -> Any:
     """A real client; against the emulator when ``STORAGE_EMULATOR_HOST`` is set."""
-    from google.cloud import storage
+    import importlib
+
+    storage: Any = importlib.import_module("google.cloud.storage")  # the client ships no types
 
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         from google.auth.credentials import AnonymousCredentials
@@ -585,21 +576,19 @@ class GcsStore:
         restore runs it, under the writer lease, before this job uploads anything. Best effort
         within ``CLEAN_S``, its listing tried once (a bucket that does not answer is the
         restore's to wait for): what stays is removed by the next one, and is never listed."""
-        from trainer.checkpoint.gcs_streams import PARTS_DIR
-
         removed: list[str] = []
         try:
             self._may_write()
             dl, until = self._deadline(), time.monotonic() + self.CLEAN_S
             with self.deadline(until if dl is None else min(dl, until)):
-                parts = list(self._client.list_blobs(self._bucket, prefix=self._object(PARTS_DIR) + "/", retry=None,
-                                                     timeout=self._timeout()))
+                parts = list(self._client.list_blobs(self._bucket, prefix=self._object(gcs_streams.PARTS_DIR) + "/",
+                                                     retry=None, timeout=self._timeout()))
                 for b in parts:
                     self._delete_at(self._key_of(b.name), int(b.generation))
                     removed.append(self._key_of(b.name))
         except Exception as e:  # noqa: BLE001 - leftovers cost storage, not correctness
             log.warning("gcs: could not remove every leftover part under %s/ (%s: %s); the next start tries again",
-                        self.location(PARTS_DIR), type(e).__name__, str(e)[:200])
+                        self.location(gcs_streams.PARTS_DIR), type(e).__name__, str(e)[:200])
         return removed
 
     def _delete_at(self, key: str, generation: int) -> None:
@@ -655,8 +644,6 @@ class GcsStore:
         src = Path(src)
         size = src.stat().st_size
         if self._streams_for(size) > 1:
-            from trainer.checkpoint import gcs_streams
-
             self._may_write()
             gcs_streams.upload(self, key, gcs_streams.range_of_file(src), size, generation=generation,
                                streams=self._streams_for(size))
@@ -667,8 +654,6 @@ class GcsStore:
         """``put_file`` from host memory (a snapshot whose disk copy could not be written)."""
         mv = memoryview(data).cast("B")
         if self._streams_for(len(mv)) > 1:
-            from trainer.checkpoint import gcs_streams
-
             self._may_write()
             gcs_streams.upload(self, key, lambda s, e: contextlib.closing(_MemoryReader(mv[s:e])), len(mv),
                                generation=0, streams=self._streams_for(len(mv)))
@@ -690,14 +675,13 @@ class GcsStore:
                                       if_generation_match=generation, retry=None, timeout=self._timeout())
             return ObjectInfo(int(blob.size or size), blob.crc32c or "", int(blob.generation or 0))
 
-        return self._create_only(key, upload, lambda: (size, crc()))  # type: ignore[return-value]
+        return self._create_only(key, upload, lambda: (size, crc()))
 
     def _compose(self, key: str, parts: list[tuple[str, int]], size: int, crc: str, *, generation: int) -> None:
         """Compose ``parts`` (key, generation) into ``key``: create-only, or only over
         ``generation``; a lost answer's 412 is judged by ``size`` and ``crc`` (the parts'
         CRC32Cs combined), as an upload's is. A composed object that is not those parts (one
         changed before the compose) is deleted and ``CompositeMismatch`` raised."""
-        from trainer.checkpoint.gcs_streams import CompositeMismatch
 
         def compose() -> ObjectInfo:
             self._may_write()
@@ -709,8 +693,9 @@ class GcsStore:
             if (got.size, got.crc32c) != (size, crc):
                 with contextlib.suppress(Exception):
                     self._delete_at(key, got.generation)
-                raise CompositeMismatch(f"{self.location(key)}: composed {got.size} bytes with crc32c {got.crc32c}; "
-                                        f"the parts uploaded were {size} bytes with crc32c {crc}")
+                raise gcs_streams.CompositeMismatch(
+                    f"{self.location(key)}: composed {got.size} bytes with crc32c {got.crc32c}; the parts uploaded "
+                    f"were {size} bytes with crc32c {crc}")
             return got
 
         self._create_only(key, compose, lambda: (size, crc))
@@ -728,8 +713,11 @@ class GcsStore:
         else:
             self._create_only(key, upload, lambda: (len(data), _crc32c_bytes(data)))
 
-    def _create_only(self, key: str, upload: Callable[[], ObjectInfo | None],
-                     identity: Callable[[], tuple[int, str]]) -> ObjectInfo | None:
+    def _create_only(self, key: str, upload: Callable[[], T],
+                     identity: Callable[[], tuple[int, str]]) -> T | ObjectInfo:
+        """``upload()``'s result; when the object exists already (a 412: our own upload whose
+        answer was lost), the object there if it has ``identity()`` (size, CRC32C), else
+        ``FileExistsError``."""
         from google.api_core import exceptions as gexc
 
         try:
@@ -780,8 +768,6 @@ class GcsStore:
             info = self._retry(f"stat {key}", stat)
             streams = self._streams_for(info.size) if info.crc32c else 1
             if streams > 1:
-                from trainer.checkpoint import gcs_streams
-
                 gcs_streams.download(self, key, tmp, info, streams)
             else:
                 self._retry(f"download {key}", download)
@@ -809,7 +795,7 @@ class GcsStore:
         return [b for b in self._list_blobs(prefix)
                 if not any(p.startswith(TMP_PREFIX) for p in self._key_of(b.name).split("/"))]
 
-    def list(self, prefix: str) -> list[str]:
+    def names(self, prefix: str) -> list[str]:
         return sorted(self._key_of(b.name) for b in self._visible(prefix))
 
     def sizes(self, prefix: str) -> dict[str, int]:
@@ -824,7 +810,7 @@ class GcsStore:
         from google.api_core import exceptions as gexc
 
         self._may_write()
-        for key in self.list(prefix):
+        for key in self.names(prefix):
             self._may_write()
 
             def delete(key: str = key) -> None:

@@ -56,9 +56,9 @@ from trainer.checkpoint import background_copy, state_codec
 from trainer.checkpoint import file_hash
 from trainer.checkpoint.file_hash import byte_view, hash_workers
 from trainer.checkpoint.format import (CheckpointInfo, _verify_file, _write_hashed, _write_hashed_plain,
-                                       check_checkpoint, list_checkpoints, publish_dir, read_manifest)
+                                       list_checkpoints, publish_dir, read_manifest)
 from trainer.checkpoint.key import CheckpointKey
-from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written
+from trainer.checkpoint.layout import OneProcess, OnTier, Plan, Written, disk_folder
 from trainer.checkpoint.manifest import (MANIFEST, OTHER_LAYOUT, CheckpointInvalid,
                                          CheckpointUnloadable, StepOccupied, build_manifest,
                                          check_manifest_entries, parse_manifest_header, step_name)
@@ -112,12 +112,6 @@ def encode_state(state: Any) -> tuple[bytes, list[torch.Tensor], list[tuple], in
     structure = json.dumps({"format": STRUCTURE, "version": 1, "tensors": table, "tree": tree},
                            separators=(",", ":"), allow_nan=False).encode()
     return structure, found, table, off
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 
 
 @dataclasses.dataclass
@@ -355,11 +349,6 @@ def list_whole(store: Store, *, key: CheckpointKey | None = None) -> list[Checkp
     return list_checkpoints(store, parse_manifest, key=key)
 
 
-def check_whole(store: Store, step: int, *, key: CheckpointKey | None = None) -> CheckpointInfo | None:
-    """Quick check of one step as a whole-model checkpoint (None when nothing of it exists)."""
-    return check_checkpoint(store, step, parse_manifest, key=key)
-
-
 # --------------------------------------------------------------------------------------------
 # The layout
 # --------------------------------------------------------------------------------------------
@@ -500,21 +489,21 @@ class WholeModel:
         def one(t: Tier) -> None:
             t0 = time.monotonic()
             error: BaseException | None = None
-            folder = t.store.folder(step_name(staged.step))
+            folder: Path | None = disk_folder(t, step_name(staged.step))
             try:
                 how = plan.get(t.name, "write")
                 if how.startswith("occupied: "):
                     raise StepOccupied(how[len("occupied: "):])
                 if how != "keep":
-                    folder, _ = write_dir(staged.snap, t.store.folder(), key=key, writer=writer,  # type: ignore[arg-type]
+                    folder, _ = write_dir(staged.snap, disk_folder(t), key=key, writer=writer,
                                           replace=how == "replace")
             except Exception as e:  # noqa: BLE001 - each tier fails on its own
                 error, folder = e, None
             seconds = time.monotonic() - t0
             with lock:
                 out.errors[t.name], out.seconds[t.name] = error, seconds
-                if error is None:
-                    out.folders[t.name] = folder  # type: ignore[assignment]
+                if error is None and folder is not None:  # it is: written or kept
+                    out.folders[t.name] = folder
             on_tier(t, error, seconds, folder)
 
         if parallel:

@@ -159,7 +159,7 @@ def read_store_events(store: Any, *, skip: set[tuple[str, int]] | frozenset = fr
     ``deadline`` (time.monotonic). A malformed object is skipped with a warning."""
     bounded = getattr(store, "deadline", None) if deadline is not None else None
     with bounded(deadline) if bounded else _nothing():
-        keys = store.list(LEDGER_DIR + "/")
+        keys = store.names(LEDGER_DIR + "/")
     wanted = []
     for key in keys:
         k = _parse_object_key(key)
@@ -360,7 +360,7 @@ class Ledger:
         deadline = time.monotonic() + RECOVER_TIMEOUT_S
         try:
             with store.deadline(deadline) if hasattr(store, "deadline") else _nothing():
-                remote_keys = {k for k in map(_parse_object_key, store.list(LEDGER_DIR + "/")) if k}
+                remote_keys = {k for k in map(_parse_object_key, store.names(LEDGER_DIR + "/")) if k}
             missing_here = read_store_events(store, skip=local_keys, deadline=deadline)
         except Exception as e:  # noqa: BLE001 - the durable tier being down must not stop training
             self.log.warning("event=ledger_recover ok=0 error=%r", e)

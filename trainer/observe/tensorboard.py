@@ -186,7 +186,7 @@ class Metrics:
         remote: list[str] = []
         if self.store is not None:
             try:
-                remote = [k.rsplit("/", 1)[1] for k in self.store.list(TB_DIR + "/") if _PREFIX in k]
+                remote = [k.rsplit("/", 1)[1] for k in self.store.names(TB_DIR + "/") if _PREFIX in k]
                 for name in remote:
                     if not self.dir.path(name).exists():
                         self.dir.put_bytes(name, self.store.get_bytes(f"{TB_DIR}/{name}"), overwrite=True)

@@ -52,7 +52,7 @@ def ckpt(tmp_path: Path, emu=None, *, client=None, with_local=True, key: Checkpo
 
 
 def due(c: Checkpointer, step: int) -> list[str]:
-    return [t.name for t in c._due_tiers(step)]
+    return [t.name for t in c._book.due_tiers(step)]
 
 
 def save_steps(c: Checkpointer, steps) -> None:
@@ -268,7 +268,7 @@ def test_emulator_down_mid_upload_then_back(gcs_emulator, faulty_gcs, tmp_path: 
     c.save(5, make_state(5))
     logwatch.wait_for("retrying", GUARD)
     # Training goes on meanwhile, and so do the disk saves: the upload holds none of them back.
-    assert c.uploading() and not c._busy() and c.due(6)
+    assert c.uploading() and not c._writer.busy() and c.due(6)
     emu.start()
     c.wait()
     assert c.stats["tier_writes_failed"] == 0
@@ -335,10 +335,10 @@ def test_save_does_not_wait_for_the_upload_and_newer_uploads_replace_queued_ones
     assert entered.wait(GUARD) and not release.is_set()  # the upload of step 1 is still held
     # The disk saves go on meanwhile; their uploads queue behind it, the newest replacing the older.
     for step in (2, 3):
-        c._thread.join(GUARD)  # the previous save's disk writer
+        c._writer.thread.join(GUARD)  # the previous save's disk writer
         assert c.due(step)
         c.save(step, make_state(step))
-    c._thread.join(GUARD)
+    c._writer.thread.join(GUARD)
     assert c.stats["waited"] == 0 and c.stats["uploads_superseded"] == 1
     assert "upload of step 2 to gcs dropped: step 3 is newer" in logwatch.text()
     release.set()
@@ -383,7 +383,7 @@ def test_unknown_tier_policy_rejected(tmp_path: Path) -> None:
 def test_due_by_steps_per_tier(tmp_path: Path) -> None:
     c = checkpointer(run_dir=tmp_path / "run", local_dir=tmp_path / "local",
                      policies={"local": Policy(every_steps=2), "persistent": Policy(every_steps=5)})
-    assert [s for s in range(1, 7) if c._due_tiers(s)] == [2, 3, 4, 5, 6]  # nothing saved yet: stays due
+    assert [s for s in range(1, 7) if c._book.due_tiers(s)] == [2, 3, 4, 5, 6]  # nothing saved yet: stays due
     c.save(2, make_state(2))
     c.wait()
     assert sorted(p.name for p in (tmp_path / "local").iterdir()) == [step_name(2)]
@@ -416,7 +416,7 @@ def test_automatic_interval_uses_measured_cost(tmp_path: Path, logwatch) -> None
     assert len(first) == 1 and "no cost measured yet" in first[0]  # logged once, not per step
     c.save(50, make_state(50))
     c.wait()
-    auto = c._schedule["persistent"].auto
+    auto = c._book.schedule["persistent"].auto
     assert auto.blocked_s is not None and auto.write_s is not None
     assert c.interval_s("persistent") == auto.decide().seconds
     c.due(51)
@@ -437,7 +437,7 @@ def after_a_first_save(c: Checkpointer, step: int = 1) -> None:
     """``c`` saved ``step`` (a process's first save never yields), and an hour passes on the clock
     its writes yield by, so that its next periodic write has room to yield."""
     hour = [0.0]
-    c._yielding = yielding.YieldingWrites(lambda: hour[0])
+    c._writer.yielding = yielding.YieldingWrites(lambda: hour[0])
     c.save(step, make_state(step))
     assert c.wait(GUARD)
     hour[0] = 3600.0
@@ -599,7 +599,7 @@ def test_emergency_upload_running_past_deadline_leaves_nothing_valid(gcs_emulato
         if th.name == "checkpoint-emergency-upload":
             th.join(GUARD)
     assert not [i for i in list_checkpoints(c.tiers["gcs"].store) if i.valid]
-    assert not any(name.endswith(MANIFEST) for name in c.tiers["gcs"].store.list(""))
+    assert not any(name.endswith(MANIFEST) for name in c.tiers["gcs"].store.names(""))
     assert ckpt(tmp_path, gcs_emulator, with_local=False).restore().tier == "persistent"
 
 
@@ -610,7 +610,7 @@ def test_emergency_cuts_short_an_in_flight_upload(gcs_emulator, faulty_gcs, tmp_
     entered = threading.Event()
 
     def hang_until_aborted() -> None:
-        job = c._active
+        job = c._uploads._active
         entered.set()
         assert job.abort.wait(GUARD)
         # Meanwhile the store still works for others sharing it (the goodput ledger mirror).
@@ -762,14 +762,14 @@ def test_restore_reserves_the_snapshot_buffer(tmp_path: Path) -> None:
     save_steps(c, [1])
     c2 = ckpt(tmp_path, with_local=False)
     c2.restore()
-    c2._reserver.join(GUARD)
+    c2._survey._reserver.join(GUARD)
     assert c2.layout.buffers[0].allocations == 1
     c2.save(2, make_state(2))
     c2.wait()
     assert c2.layout.buffers[0].allocations == 1 and c2.layout.buffers[0].last_alloc_s == 0.0
     c3 = ckpt(tmp_path, with_local=False)
     c3.restore(download=False)
-    assert c3._reserver is None  # read-only look (status): no buffer
+    assert c3._survey._reserver is None  # read-only look (status): no buffer
 
 
 def test_the_other_layout_is_never_deleted_and_blocks_a_fresh_start(tmp_path: Path) -> None:
@@ -1060,8 +1060,8 @@ def test_a_stalled_retention_listing_never_holds_the_emergency_save(gcs_proxy, t
     assert "step 2 durable on gcs" in logwatch.text()  # retention comes after the upload
     # The next disk save and its retention go on meanwhile (GCS retention holds no disk tier up).
     c.save(3, make_state(3))
-    c._thread.join(GUARD)
-    assert not c._busy(), "the disk writer waited for GCS retention"
+    c._writer.thread.join(GUARD)
+    assert not c._writer.busy(), "the disk writer waited for GCS retention"
     got = in_thread(lambda: c.emergency_save(4, make_state(4), deadline=time.monotonic() + GUARD))
     assert got and got[0].complete, got[0].detail if got else "the emergency save waited for retention"
     assert stall.held == 1
@@ -1075,10 +1075,10 @@ def test_a_stalled_upload_never_holds_the_disk_saves_hostage(gcs_proxy, tmp_path
     c.save(1, make_state(1))
     assert gcs_proxy.proxy.wait_stalled(stall, timeout=GUARD)
     for step in (2, 3, 4):
-        c._thread.join(GUARD)  # the previous save's disk writer: done, while the upload is stalled
+        c._writer.thread.join(GUARD)  # the previous save's disk writer: done, while the upload is stalled
         assert c.due(step)
         c.save(step, make_state(step))
-    c._thread.join(GUARD)
+    c._writer.thread.join(GUARD)
     assert {i.step for i in list_checkpoints(c.tiers["persistent"].store) if i.valid} == {1, 2, 3, 4}
     assert stall.held == 1 and c.stats["uploads_superseded"] == 2  # 2 and 3 gave way to 4
     gcs_proxy.proxy.release(stall)
@@ -1094,10 +1094,10 @@ def test_host_buffers_stay_at_two_while_uploads_from_memory_are_stalled(gcs_prox
     c.save(1, make_state(1))  # its upload owns the first buffer while it is stalled
     assert gcs_proxy.proxy.wait_stalled(stall, timeout=GUARD)
     for step in (2, 3):
-        c._thread.join(GUARD)
+        c._writer.thread.join(GUARD)
         assert c.due(step)  # a second buffer; then the queued upload of 2 gives its buffer to 3
         c.save(step, make_state(step))
-    c._thread.join(GUARD)
+    c._writer.thread.join(GUARD)
     assert len(c.layout.buffers) == 2 and c.stats["uploads_superseded"] == 1
     gcs_proxy.proxy.release(stall)
     c.wait()

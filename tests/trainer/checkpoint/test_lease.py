@@ -63,7 +63,7 @@ def test_a_live_holder_makes_a_second_trainer_exit_naming_it(gcs_proxy) -> None:
     assert waits and waits[0].startswith('for the writer lease held by "vm-a:/run')
     with pytest.raises(LeaseLost):
         b.store.put_bytes("probe", b"x")
-    assert "probe" not in store(gcs_proxy).list("")
+    assert "probe" not in store(gcs_proxy).names("")
     a.check()  # the holder never noticed
     a.release()
 
@@ -169,7 +169,7 @@ def test_a_taken_lease_is_lost_and_nothing_more_is_written(gcs_proxy) -> None:
     assert a.lost.startswith('"vm-z:/run (pid 7 on host z')
     with pytest.raises(LeaseLost, match='taken by "vm-z'):
         a.store.put_bytes("late", b"x")
-    assert "late" not in store(gcs_proxy).list("")
+    assert "late" not in store(gcs_proxy).names("")
     a.release()  # not ours any more: left alone
     assert json.loads(store(gcs_proxy).read_versioned(LEASE_KEY)[0])["holder"] == "vm-z:/run"
 

@@ -373,7 +373,7 @@ def test_save_returns_before_the_checkpoint_exists_and_manifest_commits(tmp_path
     # Every payload object is on GCS but the manifest is not: no valid checkpoint there yet.
     infos = list_sharded(c.tiers["gcs"].store)
     assert [(i.step, i.valid, i.reason) for i in infos] == [(1, False, "no manifest (incomplete write or upload)")]
-    assert {k.rsplit("/", 1)[-1] for k in c.tiers["gcs"].store.list(step_name(1) + "/")} == {"__0_0.distcp", ".metadata", EXTRAS}
+    assert {k.rsplit("/", 1)[-1] for k in c.tiers["gcs"].store.names(step_name(1) + "/")} == {"__0_0.distcp", ".metadata", EXTRAS}
     # The disk copy was committed (manifest last, then the rename) before the upload began.
     assert verify_sharded_dir(tmp_path / "run" / step_name(1))["step"] == 1
     release_gcs.set()

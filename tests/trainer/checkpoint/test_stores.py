@@ -20,8 +20,8 @@ def test_dirstore_roundtrip_and_listing(tmp_path: Path) -> None:
     s.put_bytes("a/b/y.bin", b"two")
     s.put_bytes("top", b"3")
     assert s.get_bytes("a/x.bin") == b"one"
-    assert s.list("a/") == ["a/b/y.bin", "a/x.bin"]
-    assert s.list("") == ["a/b/y.bin", "a/x.bin", "top"]
+    assert s.names("a/") == ["a/b/y.bin", "a/x.bin"]
+    assert s.names("") == ["a/b/y.bin", "a/x.bin", "top"]
     assert s.sizes("a/") == {"a/b/y.bin": 3, "a/x.bin": 3}
     dst = tmp_path / "out" / "copy.bin"
     s.get_file("a/b/y.bin", dst)
@@ -31,7 +31,7 @@ def test_dirstore_roundtrip_and_listing(tmp_path: Path) -> None:
     with pytest.raises(KeyError):
         s.get_file("nope", tmp_path / "n")
     s.delete_prefix("a/")
-    assert s.list("") == ["top"]
+    assert s.names("") == ["top"]
     assert not (tmp_path / "root" / "a").exists()
     # No temporary or trash names are left behind after successful operations.
     assert not [p for p in (tmp_path / "root").rglob("*") if p.name.startswith((".tmp-", ".trash-"))]
@@ -62,7 +62,7 @@ def test_dirstore_hides_and_cleans_temporaries(tmp_path: Path) -> None:
     (tmp_path / ".tmp-step-00000001-abcd" / "manifest.json").write_text("{}")
     (tmp_path / ".trash-x").write_text("x")
     s.put_bytes("real", b"1")
-    assert s.list("") == ["real"]
+    assert s.names("") == ["real"]
     assert sorted(s.clean_temporaries()) == [".tmp-step-00000001-abcd", ".trash-x"]
     assert sorted(os.listdir(tmp_path)) == ["real"]
 
@@ -100,7 +100,7 @@ def test_gcs_roundtrip(gcs_emulator, tmp_path: Path) -> None:
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom((GcsStore.CHUNK_SIZE >> 4) + 123))
     s.put_file(big, "step-1/big.bin")
-    assert s.list("step-1/") == ["step-1/a", "step-1/big.bin"]
+    assert s.names("step-1/") == ["step-1/a", "step-1/big.bin"]
     assert s.sizes("step-")["step-1/big.bin"] == big.stat().st_size
     assert s.get_bytes("step-1/a") == b"alpha"
     out = tmp_path / "dl" / "big.bin"
@@ -113,9 +113,9 @@ def test_gcs_roundtrip(gcs_emulator, tmp_path: Path) -> None:
     assert not (tmp_path / "m").exists()
     # Another prefix in the same bucket is invisible.
     other = GcsStore(gcs_emulator.uri + "-other", client=gcs_emulator.client)
-    assert other.list("") == []
+    assert other.names("") == []
     s.delete_prefix("step-1/")
-    assert s.list("") == []
+    assert s.names("") == []
 
 
 def test_gcs_retries_503_then_succeeds(faulty_gcs, gcs_emulator, logwatch) -> None:
@@ -185,7 +185,7 @@ def test_gcs_deadline_and_abort_stop_uploads(gcs_emulator, tmp_path) -> None:
     with pytest.raises(UploadAborted):
         s.put_file(src, "aborted")
     s.abort.clear()
-    assert s.list("") == []
+    assert s.names("") == []
 
 
 # ---- every stream: sliced downloads and composite uploads, through the fault proxy ----------
@@ -220,7 +220,7 @@ def test_a_large_object_is_uploaded_in_parts_composed_and_downloaded_in_slices(g
     assert len(p.seen("PUT", r"upload_id=")) > 4 * 8  # the parts, resumable, in 256 KiB chunks
     stored = gcs_proxy.client(direct=True).bucket(gcs_proxy.bucket).blob(s._object("step-1/state.bin"))
     assert stored.download_as_bytes() == src.read_bytes()
-    assert _parts(gcs_proxy) == [] and s.list("") == ["step-1/state.bin"]
+    assert _parts(gcs_proxy) == [] and s.names("") == ["step-1/state.bin"]
 
     out = tmp_path / "dl" / "state.bin"
     s.get_file("step-1/state.bin", out)
@@ -298,7 +298,7 @@ def test_a_composed_object_that_is_not_its_parts_is_refused_and_deleted(gcs_prox
     wrong = crc32c.b64(crc32c.of_bytes(b"b" * 1000 + b"a" * 1000))  # what the parts in the other order make
     with pytest.raises(CompositeMismatch):
         s._compose("whole", [("p0", gens["p0"]), ("p1", gens["p1"])], 2000, wrong, generation=0)
-    assert "whole" not in s.list("")
+    assert "whole" not in s.names("")
 
 
 def _upload_stopped(s: GcsStore, src: Path, held, gcs_proxy, stop) -> BaseException:
@@ -329,7 +329,7 @@ def test_an_aborted_composite_upload_composes_nothing_and_leaves_its_parts_to_th
     s.put_file = lambda *a, **kw: _aborting(s, abort, real, *a, **kw)  # type: ignore[method-assign]
     assert isinstance(_upload_stopped(s, src, held, gcs_proxy, abort.set), UploadAborted)
     assert gcs_proxy.proxy.seen("POST", "/compose") == []
-    assert s.list("") == [] and _parts(gcs_proxy)  # parts left, never listed
+    assert s.names("") == [] and _parts(gcs_proxy)  # parts left, never listed
     removed = s.clean_temporaries()
     assert removed and all(k.startswith(".tmp-parts/stopped.") for k in removed)
     assert _parts(gcs_proxy) == []
@@ -358,7 +358,7 @@ def test_a_composite_upload_past_its_deadline_composes_nothing(gcs_proxy, tmp_pa
     error = _upload_stopped(s, src, held, gcs_proxy, past_the_deadline)
     assert isinstance(error, UploadAborted) or is_retryable(error), error  # the part's request timed out
     assert gcs_proxy.proxy.seen("POST", "/compose") == []
-    assert s.list("") == []
+    assert s.names("") == []
     s.clean_temporaries()
     assert _parts(gcs_proxy) == []
 

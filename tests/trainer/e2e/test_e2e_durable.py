@@ -132,13 +132,13 @@ def test_the_export_after_finishing_stays_healthy_and_gives_way_to_a_notice(tmp_
     p.seen(rf"event=export ok=0 step={STEPS} interrupted=1")
     assert stall.held >= 1  # it left while the upload was still held
     gcs = GcsStore(gcs_proxy.uri, client=gcs_proxy.client(direct=True))
-    assert not gcs.list(f"export/{step_name(STEPS)}/model.json")
+    assert not gcs.names(f"export/{step_name(STEPS)}/model.json")
 
     gcs_proxy.proxy.release(stall)  # a re-run of the finished job writes the export
     p = start(run_dir, STEPS, config, *args, env=env)
     assert p.wait() == 0, p.output[-3000:]
     p.seen(rf"event=export step={STEPS} at=gs://")
-    assert gcs.list(f"export/{step_name(STEPS)}/model.json")
+    assert gcs.names(f"export/{step_name(STEPS)}/model.json")
 
 
 def test_fsdp_final_checkpoint_refused_by_gcs_is_not_finished_until_a_rerun(tmp_path: Path, gcs_proxy) -> None:
