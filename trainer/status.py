@@ -58,6 +58,8 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None, *
     if key is None:
         log.warning("no checkpoint key (--checkpoint-key-file): whole-model checkpoints are shown without "
                     "authentication, sharded ones not at all")
+    if cfg.run_dir is None:  # ``main`` gives a run known by its bucket a stand-in run dir
+        raise ValueError("status: collect needs a run dir (a stand-in one for a run known by its bucket)")
     table = tier_table(cfg.run_dir, local_dir=cfg.local_dir, gcs_uri=cfg.gcs_uri)
     ckpt = Checkpointer(table, key=key, log=log)
     tiers = ckpt.describe().get("tiers", {})
@@ -116,15 +118,15 @@ def failing_tiers(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for e in sorted((e for e in events if e["session"] == newest), key=lambda e: e["seq"]):
         if e["event"] == TierFailing.kind and isinstance(e.get("tier"), str):
             out[e["tier"]] = {k: e.get(k) for k in ("since", "failures", "error")}
-        elif e["event"] == TierOk.kind:
-            out.pop(e.get("tier"), None)
+        elif e["event"] == TierOk.kind and isinstance(e.get("tier"), str):
+            out.pop(e["tier"], None)
     return out
 
 
 def _events(cfg: StatusConfig, gcs: Any, log: logging.Logger) -> tuple[list[dict[str, Any]], list[str]]:
     """The ledger's events from the run dir and the mirror, and a note per malformed one skipped."""
     skipped: list[str] = []
-    events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE, skipped=skipped)
+    events = read_events(cfg.run_dir / LEDGER_DIR / LEDGER_FILE, skipped=skipped) if cfg.run_dir is not None else []
     if gcs is not None:
         try:
             mirrored = read_store_events(gcs, skip={(e["session"], e["seq"]) for e in events}, skipped=skipped)

@@ -378,7 +378,7 @@ class Stager:
         except retry.Aborted:
             raise StagingError(f"{what}: stopped (another download failed)") from None
 
-    def list(self) -> list[Remote]:
+    def remotes(self) -> list[Remote]:
         bucket = self._bucket()
         full = f"{self.prefix}/" if self.prefix else ""
 
@@ -428,7 +428,7 @@ class Stager:
         try:
             for rnd in range(1, MAX_ROUNDS + 1):
                 result.rounds = rnd
-                remote = self.list()
+                remote = self.remotes()
                 if not remote:
                     raise StagingInputError(f"--from: no objects under {self.source}/; allowed: a "
                                             "prefix holding your data")
@@ -445,7 +445,7 @@ class Stager:
                          sum(r.size for r in remote), len(todo), sum(r.size for r in todo), rnd)
                 changed = self._download(todo, state / "tmp", manifest, result)
                 # Done when nothing changed under us: the listing now is what we staged.
-                if not changed and [(r.key, r.generation) for r in self.list()] == \
+                if not changed and [(r.key, r.generation) for r in self.remotes()] == \
                         [(r.key, r.generation) for r in remote]:
                     result.files, result.bytes = len(remote), sum(r.size for r in remote)
                     manifest.compact()

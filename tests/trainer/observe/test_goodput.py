@@ -49,7 +49,7 @@ def test_a_ledger_written_before_finish_was_renamed_still_reads(tmp_path: Path) 
     assert glance(events, now=10.0)["doing"] == "finished"
 
     class Mirror:
-        def list(self, prefix: str) -> list[str]:
+        def names(self, prefix: str) -> list[str]:
             return [f"{prefix}s1/{e['seq']:06d}.json" for e in old]
 
         def get_bytes(self, key: str) -> bytes:
