@@ -24,6 +24,10 @@ bit for bit:
   side stream): the current stream then runs matrix products, changes a buffer copied at the call,
   waits (``before_update``) and changes the weights in place; the snapshot must hold every byte
   as it was at the call. With the call's seconds against the whole copy's.
+- ``own-loop``: the own-loop bench on the device (``bench/own_loop_bench.py --device cuda``):
+  examples/own_loop/train.py under ``python -m trainer run --script`` against the same loop in
+  plain torch, steps/s side by side, interleaved, each run its own process: a figure for
+  BENCHMARKS.md (goal: ratio >= 0.98), not a pass/fail; a run that fails is a FAIL.
 
 Prints a markdown report (also written to ``--out``/gpu_check.md) and exits 1 if a check failed.
 """
@@ -199,6 +203,31 @@ def _restore_ddp(work: Path, gib: float, nproc: int, backend: str) -> Check:
                  f"{max(r['seconds'] for r in ranks):.1f} s across ranks; {max(r['pickled'] for r in ranks)} bytes pickled")
 
 
+#: The own-loop bench's size: on a GPU a step of the example's net at batch 64 is about a
+#: millisecond, so more steps; on CPU (the suite's run) a few, to show the check works.
+OWN_LOOP_CUDA = {"steps": 600, "rounds": 3, "batch": 64, "samples": 6000}
+OWN_LOOP_CPU = {"steps": 10, "rounds": 1, "batch": 8, "samples": 200}
+
+
+def _own_loop(cuda: bool) -> Check:
+    """``bench/own_loop_bench.py`` on the device: spottrain's own loop against plain torch."""
+    import statistics
+
+    from bench import own_loop_bench
+
+    size = OWN_LOOP_CUDA if cuda else OWN_LOOP_CPU
+    device = "cuda" if cuda else "cpu"
+    try:
+        results = own_loop_bench.measure(size["steps"], size["rounds"], size["batch"], size["samples"], device)
+    except RuntimeError as e:
+        return Check("own-loop", False, str(e).strip().splitlines()[0][:300])
+    plain, spot = (statistics.median(r["steps_per_s"] for r in results[k]) for k in ("plain", "spottrain"))
+    return Check("own-loop", None,
+                 f"steps/s spottrain {spot:.2f} / plain torch {plain:.2f} = ratio {spot / plain:.3f} on {device} "
+                 f"(examples/own_loop/train.py, batch {size['batch']}, {size['steps']} steps x {size['rounds']} "
+                 "rounds, interleaved; goal >= 0.98)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or tempfile.gettempdir()) / "gpu_check")
@@ -256,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         record(_snapshot(work, a.snapshot_gib))
     if want("snapshot-overlap"):
         record(_snapshot_overlap(a.snapshot_gib))
+    if want("own-loop"):
+        record(_own_loop(cuda))
 
     table = ["| check | result | detail |", "|---|---|---|"]
     table += [f"| {c.name} | {'PASS' if c.ok else 'measured' if c.ok is None else '**FAIL**'} | {c.detail} |"

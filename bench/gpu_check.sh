@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What only a GPU can show (CUDA resume in fp32/bf16/fp16, pinned data loading, NCCL DDP and
-# FSDP over every GPU, the pinned snapshot's cost), in one command: bench/gpu_check.py says what
-# each check does. On a machine without CUDA it runs the same checks on CPU with gloo.
+# FSDP over every GPU, the pinned snapshot's cost, an own loop's steps/s against plain torch), in
+# one command: bench/gpu_check.py says what each check does. On a machine without CUDA it runs
+# the same checks on CPU with gloo.
 #
-#   bash bench/gpu_check.sh [--only resume-bf16,torchrun-fsdp] [--keep]
+#   bash bench/gpu_check.sh [--only resume-bf16,torchrun-fsdp,own-loop] [--keep]
 #
 # Python: $PY, else .venv/bin/python where `make setup` made one, else python3 (a GPU image's
 # python3 holds a CUDA PyTorch). The trainer's other dependencies that such an image may lack

@@ -186,6 +186,10 @@ class BootProps:
     steps: int
     health_port: int
     provisioning: str
+    script: str | None = None
+    """`trainer.script`: run in place of `task`, relative to the user code release (the trainer's
+    working directory then), with `script_args` as its command line."""
+    script_args: tuple[str, ...] = ()
     local_ssd_count: int = 0
     args: tuple[str, ...] = field(default_factory=tuple)
     workdir: str = WORKDIR  # where a preinstalled trainer package lives (no `releases`)
@@ -290,6 +294,8 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         name=name,
         bucket=exp.bucket_name(name),
         task=exp.trainer.task,
+        script=exp.trainer.script,
+        script_args=tuple(exp.trainer.script_args),
         steps=exp.trainer.steps,
         health_port=exp.trainer.health_port,
         provisioning=exp.machine.provisioning,
@@ -400,6 +406,9 @@ def render(props: BootProps) -> BootScripts:
         if props.python_version is None:
             raise ValueError("a wheels release needs the python_version it was locked for")
         wheels.update(deps_dir=f"{DEPS_ROOT}/{wheels['sha256']}", python=props.python_version)
+    if props.script is not None and user is None and trainer is not None:
+        # (Without any release the image carries the code in `workdir`, the script's file too.)
+        raise ValueError("a script (trainer.script) needs the user code release it is a file of (trainer.code_dir)")
     releases = [r for r in (trainer, user) if r is not None]
     # The code first, then the wheels: the shipped dependencies shadow the image's copies.
     pythonpath = ":".join([r["dir"] for r in releases] + ([wheels["deps_dir"]] if wheels else []))
@@ -416,6 +425,11 @@ def render(props: BootProps) -> BootScripts:
         "steps": props.steps,
         "gcs_uri": props.gcs_uri,
         "task": props.task,
+        # An own loop runs from the user code's release, where `script` (relative, so that the
+        # resume fingerprint does not change with the release) names its file.
+        "script": props.script,
+        "script_args": list(props.script_args),
+        "script_dir": user["dir"] if props.script is not None and user is not None else None,
         "health_port": props.health_port,
         "startup_grace_s": props.startup_grace_s,
         # The prices go first: the template quotes each word; a user arg cannot repeat them

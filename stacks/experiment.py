@@ -26,6 +26,8 @@ TASK = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_]
 GCS_PREFIX = re.compile(r"^[A-Za-z0-9][-_.A-Za-z0-9/]{0,254}$")
 #: Flags the stack sets itself from other fields; repeating them in `args` would contradict those.
 MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port", "--local-dir",
+                 # `trainer.script`, `trainer.script_args`
+                 "--script", "--script-arg",
                  # the prices of `[cost]` / the catalog (`stacks.pricing.trainer_price_args`)
                  "--price-per-hour", "--on-demand-price-per-hour",
                  # `trainer.parallelism`
@@ -407,7 +409,15 @@ class Trainer(Section):
     """What the VM runs: `python3 -m trainer run ...`."""
 
     task: str = "trainer.tasks.gpt:build"
-    """The training task as `module:callable`."""
+    """The training task as `module:callable`. Leave it out when `script` is set."""
+    script: str | None = None
+    """Or your own training script, which keeps its own loop and iterates `trainer.run`'s steps
+    (docs/bring-your-own-model.md): a `.py` file, relative to `code_dir` (which must be set), e.g.
+    "train.py". The VM still runs `python -m trainer run`, which runs the script as `__main__`
+    from the code directory. Exclusive with `task`."""
+    script_args: list[str] = []
+    """The script's command line (its `sys.argv[1:]`), e.g. ["--batch-size", "64"], each passed as
+    one word. Part of the resume fingerprint: a change is refused by the run's checkpoints."""
     steps: int = Field(ge=1)
     """Total optimizer steps of the run."""
     health_port: int = Field(default=8471, ge=1024, le=65535)
@@ -459,7 +469,21 @@ class Trainer(Section):
         yield from trainer_config.problems(self.config, steps=self.steps, task=self.task,
                                            local_ssd=True, args=self.args)
         user_code = code_path(self.code_dir) if self.code_dir is not None else None
-        yield from task_check.problems(self.task, user_code, self.config.get("task_args", {}))
+        if self.script is None:
+            if self.script_args:
+                yield "script_args", "is set without trainer.script; allowed: set script, or remove script_args"
+            yield from task_check.problems(self.task, user_code, self.config.get("task_args", {}))
+        else:
+            if "task" in self.model_fields_set:
+                yield ("task", "is set together with trainer.script; allowed: one of the two (a script keeps "
+                       "its own loop, a task is built by the trainer's)")
+            if "task_args" in self.config:
+                yield ("config.task_args", "is set with trainer.script, which takes no task arguments; "
+                       "allowed: trainer.script_args")
+            yield from task_check.script_problems(self.script, user_code)
+        for i, arg in enumerate(self.script_args):
+            if any(ord(c) < 32 or ord(c) == 127 for c in arg):
+                yield f"script_args[{i}]", "contains a control character; allowed: printable text"
         for i, arg in enumerate(self.args):
             if any(ord(c) < 32 or ord(c) == 127 for c in arg):
                 yield f"args[{i}]", "contains a control character; allowed: printable text"

@@ -1,4 +1,4 @@
-"""`trainer.task` resolved at synthesis, without running anyone's code.
+"""`trainer.task` (or `trainer.script`) resolved at synthesis, without running anyone's code.
 
 The VM imports `module:callable` from the code it is given: the trainer package and the
 experiment's `code_dir` (PYTHONPATH in that order). So the module must be a file shipped in one of
@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 import difflib
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stacks.shipped import ships
@@ -124,3 +124,43 @@ def problems(task: str, code_dir: Path | None, task_args: Any = None) -> Iterato
         msg = _args_problem(node, task_args)
         if msg is not None:
             yield "config.task_args", f"{msg} ({shown})"
+
+
+def script_problems(script: str, code_dir: Path | None) -> Iterator[Problem]:
+    """Problems of `trainer.script` (path "script"): a `.py` file inside `code_dir` that ships
+    with it (the VM runs it from the unpacked code directory) and parses. Never imported."""
+    rel = PurePosixPath(script)
+    if any(ord(c) < 32 or ord(c) == 127 for c in script):
+        yield "script", f"{script!r} contains a control character; allowed: a printable path"
+        return
+    if code_dir is None:
+        yield ("script", f"{script!r} needs trainer.code_dir (not set): the script is a file of your code, "
+               "shipped to the VM; allowed: set code_dir to the directory that holds it")
+        return
+    if rel.is_absolute() or ".." in rel.parts or "\\" in script or not rel.parts:
+        yield ("script", f"{script!r} is not a path inside code_dir ({code_dir}); allowed: a relative path such as "
+               "\"train.py\", without '..'")
+        return
+    if rel.suffix != ".py":
+        yield "script", f"{script!r} is not a Python file; allowed: a path ending in .py, relative to code_dir"
+        return
+    path = code_dir / rel
+    if not path.is_file():
+        yield ("script", f"{script} is not in the code the VM gets: no file {path} in trainer.code_dir "
+               f"({code_dir}); allowed: a .py file of your code_dir")
+        return
+    if not ships(Path(rel)):
+        yield ("script", f"{script} is in code_dir ({code_dir}) but is not shipped to the VM (tests/, __pycache__ "
+               "and hidden entries stay behind); allowed: a .py file elsewhere in code_dir")
+        return
+    for shadow in ("trainer.py", "trainer"):
+        if (code_dir / shadow).exists() and ships(Path(shadow)):
+            yield ("script", f"code_dir ({code_dir}) holds {shadow} at its top, which would hide the trainer package "
+                   "from `python -m trainer` (a script runs from code_dir); allowed: rename it")
+            return
+    try:
+        ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as e:
+        yield "script", f"{path} (code_dir {code_dir}) is not valid Python: line {e.lineno}: {e.msg}"
+    except (OSError, ValueError) as e:
+        yield "script", f"cannot read {path}: {e}"

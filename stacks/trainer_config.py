@@ -33,6 +33,8 @@ STACK_SETTINGS: dict[str, str] = {
     "gcs_uri": "the stack: the experiment's bucket",
     "steps": "trainer.steps",
     "task": "trainer.task",
+    "script": "trainer.script",
+    "script_args": "trainer.script_args",
     "health_port": "trainer.health_port",
     "startup_grace_s": "group.initial_delay_sec",
     "preemption_budget_s": "the stack from machine.provisioning: the VM's shutdown window",

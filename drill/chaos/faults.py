@@ -26,7 +26,8 @@ the bucket without holding the checkpoint key (forged, replayed, garbage and ove
 deleted checkpoints, for checkpoints, manifests, the lease, the ledger and the stop marker). A
 fault with ``nproc`` 2 runs its cells under torchrun with two ranks (DDP, gloo on CPU); one with
 ``nodes`` 2 on two nodes (a torchrun agent each, one gloo rank each, their own disks and SSDs,
-one bucket), where node a leads the first run and node b every next boot.
+one bucket), where node a leads the first run and node b every next boot. One with ``script``
+trains an own loop (`python -m trainer run --script`, drill.chaos.own_loop) instead of the task.
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class Fault:
     unfinishable: dict[str, str] = field(default_factory=dict)
     nproc: int = 1                # ranks on the VM: 2 runs the trainer under torchrun (DDP, gloo)
     nodes: int = 1                # VMs of the job: 2 runs a torchrun agent per node (drill.chaos.rig)
+    script: bool = False          # the job keeps its own loop: examples/own_loop/train.py (drill.chaos.own_loop)
 
     def moments(self) -> list[str]:
         return [m for m in MOMENTS if m not in self.na]
@@ -785,6 +787,30 @@ def _ws2(key: str, moments: tuple[str, ...]) -> Fault:
 for _f in [_ws2("gcs-down", ("emergency", "restore")), _ws2("gcs-flip", ("restore",)),
            _ws2("pd-corrupt", ("restore",)), _ws2("tampered-hmac", ("startup",)),
            _ws2("garbage-lease", ("final",))]:
+    FAULTS[_f.key] = _f
+
+
+# ------------------------------------------------------------------------------ an own loop
+
+_SCRIPT_SAMPLE = ("the own loop runs a sample of the matrix: the checkpointing under its loop is the task's (one "
+                  "engine, trainer.loop.steps); the cell shows that a script's own loop keeps the promise at the "
+                  "moment where the loop must hand over: a notice between two of its steps, the save on what is left")
+
+
+def _own_loop(key: str, moments: tuple[str, ...]) -> Fault:
+    """The fault ``key`` at ``moments``, the job an own loop: `python -m trainer run --script` running
+    examples/own_loop/train.py (pytorch/examples' MNIST, its loop kept) instead of a task."""
+    base = FAULTS[key]
+    return dataclasses.replace(
+        base, key=f"own-loop-{key}", title=f"{base.title}, own loop",
+        injects=f"{base.injects}; the job is examples/own_loop/train.py run by `python -m trainer run --script` "
+                "(its own loop, Adadelta and a per-epoch StepLR that steps at steps 10 and 20, 1.2 M parameters)",
+        na={m: base.na.get(m, _SCRIPT_SAMPLE) for m in MOMENTS if m not in moments},
+        blank_pd=tuple(m for m in base.blank_pd if m in moments),
+        unfinishable={m: why for m, why in base.unfinishable.items() if m in moments}, script=True)
+
+
+for _f in [_own_loop("gcs-down", ("emergency",))]:
     FAULTS[_f.key] = _f
 
 

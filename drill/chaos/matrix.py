@@ -618,10 +618,11 @@ SCRIPTS: dict[tuple[str, str], Callable[[Cell], None]] = {
 
 
 def reference_digest(workdir: Path, emulator: StorageEmulator, env: dict[str, str], nproc: int = 1,
-                     nodes: int = 1) -> str:
-    """The uninterrupted run's final model digest (same task, settings, cadence, world size and
-    nodes); its checkpoints stay in the bucket (the replay cells copy them)."""
-    with Rig(workdir, emulator, reference_name(nproc, nodes), env, nproc=nproc, nodes=nodes) as rig:
+                     nodes: int = 1, script: bool = False) -> str:
+    """The uninterrupted run's final model digest (same task or script, settings, cadence, world
+    size and nodes); its checkpoints stay in the bucket (the replay cells copy them)."""
+    with Rig(workdir, emulator, reference_name(nproc, nodes, script), env, nproc=nproc, nodes=nodes,
+             script=script) as rig:
         t = rig.start("reference")
         rc = t.finish()
         step, digest = rig.newest("persistent", t.run_dir)
@@ -636,19 +637,20 @@ def run_matrix(selected: list[tuple[str, str]], workdir: Path, log: Callable[[st
     env = key_env(workdir)
     results: list[Result] = []
     with StorageEmulator("spottrain-chaos", quiet=True) as emulator:
-        references: dict[tuple[int, int], str] = {}  # (ranks per VM, VMs) -> the uninterrupted run's digest
+        references: dict[tuple[int, int, bool], str] = {}  # (ranks per VM, VMs, own loop) -> the reference digest
         for n, (key, moment) in enumerate(selected, 1):
             fault = FAULTS[key]
             if moment in fault.na:
                 results.append(Result(key, moment, na=fault.na[moment]))
                 continue
-            shape = (fault.nproc, fault.nodes)
+            shape = (fault.nproc, fault.nodes, fault.script)
             if shape not in references:
                 references[shape] = reference_digest(workdir, emulator, env, *shape)
-                log(f"chaos: reference digest ({fault.nproc} rank(s) on each of {fault.nodes} node(s)) "
-                    f"{references[shape][:16]}")
+                log(f"chaos: reference digest ({fault.nproc} rank(s) on each of {fault.nodes} node(s)"
+                    f"{', own loop' if fault.script else ''}) {references[shape][:16]}")
             reference = references[shape]
-            with Rig(workdir, emulator, f"{key}-{moment}", env, nproc=fault.nproc, nodes=fault.nodes) as rig:
+            with Rig(workdir, emulator, f"{key}-{moment}", env, nproc=fault.nproc, nodes=fault.nodes,
+                     script=fault.script) as rig:
                 r = Cell(rig, fault, moment, reference, log).run()
             results.append(r)
             exits = ", ".join(f"{role} {code}" for role, code in r.exits)

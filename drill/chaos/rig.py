@@ -51,6 +51,10 @@ from trainer import shutdown_window
 
 REPO = Path(__file__).resolve().parents[2]
 TASK = "drill.chaos.task:build"
+#: An own loop's job (`Rig.script`): examples/own_loop/train.py with the task's parking, and its
+#: command line: BATCH samples a step, an epoch of 10 steps (its per-epoch scheduler steps twice).
+SCRIPT = "drill/chaos/own_loop.py"
+SCRIPT_ARGS = ("--batch-size", "4", "--samples", "40")
 STEPS = 20          # the job's total steps
 EVERY = 5           # periodic saves, every tier
 BATCH = 4           # samples per step (the task parks by samples)
@@ -66,6 +70,10 @@ GUARD_S = 150.0     # a trainer without a notice that runs longer is hung: power
 REFERENCE = "reference"  # the uninterrupted run's name
 PD_BYTES = 32 << 20
 SSD_BYTES = 8 << 20
+#: The own loop's disks: its MNIST net (1.2 M parameters, Adadelta's two buffers) saves about
+#: 14 MiB a step, three kept.
+SCRIPT_PD_BYTES = 96 << 20
+SCRIPT_SSD_BYTES = 48 << 20
 NODES = ("a", "b")  # a two-node job's node names (SPOTTRAIN_NODE)
 
 _CONFIG = """\
@@ -80,15 +88,18 @@ lease_ttl_s = {ttl}
 """ + TASK_ARGS_TOML
 
 
-def reference_name(nproc: int, nodes: int = 1) -> str:
+def reference_name(nproc: int, nodes: int = 1, script: bool = False) -> str:
+    if script:
+        return f"{REFERENCE}-script" + (f"-ws{nproc}" if nproc > 1 else "")
     if nodes > 1:
         return f"{REFERENCE}-nodes{nodes}"
     return REFERENCE if nproc == 1 else f"{REFERENCE}-ws{nproc}"
 
 
-def config(multi_rank: bool = False) -> str:
+def config(multi_rank: bool = False, script: bool = False) -> str:
     """The trainer's config file for every run of the matrix (and the reference); ``multi_rank``
-    (torchrun, two nodes): the model of hundreds of tensors (``drill.tiny_gpt``)."""
+    (torchrun, two nodes): the model of hundreds of tensors (``drill.tiny_gpt``); ``script``: an
+    own loop's (no task arguments: its command line is ``SCRIPT_ARGS``)."""
     from trainer.config import RunConfig
 
     extra = ""
@@ -96,6 +107,8 @@ def config(multi_rank: bool = False) -> str:
         extra += f"durable_timeout_s = {DURABLE_TIMEOUT_S}\n"
     text = _CONFIG.format(batch=BATCH, every=EVERY, budget=BUDGET_S, wait=WAIT_FOR_TIERS_S, ttl=LEASE_TTL_S,
                           extra=extra)
+    if script:
+        return text.replace(TASK_ARGS_TOML, "")
     return text.replace(TASK_ARGS_TOML, MULTI_RANK_TASK_ARGS_TOML) if multi_rank else text
 
 
@@ -378,6 +391,7 @@ class Rig:
     env: dict[str, str]                  # the matrix's (the checkpoint key)
     nproc: int = 1                       # ranks on the VM (torchrun above 1)
     nodes: int = 1                       # VMs of the job: 2 is a pool of two (one rank each)
+    script: bool = False                 # the job is an own loop (`SCRIPT`), not the chaos task
     pd: SmallFs = field(init=False)
     ssd: SmallFs = field(init=False)
     proxy: FaultProxy = field(init=False)
@@ -393,12 +407,12 @@ class Rig:
         self.park.mkdir()
         self.marker = self.dir / "RAN-ATTACKER-CODE"  # created by the forged checkpoints' payload if unpickled
         self.config_file = self.dir / "trainer.toml"
-        self.config_file.write_text(config(multi_rank=self.nproc > 1 or self.nodes > 1))
+        self.config_file.write_text(config(multi_rank=self.nproc > 1 or self.nodes > 1, script=self.script))
         self.uri = run_uri(self.emulator, self.name)
         self.proxy = FaultProxy(self.emulator.host)
         if self.nodes == 1:
-            self.pd = SmallFs(self.dir / "pd", PD_BYTES, fstype="ext4")
-            self.ssd = SmallFs(self.dir / "ssd", SSD_BYTES)
+            self.pd = SmallFs(self.dir / "pd", SCRIPT_PD_BYTES if self.script else PD_BYTES, fstype="ext4")
+            self.ssd = SmallFs(self.dir / "ssd", SCRIPT_SSD_BYTES if self.script else SSD_BYTES)
             self.metadata = MetadataServer(instance_name=f"chaos-{self.name}")
             self.node_list: list[Node] = []
         else:
@@ -509,7 +523,14 @@ class Rig:
 
     def _trainer_args(self, run_dir: Path) -> list[str]:
         return ["-m", "trainer", "run", "--run-dir", str(run_dir), "--steps", str(STEPS), "--seed", "0",
-                "--health-port", "0", "--config", str(self.config_file), "--task", TASK, "--gcs-uri", self.uri]
+                "--health-port", "0", "--config", str(self.config_file), *self.job_args(), "--gcs-uri", self.uri]
+
+    def job_args(self) -> list[str]:
+        """What the job trains: the chaos task, or the own loop's script and its command line (as
+        trainer.sh passes them)."""
+        if self.script:
+            return ["--script", SCRIPT, *(f"--script-arg={a}" for a in SCRIPT_ARGS)]
+        return ["--task", TASK]
 
     def _start_nodes(self, role: str, park: list[int]) -> Job:
         """Both nodes' torchrun agents, as the pooled trainer.sh starts them on each VM (every node
@@ -546,7 +567,7 @@ class Rig:
         uri = f"{self.uri}-other-run"
         run_dir = self.dir / "other-run"
         argv = [sys.executable, "-m", "trainer", "run", "--run-dir", str(run_dir), "--steps", str(STEPS), "--seed", "0",
-                "--health-port", "0", "--config", str(self.config_file), "--task", TASK, "--gcs-uri", uri,
+                "--health-port", "0", "--config", str(self.config_file), *self.job_args(), "--gcs-uri", uri,
                 "--stop-at-step", str(stop_at)]
         with open(self.dir / "other-run.log", "w") as log:
             rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=self.trainer_env(), cwd=REPO,

@@ -58,3 +58,15 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_the_own_loop_check_runs_the_own_loop_bench_on_the_device(tmp_path: Path) -> None:
+    """`own-loop`: bench/own_loop_bench.py through gpu_check.sh (on CPU here, CUDA on a lent GPU):
+    a measurement, with both loops' steps/s and their ratio."""
+    r = subprocess.run(["bash", "bench/gpu_check.sh", "--only", "own-loop", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = (tmp_path / "gpu_check.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| own-loop |"))
+    assert row.startswith("| own-loop | measured | steps/s spottrain "), row
+    assert "/ plain torch " in row and "= ratio " in row and " on cpu " in row, row

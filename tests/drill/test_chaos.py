@@ -180,3 +180,21 @@ def test_the_planted_first_boot_cell_trains_beside_the_planted_checkpoints(tmp_p
     assert (r.stopped, r.resumed, r.lost, r.unpickled, r.fresh_start, r.digest_equal) == (13, 13, 0, "no", False, True)
     assert "first set aside steps 15,16 (saved before: no)" in r.notes, r.notes
     assert [role for role, _ in r.exits] == ["first", "boot 1"] and r.exits == [("first", "75"), ("boot 1", "0")]
+
+
+@pytest.mark.skipif(not SmallFs.possible("ext4"), reason="the chaos matrix mounts real disks: root only")
+def test_the_own_loop_cell_runs_the_example_script_and_keeps_the_promise(tmp_path: Path) -> None:
+    """Issue 29: a job that keeps its own loop (examples/own_loop/train.py under `python -m trainer run
+    --script`) under a fault: GCS down from before the notice, the emergency save on the disks, the
+    next boot resumes that step and ends with the model of an uninterrupted run of the script."""
+    from drill.chaos.matrix import run_matrix
+
+    logs: list[str] = []
+    [r] = run_matrix([("own-loop-gcs-down", "emergency")], tmp_path, log=logs.append)
+    assert r.verdict == "PASS", (r.violations, logs)
+    assert (r.stopped, r.resumed, r.lost, r.unpickled, r.fresh_start, r.digest_equal) == (13, 13, 0, "no", False, True)
+    assert r.exits[-1] == ("boot 1", "0")
+    for log in ("first.log", "boot-1.log"):
+        text = (tmp_path / "own-loop-gcs-down-emergency" / log).read_text()
+        assert "event=start " in text and "script=drill/chaos/own_loop.py" in text, log
+    assert "persistent_ok=1 gcs_ok=False" in " ".join(r.notes)

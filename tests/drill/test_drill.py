@@ -106,6 +106,32 @@ def test_drill_a_two_gpu_vm_runs_two_ranks_and_resumes_exactly(tmp_path: Path) -
     assert result.status["latest_step"] == cfg.steps
 
 
+OWN_LOOP = Path(__file__).resolve().parents[2] / "drill" / "experiments" / "own-loop.toml"
+
+
+@needs_root
+def test_drill_an_own_loop_script_resumes_exactly(tmp_path: Path) -> None:
+    """`trainer.script`: the VM runs `python -m trainer run`, which runs pytorch/examples' MNIST-style
+    script (examples/own_loop/train.py) from the shipped code directory with its own loop; a
+    preemption is an emergency save of the step it finished, and the final model equals an
+    uninterrupted run's. (Its net saves about 14 MiB a step: the drill's default disk, not a smaller one.)"""
+    lines: list[str] = []
+    cfg = DrillConfig(experiment=OWN_LOOP, steps=60, preemptions=1, seed=2, window_s=15.0,
+                      checkpoint_every_steps=10, disk_mb=128, workdir=tmp_path / "drill")
+    result = run_drill(cfg, say=lines.append)
+    assert result.reference_digest is not None and result.ok, "\n".join(lines)
+    (p,) = result.preemptions
+    assert p.trainer_exit == EXIT_PREEMPTED, "\n".join(lines)
+    assert p.saved_step is not None and p.next_resumed_from == p.saved_step and p.steps_lost == 0
+    for run in ("reference", "drill"):
+        journal = (tmp_path / "drill" / run / "vm" / "journal.log").read_text()
+        starts = [line for line in journal.splitlines() if "event=start " in line]
+        assert starts and all("script=train.py" in line for line in starts), starts
+    assert result.status["latest_step"] == cfg.steps
+    assert result.status["goodput"]["finished"] is True
+    assert result.group_sizes[:2] == [1, 0], "\n".join(lines)  # a finished script stops paying too
+
+
 def test_multi_rank_experiments_train_a_model_of_hundreds_of_tensors() -> None:
     from drill.drill import many_tensors
     from stacks.experiment import Pool

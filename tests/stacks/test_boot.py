@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -377,3 +378,39 @@ sleep() {{ echo "$1" >> {str(waits)!r}; SECONDS=$((SECONDS + $1)); }}
     assert bash_waits == trainer_waits
     assert f"--forbidden-retry-s {int(retry.IAM_GRANT.grace_s)} \\\n" in scripts.startup  # the key fetch's too
     assert f"--first-wait-s {int(retry.IAM_GRANT.grace_first_s)})" in scripts.startup
+
+
+def test_a_script_and_hostile_script_args_reach_the_trainer_verbatim_and_execute_nothing(tmp_path):
+    """`trainer.script`: the script's path and each of its arguments are one word of the trainer's
+    command line (`--script-arg=ARG`, so that an argument that looks like a flag stays the
+    script's), whatever they hold; the scripts with a user release stay shellcheck-clean."""
+    canary = tmp_path / "pwned"
+    args = tuple(a.format(canary=canary) for a in HOSTILE_ARGS) + ("--epochs", "-x")
+    code = tmp_path / "code"
+    code.mkdir()
+    name = "my $(touch pwned) train.py"
+    (code / name).write_text("print('hi')\n")
+    exp = variant({"trainer": {"task": None, "code_dir": str(code), "script": name, "script_args": list(args),
+                               "steps": 7, "health_port": 9000}}, "x")  # valid: quoting keeps them inert
+    work = tmp_path / "work"
+    work.mkdir()
+    props = boot_props("x", exp, workdir=str(work), local_ssd_count=0)
+    shellcheck(tmp_path, render(dataclasses.replace(props, releases=RELEASES)))
+    script = tmp_path / "trainer.sh"
+    script.write_text(render(props).trainer_sh)
+    bin_dir, argv_file = _fake_python(tmp_path)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": "/home/nobody",
+           "GCE_METADATA_HOST": "127.0.0.1:9"}
+    env.pop("SPOTTRAIN_PYTHON", None)
+    proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, timeout=30)
+    assert proc.returncode == 3
+    argv = [a.decode() for a in argv_file.read_bytes().split(b"\0")[:-1]]
+    at = argv.index("--script")
+    assert argv[at:at + 2 + len(args)] == ["--script", name, *(f"--script-arg={a}" for a in args)]
+    assert "--task" not in argv
+    assert not canary.exists() and not (tmp_path / "pwned").exists() and not (work / "pwned").exists()
+    # The trainer's own parser reads them back as the script's command line.
+    from trainer.cli import parser
+
+    parsed = parser().parse_args(argv[2:])
+    assert (parsed.script, parsed.script_args) == (name, list(args))

@@ -114,3 +114,90 @@ def test_the_experiment_reports_it_under_trainer(tmp_path):
         variant({"trainer": {"code_dir": str(code), "task": "mymodel.task:biuld",
                              "config": {"task_args": {"size": 2}}}}, "x")
     assert [line.split(": ", 2)[1] for line in err.value.lines] == ["trainer.task"]
+
+
+# --- trainer.script: your own loop, named instead of a task ----------------------------------------
+
+OWN_LOOP = ROOT / "examples" / "own_loop"
+
+
+def script_variant(trainer: dict) -> object:
+    return variant({"trainer": {"task": None, "code_dir": str(OWN_LOOP), **trainer}}, "x")
+
+
+def test_a_script_in_code_dir_is_accepted_and_reaches_the_trainer_command():
+    from stacks.boot import Release, boot_props, render
+
+    exp = script_variant({"script": "train.py", "script_args": ["--lr", "0.5 $(reboot)"]})
+    assert exp.trainer.script == "train.py" and exp.trainer.script_args == ["--lr", "0.5 $(reboot)"]
+    releases = (Release("trainer", "code/trainer-0.tar.gz", "a" * 64), Release("user", "code/user-0.tar.gz", "b" * 64))
+    trainer_sh = render(boot_props("x", exp, releases=releases)).trainer_sh
+    # The script runs from the user code's release, by its relative path (the fingerprint holds
+    # it, so it must not change with the release); each argument is one quoted word.
+    assert f"cd /opt/spottrain/releases/{'b' * 64}\n" in trainer_sh
+    assert "--script train.py \\\n  --script-arg=--lr \\\n  '--script-arg=0.5 $(reboot)' \\\n" in trainer_sh
+    assert "--task" not in trainer_sh
+
+
+def test_a_task_experiment_renders_no_script():
+    from stacks.boot import Release, boot_props, render
+
+    exp = variant({}, "x")
+    trainer_sh = render(boot_props("x", exp, releases=(Release("trainer", "code/t.tar.gz", "a" * 64),))).trainer_sh
+    assert "--task trainer.tasks.gpt:build \\\n" in trainer_sh and "--script" not in trainer_sh
+
+
+def fields(err: pytest.ExceptionInfo) -> list[str]:
+    return [line.split(": ", 2)[1] for line in err.value.lines]
+
+
+def test_a_missing_script_names_the_file_and_the_field(tmp_path):
+    with pytest.raises(ExperimentError) as err:
+        script_variant({"script": "trian.py"})
+    assert fields(err) == ["trainer.script"]
+    assert "trian.py is not in the code the VM gets: no file" in err.value.lines[0]
+    assert str(OWN_LOOP / "trian.py") in err.value.lines[0]
+
+
+@pytest.mark.parametrize("script, says", [
+    ("../own_loop/train.py", "is not a path inside code_dir"),
+    ("/etc/passwd.py", "is not a path inside code_dir"),
+    ("train", "is not a Python file"),
+    ("tests/train.py", "is not shipped to the VM"),
+    ("broken.py", "is not valid Python: line 1"),
+    ("train\n.py", "contains a control character"),
+])
+def test_a_script_must_be_a_shipped_python_file_inside_code_dir(tmp_path, script, says):
+    code = user_code(tmp_path, {"train.py": "print('hi')\n", "tests/train.py": "", "broken.py": "def (:\n"})
+    with pytest.raises(ExperimentError) as err:
+        variant({"trainer": {"task": None, "code_dir": str(code), "script": script}}, "x")
+    assert fields(err) == ["trainer.script"] and says in err.value.lines[0], err.value.lines
+
+
+def test_a_script_needs_code_dir_and_excludes_task_and_task_args(tmp_path):
+    with pytest.raises(ExperimentError) as err:
+        variant({"trainer": {"task": None, "script": "train.py"}}, "x")
+    assert fields(err) == ["trainer.script"] and "needs trainer.code_dir" in err.value.lines[0]
+    with pytest.raises(ExperimentError) as err:
+        # The example names its task; with a script as well, which one trains is not clear.
+        variant({"trainer": {"code_dir": str(OWN_LOOP), "script": "train.py",
+                             "config": {"task_args": {"n_layer": 1}}}}, "x")
+    assert fields(err) == ["trainer.task", "trainer.config.task_args"]
+    with pytest.raises(ExperimentError) as err:
+        variant({"trainer": {"script_args": ["--epochs", "1"]}}, "x")
+    assert fields(err) == ["trainer.script_args"]
+
+
+def test_script_settings_are_the_stacks_own(tmp_path):
+    code = user_code(tmp_path, {"train.py": "", "trainer/__init__.py": ""})
+    with pytest.raises(ExperimentError) as err:
+        # A `trainer` package in code_dir would hide the real one from `python -m trainer`.
+        variant({"trainer": {"task": None, "code_dir": str(code), "script": "train.py"}}, "x")
+    assert fields(err) == ["trainer.script"] and "hide the trainer package" in err.value.lines[0]
+    with pytest.raises(ExperimentError) as err:
+        script_variant({"script": "train.py", "args": ["--script-arg=--x", "--script", "other.py"],
+                        "script_args": ["--ok", "bad\x07"], "config": {"script": "x.py", "script_args": []}})
+    assert set(fields(err)) == {"trainer.config.script", "trainer.config.script_args", "trainer.args[0]",
+                                "trainer.args[1]", "trainer.script_args[1]"}, err.value.lines
+    assert "x.toml: trainer.args[1]: --script is set by the stack from other fields; allowed: any other flag" \
+        in err.value.lines
