@@ -72,9 +72,9 @@ class Steps:
 
     def _run(self, guard: Guard) -> Iterator[int]:
         s, cfg, world, job, start = self.s, self.s.cfg, self.s.world, self.job, self.start
+        guard.before_first_step()  # once a session, outside the loop's time (a scan of every live object)
         t_loop, cpu_loop = time.monotonic(), time.process_time()
         done, stop, lost, capped, starved = start, False, False, False, False
-        guard.before_first_step()
         batches = job.batches
         for step in range(start, cfg.steps):
             self._loss, self._metrics = math.nan, {}
