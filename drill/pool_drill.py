@@ -504,7 +504,9 @@ def replay(segments: list[tuple[int, int, int]], props: Any, run_dir: Path, imag
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     key = run_dir.parent / "reference-checkpoint.key"  # its own key: never the operator's default
     create(key)
-    args = ["--run-dir", str(run_dir), "--steps", str(props.steps), "--task", props.task, "--health-port", "0",
+    job = (["--script", props.script, *(f"--script-arg={a}" for a in props.script_args)] if props.script is not None
+           else ["--task", props.task])  # an own loop's script runs from the code's release, as on the VMs
+    args = ["--run-dir", str(run_dir), "--steps", str(props.steps), *job, "--health-port", "0",
             "--checkpoint-key-file", str(key),
             *(["--parallelism", props.parallelism] if props.parallelism else []), *props.args]
     if props.config:  # the VMs' [trainer.config] (task_args, batch size: what changes the numbers),
@@ -520,7 +522,8 @@ def replay(segments: list[tuple[int, int, int]], props: Any, run_dir: Path, imag
         last = k == len(segments) - 1
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ws}",
                 "-m", "trainer", "run", *args, *([] if last else ["--stop-at-step", str(end)])]
-        out = subprocess.run(argv, env=env, cwd=image, capture_output=True, text=True, timeout=3600)
+        cwd = code_path(user_code) if props.script is not None and user_code is not None else image
+        out = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=3600)
         log = out.stdout + out.stderr
         (run_dir.parent / f"segment-{k}.log").write_text(log)
         ok = (out.returncode == 0 and f"event=finished step={end}" in log) if last else \
