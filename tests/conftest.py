@@ -50,6 +50,7 @@ def pytest_sessionstart(session) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    _write_durations(session)
     shutil.rmtree(_PRIVATE_TMP, ignore_errors=True)
 
 
@@ -170,3 +171,77 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     finally:
         for fs in reversed(mounted):
             fs.__exit__(None, None, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scheduling: the slowest work first, and the fast tier
+# ------------------------------------------------------------------------------------------------
+#
+# tests/durations.json holds each test's seconds (setup, call and teardown) from a whole run
+# (`pytest --record-durations`). With it, the collection is ordered longest first, a test of an
+# `xdist_group` placed with its group by the group's total: xdist's loadgroup hands out one unit
+# at a time in that order, so a 5-minute drill no longer starts last while the other worker idles.
+# The file also draws the fast tier (`-m fast`, `make test-fast`): every test it records under
+# FAST_S seconds, and any test it does not know yet (a new test runs in the inner loop until the
+# file is recorded again).
+
+import json as _json  # noqa: E402
+
+DURATIONS = Path(__file__).with_name("durations.json")
+FAST_S = 2.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"write every test's seconds (setup + call + teardown) into {DURATIONS.name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"fast: the inner loop's tier: under {FAST_S:g} s in "
+                                       f"tests/{DURATIONS.name}, or not recorded yet (`make test-fast`)")
+    # Keep the order below: xdist would otherwise sort the groups by their count of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _base_id(item: pytest.Item) -> str:
+    """The node id without the `@group` suffix xdist's loadgroup appends."""
+    marker = item.get_closest_marker("xdist_group")
+    nodeid = item.nodeid
+    if marker is not None:
+        name = marker.args[0] if marker.args else marker.kwargs.get("name", "")
+        nodeid = nodeid.removesuffix(f"@{name}")
+    return nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    known: dict[str, float] = _json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    unit: dict[str, float] = {}  # a group, or a test of none: its seconds
+    keys = []
+    for item in items:
+        seconds = known.get(_base_id(item))
+        if seconds is None or seconds < FAST_S:
+            item.add_marker(pytest.mark.fast)
+        marker = item.get_closest_marker("xdist_group")
+        group = f"group:{marker.args[0] if marker.args else marker.kwargs.get('name', '')}" if marker else item.nodeid
+        unit[group] = unit.get(group, 0.0) + (seconds if seconds is not None else FAST_S)
+        keys.append((group, seconds if seconds is not None else FAST_S))
+    order = sorted(range(len(items)), key=lambda i: (-unit[keys[i][0]], keys[i][0], -keys[i][1], i))
+    items[:] = [items[i] for i in order]
+
+
+_recorded: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    nodeid = report.nodeid.split("@")[0] if "@" in report.nodeid.rpartition("::")[2] else report.nodeid
+    _recorded[nodeid] = _recorded.get(nodeid, 0.0) + report.duration
+
+
+def _write_durations(session: pytest.Session) -> None:
+    if not session.config.getoption("--record-durations") or hasattr(session.config, "workerinput"):
+        return
+    known: dict[str, float] = _json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    known.update({k: round(v, 2) for k, v in _recorded.items()})
+    DURATIONS.write_text(_json.dumps(dict(sorted(known.items())), indent=0) + "\n")
