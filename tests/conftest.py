@@ -33,6 +33,14 @@ os.environ["SPOTTRAIN_CHECKPOINT_KEY_FILE"] = _key_file
 # a controlled index (the resolver's, the two-index proof) make local ones and say so themselves.
 os.environ.pop("SPOTTRAIN_WHEEL_INDEX", None)
 
+# A drill's uninterrupted reference run is kept in build/drill-reference/ under the digest of what
+# determines it (`drill.drill.reference_key`: the scripts, archives, trainer, drill code, Python,
+# torch, settings): a later run of the suite with nothing of it changed takes the digest from there
+# instead of training a whole deployment again. An empty build/ (a fresh clone) runs it.
+os.environ.setdefault("SPOTTRAIN_DRILL_REFERENCE_CACHE",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build",
+                                   "drill-reference"))
+
 
 def pytest_sessionstart(session) -> None:
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller fetched them
@@ -181,14 +189,18 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 # (`pytest --record-durations`). With it, the collection is ordered longest first, a test of an
 # `xdist_group` placed with its group by the group's total: xdist's loadgroup hands out one unit
 # at a time in that order, so a 5-minute drill no longer starts last while the other worker idles.
-# The file also draws the fast tier (`-m fast`, `make test-fast`): every test it records under
-# FAST_S seconds, and any test it does not know yet (a new test runs in the inner loop until the
-# file is recorded again).
+# The fast tier (`-m fast`, `make test-fast`: configuration, stacks, units) is every test outside
+# SLOW_PATHS (the end-to-end trainer runs, the VM drills, the benchmarks, the walkthrough) that the
+# file does not record at FAST_S seconds or more; a new test there runs in the inner loop until the
+# file is recorded again.
 
 import json as _json  # noqa: E402
 
 DURATIONS = Path(__file__).with_name("durations.json")
 FAST_S = 2.0
+SLOW_PATHS = ("tests/trainer/e2e/", "tests/bench/", "tests/test_walkthrough.py", "tests/drill/test_drill.py",
+              "tests/drill/test_pool_drill.py", "tests/drill/test_lifecycle.py", "tests/drill/test_logs_drill.py",
+              "tests/drill/test_boot_scripts.py", "tests/drill/test_chaos.py")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -197,8 +209,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"fast: the inner loop's tier: under {FAST_S:g} s in "
-                                       f"tests/{DURATIONS.name}, or not recorded yet (`make test-fast`)")
+    config.addinivalue_line("markers", f"fast: the inner loop's tier (`make test-fast`): outside the "
+                                       f"end-to-end paths, under {FAST_S:g} s in tests/{DURATIONS.name}")
     # Keep the order below: xdist would otherwise sort the groups by their count of tests.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
@@ -221,7 +233,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keys = []
     for item in items:
         seconds = known.get(_base_id(item))
-        if seconds is None or seconds < FAST_S:
+        if not _base_id(item).startswith(SLOW_PATHS) and (seconds is None or seconds < FAST_S):
             item.add_marker(pytest.mark.fast)
         marker = item.get_closest_marker("xdist_group")
         group = f"group:{marker.args[0] if marker.args else marker.kwargs.get('name', '')}" if marker else item.nodeid
