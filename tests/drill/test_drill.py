@@ -88,8 +88,9 @@ def test_drill_a_two_gpu_vm_runs_two_ranks_and_resumes_exactly(tmp_path: Path) -
     preemption reaches both ranks, the unit exits 75 (not torchrun's 1), and the final model
     equals an uninterrupted run of the same world size."""
     lines: list[str] = []
+    # No cached reference (`reference_cache`): this test reads the reference VM's own journal.
     cfg = DrillConfig(experiment=TWO_GPUS, steps=60, preemptions=1, seed=1, window_s=15.0,
-                      checkpoint_every_steps=20, disk_mb=64, workdir=tmp_path / "drill")
+                      checkpoint_every_steps=20, disk_mb=64, workdir=tmp_path / "drill", reference_cache=None)
     result = run_drill(cfg, say=lines.append)
     assert result.reference_digest is not None and result.ok, "\n".join(lines)
     (p,) = result.preemptions
