@@ -186,9 +186,11 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 # ------------------------------------------------------------------------------------------------
 #
 # tests/durations.json holds each test's seconds (setup, call and teardown) from a whole run
-# (`pytest --record-durations`). With it, the collection is ordered longest first, a test of an
-# `xdist_group` placed with its group by the group's total: xdist's loadgroup hands out one unit
-# at a time in that order, so a 5-minute drill no longer starts last while the other worker idles.
+# (`pytest --record-durations`). With it, the collection is ordered longest first by blocks: an
+# `xdist_group` by its total, any other test with its module by the module's total (a module's
+# tests stay together, in their order: a module-scoped fixture is set up once a worker). xdist's
+# loadgroup hands out the units in that order, so a 4-minute drill no longer starts last while the
+# other worker idles.
 # The fast tier (`-m fast`, `make test-fast`: configuration, stacks, units) is every test outside
 # SLOW_PATHS (the end-to-end trainer runs, the VM drills, the benchmarks, the walkthrough) that the
 # file does not record at FAST_S seconds or more; a new test there runs in the inner loop until the
@@ -229,17 +231,22 @@ def _base_id(item: pytest.Item) -> str:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     known: dict[str, float] = _json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    unit: dict[str, float] = {}  # a group, or a test of none: its seconds
-    keys = []
+    total: dict[str, float] = {}  # a block's seconds
+    blocks = []
     for item in items:
-        seconds = known.get(_base_id(item))
-        if not _base_id(item).startswith(SLOW_PATHS) and (seconds is None or seconds < FAST_S):
+        base = _base_id(item)
+        seconds = known.get(base)
+        if not base.startswith(SLOW_PATHS) and (seconds is None or seconds < FAST_S):
             item.add_marker(pytest.mark.fast)
+        # A block: an xdist group (one worker runs it whole), else a module, kept together so that a
+        # module-scoped fixture is set up once a worker, never again for a test sorted apart.
         marker = item.get_closest_marker("xdist_group")
-        group = f"group:{marker.args[0] if marker.args else marker.kwargs.get('name', '')}" if marker else item.nodeid
-        unit[group] = unit.get(group, 0.0) + (seconds if seconds is not None else FAST_S)
-        keys.append((group, seconds if seconds is not None else FAST_S))
-    order = sorted(range(len(items)), key=lambda i: (-unit[keys[i][0]], keys[i][0], -keys[i][1], i))
+        block = f"group:{marker.args[0] if marker.args else marker.kwargs.get('name', '')}" if marker \
+            else base.partition("::")[0]
+        total[block] = total.get(block, 0.0) + (seconds if seconds is not None else FAST_S)
+        blocks.append(block)
+    # Longest block first; inside one, the collection's own order.
+    order = sorted(range(len(items)), key=lambda i: (-total[blocks[i]], blocks[i], i))
     items[:] = [items[i] for i in order]
 
 
