@@ -250,12 +250,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = [items[i] for i in order]
 
 
+_running: dict[str, float] = {}
 _recorded: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     nodeid = report.nodeid.split("@")[0] if "@" in report.nodeid.rpartition("::")[2] else report.nodeid
-    _recorded[nodeid] = _recorded.get(nodeid, 0.0) + report.duration
+    _running[nodeid] = _running.get(nodeid, 0.0) + report.duration
+    if report.when == "teardown":  # only a test that ran to its end (an interrupted run's last do not)
+        _recorded[nodeid] = _running.pop(nodeid)
 
 
 def _write_durations(session: pytest.Session) -> None:
