@@ -10,7 +10,7 @@ export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup setup-dev test test-fast demo drill lifecycle chaos soak bench synth cost review preflight docs lock wheels clean \
+.PHONY: setup setup-dev lint test test-fast demo drill lifecycle chaos soak bench synth cost review preflight docs lock wheels clean \
 	deploy diff destroy output logs prices
 
 ## setup: build .venv (the pinned packages of requirements.lock: the trainer, synthesis, the drill;
@@ -23,16 +23,21 @@ $(STAMP): requirements.lock package.json package-lock.json
 	$(VENV)/bin/npm ci --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 
-## setup-dev: setup, plus the tests' and tools' pins (requirements-dev.lock: pytest, checkov, the
-## trackers the sinks' tests drive, ...). `make test` runs it. Idempotent.
+## setup-dev: setup, plus the tests' and tools' pins (requirements-dev.lock: pytest, checkov, ruff,
+## mypy, the trackers the sinks' tests drive, ...). `make test` runs it. Idempotent.
 setup-dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP) requirements-dev.lock
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.lock
 	touch $(DEV_STAMP)
 
-## test: the whole suite.
-test: setup-dev
+## lint: ruff on the whole repository, mypy on the packages pyproject.toml's [tool.mypy] files lists.
+lint: setup-dev
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+## test: lint, then the whole suite (a lint finding fails it).
+test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 ## test-fast: the inner loop's tier (configuration, stacks, units; no trainer process, drill or

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path

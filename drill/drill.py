@@ -28,7 +28,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -113,6 +112,9 @@ class DrillConfig:
     (`reference_key`): a drill whose reference is there takes it instead of running it again.
     Default: $SPOTTRAIN_DRILL_REFERENCE_CACHE (the test suite sets build/drill-reference); none
     for `make drill`, which runs its reference every time."""
+    stall_s: int | None = None
+    """The VMs' log shipper's stall window, seconds (default: the experiment's stall_minutes): a
+    drill that shows a healthy run raising no stall runs longer than it."""
 
 
 @dataclass
@@ -230,6 +232,10 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
 
     ef = load_file(cfg.experiment)
     exp = ef.spec if pool is None else ef.spec.model_copy(update={"pool": pool})
+    if cfg.stall_s is not None and "logs" not in (extra or {}):
+        from stacks.boot import LogShipping
+
+        extra = {**(extra or {}), "logs": LogShipping(project=exp.gcp.project, stall_s=cfg.stall_s)}
     exp = many_tensors(exp)
     # The VM stand-in's Python is this one (drill.sandbox), not the image's: its wheels are the
     # lock for this Python (`make lock` writes it beside the image's), and the startup script's

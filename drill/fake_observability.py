@@ -220,7 +220,8 @@ class Filter:
         return _eval(self.tree, e)
 
 
-def _field(e: dict[str, Any], path: list[str]) -> Any:
+def field_at(e: dict[str, Any], path: list[str]) -> Any:
+    """The value at ``path`` in a log entry (``jsonPayload.event``), or None."""
     value: Any = e
     for part in path:
         if not isinstance(value, dict) or part not in value:
@@ -240,7 +241,7 @@ def _eval(node: tuple, e: dict[str, Any]) -> bool:
     if kind == "not":
         return not _eval(node[1], e)
     _, path, op, want, quoted = node
-    have = _field(e, path)
+    have = field_at(e, path)
     if have is None or isinstance(have, (dict, list)):
         return False
     if op == ":":

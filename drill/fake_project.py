@@ -25,6 +25,13 @@ and what whatever is left costs a month.
 - A budget is created as the Budget API creates it (`_check_budget`): only with
   billing.budgets.create on its billing account (`billing_accounts`: none unless a test grants
   it, as a project Owner has none), email channels only, and no currency but the account's.
+- An alert policy is created as Monitoring creates it (`_check_alert_policies`): a condition that
+  names a log-based metric (`metric.type="logging.googleapis.com/user/NAME"`, or PromQL's
+  `logging_googleapis_com:user_NAME`) is refused with 404 "Cannot find metric(s) that match type
+  = ..." unless that metric was created at least `METRIC_VISIBLE_S` (10 minutes) before the
+  policy (hashicorp/terraform-provider-google#11102). The apply keeps a clock: a resource is
+  created once everything it depends on (`depends_on`, `${...}` references) is, instantly,
+  except a `terraform_data` whose `local-exec` provisioner is `sleep N`, which takes N seconds.
 - `plan(stack)`: the addresses a plan after the apply would change: the state holds what the API
   answers on read (`read_back`), compared with what the stack declares as the provider compares
   it. A dashboard's JSON comes back without its default values, so one that writes them (a tile
@@ -39,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from drill.gcs_emulator import StorageEmulator
-from drill.provider import Destroyed, destroy, kind as kind_of
+from drill.provider import Destroyed, destroy
 
 GROUP_KINDS = ("google_compute_instance_group_manager", "google_compute_region_instance_group_manager")
 TEMPLATE_KINDS = ("google_compute_instance_template", "google_compute_region_instance_template")
@@ -47,6 +54,14 @@ TEMPLATE_KINDS = ("google_compute_instance_template", "google_compute_region_ins
 LABELS = {"google_storage_bucket": "storage bucket", "google_secret_manager_secret": "secret",
           "disk": "compute disk", "instance": "compute instance"}
 _REF = re.compile(r"\$\{([a-z0-9_]+)\.([A-Za-z0-9_-]+)\.([a-z_]+)\}")
+#: How long after a log-based metric's creation Monitoring may still not know it: "If a metric
+#: was created recently, it could take up to 10 minutes to become available" (the 404's own text,
+#: hashicorp/terraform-provider-google#11102; cloud.google.com/logging/docs/logs-based-metrics).
+#: The stand-in refuses for all of it, never kinder than Google.
+METRIC_VISIBLE_S = 600.0
+_USER_METRIC = re.compile(r'metric\.type\s*=\s*"logging\.googleapis\.com/user/([^"]+)"')
+_PROMQL_USER_METRIC = re.compile(r"logging_googleapis_com:user_([A-Za-z0-9_:]+)")
+_SLEEP = re.compile(r"sleep (\d+)")
 
 
 #: Enum values that are their field's default (number 0) in the Dashboard API's protos.
@@ -165,6 +180,9 @@ class FakeProject:
         self.soft_deleted_bytes = 0
         self.destroyed: Destroyed | None = None
         self._disk_seq = 0
+        #: The apply's clock, in seconds: when each address was created (`_created`).
+        self.clock = 0.0
+        self.created: dict[str, float] = {}
 
     def __enter__(self) -> "FakeProject":
         return self
@@ -186,6 +204,10 @@ class FakeProject:
                     for k, items in resources.items()}
         for key, budget in resolved.get("google_billing_budget", {}).items():
             self._check_budget(f"google_billing_budget.{key}", budget, resolved)
+        created = self._created(resources)
+        self._check_alert_policies(resources, resolved, created)
+        self.created.update(created)
+        self.clock = max([self.clock, *created.values()])
         self.bucket = resolved["google_storage_bucket"][next(iter(resources["google_storage_bucket"]))]["name"]
         self.gcs = StorageEmulator(self.bucket, log=self.log).start()
         declared = {a["name"] for a in resolved.get("google_storage_bucket_object", {}).values()}
@@ -235,6 +257,74 @@ class FakeProject:
         if currency is not None and currency != self.billing_accounts[account]:
             raise ProjectError(f"{address}: 400 INVALID_ARGUMENT: currency_code {currency} does not match the "
                                f"billing account's currency {self.billing_accounts[account]}")
+
+    def _created(self, resources: dict[str, dict[str, Any]]) -> dict[str, float]:
+        """When the apply creates each new address on the project's clock: as soon as everything
+        it depends on exists (Terraform creates in dependency order, the rest in parallel), and a
+        `terraform_data` whose local-exec provisioner is `sleep N` N seconds later (a provisioner
+        runs once, when its resource is created; developer.hashicorp.com/terraform/language/
+        resources/terraform-data). What the state already holds was created before."""
+        done: dict[str, float] = {}
+
+        def at(address: str, seen: tuple[str, ...] = ()) -> float:
+            if address in done:
+                return done[address]
+            if address in self.created and address in self.state:
+                return self.created[address]
+            k, _, key = address.partition(".")
+            attrs = resources.get(k, {}).get(key)
+            if attrs is None or address in seen:
+                return self.clock
+            start = max([self.clock, *(at(d, (*seen, address)) for d in self._deps(attrs))])
+            took = 0.0
+            if k == "terraform_data":
+                for prov in attrs.get("provisioner") or []:
+                    m = _SLEEP.fullmatch(str((prov.get("local-exec") or {}).get("command", "")).strip())
+                    if m and (prov.get("local-exec") or {}).get("when") in (None, "create"):
+                        took += float(m.group(1))
+            done[address] = start + took
+            return done[address]
+
+        for k, items in resources.items():
+            for key in items:
+                at(f"{k}.{key}")
+        return {a: t for a, t in done.items() if a not in self.state}
+
+    def _check_alert_policies(self, resources: dict[str, dict[str, Any]], resolved: dict[str, Any],
+                              created: dict[str, float]) -> None:
+        """What `projects.alertPolicies.create` refuses (cloud.google.com/monitoring/api/ref_v3/rest/
+        v3/projects.alertPolicies/create): a condition naming a log-based metric Monitoring does
+        not know yet, 404 "Cannot find metric(s) that match type = ..." for up to 10 minutes
+        after the metric's creation; the provider retries only 409, so the apply fails there
+        (hashicorp/terraform-provider-google#11102, still so with 7.x). A metric the stack does
+        not declare and the project does not hold is never known."""
+        metrics = {str(attrs.get("name")): f"google_logging_metric.{key}"
+                   for key, attrs in resolved.get("google_logging_metric", {}).items()}
+        for key, policy in resolved.get("google_monitoring_alert_policy", {}).items():
+            address = f"google_monitoring_alert_policy.{key}"
+            if address not in created:
+                continue  # it exists already: the apply does not create it again
+            start = created[address]
+            named: list[str] = []
+            for c in policy.get("conditions") or []:
+                for part in ("condition_threshold", "condition_absent"):
+                    named += _USER_METRIC.findall(str((c.get(part) or {}).get("filter", "")))
+                query = str((c.get("condition_prometheus_query_language") or {}).get("query", ""))
+                named += [m.replace("_", "/") for m in _PROMQL_USER_METRIC.findall(query)]
+            for name in named:
+                metric = metrics.get(name) or next((m for n, m in metrics.items()
+                                                    if n.replace("_", "/") == name), None)
+                born = None if metric is None else created.get(metric, self.created.get(metric))
+                if born is None or start - born < METRIC_VISIBLE_S:
+                    raise ProjectError(
+                        f"{address}: Error creating AlertPolicy: googleapi: Error 404: Cannot find metric(s) that "
+                        f'match type = "logging.googleapis.com/user/{name}". If a metric was created recently, it '
+                        "could take up to 10 minutes to become available. Please try again soon.")
+
+    @staticmethod
+    def _deps(attrs: dict[str, Any]) -> set[str]:
+        refs = {f"{m.group(1)}.{m.group(2)}" for m in _REF.finditer(json.dumps(attrs))}
+        return refs | set(attrs.get("depends_on") or [])
 
     def plan(self, stack: dict[str, Any]) -> list[str]:
         """The addresses a plan of `stack` against this project's state would create or change."""

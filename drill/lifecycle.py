@@ -16,13 +16,22 @@ then what is left of it and what that costs a month.
    the run's checkpoints and the checkpoint key (nothing with `force_destroy = true`). A disk that
    a VM left behind, or anything else, is named with its cost and fails the drill.
 
-`python -m drill.lifecycle [--experiment NAME|PATH]` (`make lifecycle`): exit 0 when it passes, 1
-when something else is left or the drill fails, 2 on bad input.
+The apply goes through the fake project's strict stand-ins of what the watch stack touches (an
+alert policy on a log-based metric created moments before is refused with Monitoring's 404; a
+budget needs billing.budgets.create on its billing account, email channels and the account's
+currency). So by default the experiment is applied `watched`: a copy of its file (same name, so
+the same resource names) with an email and a webhook channel in `[alerts]` and a `[budget]`
+added where it has none; the deployer holds Billing Account Costs Manager on that account (a USD
+one). `--as-written` applies the file unchanged.
+
+`python -m drill.lifecycle [--experiment NAME|PATH] [--as-written]` (`make lifecycle`): exit 0 when
+it passes, 1 when something else is left or the drill fails, 2 on bad input.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +44,33 @@ from drill.provider import Destroyed
 
 #: What docs/deploy.md says a destroy keeps when the bucket may not be force-destroyed.
 KEPT = ("google_storage_bucket", "google_secret_manager_secret")
+#: What `watched` adds: channels of two kinds (a budget takes the email one only) and a budget on
+#: a billing account whose currency is ACCOUNT_CURRENCY.
+WATCH_EMAIL = "oncall@example.com"
+WATCH_WEBHOOK = "https://hooks.example.com/spottrain?token=drill"
+BILLING_ACCOUNT = "012345-6789AB-CDEF01"
+ACCOUNT_CURRENCY = "USD"
+
+
+def watched(experiment: Path, into: Path) -> Path:
+    """A copy of `experiment` in `into` (same file name: same stack and resource names) with an
+    email and a webhook channel in `[alerts]` when it names none (and its alerts are on), and a
+    `[budget]` on BILLING_ACCOUNT when it has none."""
+    from stacks.load import load_file
+
+    spec = load_file(experiment).spec
+    text = experiment.read_text()
+    if spec.alerts.enabled and not spec.alerts.channels:
+        channels = f'email = ["{WATCH_EMAIL}"]\nwebhook_url = "{WATCH_WEBHOOK}"\n'
+        if re.search(r"^\[alerts\][ \t]*$", text, re.M):
+            text = re.sub(r"^\[alerts\][ \t]*\n", lambda m: m.group(0) + channels, text, count=1, flags=re.M)
+        else:
+            text += f"\n[alerts]\n{channels}"
+    if spec.budget is None:
+        text += f'\n[budget]\nbilling_account = "{BILLING_ACCOUNT}"\namount_usd = 100\nthresholds = [0.5, 1.0]\n'
+    out = into / experiment.name
+    out.write_text(text)
+    return out
 
 
 @dataclass
@@ -71,9 +107,12 @@ def promised(spec: Any) -> tuple[str, ...]:
 
 
 def run_lifecycle(cfg: DrillConfig, say: Callable[[str], None] = print, *,
-                  alter: Callable[[dict[str, Any]], None] | None = None) -> LifecycleResult:
+                  alter: Callable[[dict[str, Any]], None] | None = None,
+                  billing_accounts: dict[str, str] | None = None) -> LifecycleResult:
     """Deploy, drill, destroy, inventory. `alter`: changes the synthesized stack before it is
-    applied (what a test does to show that the drill catches a leak)."""
+    applied (what a test does to show that the drill catches a leak). `billing_accounts`: the
+    accounts the deployer holds billing.budgets.create on, each with its currency; None: the
+    experiment's budget account, in ACCOUNT_CURRENCY (a project role grants none)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="spottrain-lifecycle-") as tmp, \
@@ -85,6 +124,10 @@ def run_lifecycle(cfg: DrillConfig, say: Callable[[str], None] = print, *,
             if alter is not None:
                 alter(stack)
             project.project = r.spec.gcp.project
+            if billing_accounts is not None:
+                project.billing_accounts = dict(billing_accounts)
+            elif r.spec.budget is not None:
+                project.billing_accounts = {r.spec.budget.billing_account: ACCOUNT_CURRENCY}
             try:
                 project.apply(stack, dict(r.uploads))
             except ProjectError as e:
@@ -93,6 +136,7 @@ def run_lifecycle(cfg: DrillConfig, say: Callable[[str], None] = print, *,
             say(f"deploy: applied stack {r.name} to the fake project {project.project}: "
                 f"{len(project.state)} resources in the state, bucket {project.bucket} holding "
                 f"{len(project.objects())} code object(s)")
+            say(watch_summary(stack, project))
             return project
 
         result = run_drill(cfg, say, deploy=deploy)
@@ -105,6 +149,19 @@ def run_lifecycle(cfg: DrillConfig, say: Callable[[str], None] = print, *,
         out = LifecycleResult(result, destroyed, left, apis, keep)
         say(report(out))
         return out
+
+
+def watch_summary(stack: dict[str, Any], project: FakeProject) -> str:
+    """One line on what the apply created of the watch stack, and when on its clock."""
+    resources = stack.get("resource", {})
+    policies = [f"google_monitoring_alert_policy.{k}" for k in resources.get("google_monitoring_alert_policy", {})]
+    waited = [a for a in policies if project.created.get(a, 0.0) > 0]
+    channels = sorted(str(c.get("type")) for c in resources.get("google_monitoring_notification_channel", {}).values())
+    budgets = [str(b.get("billing_account")) for b in resources.get("google_billing_budget", {}).values()]
+    return (f"watch: {len(policies)} alert policies ({len(waited)} created {project.clock:.0f} s into the apply, "
+            f"once their log-based metrics were known), {len(resources.get('google_logging_metric', {}))} "
+            f"log-based metrics, channels: {', '.join(channels) or 'none'}, budget: "
+            f"{', '.join(f'billingAccounts/{b}' for b in budgets) or 'none'}")
 
 
 def _money(x: float | None) -> str:
@@ -152,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preemptions", type=int, default=1, help="preemptions before the finish (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seeds the preemption moments")
     p.add_argument("--keep", type=Path, help="keep VM state, journals and disks in this directory")
+    p.add_argument("--as-written", action="store_true",
+                   help="apply the experiment file unchanged (default: watched, with channels and a budget added)")
     a = p.parse_args(argv)
+    import tempfile
+
     from stacks.errors import InputError, report as report_error
     from stacks.load import resolve
 
@@ -160,6 +221,21 @@ def main(argv: list[str] | None = None) -> int:
         experiment = resolve(a.experiment)
     except InputError as e:
         return report_error(e)
+    with tempfile.TemporaryDirectory(prefix="spottrain-lifecycle-exp-") as tmp:
+        if not a.as_written:
+            try:
+                experiment = watched(experiment, Path(tmp))
+            except InputError as e:
+                return report_error(e)
+            except OSError as e:
+                print(f"lifecycle: {a.experiment}: {e.strerror or e}", file=sys.stderr)
+                return 2
+        return _main(a, experiment)
+
+
+def _main(a: argparse.Namespace, experiment: Path) -> int:
+    from stacks.errors import InputError, report as report_error
+
     cfg = DrillConfig(experiment=experiment, steps=a.steps, preemptions=a.preemptions, seed=a.seed, workdir=a.keep)
     try:
         check(cfg)

@@ -134,6 +134,11 @@ class PoolDrillResult:
     """Calls outside the synthesized stack's grants (Google would refuse them): none when healthy."""
     control_runs: list[int] = field(default_factory=list)
     """The exit status of each execution of the control job."""
+    alerts: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Node -> the alert policies of the pool's synthesized stack that fire on what it shipped
+    (`drill.alert_eval`: condition title -> entries counted)."""
+    longest_session_s: dict[str, float] = field(default_factory=dict)
+    """Node -> its longest trainer session, from the first to the last entry it shipped."""
 
     @property
     def ok(self) -> bool:
@@ -386,6 +391,7 @@ def run_pool_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> Pool
                 if target else None
             refusals = list(pool.compute.refusals)
             runs = [r.returncode for r in pool.control.runs] if pool.control is not None else []
+            alerts, longest = watched(pool)
             say(f"the finished pool stopped paying: workers' group sizes {sizes}, coordinator {coordinator}")
         segments = world_size_path(sessions, cfg.steps)
         say("reference: the same world-size path, replayed with torchrun --standalone: "
@@ -393,12 +399,34 @@ def run_pool_drill(cfg: DrillConfig, say: Callable[[str], None] = print) -> Pool
         t1 = time.monotonic()
         ref_digest = replay(segments, props, workdir / "reference", image, cfg.experiment)
         result = PoolDrillResult(cfg, ref_digest, status.get("model_digest"), status, preemptions, sessions,
-                                 segments, time.monotonic() - t1, drill_s, workdir, sizes, coordinator, refusals, runs)
+                                 segments, time.monotonic() - t1, drill_s, workdir, sizes, coordinator, refusals, runs,
+                                 alerts, longest)
         say(report(result))
         return result
     finally:
         if not cfg.keep and not cfg.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def watched(pool: Pool) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
+    """What each node's shipped entries raise among the pool stack's alert policies, and each
+    node's longest trainer session (first to last entry of one `jsonPayload.session`)."""
+    from drill.alert_eval import evaluate
+    from drill.drill import stack_json
+    from drill.fake_observability import parse_time
+
+    stack = stack_json(pool.rendered[0])
+    alerts: dict[str, dict[str, int]] = {}
+    longest: dict[str, float] = {}
+    for node in pool.nodes:
+        alerts[node.hostname] = {t: len(o.entries) for t, o in evaluate(stack, node.observability).items() if o.fired}
+        spans: dict[str, list[Any]] = {}
+        for e in node.observability.matching('jsonPayload.source="trainer"'):
+            session = e["jsonPayload"].get("session")
+            if session:
+                spans.setdefault(session, []).append(parse_time(e["timestamp"]))
+        longest[node.hostname] = max(((max(ts) - min(ts)).total_seconds() for ts in spans.values()), default=0.0)
+    return alerts, longest
 
 
 def _preempt(pool: Pool, worker: Deployment, p: PoolPreemption, cfg: DrillConfig, rng: random.Random, seen: int,
@@ -533,6 +561,9 @@ def report(r: PoolDrillResult) -> str:
               f"digest {'MATCHES' if same else 'DIFFERS'}: drill {r.drill_s:.1f} s, reference replay {r.reference_s:.1f} s",
               f"stopped paying: workers' group sizes {r.worker_group_sizes}, coordinator {r.coordinator_status}",
               iam_line(r.refusals, r.control_runs)]
+    for node, fired in sorted(r.alerts.items()):
+        lines.append(f"alerts on {node}'s log (longest trainer session {r.longest_session_s.get(node, 0):.0f} s): "
+                     + (", ".join(f"{t} ({n})" for t, n in sorted(fired.items())) or "none"))
     return "\n".join(lines)
 
 

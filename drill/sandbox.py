@@ -28,7 +28,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -371,7 +370,3 @@ def disk_status(disk: Disk, argv: list[str], *, mount_at: str = "/mnt/spottrain"
                               cwd=cwd, env={**os.environ, **(env or {})})
     finally:
         disk.detach()
-
-
-def new_state_dir(base: Path | None = None) -> Path:
-    return Path(tempfile.mkdtemp(prefix="drill-vm-", dir=base))

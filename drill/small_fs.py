@@ -124,7 +124,3 @@ class SmallFs:
             self._mount_ext4()
         else:
             subprocess.run(["mount", "-o", "remount,rw", str(self.path)], check=True)
-
-    def free_bytes(self) -> int:
-        st = os.statvfs(self.path)
-        return st.f_bavail * st.f_frsize

@@ -10,15 +10,25 @@ this construct declares them.
   with the first Pub/Sub channel) roles/pubsub.publisher, on that topic only.
 - **Policies:** one per `alert_rules.rules`, each a single condition: a log-match on the metric's
   Logging filter for a rule that fires on one entry (no metric descriptor to wait for), else a
-  threshold on its metric (the filter names the metric resource); notifying every channel, its
+  threshold on its metric (the filter names the metric resource), created only once the wait
+  `metrics-visible` has run (below); notifying every channel, its
   documentation saying what happened and the command to see more; incidents close by themselves
   `AUTO_CLOSE_S` after the condition stops holding.
+- **The wait:** Monitoring refuses an alert policy that names a log-based metric created moments
+  before (404 "Cannot find metric(s) that match type = ..."; "it could take up to 10 minutes to
+  become available", cloud.google.com/logging/docs/logs-based-metrics#monitoring; the provider
+  retries only 409, hashicorp/terraform-provider-google#11102). So the threshold policies depend
+  on a `terraform_data` (built into Terraform >= 1.4 and OpenTofu: no provider to download) whose
+  `local-exec` provisioner sleeps `METRIC_VISIBLE_S` once its metrics exist. A provisioner runs
+  when its resource is created, so the wait costs the first apply (and one that creates or
+  renames a counted metric: they are its `triggers_replace`), never a later one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cdktn import DataResource, LocalExecProvisioner
 from cdktn_provider_google.data_google_project import DataGoogleProject
 from cdktn_provider_google.logging_metric import LoggingMetric, LoggingMetricMetricDescriptorLabels
 from cdktn_provider_google.monitoring_alert_policy import (
@@ -39,6 +49,8 @@ from stacks.experiment import Experiment, PUBSUB_TOPIC
 #: buckets): steps/s, losses and step counts of any ordinary run fall inside.
 BUCKETS = {"num_finite_buckets": 80, "growth_factor": 1.25, "scale": 0.001}
 STEP_BUCKETS = {"num_finite_buckets": 80, "growth_factor": 1.25, "scale": 1.0}
+#: How long Monitoring may take to know a new log-based metric ("up to 10 minutes").
+METRIC_VISIBLE_S = 600
 
 
 @dataclass(frozen=True)
@@ -90,17 +102,24 @@ class RunAlerts(Construct):
                     self, "pubsub", project=p, type="pubsub", display_name=f"spottrain {name}: Pub/Sub",
                     labels={"topic": a.pubsub_topic}, user_labels=user_labels)
                 self.channels.append(channel)
-                m = PUBSUB_TOPIC.match(a.pubsub_topic)
-                assert m is not None  # validated upstream
+                topic = PUBSUB_TOPIC.match(a.pubsub_topic)
+                assert topic is not None  # validated upstream
                 number = DataGoogleProject(self, "project", project_id=p).number
                 # The agent exists once the first Pub/Sub channel does: the grant waits for it.
                 PubsubTopicIamMember(
-                    self, "pubsub-publisher", project=m.group(1), topic=a.pubsub_topic.rsplit("/", 1)[1],
+                    self, "pubsub-publisher", project=topic.group(1), topic=a.pubsub_topic.rsplit("/", 1)[1],
                     role="roles/pubsub.publisher", depends_on=[channel],
                     member=f"serviceAccount:service-{number}@gcp-sa-monitoring-notification.iam.gserviceaccount.com")
         names = [c.name for c in self.channels]
         self.policies: list[MonitoringAlertPolicy] = []
         by_name = run_metrics.by_name(p, name)
+        counted = sorted({r.metric for r in rules if not r.matched_log})
+        #: What the threshold policies wait for (None: no rule counts).
+        self.wait: DataResource | None = None
+        if counted:
+            self.wait = DataResource(
+                self, "metrics-visible", triggers_replace={m: self.metrics[m].name for m in counted},
+                provisioners=[LocalExecProvisioner(type="local-exec", command=f"sleep {METRIC_VISIBLE_S}")])
         for r in rules:
             metric = self.metrics[r.metric]
             if r.matched_log:
@@ -130,4 +149,5 @@ class RunAlerts(Construct):
                 documentation={"content": alert_rules.documentation(props.exp, name, r), "mime_type": "text/markdown",
                                "subject": f"spottrain {name}: {r.title}"},
                 alert_strategy={"auto_close": f"{alert_rules.AUTO_CLOSE_S}s"},
+                depends_on=[self.wait] if self.wait is not None else None,
                 notification_channels=names or None, severity=r.severity, user_labels=dict(props.labels)))

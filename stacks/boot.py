@@ -403,6 +403,7 @@ def render(props: BootProps) -> BootScripts:
     releases = [r for r in (trainer, user) if r is not None]
     # The code first, then the wheels: the shipped dependencies shadow the image's copies.
     pythonpath = ":".join([r["dir"] for r in releases] + ([wheels["deps_dir"]] if wheels else []))
+    scale_json = scale_settings(props)
     ctx = {
         "name": props.name,
         "device_name": DEVICE_NAME,
@@ -452,7 +453,7 @@ def render(props: BootProps) -> BootScripts:
         "role_key": ROLE_KEY,
         "coordinator_role": COORDINATOR,
         "worker_role": WORKER,
-        "scale_settings": scale_settings(props),
+        "scale_settings": scale_json,
         "stop_when_done": props.scale is not None and props.scale.stop_when_done,
         "flex": props.scale is not None and props.scale.run_duration_s is not None,
         "data": None if props.data_source is None else {
@@ -480,4 +481,4 @@ def render(props: BootProps) -> BootScripts:
     shutdown = env.get_template("shutdown.sh.j2").render(ctx)
     return BootScripts(startup=startup, shutdown=shutdown, unit=unit, trainer_sh=trainer_sh,
                        finished_health=finished_health, finished_unit=finished_unit,
-                       stop_paying=stop_paying, scale_settings=ctx["scale_settings"])
+                       stop_paying=stop_paying, scale_settings=scale_json)

@@ -31,6 +31,7 @@ from stacks.experiment import Experiment
 from stacks.load import ExperimentError, ExperimentFile, argument, display, load_all
 from stacks.policy_cost import policy_lines
 from trainer.checkpoint.stores import GcsStore
+from trainer.checkpoint.tiers import GCS
 from trainer.config import RunConfig
 
 
@@ -242,7 +243,7 @@ def watch_lines(exp: Experiment, name: str, run_hours: float) -> list[str]:
         f"  metrics           ~{mib:,.1f} MiB of log-based and trainer metrics: {_money(metric_cost) if metric_cost else 'within'} "
         f"Monitoring's {pricing.MONITORING_FREE_MIB_MONTH} MiB free per billing account-month (then "
         f"{_money(pricing.MONITORING_USD_PER_MIB)}/MiB)",
-        f"  alerts            " + (f"{n} alert conditions: {_money(n * pricing.ALERT_CONDITION_USD_MONTH)}/month while "
+        "  alerts            " + (f"{n} alert conditions: {_money(n * pricing.ALERT_CONDITION_USD_MONTH)}/month while "
                                    f"deployed ({_money(pricing.ALERT_CONDITION_USD_MONTH)} each; [alerts] enabled = "
                                    "false removes them)" if n else "none ([alerts] enabled = false)"),
     ]
@@ -322,8 +323,8 @@ def _interval(exp: Experiment) -> tuple[float, str]:
         return exp.cost.checkpoint_interval_s, "set in [cost]"
     # [trainer.config]: the bucket's own cadence first, then the run-wide one (as the trainer does).
     config = exp.trainer.config
-    gcs = config.get("tiers", {}).get("gcs", {}) if isinstance(config.get("tiers"), dict) else {}
-    for where, table in (("trainer.config.tiers.gcs.", gcs), ("trainer.config.checkpoint_", config)):
+    gcs = config.get("tiers", {}).get(GCS, {}) if isinstance(config.get("tiers"), dict) else {}
+    for where, table in ((f"trainer.config.tiers.{GCS}.", gcs), ("trainer.config.checkpoint_", config)):
         prefix = "" if table is gcs else "checkpoint_"
         seconds, steps = table.get(f"{prefix}every_seconds"), table.get(f"{prefix}every_steps")
         if isinstance(seconds, (int, float)) and seconds > 0:

@@ -1026,10 +1026,10 @@ def global_batch_problems(exp: Experiment) -> Iterator[Problem]:
     if isinstance(configured, int) and not isinstance(configured, bool):
         found = "trainer.config.global_batch_size", configured  # args cannot set it too (refused)
     for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
+        flag, eq, given = arg.partition("=")
         if found is not None or flag != "--global-batch-size":
             continue
-        found = f"trainer.args[{i}]", value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        found = f"trainer.args[{i}]", given if eq else (args[i + 1] if i + 1 < len(args) else "")
     if found is None:
         return
     path, value = found

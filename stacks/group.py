@@ -11,6 +11,7 @@ unavailable per zone, zone kept on repair).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from cdktn import ITerraformDependable, TerraformResourceLifecycle
 
@@ -83,6 +84,19 @@ class GroupProps:
     size_managed_elsewhere: bool = False
 
 
+class _Common(TypedDict):
+    """What the zonal and the regional group managers are given alike."""
+
+    project: str
+    name: str
+    base_instance_name: str
+    target_size: int
+    description: str
+    wait_for_instances: bool
+    depends_on: list[ITerraformDependable] | None
+    lifecycle: TerraformResourceLifecycle | None
+
+
 class TrainerGroup(Construct):
     def __init__(self, scope: Construct, id_: str, props: GroupProps) -> None:
         super().__init__(scope, id_)
@@ -101,7 +115,7 @@ class TrainerGroup(Construct):
             ),
             log_config=ComputeHealthCheckLogConfig(enable=True),
         )
-        common = dict(
+        common = _Common(
             project=props.project,
             name=group_name(props.name, props.kind),
             base_instance_name=f"{props.name}-{props.kind}" if props.kind else props.name,

@@ -103,7 +103,7 @@ def _nested_models(model: type[BaseModel]) -> list[type[BaseModel]]:
 def experiment_page() -> str:
     from stacks.experiment import SECTIONS, Experiment
 
-    section_of = {cls: key for key, cls in SECTIONS.items()}
+    section_of: dict[type[BaseModel], str] = {cls: key for key, cls in SECTIONS.items()}
     lines = [_GENERATED, "", "# Experiment file reference", "",
              "Every key of an `experiments/NAME.toml` file, by section: type, default and meaning. A "
              "key that is not listed here is refused (exit 2, naming the file and the key). The guide "
@@ -133,7 +133,8 @@ def _flag_rows(p: argparse.ArgumentParser) -> list[str]:
         if isinstance(a, argparse._HelpAction) or not a.option_strings:
             continue
         flag = ", ".join(f"`{s}`" for s in a.option_strings)
-        metavar = "" if a.nargs == 0 else f" `{(a.metavar or a.dest).upper()}`"
+        shown = a.metavar if isinstance(a.metavar, str) and a.metavar else a.dest
+        metavar = "" if a.nargs == 0 else f" `{shown.upper()}`"
         rows.append(f"| {flag}{metavar} | {_cell(a.help)} |")
     return rows
 

@@ -467,7 +467,7 @@ def trainer_settings(stack: dict[str, Any] | None) -> Any:
     script = next((x for x in scripts if isinstance(x, str)), None)
     trainer_sh = _written_file(script, TRAINER_SH) if script else None
     m = _RUN.search(trainer_sh or "")
-    if m is None:
+    if m is None or script is None:
         return None
     # `${VAR:-default}` is what the VM passes unless its boot set VAR (the shutdown window's
     # budget: the template's own provisioning's); any other variable is the VM's alone.

@@ -9,6 +9,9 @@ mix; Cloud Monitoring sees it as `logging.googleapis.com/user/spottrain/EXPERIME
 `gce_instance` resource (cloud.google.com/logging/docs/logs-based-metrics). Counters are DELTA
 INT64; distributions extract a number from `jsonPayload.fields` (the line's `key=value`s).
 
+The trainer's events are counted by the name of their log line, imported from where it is said
+once (`trainer.observe.events`: an event's `line`).
+
 The filters use only what the log entries carry (docs/watch.md, "Logs that outlive the VM"), and
 only the part of the Logging query language that the loopback Logging API understands
 (`drill.fake_observability.Filter`), so the tests evaluate each one against real shipped entries.
@@ -17,6 +20,10 @@ only the part of the Logging query language that the loopback Logging API unders
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from trainer.cloud.log_shipper import STALL_EVENT
+from trainer.cloud.stop_marker import REFUSED_EVENT
+from trainer.observe.events import CheckpointsSetAside, Eval, Failed, Finished, Restored, Step, TierFailing
 
 LOG_ID = "spottrain"
 LABEL = "spottrain-experiment"
@@ -89,15 +96,15 @@ def metrics(project: str, experiment: str) -> list[LogMetric]:
              f'protoPayload.resourceName=~"{instance_pattern(experiment)}" AND severity>=ERROR AND ('
              + " OR ".join(f'protoPayload.status.message:"{m}"' for m in STOCKOUT_MESSAGES) + ")")
     own = [
-        LogMetric("steps", "Step lines the trainer logged (one per logging interval)", _trainer("step")),
-        LogMetric("steps_per_s", "Optimizer steps per second over each logging interval", _trainer("step"),
+        LogMetric("steps", "Step lines the trainer logged (one per logging interval)", _trainer(Step.line)),
+        LogMetric("steps_per_s", "Optimizer steps per second over each logging interval", _trainer(Step.line),
                   unit="1/s", value_field="jsonPayload.fields.steps_per_s"),
-        LogMetric("loss", "Mean training loss over each logging interval", _trainer("step"),
+        LogMetric("loss", "Mean training loss over each logging interval", _trainer(Step.line),
                   value_field="jsonPayload.fields.loss"),
-        LogMetric("step", "The step each step line reached", _trainer("step"), value_field="jsonPayload.step"),
-        LogMetric("eval_loss", "Evaluation loss", _trainer("eval"), value_field="jsonPayload.fields.loss"),
+        LogMetric("step", "The step each step line reached", _trainer(Step.line), value_field="jsonPayload.step"),
+        LogMetric("eval_loss", "Evaluation loss", _trainer(Eval.line), value_field="jsonPayload.fields.loss"),
         LogMetric("restores", "Sessions that resumed from a checkpoint, by tier",
-                  _trainer("restore") + " AND jsonPayload.step>0", labels={"tier": "jsonPayload.fields.tier"}),
+                  _trainer(Restored.line) + " AND jsonPayload.step>0", labels={"tier": "jsonPayload.fields.tier"}),
         LogMetric("preemptions", "VMs preempted (the shutdown script's event=shutdown reason=preemption)",
                   'jsonPayload.event="shutdown" AND jsonPayload.fields.reason="preemption"'),
         LogMetric("stops", "VMs that shut down other than by a preemption (a repair, a resize, a finish: the "
@@ -107,16 +114,16 @@ def metrics(project: str, experiment: str) -> list[LogMetric]:
                   'jsonPayload.source="startup" AND jsonPayload.event="boot"',
                   labels={"after": "jsonPayload.fields.after"}),
         LogMetric("stalls", "The log shipper saw no step for alerts.stall_minutes while the trainer ran",
-                  'jsonPayload.event="stalled"'),
+                  f'jsonPayload.event="{STALL_EVENT}"'),
         LogMetric("failures", "A run stopped on bad input or failure (the trainer's event=failed, a failed boot)",
-                  f'({_trainer("failed")}) OR jsonPayload.event="boot_failed"',
+                  f'({_trainer(Failed.line)}) OR jsonPayload.event="boot_failed"',
                   labels={"reason": "jsonPayload.fields.reason"}),
         LogMetric("finished", "The run finished (its final checkpoint durable on every tier)",
-                  _trainer("finished") + ' AND NOT jsonPayload.message:"already complete"'),
-        LogMetric("tier_failing", "A checkpoint tier kept failing, by tier", _trainer("tier_failing"),
+                  _trainer(Finished.line) + f' AND NOT jsonPayload.message:"{Finished.AGAIN}"'),
+        LogMetric("tier_failing", "A checkpoint tier kept failing, by tier", _trainer(TierFailing.line),
                   labels={"tier": "jsonPayload.fields.tier"}),
         LogMetric("set_aside", "A restore set aside checkpoints nobody can vouch for and started from scratch",
-                  _trainer("checkpoints_set_aside")),
+                  _trainer(CheckpointsSetAside.line)),
     ]
     out = [LogMetric(m.name, m.description, f"{base} AND ({m.filter})", m.unit, m.value_field, m.labels)
            for m in own]
@@ -126,7 +133,7 @@ def metrics(project: str, experiment: str) -> list[LogMetric]:
     # Cloud Run turns into jsonPayload entries of the `cloud_run_job` resource in its own log;
     # `<experiment>-control` is `stacks.boot.control_job_name` (not imported: this module stays light).
     refused = (f'logName="projects/{project}/logs/run.googleapis.com%2Fstderr" AND resource.type="cloud_run_job" AND '
-               f'resource.labels.job_name="{experiment}-control" AND jsonPayload.event="stop_marker_refused"')
+               f'resource.labels.job_name="{experiment}-control" AND jsonPayload.event="{REFUSED_EVENT}"')
     out.append(LogMetric("markers_refused", "Stop markers the control job refused to act on (not signed by the run, "
                          "or no longer backed by the bucket: the groups were left alone)", refused, own_log=False,
                          resource="cloud_run_job"))

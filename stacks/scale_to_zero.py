@@ -30,7 +30,7 @@ deploy time).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from cdktn import Fn, Op, Token
 from cdktn_provider_google.data_google_storage_bucket_objects import DataGoogleStorageBucketObjects
@@ -72,7 +72,8 @@ class ScaleToZero(Construct):
         """The group's target size: `workers`, or 0 once a stop marker exists."""
         if workers == 0:
             return 0
-        return Token.as_number(Fn.conditional(self._stopped, 0, workers))
+        # A number token (a float that Terraform resolves to the count) where a count goes.
+        return cast(int, Token.as_number(Fn.conditional(self._stopped, 0, workers)))
 
     def coordinator_status(self, running: bool) -> str:
         """A pool coordinator's desired status: TERMINATED once a stop marker exists."""

@@ -337,7 +337,7 @@ class TrainingStack(TerraformStack):
         for key, (value, description) in outputs.items():
             TerraformOutput(self, key, value=value, description=description)
 
-    def _outputs(self, name: str, exp: Experiment, bucket: str, group: TrainerGroup,
+    def _outputs(self, name: str, exp: Experiment, bucket: str, group: TrainerGroup | FlexStartGroup,
                  email: str, regional: bool) -> None:
         p = f"--project {exp.gcp.project}"
         where = f"--region {exp.gcp.region}" if regional else f"--zone {exp.gcp.zones[0]}"

@@ -1,7 +1,7 @@
 """The Makefile's targets for one experiment, run as a newcomer's fresh shell would run them.
 
-`make -o .venv/.setup-stamp` treats the environment as set up (the suite's .venv is): nothing here
-installs anything. A fresh shell's PATH is /usr/bin:/bin, where this machine's system Node (if
+`make -o .venv/.setup-stamp -o .venv/.setup-dev-stamp` treats the environment as set up (the
+suite's .venv is): nothing here installs anything. A fresh shell's PATH is /usr/bin:/bin, where this machine's system Node (if
 any) is too old for cdktn: the targets must use the venv's Node anyway.
 """
 
@@ -20,7 +20,8 @@ FRESH_PATH = "/usr/bin:/bin"
 
 def make(*args: str, path: str = FRESH_PATH) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PATH", "VIRTUAL_ENV", "MAKEFLAGS")}
-    return subprocess.run(["/usr/bin/make", "--no-print-directory", "-o", ".venv/.setup-stamp", *args],
+    return subprocess.run(["/usr/bin/make", "--no-print-directory", "-o", ".venv/.setup-stamp", "-o",
+                           ".venv/.setup-dev-stamp", *args],
                           cwd=ROOT, env={**env, "PATH": path}, capture_output=True, text=True,
                           timeout=120)
 
@@ -108,3 +109,13 @@ def test_make_lock_and_wheels_take_an_experiment():
     proc = make("wheels", "EXPERIMENT=example")  # the suite's cache has them: offline
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^experiments/example.toml: \d+ wheels of locks/py3.10-glibc2.35.lock in ", proc.stdout, re.M)
+
+
+def test_make_test_lints_first_and_a_lint_failure_fails_it():
+    """`make test` (what CI runs) runs `make lint` before the suite: ruff on the repository, mypy
+    on the packages pyproject.toml gates; make stops at the first command that fails."""
+    proc = make("-n", "test")
+    assert proc.returncode == 0, proc.stderr
+    commands = [line for line in proc.stdout.splitlines() if line.startswith(".venv/bin/python")]
+    assert commands[:2] == [".venv/bin/python -m ruff check .", ".venv/bin/python -m mypy"]
+    assert commands[-1].startswith(".venv/bin/python -m pytest ")

@@ -48,6 +48,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, retry, startup_notice
 from trainer.config import ConfigError, RunConfig, load_export_config, load_run_config, load_status_config
@@ -62,7 +63,7 @@ class _UsageError(SystemExit):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own errors: same format and exit code as ours
+    def error(self, message: str) -> NoReturn:  # argparse's own errors: same format and exit code as ours
         self.print_usage(sys.stderr)
         print(f"command line: {message}", file=sys.stderr)
         record_bad_input([f"command line: {message}"])
@@ -126,6 +127,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, help="seed of init, dropout and data order (default 0)")
     r.add_argument("--gcs-uri", help="durable tier gs://BUCKET/PREFIX")
     r.add_argument("--task", help="module:callable returning a trainer.task.Task (default trainer.tasks.gpt:build)")
+    r.add_argument("--script", help="your own training script, run in place of a task (it iterates trainer.run's "
+                                    "steps: docs/bring-your-own-model.md)")
+    r.add_argument("--script-arg", dest="script_args", action="append", metavar="ARG",
+                   help="one argument of the script's command line (repeat it; default: script_args in the config)")
     r.add_argument("--checkpoint-every-steps", type=int, help="save every K steps")
     r.add_argument("--checkpoint-every-seconds", type=float, help="save every T seconds")
     r.add_argument("--local-dir", type=Path, help="optional fast tier (local SSD)")
@@ -285,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "run":
         startup_notice.hold("imports")
-        if startup_notice.pending() is not None:  # a notice already: do not even load torch
-            return _stopped_before_loading(startup_notice.pending()[0])
+        notice = startup_notice.pending()
+        if notice is not None:  # a notice already: do not even load torch
+            return _stopped_before_loading(notice[0])
         from trainer.train import run  # torch loads only once the input is known to be good
 
         outcome = run(cfg, process_start=started)

@@ -7,7 +7,6 @@ or ``command line``) and the process exits 2 without a traceback.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 
@@ -111,6 +110,12 @@ class RunConfig(BaseModel):
     """``module:callable`` returning a :class:`trainer.task.Task`. Part of the fingerprint."""
     task_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the task callable (e.g. model size). Part of the fingerprint."""
+    script: str | None = None
+    """Your own training script (a path, relative to the working directory: on a VM the code
+    directory) run in place of a task: it keeps its own loop and iterates ``trainer.run``'s
+    steps (docs/bring-your-own-model.md). Part of the fingerprint; ``task`` must then be unset."""
+    script_args: list[str] = Field(default_factory=list)
+    """The script's command line (``sys.argv[1:]``). Part of the fingerprint."""
     checkpoint_every_steps: int | None = Field(default=None, gt=0)
     """Save every K optimizer steps. With neither interval set, the checkpointer picks the
     interval itself from the measured save cost and ``mtbf_s`` (Young/Daly)."""
@@ -330,6 +335,18 @@ class RunConfig(BaseModel):
             raise ValueError(f"must hold plain values (numbers, strings, lists, tables): {e}") from None
         return v
 
+    @field_validator("script")
+    @classmethod
+    def _script(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        if not v.endswith(".py") or "\n" in v or "\x00" in v:
+            raise ValueError(f"must be the path of a Python file (NAME.py), got {v!r}")
+        if info.data.get("task", DEFAULT_TASK) != DEFAULT_TASK:
+            raise ValueError("give a task or a script, not both (a script keeps its own loop; a task is built by "
+                             "the trainer's)")
+        return v
+
     # Field validators, not a model validator: an error then names its field (and so its file).
     @field_validator("local_dir")
     @classmethod
@@ -342,10 +359,12 @@ class RunConfig(BaseModel):
     @field_validator("tiers")
     @classmethod
     def _tiers_exist(cls, v: dict[str, TierCadence], info: ValidationInfo) -> dict[str, TierCadence]:
+        from trainer.checkpoint.tiers import GCS
+
         if "local" in v and info.data.get("local_dir") is None:
             raise ValueError("[tiers.local] is set but there is no local_dir (the local tier)")
-        if "gcs" in v and info.data.get("gcs_uri") is None:
-            raise ValueError("[tiers.gcs] is set but there is no gcs_uri (the GCS tier)")
+        if GCS in v and info.data.get("gcs_uri") is None:
+            raise ValueError(f"[tiers.{GCS}] is set but there is no gcs_uri (the GCS tier)")
         return v
 
     def tier_cadence(self) -> dict[str, Any]:
@@ -355,7 +374,7 @@ class RunConfig(BaseModel):
 
         out = {}
         for tier in TIER_NAMES:
-            own = self.tiers.get(tier, TierCadence())
+            own = self._own(tier)
             fixed = own.every_steps is not None or own.every_seconds is not None
             out[tier] = Cadence(every_steps=own.every_steps if fixed else self.checkpoint_every_steps,
                                 every_seconds=own.every_seconds if fixed else self.checkpoint_every_seconds)
@@ -365,7 +384,11 @@ class RunConfig(BaseModel):
         """How many checkpoints each tier keeps: its own ``keep``, else the run's."""
         from trainer.checkpoint.tiers import TIER_NAMES
 
-        return {t: k if (k := self.tiers.get(t, TierCadence()).keep) is not None else self.keep for t in TIER_NAMES}
+        return {t: k if (k := self._own(t).keep) is not None else self.keep for t in TIER_NAMES}
+
+    def _own(self, tier: str) -> TierCadence:
+        """The ``[tiers.NAME]`` table of ``tier`` (an empty one when it has none)."""
+        return next((own for name, own in self.tiers.items() if name == tier), TierCadence())
 
     def tier_table(self, *, gcs_client: Any = None) -> Any:
         """This run's :class:`~trainer.checkpoint.tiers.Tiers` (``trainer.checkpoint.tiers.tier_table``)."""
@@ -402,8 +425,8 @@ class RunConfig(BaseModel):
             "device": device if device is not None else self.device,
             "seed": self.seed,
             "steps": self.steps,
-            "task": self.task,
-            "task_args": self.task_args,
+            "task": self.task if self.script is None else f"script {self.script}",
+            "task_args": self.task_args if self.script is None else self.script_args,
             "batch_size": self.batch_size,
             "grad_clip": self.grad_clip,
             "precision": self.precision,
@@ -461,10 +484,6 @@ class ExportConfig(BaseModel):
     checkpoint_key_file: Path | None = None
     """The run's checkpoint key, as for ``run`` (never created here): only checkpoints it
     authenticates are exported, and a sharded one only with it."""
-
-
-def settings_digest(fingerprint: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
 
 
 def _errors(e: ValidationError, source_of: dict[str, str]) -> list[str]:

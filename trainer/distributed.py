@@ -104,14 +104,6 @@ class World:
         dist.gather_object(obj, out, dst=0)
         return out
 
-    def scatter(self, objs: list[Any] | None) -> Any:
-        """Rank r receives ``objs[r]`` from rank 0."""
-        if not self.distributed:
-            return objs[0]  # type: ignore[index]
-        out: list[Any] = [None]
-        dist.scatter_object_list(out, objs if self.is_main else None, src=0)
-        return out[0]
-
     def run_watching(self, work: Callable[[], Any] | None, stop: Callable[[], bool],
                      poll_s: float = 0.25) -> tuple[bool, Any]:
         """Run ``work`` on a thread of every rank that has one (None: nothing to do here) while

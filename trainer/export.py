@@ -60,6 +60,9 @@ def plain_state_dict(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The model state dict as the user's model class names it, every tensor a contiguous CPU
     copy in its own storage (see the module docstring)."""
     names = list(state)
+    if "n_averaged" in state and len(names) > 1 and all(n.startswith("module.") for n in names if n != "n_averaged"):
+        names.remove("n_averaged")  # torch's AveragedModel (an EMA): the averaged model's own weights
+        state = {n: state[n] for n in names}
     strip_module = bool(names) and all(n.startswith("module.") for n in names)
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
@@ -77,13 +80,28 @@ def sidecar_path(out: Path) -> Path:
     return out.with_suffix(".json")
 
 
+def named_models(found: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """The job's other models by name (``Task.states``: a GAN's discriminator, an EMA), each as
+    its class names its weights."""
+    state = found.state or {}
+    return {name: plain_state_dict(state["states"][name]) for name in state.get("state_models", [])
+            if name in state.get("states", {})}
+
+
+def model_file(out: Path, name: str) -> Path:
+    """Where the model named ``name`` is written beside ``out``: ``model-ema.safetensors``."""
+    return out.with_name(f"{out.stem}-{name}{out.suffix}")
+
+
 def write(out: Path, found: Any) -> dict[str, Any]:
-    """Write ``found`` (a ``reader.RunCheckpoint``) to ``out`` and its sidecar; the sidecar."""
+    """Write ``found`` (a ``reader.RunCheckpoint``) to ``out``, each named model beside it
+    (``model_file``), and the sidecar last; the sidecar."""
     from safetensors.torch import save_file
 
     from trainer.checkpoint.format import tensor_digest
 
     tensors = plain_state_dict(found.model)
+    others = named_models(found)
     fp = found.fingerprint
     sidecar = {
         "format": FORMAT, "version": VERSION,
@@ -95,13 +113,16 @@ def write(out: Path, found: Any) -> dict[str, Any]:
         "tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values()),
         "torch_version": torch.__version__, "safetensors_version": _safetensors_version(),
         "file": out.name,
+        "models": {name: {"file": model_file(out, name).name, "digest": tensor_digest(t), "tensors": len(t)}
+                   for name, t in others.items()},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f"{TMP_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
     try:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        _fsync(tmp)
-        os.replace(tmp, out)
+        for path, t in [(out, tensors), *((model_file(out, n), t) for n, t in others.items())]:
+            save_file(t, str(tmp), metadata={"format": "pt"})
+            _fsync(tmp)
+            os.replace(tmp, path)
         _write_atomic(sidecar_path(out), (json.dumps(sidecar, indent=1, sort_keys=True) + "\n").encode())
         fsync_dir(out.parent)
     finally:
@@ -219,6 +240,8 @@ def auto_export(cfg: Any, step: int, log: logging.Logger, *, abort: Any = None) 
                     raise InterruptedError("a notice came")
                 with store.aborting(abort) if abort is not None else contextlib.nullcontext():
                     store.put_file(stage / MODEL, f"{key}/{MODEL}")
+                    for other in sidecar["models"].values():
+                        store.put_file(stage / other["file"], f"{key}/{other['file']}")
                     try:
                         store.put_file(stage / SIDECAR, f"{key}/{SIDECAR}")  # last: the export's commit record
                     except FileExistsError:

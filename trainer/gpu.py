@@ -69,8 +69,9 @@ def _describe(device: Any) -> tuple[str, Capability, list[str], str]:
     the hardware (tests replace it to stand in for a GPU)."""
     import torch
 
-    return (torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)),
-            list(torch.cuda.get_arch_list()), torch.__version__)
+    major, minor = torch.cuda.get_device_capability(device)
+    return (torch.cuda.get_device_name(device), (major, minor), list(torch.cuda.get_arch_list()),
+            str(torch.__version__))
 
 
 def check(device: Any) -> None:

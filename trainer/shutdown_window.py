@@ -61,8 +61,3 @@ def trainer_budget_s(provisioning: str) -> int:
     """The trainer's `preemption_budget_s`: seconds from the notice by which its emergency save
     must be durable; also what the stack's estimate of that save must fit in."""
     return stop_timeout_s(provisioning) - MARGIN_S
-
-
-def reserve_s(provisioning: str) -> int:
-    """The seconds of the window that are not the trainer's budget (margin and slack)."""
-    return window_s(provisioning) - trainer_budget_s(provisioning)

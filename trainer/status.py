@@ -35,6 +35,7 @@ from typing import Any
 from trainer import EXIT_BAD_INPUT, EXIT_FINISHED
 from trainer.checkpoint.checkpointer import describe_failing
 from trainer.config import StatusConfig
+from trainer.observe.events import Failed, InitFrom, SessionStarted, StepsChanged, TierFailing, TierOk
 from trainer.observe.glance import glance, lines as glance_lines
 from trainer.observe.goodput import report
 from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, merge, read_events, read_store_events
@@ -107,15 +108,15 @@ def collect(cfg: StatusConfig, events_out: list[dict[str, Any]] | None = None, *
 def failing_tiers(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The checkpoint tiers the job's newest session saw failing (``tier_failing`` events) and
     not working again since (``tier_ok``): tier -> {since, failures, error}."""
-    mains = [e["session"] for e in events if e["event"] == "session_start" and e.get("main", True)]
+    mains = [e["session"] for e in events if e["event"] == SessionStarted.kind and e.get("main", True)]
     if not mains:
         return {}
     newest = max(mains)
     out: dict[str, dict[str, Any]] = {}
     for e in sorted((e for e in events if e["session"] == newest), key=lambda e: e["seq"]):
-        if e["event"] == "tier_failing" and isinstance(e.get("tier"), str):
+        if e["event"] == TierFailing.kind and isinstance(e.get("tier"), str):
             out[e["tier"]] = {k: e.get(k) for k in ("since", "failures", "error")}
-        elif e["event"] == "tier_ok":
+        elif e["event"] == TierOk.kind:
             out.pop(e.get("tier"), None)
     return out
 
@@ -157,10 +158,10 @@ def _sharded(tiers: dict[str, Any]) -> bool:
 def _story(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Why the newest session stopped on an error, and the run's changes (see the docstring)."""
     newest = max((str(e["session"]) for e in events), default=None)
-    failed = [e for e in events if str(e["session"]) == newest and e["event"] == "failed"]
+    failed = [e for e in events if str(e["session"]) == newest and e["event"] == Failed.kind]
     stopped = {k: failed[-1].get(k) for k in ("reason", "detail", "t")} if failed else None
     history = [{k: v for k, v in e.items() if k not in ("session", "seq")} for e in events
-               if e["event"] in ("steps_changed", "init_from")]
+               if e["event"] in (StepsChanged.kind, InitFrom.kind)]
     return {"stopped": stopped, "history": history}
 
 
@@ -206,7 +207,7 @@ def _human(s: dict[str, Any]) -> str:
                                              for w, n in sorted(errors.items())]
                                             + [f"{g.get('skipped_events', 0)} malformed event(s) skipped"]))
     for h in s.get("history") or []:
-        if h["event"] == "steps_changed":
+        if h["event"] == StepsChanged.kind:
             lines.append(f"steps changed at step {h.get('step')}: {h.get('from')} -> {h.get('to')} (extend_steps)")
         else:
             lines.append(f"started from {h.get('location')} (step {h.get('step')}, "

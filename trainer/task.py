@@ -1,8 +1,10 @@
 """The user task protocol and ``module:callable`` loading.
 
 A task is a callable ``build(ctx: TaskContext, **task_args) -> Task``. It builds the model, the
-optimizer, an optional LR scheduler and a map-style dataset; the trainer owns everything else:
-the loop, the data order, mixed precision, gradient accumulation, clipping, DDP, checkpoints.
+optimizer, an optional LR scheduler and a dataset (map-style, or an iterable that streams), and
+may name more state (``states``: a GAN's second model and optimizer, an EMA) and its own step
+(``step``); the trainer owns everything else: the loop, the data order, mixed precision, gradient
+accumulation, clipping, DDP, checkpoints. A script that keeps its own loop uses ``trainer.run``.
 
 The trainer seeds Python and torch from ``ctx.seed`` before calling the task, so a model built
 with ordinary ``torch.nn`` init is the same on every rank and in every restart.
@@ -22,7 +24,7 @@ import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, Sized, cast
 
 import torch
 
@@ -68,7 +70,9 @@ class Task:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    dataset: Sequence[Any] | Dataset
+    #: Map-style (``Dataset``: the trainer chooses the order, exact and elastic), or a
+    #: ``torch.utils.data.IterableDataset`` that streams (its position kept per rank).
+    dataset: Sequence[Any] | Dataset | torch.utils.data.IterableDataset
     scheduler: Any | None = None  # torch.optim.lr_scheduler.LRScheduler (stepped once per step)
     loss_fn: Callable[[torch.nn.Module, tuple], Any] | None = None
     tokens_per_sample: int = 0  # for the tokens/s figure in the logs; 0 reports samples/s
@@ -79,6 +83,17 @@ class Task:
     #: Or a callable ``evaluate(model) -> loss`` (a float, or a dict of named floats) run on every
     #: rank in its place; the trainer restores every RNG and module mode it could touch.
     evaluate: Callable[[torch.nn.Module], Any] | None = None
+    #: Every other object the job's result depends on, by name: a second model and its optimizer
+    #: (a GAN's discriminator), an EMA or ``AveragedModel``, more schedulers, a custom object with
+    #: ``state_dict()``/``load_state_dict()``. Saved, restored and fingerprinted with the rest
+    #: (``trainer.loop.named_state``); models among them are exported by name; a model with
+    #: parameters in a declared optimizer trains under DDP like ``model``.
+    states: dict[str, Any] = field(default_factory=dict)
+    #: Your own step: ``step(s, batch)`` runs in place of ``loss_fn`` for each micro-batch, with
+    #: ``s`` a ``trainer.loop.step.OwnStep`` (the models as trained, the optimizers by name,
+    #: ``s.autocast()``, ``s.backward(loss)``, ``s.step(optimizer)``); it returns what ``loss_fn``
+    #: would (the loss to log, or ``(loss, {name: value})``). See docs/bring-your-own-model.md.
+    step: Callable[[Any, tuple], Any] | None = None
 
 
 class TaskError(Exception):
@@ -110,6 +125,40 @@ def loss_and_metrics(out: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     return out, {}
 
 
+def streaming(dataset: Any) -> bool:
+    """An iterable dataset (webdataset shards, a Hugging Face streaming dataset): read in order, its
+    position kept by torchdata's ``StatefulDataLoader`` (``trainer.data.streaming``)."""
+    return isinstance(dataset, torch.utils.data.IterableDataset)
+
+
+def _check_fields(spec: str, task: Task) -> None:
+    """A wrong type in a field is a refusal naming it, before any step (not a traceback later)."""
+    def wrong(name: str, want: str, got: Any) -> TaskError:
+        return TaskError(f"task: {spec} returned Task.{name} = {type(got).__name__}, expected {want}")
+
+    if not isinstance(task.model, torch.nn.Module):
+        raise wrong("model", "a torch.nn.Module", task.model)
+    if not isinstance(task.optimizer, torch.optim.Optimizer):
+        hint = " (more optimizers: name them in Task.states, and step them in Task.step)" if isinstance(
+            task.optimizer, (list, tuple, dict)) else ""
+        raise TaskError(f"task: {spec} returned Task.optimizer = {type(task.optimizer).__name__}, expected one "
+                        f"torch.optim.Optimizer{hint}")
+    if task.scheduler is not None and not (callable(getattr(task.scheduler, "step", None))
+                                           and callable(getattr(task.scheduler, "state_dict", None))):
+        raise wrong("scheduler", "an LR scheduler (step(), state_dict()) or None", task.scheduler)
+    for name in ("loss_fn", "step", "evaluate"):
+        if getattr(task, name) is not None and not callable(getattr(task, name)):
+            raise wrong(name, "a callable or None", getattr(task, name))
+    if not isinstance(task.states, dict):
+        raise wrong("states", "a dict of name: object with state_dict()/load_state_dict()", task.states)
+    data = task.dataset
+    if isinstance(data, torch.utils.data.DataLoader) or (hasattr(data, "__next__") and not streaming(data)):
+        raise wrong("dataset", "the dataset itself (map-style, or an IterableDataset), not a DataLoader or an "
+                    "iterator: the trainer loads batches and keeps their position", data)
+    if not streaming(data) and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise wrong("dataset", "a map-style dataset (len, [i]) or a torch IterableDataset", data)
+
+
 def load(spec: str) -> Callable[..., Task]:
     module_name, _, attr = spec.partition(":")
     try:
@@ -137,7 +186,10 @@ def build(spec: str, ctx: TaskContext, args: dict[str, Any]) -> Task:
     task = fn(ctx, **args)
     if not isinstance(task, Task):
         raise TaskError(f"task: {spec} returned {type(task).__name__}, expected trainer.task.Task")
-    if len(task.dataset) == 0:
+    _check_fields(spec, task)
+    if task.loss_fn is not None and task.step is not None:
+        raise TaskError(f"task: {spec} returned both loss_fn and step: step replaces loss_fn, give one")
+    if not streaming(task.dataset) and len(cast(Sized, task.dataset)) == 0:
         raise TaskError(f"task: {spec} returned an empty dataset")
     if task.eval_dataset is not None and len(task.eval_dataset) == 0:
         raise TaskError(f"task: {spec} returned an empty eval_dataset")

@@ -6,7 +6,9 @@ process per VM runs, building the task, putting a checkpoint back), ``Writers`` 
 run dir and per job: ``trainer.loop.writers``), ``restore.newest`` (the checkpoint every rank
 continues from: ``trainer.loop.restore``), ``Finish`` (the saves and the ways a session ends, with
 the durability retries: ``trainer.loop.finish``), ``Checkpointer`` (tiers, layouts, asynchronous
-saves: ``trainer.checkpoint``), ``StepFn`` (one optimizer step: ``trainer.loop.step``) and the
+saves: ``trainer.checkpoint``), ``StepFn`` (one optimizer step: ``trainer.loop.step``), ``Steps``
+(the steps handed out one at a time, and every promise kept between two of them:
+``trainer.loop.steps``, which a user's own loop iterates too, through ``trainer.run``) and the
 event ``Bus`` its sinks watch the run through (``trainer.observe``).
 
 Every decision that changes control flow (stop, save, pause) is agreed on by all ranks in one
@@ -33,6 +35,10 @@ from trainer.loop.init_from import InitFromError
 from trainer.loop.preemption import Preemption
 from trainer.loop.session import BadWorld, Session, StoppedDuringStartup
 from trainer.loop.step import StepFn
+from trainer.loop.steps import Steps
+from trainer.loop.named_state import StateError
+from trainer.loop.undeclared import Undeclared
+from trainer.data.streaming import StreamError
 from trainer.observe.health import PortInUse
 from trainer.observe.progress import setup_logging
 from trainer.observe.sinks import SinkUnavailable
@@ -40,7 +46,7 @@ from trainer.observe.sinks import SinkUnavailable
 #: What exits 2: bad input, a resume with other settings, another trainer on the run dir or the job.
 BAD_INPUT = (state.ResumeMismatch, tasks.TaskError, BadWorld, UnsupportedGpu, PortInUse, InitFromError, RunDirBusy,
              LeaseHeld, KeyProblem, state_codec.NotPlainData, precision.UnsupportedPrecision, host_copy.Unsupported,
-             SinkUnavailable)
+             SinkUnavailable, StateError, Undeclared, StreamError)
 
 
 @dataclass
@@ -52,9 +58,9 @@ class Outcome:
     reason: str = ""  # why, for a bad-input exit
 
 
-def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
-        process_start: float | None = None) -> Outcome:
-    """One session of the job; its exit status (``trainer.cli`` documents them)."""
+def open_session(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
+                 process_start: float | None = None) -> tuple[Session, Callable[[], None]]:
+    """The process's world, logging, notice handlers and session; and what closes them."""
     world = distributed.init(cfg.collective_timeout_s)
     log = setup_logging(world.rank)
     if not world.is_node_leader:  # rank 0 speaks for the job, leaders for their node; others warn
@@ -63,7 +69,27 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
     preempt = Preemption(log.getChild("preemption"))
     preempt.install_signal_handlers()
     s = Session(cfg, world, log, preempt, make_checkpointer or _default_checkpointer, process_start or time.time())
+    closed: list[bool] = []
+
+    def close() -> None:
+        if not closed:
+            closed.append(True)
+            s.close()
+            preempt.close()
+            world.close()
+    return s, close
+
+
+def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
+        process_start: float | None = None) -> Outcome:
+    """One session of the job; its exit status (``trainer.cli`` documents them)."""
+    s, close = open_session(cfg, make_checkpointer=make_checkpointer, process_start=process_start)
     try:
+        if cfg.script is not None:  # the user's own loop (``trainer.run``)
+            from trainer.run import own_loop
+
+            code, steps_run, reason = own_loop(s)
+            return Outcome(code, steps_run, reason=reason)
         return train(s)
     except BAD_INPUT as e:
         s.failed("bad_input", str(e))
@@ -78,9 +104,7 @@ def run(cfg: RunConfig, *, make_checkpointer: Callable[..., Any] | None = None,
         s.failed("exception", f"{type(e).__name__}: {e}", trace=traceback.format_exc())
         return Outcome(EXIT_FAILED)
     finally:
-        s.close()
-        preempt.close()
-        world.close()
+        close()
 
 
 def train(s: Session) -> Outcome:
@@ -92,56 +116,13 @@ def train(s: Session) -> Outcome:
     s.take_lease()  # nothing writes the job's remote tiers without it
     job = s.build(device, mixed, accum)  # the task, its model under DDP or FSDP, the data, the batches
     start = s.restore(job)  # the newest checkpoint any node holds, else init_from's weights, else step 0
-    if start >= cfg.steps:  # finished before: the final checkpoint where a copy is missing
-        return Outcome(s.finish.final(start, again=True))
-    if s.noticed_before_training(start):
-        return Outcome(EXIT_PREEMPTED)
-    if cfg.stop_at_step is not None and start >= cfg.stop_at_step:
-        if world.is_main:
-            s.log.warning("event=stop_at_step stop_at_step=%d step=%d (already there: pausing at once)",
-                          cfg.stop_at_step, start)
-        return Outcome(s.finish.pause(start))
-    cap = s.spend_cap(check=True) if cfg.max_usd is not None else None
-    if cap is not None:
-        return Outcome(s.finish.pause(start, cap=cap))
-
     step_fn = StepFn(cfg, job, mixed, device)
     evaluator = Evaluator(job.task, cfg, step_fn, world, sharded=job.in_place, interrupted=lambda: s.preempt.requested)
-    t_loop, cpu_loop = time.monotonic(), time.process_time()
-    done, stop, lost, capped, starved = start, False, False, False, False
-    for step in range(start, cfg.steps):
-        t0 = time.monotonic()
-        loss, metrics = step_fn()
-        s.productive_s += time.monotonic() - t0
-        done = step + 1
-        s.completed(done, loss, job.lr, metrics)
-        stop, due, lost, capped, starved = world.any_flags(s.preempt.requested, world.is_main and s.ckpt.due(done),
-                                                           s.writers.lost, s.capped is not None,
-                                                           job.batches.failure is not None)
-        if not (stop or lost) and evaluator.due(done):
-            s.evaluated(done, evaluator())
-        if stop or lost or capped or starved or done == cfg.steps or done == cfg.stop_at_step:
-            break
-        if due:
-            s.finish.save(done)
-        s.progress(done)
-    loop_s, loop_cpu_s = time.monotonic() - t_loop, time.process_time() - cpu_loop
-    s.loop_over()
-
-    if done < cfg.steps and stop:
-        code, reason = s.finish.emergency(done), ""
-    elif lost:
-        code, reason = EXIT_BAD_INPUT, s.finish.lost_lease(done)
-    elif capped and done < cfg.steps:
-        code, reason = s.finish.pause(done, cap=s.spend_cap()), ""
-    elif starved and done < cfg.steps and done != cfg.stop_at_step:  # data workers that kept dying
-        why = job.batches.failure or "the data workers of another rank kept dying"
-        code, reason = s.finish.workers_failed(done, why), ""
-    elif done < cfg.steps:
-        code, reason = s.finish.pause(done), ""
-    else:
-        code, reason = s.finish.final(done, noticed=stop), ""
-    return Outcome(code, done - start, loop_s, loop_cpu_s, reason)
+    steps = Steps(s, job, start, evaluator=evaluator)  # the promise between two steps: saves, notices, the end
+    for _ in steps:
+        steps.report(*step_fn())
+    code, reason = steps.outcome  # type: ignore[misc]
+    return Outcome(code, steps.done - start, steps.loop_s, steps.loop_cpu_s, reason)
 
 
 def _sharded_checkpointer(cfg: RunConfig, world: distributed.World) -> Any:

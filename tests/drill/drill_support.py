@@ -44,3 +44,16 @@ def script(tmp_path: Path, body: str, name: str = "script.sh") -> Path:
     path = tmp_path / name
     path.write_text("#!/bin/bash\nset -euo pipefail\n" + body)
     return path
+
+
+def zone_change_example(into: Path) -> Path:
+    """experiments/example.toml as a regional group with `zone_change_on_repair` (no stateful
+    disk: every VM boots on a blank one), written to `into` under the same name (same resources)."""
+    from drill.sandbox import REPO
+
+    text = (REPO / "experiments" / "example.toml").read_text()
+    text = text.replace('zones = ["us-central1-a"]', 'zones = ["us-central1-a", "us-central1-b"]', 1)
+    text = text.replace('\nplacement = "zonal"', '\nplacement = "regional"', 1)
+    out = into / "example.toml"
+    out.write_text(text + "\n[capacity]\nzone_change_on_repair = true\n")
+    return out

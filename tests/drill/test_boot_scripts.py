@@ -161,7 +161,7 @@ def test_bad_input_stays_stopped_says_why_and_stops_paying(tmp_path: Path) -> No
         ev = dep.vm.wait_event(lambda e: e["event"] == "unit-exited" and e["unit"] == UNIT, STARTUP_GUARD_S,
                                since=e0)
         assert (ev["code"], ev["status"], ev["restarting"]) == ("exited", 2, False), dep.vm.tail()
-        why = f"task: module 'trainer.tasks.gpt' has no attribute 'no_such_task'"
+        why = "task: module 'trainer.tasks.gpt' has no attribute 'no_such_task'"
         assert health_answer(dep.r.health_port, 60) == f"ok bad-input: {why}"
         assert dep.wait_group_size(0), dep.vm.tail()
         attributes = dep.metadata.guest_attributes()

@@ -106,7 +106,7 @@ def test_a_cell_may_lose_only_the_steps_its_fault_destroys() -> None:
 
 
 def _node(tmp_path: Path, name: str, lines: list[str], code: int):
-    from drill.chaos.rig import Node, Trainer
+    from drill.chaos.rig import Node
     from drill.metadata_server import MetadataServer
 
     node = Node(name, SmallFs(tmp_path / f"pd-{name}"), SmallFs(tmp_path / f"ssd-{name}"), MetadataServer())

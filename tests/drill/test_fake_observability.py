@@ -140,7 +140,7 @@ def test_time_series_create_keeps_monitorings_rules(fake) -> None:
                 {**_series(t + timedelta(seconds=20)), "resource": {"type": "global", "labels": {}}}):
         assert call(fake, "POST", path, {"timeSeries": [bad]})[0] == 400, bad
     assert call(fake, "POST", path, {"timeSeries": [_series(t + timedelta(seconds=30))] * 201})[0] == 400
-    assert call(fake, "POST", f"/v3/projects/other/timeSeries", {"timeSeries": [_series(t)]})[0] == 403
+    assert call(fake, "POST", "/v3/projects/other/timeSeries", {"timeSeries": [_series(t)]})[0] == 403
     (points,) = fake.series.values()
     assert [v for _, v in points] == [0.9, 0.9]
 
@@ -149,7 +149,7 @@ def test_the_billing_catalog_pages_its_skus(fake) -> None:
     fake.add_service("6F81-5844-456A", "Compute Engine", [{"skuId": f"S{i}", "description": f"sku {i}"} for i in range(5)])
     got, token = [], ""
     while True:
-        status, page = call(fake, "GET", f"/v1/services/6F81-5844-456A/skus?currencyCode=USD&pageSize=2"
+        status, page = call(fake, "GET", "/v1/services/6F81-5844-456A/skus?currencyCode=USD&pageSize=2"
                                          + (f"&pageToken={token}" if token else ""))
         assert status == 200
         got += [s["skuId"] for s in page["skus"]]

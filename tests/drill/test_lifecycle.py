@@ -1,5 +1,7 @@
 """The lifecycle drill: the example's synthesized stack deployed to a fake project, trained,
 preempted, finished, scaled to zero and destroyed; what is left is exactly the bucket and the key.
+The example is applied `watched` (channels and a [budget] added), through the fake project's
+strict stand-ins: the counting alerts wait for their metrics, the budget needs its billing account.
 And the drill catches a leak: a checkpoint disk with `auto_delete = false` outside a stateful
 policy (the synthesized JSON altered so) is left behind after each VM, and the drill names it."""
 from __future__ import annotations
@@ -10,10 +12,13 @@ from typing import Any
 import pytest
 
 from drill.drill import DrillConfig
-from drill.lifecycle import LifecycleResult, main, run_lifecycle
+from drill.drill import DrillFailure
+from drill.lifecycle import BILLING_ACCOUNT, LifecycleResult, main, run_lifecycle, watched
+from drill.sandbox import REPO
 from drill_support import needs_root
 
 KEY, BUCKET = "example-checkpoint-key", "my-project-123456-example-ckpt"
+EXAMPLE = REPO / "experiments" / "example.toml"
 
 
 def small(tmp: Path, **kw: Any) -> DrillConfig:
@@ -32,7 +37,8 @@ def without_stateful_disk(stack: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def lifecycle(tmp_path_factory: pytest.TempPathFactory) -> tuple[LifecycleResult, str]:
     lines: list[str] = []
-    result = run_lifecycle(small(tmp_path_factory.mktemp("lifecycle")), say=lines.append)
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    result = run_lifecycle(small(tmp, experiment=watched(EXAMPLE, tmp)), say=lines.append)
     return result, "\n".join(lines)
 
 
@@ -55,6 +61,38 @@ def test_the_example_leaves_exactly_the_bucket_and_the_key(lifecycle) -> None:
     assert "lifecycle: PASS: exactly the documented bucket and key remain" in report
     assert "total $0.06/month" in report
     assert "APIs left enabled (no charge" in report and "compute.googleapis.com" in report
+
+
+@needs_root
+def test_the_watched_example_applies_its_alerts_and_budget_through_the_strict_stand_ins(lifecycle) -> None:
+    """The first apply of a fresh project succeeds with every alert: the three counting ones 600 s
+    into it (after their metrics are known), the budget with the email channel only; the destroy
+    takes all of it (nothing of the watch stack is left, above)."""
+    result, report = lifecycle
+    assert ("watch: 8 alert policies (3 created 600 s into the apply, once their log-based metrics were known), "
+            f"16 log-based metrics, channels: email, webhook_tokenauth, budget: billingAccounts/{BILLING_ACCOUNT}"
+            ) in report
+    assert not any(address.startswith(("google_monitoring", "google_logging", "google_billing", "terraform_data"))
+                   for address in result.destroyed.forgotten)
+
+
+@needs_root
+def test_a_project_owner_without_a_role_on_the_billing_account_fails_at_the_budget(tmp_path: Path) -> None:
+    with pytest.raises(DrillFailure, match=f"apply: .*billing.budgets.create on billingAccounts/{BILLING_ACCOUNT}"):
+        run_lifecycle(small(tmp_path, steps=30, preemptions=0, experiment=watched(EXAMPLE, tmp_path)),
+                      say=lambda s: None, billing_accounts={})
+
+
+def test_watched_adds_channels_and_a_budget_and_keeps_the_name(tmp_path: Path) -> None:
+    from stacks.load import load_file
+
+    w = load_file(watched(EXAMPLE, tmp_path))
+    assert w.name == "example" and w.spec.budget is not None and w.spec.budget.billing_account == BILLING_ACCOUNT
+    assert w.spec.budget.currency_code is None  # the account's own
+    assert w.spec.alerts.email and w.spec.alerts.webhook_url
+    (tmp_path / "again").mkdir()
+    again = load_file(watched(tmp_path / "example.toml", tmp_path / "again"))
+    assert again.spec.budget == w.spec.budget and again.spec.alerts == w.spec.alerts  # nothing added twice
 
 
 @needs_root

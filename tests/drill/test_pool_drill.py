@@ -12,12 +12,17 @@ from drill.pool_drill import Session, run_pool_drill, world_size_path
 from drill_support import needs_root
 
 
+#: The shipper's stall window in the pool drill: a minute and a half, so that a node that trains
+#: longer than it and logs no step line (the worker: only global rank 0 logs them) is watched by it.
+STALL_S = 90
+
+
 @needs_root
 @pytest.mark.xdist_group("torchrun")
 def test_pool_drill_one_worker_preemption(tmp_path: Path) -> None:
     lines: list[str] = []
     cfg = DrillConfig(nodes=2, steps=500, preemptions=1, seed=1, window_s=30.0, checkpoint_every_steps=50,
-                      disk_mb=64, workdir=tmp_path / "drill")
+                      disk_mb=64, workdir=tmp_path / "drill", stall_s=STALL_S)
     r = run_pool_drill(cfg, say=lines.append)
     log = "\n".join(lines)
 
@@ -55,6 +60,15 @@ def test_pool_drill_one_worker_preemption(tmp_path: Path) -> None:
     assert g["finished"] is True
     assert set(g["nodes"]) == {"example-coordinator", "example-worker-1"}
     assert g["nodes"]["example-worker-1"]["sessions"] == 2
+
+    # Healthy, for longer than the stall window: the synthesized stack's alerts, evaluated over what
+    # each node shipped (drill.alert_eval), raise no stall. The worker never logs a step line; its
+    # heartbeats keep its stall clock. The preemption is counted once, the finish raised.
+    for node in ("example-coordinator", "example-worker-1"):
+        assert r.longest_session_s[node] > STALL_S, log
+        assert "training stalled" not in r.alerts[node], log
+    assert r.alerts["example-coordinator"] == {"run finished": 1}, log
+    assert "repair loop" not in r.alerts["example-worker-1"] and "run stopped" not in r.alerts["example-worker-1"], log
 
 
 def test_world_size_path_follows_the_sessions() -> None:

@@ -401,7 +401,7 @@ def test_backend_change_is_noted():
 
 # --- what the running job does (startup scripts rendered for real; no synthesis) ------------------
 
-from stack_support import example_data, merged  # noqa: E402
+from stack_support import merged  # noqa: E402
 
 from stacks.boot import boot_props, render  # noqa: E402
 from stacks.load import parse  # noqa: E402

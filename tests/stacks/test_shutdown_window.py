@@ -22,7 +22,6 @@ from drill.service_manager import parse_unit
 from stacks.boot import shquote
 from trainer import shutdown_window as W
 from trainer.cli import parser
-from trainer.cloud.vm_info import PROVISIONING_KEY
 
 pytestmark = pytest.mark.xdist_group("stacks")
 

@@ -405,7 +405,7 @@ def test_a_corrupt_archive_fails_loudly_and_installs_nothing(deployment):
     deployment.upload(trainer, bytes(data))
     deployment.upload(user)
     line = _fails_loudly(deployment, deployment.scripts(steps=5), "trainer code")
-    assert f"is corrupt: sha256 " in line and f"expected {trainer.release.sha256}" in line
+    assert "is corrupt: sha256 " in line and f"expected {trainer.release.sha256}" in line
     assert not deployment.vm.path(f"/opt/spottrain/releases/{trainer.release.sha256}").exists()
 
 

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 from stack_support import EXAMPLE, ROOT, variant

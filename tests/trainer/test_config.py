@@ -121,6 +121,17 @@ def test_tiers_take_their_own_cadence_and_keep(tmp_path: Path) -> None:
         ("local", 5, None, 2), ("persistent", 50, None, 4), ("gcs", None, 900, 4)]
 
 
+def test_the_configs_tier_names_are_the_tier_tables() -> None:
+    """``[tiers.NAME]`` takes the names of the tier table (``trainer.checkpoint.tiers``), which says
+    them; the config spells them out as a ``Literal`` so that reading it needs no store."""
+    from typing import get_args
+
+    from trainer.checkpoint.tiers import TIER_NAMES
+
+    key = get_args(RunConfig.model_fields["tiers"].annotation)[0]
+    assert get_args(key) == TIER_NAMES
+
+
 def test_keep_reaches_tiers_on_the_automatic_interval(tmp_path: Path) -> None:
     cfg = RunConfig(run_dir=tmp_path, steps=10, keep=7)
     assert all(t.cadence.automatic and t.keep == 7 for t in cfg.tier_table())

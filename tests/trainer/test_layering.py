@@ -22,7 +22,7 @@ LAYERS = [
     ("the loop's parts and a run's outputs", ["trainer.loop", "trainer.artifacts", "trainer.export"]),
     ("the loop and the commands", ["trainer.train", "trainer.status", "trainer.config", "trainer.cli",
                                    "trainer.__main__", "trainer.rendezvous", "trainer.tasks",
-                                   "trainer.checkpoint_key"]),
+                                   "trainer.checkpoint_key", "trainer.run"]),
 ]
 
 

@@ -2,7 +2,6 @@
 SIGTERM in the middle of an accumulation cycle, and an exact resume."""
 from __future__ import annotations
 
-import logging
 import threading
 from pathlib import Path
 

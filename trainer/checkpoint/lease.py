@@ -243,7 +243,7 @@ class Lease:
                 got = self.store.read_versioned(LEASE_KEY)
         except Exception as e:
             if is_unreachable(e):
-                raise TierUnknown({"gcs": f"writer lease: {type(e).__name__}: {e}"}) from e
+                raise TierUnknown({self.store.name: f"writer lease: {type(e).__name__}: {e}"}) from e
             raise
         if got is None:
             return None
@@ -285,7 +285,7 @@ class Lease:
                 stamp = self.store.stamp(CLOCK_KEY, json.dumps(self._me).encode())
         except Exception as e:
             if is_unreachable(e):
-                raise TierUnknown({"gcs": f"writer lease: {type(e).__name__}: {e}"}) from e
+                raise TierUnknown({self.store.name: f"writer lease: {type(e).__name__}: {e}"}) from e
             raise
         return stamp, self.clock()
 

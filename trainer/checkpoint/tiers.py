@@ -26,7 +26,8 @@ Across nodes (sharded state on several VMs) no disk holds every rank's shards: t
 durable tiers are the ones that hold a complete copy (``Tiers.complete``).
 
 Adding a tier (a second bucket in another region, a Hyperdisk mount) is a row in ``tier_table``
-and a setting in ``trainer.config`` (and a store, if it is a new kind of place).
+and a setting in ``trainer.config`` (and a store, if it is a new kind of place). A tier's name is
+said here only: whoever needs one imports it (``BUCKET_TIERS`` for the tiers in a bucket).
 """
 from __future__ import annotations
 
@@ -36,8 +37,14 @@ from typing import Any, Iterator
 
 from trainer.checkpoint.stores import DirStore, GcsStore, Store
 
+#: The tier in the run's bucket (``gcs_uri``): durable and remote; the writer lease and the
+#: ledger's mirror are on it.
+GCS = "gcs"
 #: Every tier name the table can produce, fastest first (``[tiers.NAME]`` in the config file).
-TIER_NAMES = ("local", "persistent", "gcs")
+TIER_NAMES = ("local", "persistent", GCS)
+#: The tiers in a bucket: those whoever can write the bucket can delete checkpoints from
+#: (``trainer.loop.rollback``).
+BUCKET_TIERS = (GCS,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +167,7 @@ def tier_table(run_dir: Path, *, local_dir: Path | None = None, gcs_uri: str | N
         rows.append(row("local", DirStore(Path(local_dir), "local"), durable=False, remote=False))
     rows.append(row("persistent", DirStore(Path(run_dir), "persistent"), durable=True, remote=False))
     if gcs_uri:
-        rows.append(row("gcs", GcsStore(gcs_uri, client=gcs_client, streams=gcs_streams), durable=True, remote=True))
-    remote = "gcs" if gcs_uri else None
+        rows.append(row(GCS, GcsStore(gcs_uri, client=gcs_client, name=GCS, streams=gcs_streams), durable=True,
+                        remote=True))
+    remote = GCS if gcs_uri else None
     return Tiers(rows, Roles(home="persistent", lease=remote, mirror=remote))

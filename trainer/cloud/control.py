@@ -199,17 +199,17 @@ def judge(client: Client, *, bucket: str, prefix: str, found: list[str], secret:
                 sizes = client.object_sizes(bucket, f"{prefix}/step-")
             step = record.get("step")
             if step is not None:
-                why = stop_marker.unauthentic_step(read, prefix, run, step, sizes, secret)
-                if why is not None:
-                    verdict.refused[name] = f"its step {step} in the bucket is not authentic and complete: {why}"
+                bad = stop_marker.unauthentic_step(read, prefix, run, step, sizes, secret)
+                if bad is not None:
+                    verdict.refused[name] = f"its step {step} in the bucket is not authentic and complete: {bad}"
                     continue
             newer, _ = stop_marker.newest_authentic(read, prefix, run, sizes, secret,
                                                     above=-1 if step is None else step)
             if vms is None:
                 vms = members()
-            why = stop_marker.stale(record, vms=vms[0], ids=vms[1], newer=newer)
-            if why is not None:
-                verdict.refused[name] = why
+            stale = stop_marker.stale(record, vms=vms[0], ids=vms[1], newer=newer)
+            if stale is not None:
+                verdict.refused[name] = stale
                 continue
             verdict.ok.append(name)
         except ApiError as e:
@@ -294,7 +294,7 @@ class Control:
         self.refused[name] = why
         # What an alert acts on (`stacks.run_metrics`): a marker that would have scaled the job to
         # zero, and whose deletion of the disks the run never vouched for.
-        self.say("stop_marker_refused", severity="ERROR", marker=f"gs://{self.s.bucket}/{name}", why=why,
+        self.say(stop_marker.REFUSED_EVENT, severity="ERROR", marker=f"gs://{self.s.bucket}/{name}", why=why,
                  action="groups left alone: a human must look (docs/security.md, stop markers)")
 
     def write_outcome(self, fields: dict[str, Any], markers: list[str] | tuple[str, ...] = ()) -> None:

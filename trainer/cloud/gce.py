@@ -181,9 +181,6 @@ class Client:
         url = f"{self.storage}/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}"
         return self.request("GET", url, ok404=True) is not None
 
-    def list_objects(self, bucket: str, prefix: str) -> list[str]:
-        return list(self.object_sizes(bucket, prefix))
-
     def object_sizes(self, bucket: str, prefix: str) -> dict[str, int]:
         """Every object under ``prefix``: name -> size in bytes."""
         sizes: dict[str, int] = {}
@@ -201,13 +198,6 @@ class Client:
             token = page.get("nextPageToken")
             if not token:
                 return sizes
-
-    def create_object(self, bucket: str, name: str, data: bytes) -> bool:
-        """Create-only upload; False when the object already exists (412)."""
-        # octet-stream: gcp-storage-emulator would parse a JSON body as JSON and fail.
-        url = f"{self.storage}/upload/storage/v1/b/{bucket}/o"
-        return self.request("POST", url, data=data, content_type="application/octet-stream", ok412=True,
-                            query={"uploadType": "media", "name": name, "ifGenerationMatch": "0"}) is not None
 
     def delete_object(self, bucket: str, name: str) -> None:
         """Delete an object; a missing one is fine."""

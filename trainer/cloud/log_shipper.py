@@ -616,10 +616,10 @@ class Shipper:
             try:
                 record = self.queue.get(timeout=0.25 if deadline else 1.0)
                 while True:
-                    e = entry(record, self.cfg, resource, self.key)
-                    self._saw(e)
-                    batch.append(e)
-                    size += len(json.dumps(e))
+                    one = entry(record, self.cfg, resource, self.key)
+                    self._saw(one)
+                    batch.append(one)
+                    size += len(json.dumps(one))
                     cursor = record.get("__CURSOR") or cursor
                     if len(batch) >= MAX_ENTRIES or size >= MAX_BYTES:
                         break

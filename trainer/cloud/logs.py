@@ -40,6 +40,13 @@ DEFAULT_LOGGING_API = "https://logging.googleapis.com/v2"
 PAGE_SIZE = 1000
 #: `journalctl -o short-iso` prefix: TIME HOST IDENT[PID]: MESSAGE
 _SHORT = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\S* \S+ (?P<ident>[^\s:\[]+)(?:\[\d+\])?: (?P<message>.*)$")
+#: The trainer's lines this report reads, by their `event=NAME`. The events' names are said in
+#: `trainer.observe.events`, which this standard-library module cannot import (it runs beside the
+#: trainer): tests/trainer/cloud/test_logs.py fails when the two differ.
+RESTORE, FINISHED, PREEMPTED, PAUSED, NOT_DURABLE, FAILED = (
+    "restore", "finished", "preempted", "paused", "not_durable", "failed")
+#: Lines the loop logs itself: a session's start, and a stop for a lost writer lease.
+START, STOPPED = "start", "stopped"
 _EXIT = re.compile(r"Main process exited, code=(?P<code>exited|killed|dumped), status=(?P<status>[^/\s]+)")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NO_CREDENTIALS = 0, 1, 2, 3
 
@@ -104,7 +111,7 @@ def read_file(path: Path) -> list[dict[str, Any]]:
         if m and m.group("ident") == SCRIPT_RUNNER:
             message = re.sub(r"^(startup|shutdown)-script: ", "", message)
         e = local_entry(message, cfg, session="")
-        if e["jsonPayload"].get("event") == "start" and e["jsonPayload"].get("source") == "trainer":
+        if e["jsonPayload"].get("event") == START and e["jsonPayload"].get("source") == "trainer":
             session += 1
         if e["jsonPayload"].get("source") == "trainer":
             e["jsonPayload"]["session"] = f"local-{max(session, 1)}"
@@ -124,7 +131,7 @@ class Session:
 
     def steps(self) -> tuple[int | None, int | None]:
         steps = [p["step"] for p in self.payloads if isinstance(p.get("step"), int) and p.get("source") == "trainer"]
-        restore = next((p.get("step") for p in self.payloads if p.get("event") == "restore"), None)
+        restore = next((p.get("step") for p in self.payloads if p.get("event") == RESTORE), None)
         first = restore if isinstance(restore, int) else (steps[0] if steps else None)
         return first, (steps[-1] if steps else first)
 
@@ -144,19 +151,19 @@ class Session:
             if p.get("source") != "trainer":
                 continue
             step = p.get("step")
-            if event == "finished":
+            if event == FINISHED:
                 reason = f"finished at step {step}"
-            elif event == "preempted":
+            elif event == PREEMPTED:
                 saved = f" in {f['seconds']:.1f} s" if isinstance(f.get("seconds"), (int, float)) else ""
                 reason = (f"preempted: emergency save of step {step}{saved}" if isinstance(step, int)
                           else "preempted before the first step (nothing to save)")
-            elif event == "paused":
+            elif event == PAUSED:
                 reason = f"paused at step {step}"
-            elif event == "not_durable":
+            elif event == NOT_DURABLE:
                 reason = f"trained to step {step}, but its final checkpoint was not durable on every tier (exit 74)"
-            elif event == "stopped":
+            elif event == STOPPED:
                 reason = f"stopped: {f.get('reason', 'see its lines')}"
-            elif event == "failed":
+            elif event == FAILED:
                 why = f.get("reason")
                 text = str(p.get("message", ""))
                 if why == "bad_input":
@@ -238,7 +245,7 @@ def as_json(boots: list[Boot]) -> dict[str, Any]:
         out.append({"node": b.node, "boot": b.boot, "after": b.after, "started": stamps[0] if stamps else "",
                     "last_line": stamps[-1] if stamps else "", "boot_failed": b.failed, "shutdown": b.shutdown,
                     "sessions": sessions})
-    return {"vms": out, "sessions": sum(len(b["sessions"]) for b in out)}
+    return {"vms": out, "sessions": sum(len(b.sessions) for b in boots)}
 
 
 def _short(ts: str) -> str:

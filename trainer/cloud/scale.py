@@ -107,8 +107,14 @@ def markers(prefix: str, steps: int, script_digest: str) -> dict[str, str]:
             "bad-input": f"{prefix}/stop/bad-input-{script_digest}.json"}
 
 
+#: A value a line shows as it is: a number, a name, a path, a URL. Anything else (an answer of the
+#: control job, an API error's message, a reason) is text from outside: quoted (``untrusted.shown``).
+_PLAIN = re.compile(r"^[A-Za-z0-9_./:@+-]{0,200}$")
+
+
 def log(event: str, **fields: Any) -> None:
-    parts = " ".join(f"{k}={v}" for k, v in fields.items())
+    parts = " ".join(f"{k}={v if isinstance(v, (int, float)) or _PLAIN.match(str(v)) else untrusted.shown(v)}"
+                     for k, v in fields.items())
     print(f"spottrain-scale: event={event} {parts}".rstrip(), file=sys.stderr, flush=True)
 
 
@@ -200,13 +206,13 @@ class Scaler:
     def stop(self, reason: str, detail: str = "") -> int:
         ok, why, step, secret = self.durable(reason)
         if not ok or secret is None:
-            log("stop_refused", reason=reason, why=repr(why))
+            log("stop_refused", reason=reason, why=why)
             return EXIT_REFUSED
         marker = self.markers()[reason]
         instance_id = _safe_metadata("instance/id")
         if not instance_id:
             # The control job acts only on a marker whose writer is still a VM of the group.
-            log("stop_refused", reason=reason, why=repr("this VM's instance id is unknown (no metadata server)"))
+            log("stop_refused", reason=reason, why="this VM's instance id is unknown (no metadata server)")
             return EXIT_API
         record = {"reason": reason, "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "instance": _safe_metadata("instance/name"), "instance_id": instance_id,
@@ -216,25 +222,25 @@ class Scaler:
         # control job refuses), and this record was verified just now. A writer who replaces it
         # again only delays the stop (the job refuses theirs and alerts).
         self.c.write_object(self.s.bucket, marker, stop_marker.sign(secret, record))
-        log("stop_marker", object=f"gs://{self.s.bucket}/{marker}", step=step, durable=repr(why))
+        log("stop_marker", object=f"gs://{self.s.bucket}/{marker}", step=step, durable=why)
         # A stale outcome (an earlier stop) must not pass for this one's.
         outcome = outcome_object(self.s.prefix)
         self.c.delete_object(self.s.bucket, outcome)
         self.start_control()
         answer = self.answer(outcome, lambda a: marker in a.get("markers", ()) or marker in (a.get("refused") or {}))
         if answer is None:
-            log("stop_unconfirmed", why=repr(f"no answer from the control job in {self.s.answer_s:.0f}s; "
+            log("stop_unconfirmed", why=(f"no answer from the control job in {self.s.answer_s:.0f}s; "
                                              "its scheduled runs will act on the marker"))
             return EXIT_API
         if marker in (answer.get("refused") or {}):
-            log("stop_marker_refused", object=f"gs://{self.s.bucket}/{marker}", why=repr(answer["refused"][marker]))
+            log(stop_marker.REFUSED_EVENT, object=f"gs://{self.s.bucket}/{marker}", why=answer["refused"][marker])
             return EXIT_API
         for group, size in sorted((answer.get("groups") or {}).items()):
             log("group_resized" if size == 0 else "group_not_resized", group=group, target_size=size)
         if answer.get("coordinator") is not None:
             log("coordinator_stopped", status=answer["coordinator"])
         for line in answer.get("failures", ()):
-            log("stop_failed", step=repr(line))
+            log("stop_failed", step=line)
         return EXIT_OK if answer.get("ok") else EXIT_API
 
     def start_control(self) -> None:
@@ -298,7 +304,7 @@ class Scaler:
         answer = self.answer(name, lambda a: a.get("instance") == me and a.get("at") == at
                              and ("served" in a or "refused" in a))
         if answer is None or "served" not in answer:
-            log("successor_failed", why=repr(answer.get("refused") if answer else
+            log("successor_failed", why=(answer.get("refused") if answer else
                                              f"no answer from the control job in {self.s.answer_s:.0f}s"))
             return EXIT_API
         log("successor_requested", resize_request=answer["served"], run_duration_s=self.s.run_duration_s)
@@ -353,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             return scaler.successor()
         return run_deadline(scaler)
     except ApiError as e:
-        log("api_error", code=e.code, status=e.status, message=repr(e.message), url=e.url)
+        log("api_error", code=e.code, status=e.status, message=e.message, url=e.url)
         if e.code == 403:
-            log("hint", text=repr("the VM's service account may not start the control job or use its bucket: "
+            log("hint", text=("the VM's service account may not start the control job or use its bucket: "
                                   "check roles/run.invoker on the job (docs/security.md); "
                                   "scale_to_zero_command does it by hand"))
         return EXIT_API

@@ -36,6 +36,9 @@ VERSION = 1
 #: pass for a marker, and a marker cannot pass for anything else.
 DOMAIN = b"spottrain stop marker v1\n"
 _STEP = re.compile(r"step-(\d{8,})$")
+#: The event the VM's stop path and the control job log for a marker they would not act on (what
+#: the `markers_refused` metric counts, `stacks.run_metrics`).
+REFUSED_EVENT = "stop_marker_refused"
 
 
 def _body(record: dict[str, Any]) -> bytes:
@@ -121,7 +124,7 @@ def newest_authentic(read: Callable[[str], bytes | None], prefix: str, run: str,
                      secret: bytes, *, above: int = -1) -> tuple[int | None, list[str]]:
     """The newest authentic step in the bucket that is greater than ``above``, and why each newer
     candidate was not one."""
-    refused = []
+    refused: list[str] = []
     for step in steps_in(sizes):
         if step <= above:
             break

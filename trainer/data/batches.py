@@ -113,6 +113,7 @@ def _unregistered(loader: Any) -> Any:
     finally:
         signal_handling._set_worker_pids = register
     it._worker_pids_set = False  # nothing to take out of the registry at shutdown
+    it._spottrain = True  # the trainer's own: its position is DataOrder's (``trainer.loop.undeclared``)
     return it
 
 

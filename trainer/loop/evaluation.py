@@ -78,6 +78,7 @@ class Evaluator:
     def _dataset_loss(self) -> tuple[dict[str, float], int, bool]:
         """The loss, and the task's own metrics (``loss_fn``'s ``(loss, {name: value})``), over the
         eval prefix."""
+        assert self.dataset is not None  # ``due`` only with an eval set or an evaluate callable
         size, world = len(self.dataset), self.world
         sums: dict[str, Any] = {"loss": torch.zeros((), device=self.device, dtype=torch.float64)}
         n = 0

@@ -106,8 +106,9 @@ class Finish:
         if self.world.is_main:
             self.artifacts.sync()
         if self.world.is_node_leader:
-            extra = {} if cap is None else {"reason": "max_usd", "cost_usd": cap[0], "max_usd": cap[1]}
-            self.bus.emit(Paused(step, time.monotonic() - t0, self.productive(), **extra))
+            self.bus.emit(Paused(step, time.monotonic() - t0, self.productive()) if cap is None else
+                          Paused(step, time.monotonic() - t0, self.productive(), reason="max_usd", cost_usd=cap[0],
+                                 max_usd=cap[1]))
         return EXIT_PREEMPTED if cap is None else EXIT_SPEND_CAP
 
     def emergency(self, step: int) -> int:
@@ -201,14 +202,15 @@ class Finish:
         if self._saves:
             report = self.ckpt.emergency_save(step, snapshot, deadline=deadline, meta=self.job.meta())
         verdict = "saved"
-        if self.world.is_main:
-            verdict = "complete" if report.complete else "saved" if report.saved else "failed"
+        main = report if self.world.is_main else None  # rank 0 saves (the whole-model layout) and reports
+        if main is not None:
+            verdict = "complete" if main.complete else "saved" if main.saved else "failed"
         verdict = self.world.broadcast(verdict)
         if self.world.is_node_leader:
-            ok = _ok_in_log_order(self.ckpt.tiers, report) if self.world.is_main else None
+            ok = _ok_in_log_order(self.ckpt.tiers, main) if main is not None else None
             self.bus.emit(Preempted(step, self.productive(), time.monotonic() - t0, ok=ok,
-                                    seconds=report.seconds if self.world.is_main else 0.0,
-                                    detail=report.detail if self.world.is_main else ""))
+                                    seconds=main.seconds if main is not None else 0.0,
+                                    detail=main.detail if main is not None else ""))
             self.bus.flush(deadline)
         if self.world.is_main and deadline - time.monotonic() > 1.0:
             self.artifacts.sync(deadline)  # only with the time the checkpoint left over

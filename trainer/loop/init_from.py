@@ -301,8 +301,9 @@ def _sharded_folder(cfg: Any, prov: dict) -> tuple[str, Path | None]:
         if run_dir is not None and (run_dir / step_name(step)).is_dir():
             verify_sharded_dir(run_dir / step_name(step), key=key)
             return str(run_dir / step_name(step)), None
-        if gcs_uri is None:
+        if run_dir is not None and gcs_uri is None:
             return f"error: {run_dir / step_name(step)} is not on this node", None
+        assert gcs_uri is not None  # _source gives a run dir or a gs:// prefix
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-init-from-", dir=cfg.run_dir))
         return str(download_sharded(GcsStore(gcs_uri), step, tmp, key=key)), tmp
     except Exception as e:  # noqa: BLE001 - travels to every rank

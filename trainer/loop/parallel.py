@@ -17,7 +17,7 @@ from trainer.distributed import World
 
 
 def wrap(model: nn.Module, world: World, *, parallelism: str, device: torch.device,
-         optimizer: torch.optim.Optimizer) -> nn.Module:
+         optimizer: torch.optim.Optimizer | None) -> nn.Module:
     """The model the loop trains: sharded (``fsdp``), under DDP (``ddp`` on several ranks), or as
     it is."""
     if parallelism == "fsdp":

@@ -34,7 +34,7 @@ def newest(ckpt: Any, world: World) -> tuple[dict | None, tuple[str, str]]:
     # checkpoints, not only the chosen node's own tiers.
     failed: set[int] = set()
     while True:
-        offer: tuple[str, Any] | None = None
+        offer: tuple[Any, ...] | None = None
         if ckpt is not None:
             try:
                 offer = ("step", ckpt.newest_valid_step(excluding=failed), ckpt.held_on_disks())

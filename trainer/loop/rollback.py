@@ -5,9 +5,10 @@ Whoever can write the bucket can delete its newest checkpoints; a restore would 
 newest one left, and the run would go back without a word. The run's own record says otherwise:
 its goodput ledger (``trainer.observe.ledger``), in the run dir on the persistent disk, which a
 bucket writer cannot write, holds an event for every checkpoint that became durable in the bucket
-(``durable`` with ``tier=gcs``, ``preempted`` with ``gcs_ok``, ``finish`` and ``paused``, whose
-checkpoints are durable on every tier). When that step is on no tier at all any more (not even as
-a copy that fails verification: corruption is another fault, logged where it is met), the restore
+(``durable`` on a bucket tier, ``tiers.BUCKET_TIERS``; ``preempted`` with its ``TIER_ok``;
+``finished`` and ``paused``, whose checkpoints are durable on every tier). When that step is on no
+tier at all any more (not even as a copy that fails verification: corruption is another fault,
+logged where it is met), the restore
 refuses (exit 2) and says which step and since when, unless the run says it means it
 (``allow_rollback``: you deleted them yourself).
 
@@ -22,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from trainer.checkpoint.tiers import BUCKET_TIERS
+from trainer.observe.events import CheckpointDurable, Finished, Paused, Preempted
 from trainer.observe.ledger import LEDGER_DIR, LEDGER_FILE, read_events
 
-#: The tier a bucket writer can delete from (the trainer's ``gcs`` tier).
-BUCKET_TIER = "gcs"
 
 
 def _step(ev: dict[str, Any]) -> int | None:
@@ -33,17 +34,20 @@ def _step(ev: dict[str, Any]) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def newest_recorded(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
-    """The event recording the newest step durable in the bucket, from this disk's own events."""
+def newest_recorded(events: Iterable[dict[str, Any]],
+                    buckets: Iterable[str] = BUCKET_TIERS) -> dict[str, Any] | None:
+    """The event recording the newest step durable in a bucket (one of the tiers ``buckets``),
+    from this disk's own events."""
+    buckets = tuple(buckets)
     best: dict[str, Any] | None = None
     for ev in events:
         step = _step(ev)
         if step is None or ev.get("recovered"):
             continue
         kind = ev.get("event")
-        durable = ((kind == "durable" and ev.get("tier") == BUCKET_TIER)
-                   or (kind == "preempted" and ev.get(f"{BUCKET_TIER}_ok") is True)
-                   or kind in ("finish", "paused"))
+        durable = ((kind == CheckpointDurable.kind and ev.get("tier") in buckets)
+                   or (kind == Preempted.kind and any(ev.get(f"{b}_ok") is True for b in buckets))
+                   or kind in (Finished.kind, Paused.kind))
         if durable and (best is None or step > best["step"]):
             best = ev
     return best
@@ -55,10 +59,11 @@ def refusal(run_dir: Path, *, restored_step: int | None, steps_seen: set[int] | 
 
     ``restored_step``: the step the restore found (None: none, a fresh start); ``steps_seen``:
     every step the survey listed on any tier (None: this process did not survey)."""
-    if steps_seen is None or BUCKET_TIER not in set(tiers):
+    buckets = [t for t in tiers if t in BUCKET_TIERS]
+    if steps_seen is None or not buckets:
         return None, None
     ledger = run_dir / LEDGER_DIR / LEDGER_FILE
-    recorded = newest_recorded(read_events(ledger))
+    recorded = newest_recorded(read_events(ledger), buckets)
     if recorded is None:
         return None, None
     step = recorded["step"]

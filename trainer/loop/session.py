@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sized, cast
 
 import torch
 
@@ -30,9 +30,11 @@ from trainer.checkpoint import tier_wait
 from trainer.checkpoint.checkpointer import describe_failing
 from trainer.data.batches import Batches, WorkersDied
 from trainer.data.sampler import DataOrder
+from trainer.data.streaming import Stream
 from trainer.distributed import World, node_name
 from trainer.loop import parallel, precision, restore, rollback, state
 from trainer.loop.finish import Finish
+from trainer.loop.named_state import NamedStates
 from trainer.loop.step import Job
 from trainer.loop.writers import Writers
 from trainer.observe import sinks
@@ -70,7 +72,7 @@ class Session:
         self.ckpt: Any = None
         self.server: HealthServer | None = None
         self.artifacts: Artifacts | None = None  # node leaders: ctx.artifacts_dir and its remote copy
-        self.batches: Batches | None = None
+        self.batches: Batches | Stream | None = None
         self.finish: Finish | None = None
         self.waited_s = 0.0  # start-up's wait for unknown tiers so far (one bound for all of it)
         self.productive_s = 0.0
@@ -103,7 +105,7 @@ class Session:
             return tier_wait.until_known(
                 attempt, wait_s=self.cfg.wait_for_tiers_s, waited_before=self.waited_s, log=self.log,
                 on_wait=self.health.waiting, sleep=self.preempt.wait, stop_requested=lambda: self.preempt.requested,
-                agree=lambda give_up, stop: tuple(self.world.any_flags(give_up, stop)))  # type: ignore[arg-type]
+                agree=lambda give_up, stop: _pair(self.world.any_flags(give_up, stop)))
         finally:
             self.waited_s += time.monotonic() - t0
             self.health.starting()
@@ -188,25 +190,76 @@ class Session:
                                 world_size=world.size, artifacts_dir=cfg.run_dir / "artifacts", data_dir=cfg.data_dir)
         task = tasks.build(cfg.task, ctx, cfg.task_args)
         _seed((cfg.seed + 1_000_003 * world.rank) % 2**63)
-        model = parallel.wrap(task.model, world, parallelism=cfg.parallelism, device=device, optimizer=task.optimizer)
+        where = f"task {cfg.task}"
+        states = NamedStates.declare(task.states, where=where, optimizers=[task.optimizer])
+        states.check(where)
+        if tasks.streaming(task.dataset):
+            self.batches = Stream(task.dataset, batch_size=cfg.batch_size, workers=cfg.data_workers, device=device,
+                                  seed=cfg.seed, log=self.log.getChild("data"))
+            data: Any = self.batches
+        else:
+            data = DataOrder(len(cast(Sized, task.dataset)), seed=cfg.seed, batch_size=cfg.batch_size, rank=world.rank,
+                             world_size=world.size)
+            self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
+                                   log=self.log.getChild("data"), on_died=self._workers_died)
+        job = self.adopt(task, states, data, self.batches, device=device, mixed=mixed, accum=accum,
+                         dataset_len=getattr(data, "n", None), where=where)
+        self.log_start(job, device, f"task={cfg.task} " + " ".join(f"{k}={v}" for k, v in task.info.items()))
+        return job
+
+    def adopt(self, task: tasks.Task, states: NamedStates, data: Any, batches: Any, *, device: torch.device,
+              mixed: Any, accum: int, dataset_len: int | None, where: str,
+              wrapped: dict[str, torch.nn.Module] | None = None) -> Job:
+        """The job as the loop trains it: the main model and every other trained model under the
+        run's parallelism (DDP on several ranks), bound to the checkpointer. ``wrapped``: the
+        trained models as an own loop wrapped them itself (``trainer.run``)."""
+        cfg, world = self.cfg, self.world
+        optimized = {id(p) for opt in [task.optimizer, *states.optimizers().values()]
+                     for g in opt.param_groups for p in g["params"]}
+        trained = states.trained_models(optimized)
+        if trained and cfg.parallelism == "fsdp":
+            raise BadWorld(f"{where}: states: {', '.join(trained)} train beside the model, and the sharded layout "
+                           "(parallelism = 'fsdp') shards one trained model; use parallelism = 'ddp', or one model")
+        if wrapped is not None:
+            models = dict(wrapped)
+        else:
+            models = {"model": parallel.wrap(task.model, world, parallelism=cfg.parallelism, device=device,
+                                             optimizer=task.optimizer),
+                      **{n: parallel.wrap(m, world, parallelism="ddp", device=device, optimizer=None)
+                         for n, m in trained.items()}}
+        model = models["model"]
         if self.ckpt is not None:
             self.ckpt.bind(model, task.optimizer)  # the sharded layout saves and loads them in place
-        data = DataOrder(len(task.dataset), seed=cfg.seed, batch_size=cfg.batch_size, rank=world.rank,
-                         world_size=world.size)
-        self.batches = Batches(task.dataset, data, workers=cfg.data_workers, device=device, seed=cfg.seed,
-                               log=self.log.getChild("data"), on_died=self._workers_died)
-        job = Job(task, model, data, self.batches, mixed.scaler, cfg.fingerprint(dataset_len=len(task.dataset),
-                  device=device.type), accum, world, in_place=cfg.parallelism == "fsdp")
+        fingerprint = cfg.fingerprint(dataset_len=dataset_len, device=device.type)
+        if states.objects:
+            fingerprint["states"] = states.fingerprint()
+        if getattr(data, "per_rank", False):  # a stream's split over workers is its order: it must not change
+            fingerprint["stream_workers"] = cfg.data_workers
+        job = Job(task, model, data, batches, mixed.scaler, fingerprint, accum, world,
+                  in_place=cfg.parallelism == "fsdp", states=states, models=models)
         if self.ckpt is not None:
             job.before_update = self.ckpt.before_update
-        if world.is_node_leader:
-            self.log.info("event=start steps=%d world_size=%d node=%s node_rank=%d restart=%d accum=%d device=%s "
-                          "task=%s %s", cfg.steps, world.size, node_name(), world.node_rank, world.restart_count,
-                          accum, device, cfg.task, " ".join(f"{k}={v}" for k, v in task.info.items()))
+        return job
+
+    def log_start(self, job: Job, device: torch.device, what: str) -> None:
+        """The session's ``event=start`` line (node leaders), and the settings that change training
+        whatever the job's code says, with where each came from (docs/bring-your-own-model.md)."""
+        cfg, world = self.cfg, self.world
         self.finish = Finish(cfg, world, self.log, ckpt=self.ckpt, job=job, bus=self.bus, health=self.health,
                              preempt=self.preempt, artifacts=self.artifacts, writers=self.writers,
                              productive=lambda: self.productive_s)
-        return job
+        if not world.is_node_leader:
+            return
+        self.log.info("event=start steps=%d world_size=%d node=%s node_rank=%d restart=%d accum=%d device=%s %s",
+                      cfg.steps, world.size, node_name(), world.node_rank, world.restart_count, job.accum,
+                      device, what)
+        if cfg.script is None:
+            self.log.info("event=training_settings grad_clip=%s (%s) precision=%s (%s) grad_accum_steps=%d "
+                          "(the trainer applies these to the task's step)", cfg.grad_clip, cfg.source_of("grad_clip"),
+                          cfg.precision, cfg.source_of("precision"), job.accum)
+        else:
+            self.log.info("event=training_settings precision=%s (%s; run.autocast()) (an own loop clips, scales and "
+                          "accumulates itself: grad_clip is not applied)", cfg.precision, cfg.source_of("precision"))
 
     def restore(self, job: Job) -> int:
         """The newest valid checkpoint any node holds, on every rank (not while a tier is unknown:
@@ -227,7 +280,7 @@ class Session:
             start = state.apply(saved, model=job.model if whole else None,
                                 optimizer=job.task.optimizer if whole else None, scheduler=job.task.scheduler,
                                 scaler=job.scaler, data=job.data, world=world, steps_changed=steps_changed,
-                                source=f"step {saved.get('step')} on {tier} ({path})")
+                                source=f"step {saved.get('step')} on {tier} ({path})", states=job.states)
         elif cfg.init_from is not None:  # a new run seeded from another run's checkpoint
             job.fingerprint["init_from"] = self._init_from(job)
         seconds = time.monotonic() - t0
@@ -237,14 +290,14 @@ class Session:
             if saved is not None and state.saved_world_size(saved) != world.size:
                 self.log.warning("event=world_size_change step=%d from=%d to=%d consumed=%d (RNG streams reseeded; "
                                  "the data position is in global samples)", start, state.saved_world_size(saved),
-                                 world.size, job.data.consumed)
+                                 world.size, getattr(job.data, "consumed", 0))
             self.bus.emit(Restored(start, seconds, world.size, max(0.0, time.monotonic() - self._mono_start - seconds),
                                    tier=tier if saved is not None else "", path=path if saved is not None else "",
                                    fresh_from="from init_from's weights" if cfg.init_from is not None else "fresh"))
-        task = job.task
+        task, batch = job.task, int(job.fingerprint.get("batch_size", cfg.batch_size))  # an own loop's run.batches
         self._window = StepWindow(total_steps=cfg.steps, start_step=start, every=cfg.log_every_steps,
-                                  tokens_per_step=task.tokens_per_sample * cfg.batch_size * job.accum * world.size,
-                                  samples_per_step=cfg.batch_size * job.accum * world.size)
+                                  tokens_per_step=task.tokens_per_sample * batch * job.accum * world.size,
+                                  samples_per_step=batch * job.accum * world.size)
         self.preempt.step_completed(start)
         self._progress_at = time.monotonic()
         return start
@@ -414,6 +467,11 @@ def _waited(run_dir: Any, boot_time: float | None, session: str) -> float | None
 
     before = [float(e["t"]) for e in read_events(run_dir / LEDGER_DIR / LEDGER_FILE) if e["session"] != session]
     return max(0.0, float(boot_time) - max(before)) if before else None
+
+
+def _pair(flags: list[bool]) -> tuple[bool, bool]:
+    give_up, stop = flags
+    return give_up, stop
 
 
 def _seed(seed: int) -> None:

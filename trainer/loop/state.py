@@ -19,8 +19,8 @@ import torch
 # ResumeMismatch: a checkpoint written with other settings is the same refusal as one of another
 # layout, which the checkpointer raises; both are the manifest's.
 from trainer.checkpoint.manifest import ResumeMismatch
-from trainer.data.sampler import DataOrder
 from trainer.distributed import World
+from trainer.loop.named_state import NamedStates
 
 FORMAT = 1
 
@@ -76,17 +76,26 @@ def build(
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any | None,
     scaler: Any | None,
-    data: DataOrder,
+    data: Any | None,
     fingerprint: dict[str, Any],
     world: World,
+    states: NamedStates | None = None,
 ) -> dict[str, Any] | None:
     """The state to save after ``step`` optimizer steps (on rank 0; None on the other ranks).
 
     A collective under DDP: every rank must call it at the same step. With ``model`` and
     ``optimizer`` None (sharded training) it is the small replicated rest, the "extras" saved
-    next to the shards.
+    next to the shards. ``data``: the trainer's data position (``DataOrder``, or a streaming
+    loader's, which is per rank), None when the job keeps no data of the trainer's. ``states``:
+    the job's named states (``trainer.loop.named_state``), replicated ones from rank 0, per-rank
+    ones from every rank.
     """
     rngs = world.gather(rng_state())
+    streamed = data is not None and getattr(data, "per_rank", False)
+    local = states.rank_local() if states is not None else {}
+    if data is not None and streamed:
+        local["$data"] = data.state_dict()
+    rank_states = world.gather(local) if local else None
     if not world.is_main:
         return None
     out = {
@@ -95,10 +104,15 @@ def build(
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
         "rng": rngs,  # one per rank, indexed by rank
-        "data": data.state_dict(),
+        "data": None if data is None or streamed else data.state_dict(),
         "fingerprint": fingerprint,
         "torch": torch.__version__,  # compared at resume: a change is reported (check_versions)
     }
+    if states is not None and states.objects:
+        out["states"] = states.replicated()
+        out["state_models"] = sorted(states.models())  # what ``export`` writes beside the model
+    if rank_states is not None:
+        out["rank_states"] = rank_states  # one per rank, indexed by rank, like "rng"
     if model is not None and optimizer is not None:
         out["model"] = unwrap(model).state_dict()
         out["optimizer"] = optimizer.state_dict()
@@ -181,10 +195,11 @@ def apply(
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any | None,
     scaler: Any | None,
-    data: DataOrder,
+    data: Any | None,
     world: World,
     steps_changed: bool = False,
     source: str = "the checkpoint",
+    states: NamedStates | None = None,
 ) -> int:
     """Load ``state`` into the live objects; returns the step to continue from.
 
@@ -194,9 +209,15 @@ def apply(
     the code changed since it was written) is a ``ResumeMismatch`` naming ``source`` (e.g. "step
     1200 on gcs (gs://...)") and the reason: never a reason to start afresh over it.
     """
+    local = state.get("rank_states")
+    if local is not None and saved_world_size(state) != world.size:
+        raise ResumeMismatch(
+            f"cannot resume at world size {world.size}: {source} was written by {saved_world_size(state)} ranks and "
+            f"holds a position per rank ({', '.join(sorted(local[0]))}: a streaming dataset or data loader), which "
+            "cannot be split over another number of ranks; resume with the original world size")
     try:
         return _apply(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, data=data,
-                      world=world, steps_changed=steps_changed)
+                      world=world, steps_changed=steps_changed, states=states)
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as e:
         reason = " ".join(str(e).split())[:1500]
         raise ResumeMismatch(
@@ -206,7 +227,9 @@ def apply(
 
 
 def _apply(state: dict[str, Any], *, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-           scheduler: Any | None, scaler: Any | None, data: DataOrder, world: World, steps_changed: bool) -> int:
+           scheduler: Any | None, scaler: Any | None, data: Any | None, world: World, steps_changed: bool,
+           states: NamedStates | None) -> int:
+    local = state.get("rank_states")
     if model is not None:  # None: sharded state, already loaded by the sharded checkpointer
         unwrap(model).load_state_dict(state["model"])
     if optimizer is not None:
@@ -215,7 +238,11 @@ def _apply(state: dict[str, Any], *, model: torch.nn.Module | None, optimizer: t
         load_scheduler(scheduler, state["scheduler"], steps_changed=steps_changed)
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
-    data.load_state_dict(state["data"])
+    mine = local[world.rank] if local is not None else {}
+    if data is not None:
+        data.load_state_dict(mine["$data"] if getattr(data, "per_rank", False) else state["data"])
+    if states is not None:
+        states.load(state.get("states"), mine)
     step = int(state["step"])
     if saved_world_size(state) == world.size:
         set_rng_state(state["rng"][world.rank])

@@ -79,7 +79,7 @@ class Writers:
                 outcome = ("stopped", str(e))
         kind, detail = self.world.broadcast(outcome) or ("held", None)
         if kind == "unknown":
-            raise tier_wait.TierUnknown(detail)
+            raise tier_wait.TierUnknown(detail or {})
         if kind == "busy":
             raise LeaseHeld(detail)
         if kind == "stopped":

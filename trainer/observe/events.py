@@ -5,10 +5,20 @@ An event is a frozen record of something that happened to the run. The loop emit
 (``trainer.observe.sinks.log``), the goodput ledger (``.sinks.ledger``), TensorBoard
 (``.sinks.tensorboard``), or a sink of your own (``trainer.observe.sinks``).
 
+Each name is said here once, and everything that reads or writes it imports it from here: the
+log line, the ledger, ``status``, the glance, the goodput report and the stack's log-based metrics
+(``stacks.run_metrics``).
+
 ``kind`` is the event's name in the goodput ledger (``trainer.observe.ledger``) and ``fields()``
 its fields there, the same ones the ledger has always recorded, so that the ledger sink writes
 exactly ``{"event": kind, **fields()}``. Events the ledger does not record (``Step``, ``Eval``,
-``Goodput``) have no ``kind``.
+``Goodput``) have no ``kind``. ``line`` is the event's name in its log line (``event=NAME``,
+``trainer.observe.sinks.log``), which the log-based metrics count: the ledger's name, except for
+the events whose line has always said something else (``Step``, ``Eval``, ``CheckpointSaved``,
+``CapacityWait``).
+
+``RENAMED``: names the ledger once wrote for an event that has another name now, so that ledgers
+written before the rename still read (``trainer.observe.ledger`` renames them as it reads).
 
 Ranks: an event is emitted where the job knows it. Rank 0 speaks for the job (steps, evaluations,
 checkpoints, the emergency save's verdict); each node leader records its own node's session
@@ -25,8 +35,15 @@ class Event:
     """Base of every event; ``kind`` None: not recorded in the ledger."""
 
     kind: ClassVar[str | None] = None
+    #: The name of its log line (``event=NAME``); the ledger's name unless a subclass says otherwise.
+    line: ClassVar[str] = ""
     #: Fields that are not the ledger's (a log line's extras).
     not_recorded: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "line" not in vars(cls):
+            cls.line = cls.kind or ""
 
     def fields(self) -> dict[str, Any]:
         """The ledger's fields of this event (those that are None and optional are left out)."""
@@ -71,6 +88,7 @@ class CapacityWait(Event):
     the report computes it over every session: ``goodput.Report.capacity_wait``)."""
 
     kind: ClassVar[str] = "placement"
+    line: ClassVar[str] = "capacity_wait"
     not_recorded: ClassVar[tuple[str, ...]] = ("waited_s",)
     zone: str
     provisioning: str
@@ -127,6 +145,7 @@ class Step(Event):
     ``log_every_steps`` (and at the last step) the figures of the interval that ends here
     (``trainer.observe.progress.StepWindow``), else None."""
 
+    line: ClassVar[str] = "step"
     step: int
     total: int
     loss: float
@@ -139,6 +158,7 @@ class Step(Event):
 class Eval(Event):
     """An evaluation (rank 0: averaged over the ranks)."""
 
+    line: ClassVar[str] = "eval"
     step: int
     values: dict[str, float]
     batches: int
@@ -200,6 +220,7 @@ class CheckpointSaved(Event):
     """A periodic save was handed to the checkpointer (rank 0): the loop was blocked ``blocked_s``."""
 
     kind: ClassVar[str] = "checkpoint"
+    line: ClassVar[str] = "checkpoint_save"
     step: int
     blocked_s: float
     productive_s: float
@@ -301,8 +322,10 @@ class Paused(Event):
 class Finished(Event):
     """The run is finished: its final checkpoint is durable on every durable tier."""
 
-    kind: ClassVar[str] = "finish"
+    kind: ClassVar[str] = "finished"
     not_recorded: ClassVar[tuple[str, ...]] = ("again",)
+    #: What the line of a re-run of a finished job adds (the ``finished`` metric leaves it out).
+    AGAIN: ClassVar[str] = "already complete"
     step: int
     blocked_s: float
     productive_s: float
@@ -326,6 +349,21 @@ class Failed(Event):
         return {"reason": self.reason, "detail": self.detail[:500]}
 
 
+#: A ``Failed`` of reason ``not_durable`` is logged as a line of its own name (what it says: the
+#: final checkpoint is not durable yet; run the same command again).
+NOT_DURABLE = "not_durable"
+
+# Ledger records that are not events of the loop.
+#: One run of ``python -m trainer stage`` (``trainer.data.staging``), in a session of its own.
+STAGING = "staging"
+#: The ledger's own failed writes, counted (``trainer.observe.ledger``).
+LEDGER_ERROR = "ledger_error"
+
+#: Names the ledger once wrote -> the name of the same event now.
+RENAMED = {"finish": Finished.kind}
+
+
 __all__ = ["Event", "SessionStarted", "CapacityWait", "Restored", "StepsChanged", "InitFrom", "Step", "Eval",
            "Progress", "Goodput", "Stalled", "DataWorkersDied", "CheckpointSaved", "CheckpointDurable", "TierFailing",
-           "TierOk", "Notice", "Preempted", "Paused", "Finished", "Failed"]
+           "TierOk", "Notice", "Preempted", "Paused", "Finished", "Failed", "NOT_DURABLE", "STAGING",
+           "LEDGER_ERROR", "RENAMED"]

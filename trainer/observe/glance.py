@@ -10,27 +10,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.observe.events import (CapacityWait, CheckpointDurable, CheckpointSaved, DataWorkersDied, Failed,
+                                    Finished, InitFrom, Notice, Paused, Preempted, Progress, Restored, SessionStarted,
+                                    Stalled, StepsChanged, TierFailing, TierOk)
+
 #: A session that wrote nothing for this long is called silent: three times the trainer's default
 #: progress interval (``progress_every_s``, 60 s).
 SILENT_S = 180.0
 
 #: The newest session's last event -> what the job is doing (or why no VM is needed any more).
 _DOING = {
-    "session_start": "starting", "placement": "starting", "restore": "restored, starting to train",
-    "steps_changed": "starting", "init_from": "starting", "progress": "training", "checkpoint": "training",
-    "durable": "training", "tier_ok": "training", "tier_failing": "training (a checkpoint tier is failing)",
-    "stalled": "stalled (no step finished within the stall limit)",
-    "data_workers_died": "training (a data worker died)",
-    "preemption_notice": "saving after a preemption notice",
+    SessionStarted.kind: "starting", CapacityWait.kind: "starting", Restored.kind: "restored, starting to train",
+    StepsChanged.kind: "starting", InitFrom.kind: "starting", Progress.kind: "training",
+    CheckpointSaved.kind: "training", CheckpointDurable.kind: "training", TierOk.kind: "training",
+    TierFailing.kind: "training (a checkpoint tier is failing)",
+    Stalled.kind: "stalled (no step finished within the stall limit)",
+    DataWorkersDied.kind: "training (a data worker died)",
+    Notice.kind: "saving after a preemption notice",
 }
 #: Events that end a session: no trainer runs after them until a new session starts.
 _ENDED = {
-    "preempted": "preempted: waiting for the group to recreate the VM",
-    "paused": "paused at stop_at_step",
-    "finish": "finished",
-    "failed": "stopped on an error",
+    Preempted.kind: "preempted: waiting for the group to recreate the VM",
+    Paused.kind: "paused at stop_at_step",
+    Finished.kind: "finished",
+    Failed.kind: "stopped on an error",
 }
-_STEP_EVENTS = ("progress", "checkpoint", "durable", "paused", "finish", "preempted", "restore")
+_STEP_EVENTS = (Progress.kind, CheckpointSaved.kind, CheckpointDurable.kind, Paused.kind, Finished.kind,
+                Preempted.kind, Restored.kind)
 
 
 def glance(events: list[dict[str, Any]], now: float, steps: int | None = None) -> dict[str, Any]:
@@ -47,11 +53,11 @@ def glance(events: list[dict[str, Any]], now: float, steps: int | None = None) -
     if stepped:
         out["step"] = int(max(e["step"] for e in stepped))
     for e in events:  # a later --extend-steps changes the total
-        if e.get("event") == "steps_changed" and isinstance(e.get("to"), int):
+        if e.get("event") == StepsChanged.kind and isinstance(e.get("to"), int):
             out["steps"] = e["to"] if steps is None or e["to"] > steps else steps
     last = max(events, key=lambda e: (e["t"], str(e["session"]), e["seq"]))
     # The job's main session (rank 0's node) speaks for it; the other nodes' follow it.
-    mains = {str(e["session"]) for e in events if e.get("event") == "session_start" and e.get("main", True)}
+    mains = {str(e["session"]) for e in events if e.get("event") == SessionStarted.kind and e.get("main", True)}
     newest = max(mains or {str(e["session"]) for e in events})
     own = sorted((e for e in events if str(e["session"]) == newest), key=lambda e: e["seq"])
     tail = own[-1]
@@ -61,9 +67,9 @@ def glance(events: list[dict[str, Any]], now: float, steps: int | None = None) -
         out["steps_per_s"] = (moving[-1]["step"] - moving[0]["step"]) / (moving[-1]["t"] - moving[0]["t"])
     ended = _ENDED.get(tail["event"])
     if ended is not None:
-        if tail["event"] == "paused" and tail.get("reason") == "max_usd":
+        if tail["event"] == Paused.kind and tail.get("reason") == "max_usd":
             ended = "paused at the spend cap (max_usd)"
-        elif tail["event"] == "failed" and tail.get("reason"):
+        elif tail["event"] == Failed.kind and tail.get("reason"):
             ended = f"stopped on an error ({tail['reason']})"
         out["doing"] = ended
     else:

@@ -34,7 +34,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainer.observe.events import (LEDGER_ERROR, STAGING, CapacityWait, CheckpointSaved, Failed, Finished, Notice,
+                                    Paused, Preempted, Progress, Restored, SessionStarted)
 from trainer.observe.ledger import _integer, _key, _number, usable
+
+#: Events that record where the session's step and productive time stood.
+_PROGRESS = (Progress.kind, CheckpointSaved.kind, Finished.kind, Preempted.kind, Paused.kind)
+#: Events whose ``blocked_s`` the loop spent blocked by a checkpoint.
+_BLOCKED = (CheckpointSaved.kind, Preempted.kind, Finished.kind, Paused.kind)
 
 
 @dataclass
@@ -153,7 +160,7 @@ def _ledger_errors(events: list[dict[str, Any]]) -> dict[str, int]:
     """The largest ``count`` of each session's ``ledger_error`` events, by ``where``, summed."""
     most: dict[tuple[str, str], int] = {}
     for e in events:
-        if e["event"] == "ledger_error" and _integer(e.get("count")):
+        if e["event"] == LEDGER_ERROR and _integer(e.get("count")):
             k = (str(e["session"]), str(e.get("where", "?")))
             most[k] = max(most.get(k, 0), int(e["count"]))
     out: dict[str, int] = {}
@@ -169,7 +176,7 @@ def _job_report(events: list[dict[str, Any]]) -> Report:
     node_of: dict[str, str] = {}
     main_sessions: set[str] = set()
     for sid, evs in by_session.items():
-        start = next((e for e in evs if e["event"] in ("session_start", "staging")), None) or {}
+        start = next((e for e in evs if e["event"] in (SessionStarted.kind, STAGING)), None) or {}
         node_of[sid] = str(start.get("node") or start.get("host") or "?")
         if start.get("main", True) is not False:
             main_sessions.add(sid)
@@ -179,7 +186,7 @@ def _job_report(events: list[dict[str, Any]]) -> Report:
         # A node's work counts as lost when the job later restored from an earlier step, whichever
         # node that restore ran on: judge every node against the job's restores.
         restores = [(float(e["t"]), int(e["step"])) for e in events
-                    if e["event"] == "restore" and str(e["session"]) in main_sessions]
+                    if e["event"] == Restored.kind and str(e["session"]) in main_sessions]
         per_node = {n: _report([e for e in events if node_of[str(e["session"])] == n], restores)
                     for n in nodes}
         job.nodes = {n: r.as_dict() for n, r in per_node.items()}
@@ -206,45 +213,70 @@ def _sum_costs(costs: list[Cost], *, steps: int | None) -> Cost:
     )
 
 
+@dataclass
+class _Session:
+    """One session as the report sees it: its span, prices, restore, and where its steps stood."""
+
+    placement: dict[str, Any] | None  # its ``placement`` event (zone, provisioning, boot time)
+    price: float | None
+    on_demand_price: float | None
+    t0: float
+    t1: float
+    restored_step: int | None
+    restore_s: float
+    startup_s: float
+    #: (step, productive seconds) where it stood, from its restore on.
+    points: list[tuple[int, float]]
+    blocked: float
+    preempted: bool
+    paused: bool
+    finished: bool
+    failed: bool
+    #: Productive seconds whose steps survived (no later restore went back before them).
+    kept: float = 0.0
+
+    @classmethod
+    def of(cls, evs: list[dict[str, Any]]) -> _Session:
+        """The session of ``evs`` (its events, in order)."""
+        start = next((e for e in evs if e["event"] == SessionStarted.kind), None)
+        first = min(float(e["t"]) for e in evs)
+        t0 = min(float(start["started"]), first) if start else first
+        t1 = max(float(e["t"]) for e in evs)
+        restore = next((e for e in evs if e["event"] == Restored.kind), None)
+        start_step = int(restore["step"]) if restore else 0
+        points = [(start_step, 0.0)]
+        for e in evs:
+            if e["event"] in _PROGRESS and "productive_s" in e:
+                points.append((int(e["step"]), float(e["productive_s"])))
+        kinds = {e["event"] for e in evs}
+        return cls(
+            placement=next((e for e in evs if e["event"] == CapacityWait.kind), None),
+            price=_price(start, "price_per_hour"),
+            on_demand_price=_price(start, "on_demand_price_per_hour"),
+            t0=t0,
+            t1=t1,
+            restored_step=start_step if restore else None,
+            restore_s=float(restore["seconds"]) if restore else 0.0,
+            startup_s=float(restore["startup_s"]) if restore else t1 - t0,
+            points=points,
+            blocked=sum(float(e.get("blocked_s", 0.0)) for e in evs if e["event"] in _BLOCKED),
+            preempted=Notice.kind in kinds,
+            paused=Paused.kind in kinds,
+            finished=Finished.kind in kinds,
+            failed=Failed.kind in kinds,
+        )
+
+
 def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | None = None) -> Report:
     """The report over ``events``; ``restores`` ((time, step) of the job's restores) judge which
     work was lost, by default these sessions' own restores."""
     staging = [(float(e.get("started", e["t"])), float(e["t"]), int(e.get("downloaded_bytes") or 0))
-               for e in events if e["event"] == "staging"]
+               for e in events if e["event"] == STAGING]
     by_session: dict[str, list[dict[str, Any]]] = {}
     for ev in sorted(events, key=_key):
-        if ev["event"] != "staging":
+        if ev["event"] != STAGING:
             by_session.setdefault(str(ev["session"]), []).append(ev)
-    sessions = []
-    for sid, evs in by_session.items():
-        start = next((e for e in evs if e["event"] == "session_start"), None)
-        first = min(float(e["t"]) for e in evs)
-        t0 = min(float(start["started"]), first) if start else first
-        restore = next((e for e in evs if e["event"] == "restore"), None)
-        where = next((e for e in evs if e["event"] == "placement"), None)
-        start_step = int(restore["step"]) if restore else 0
-        points = [(start_step, 0.0)]
-        for e in evs:
-            if e["event"] in ("progress", "checkpoint", "finish", "preempted", "paused") and "productive_s" in e:
-                points.append((int(e["step"]), float(e["productive_s"])))
-        sessions.append({
-            "placement": where,
-            "price": _price(start, "price_per_hour"),
-            "on_demand_price": _price(start, "on_demand_price_per_hour"),
-            "t0": t0,
-            "t1": max(float(e["t"]) for e in evs),
-            "restored_step": start_step if restore else None,
-            "restore_s": float(restore["seconds"]) if restore else 0.0,
-            "startup_s": float(restore["startup_s"]) if restore else max(float(e["t"]) for e in evs) - t0,
-            "points": points,
-            "blocked": sum(float(e.get("blocked_s", 0.0)) for e in evs
-                           if e["event"] in ("checkpoint", "preempted", "finish", "paused")),
-            "preempted": any(e["event"] == "preemption_notice" for e in evs),
-            "paused": any(e["event"] == "paused" for e in evs),
-            "finished": any(e["event"] == "finish" for e in evs),
-            "failed": any(e["event"] == "failed" for e in evs),
-        })
-    sessions.sort(key=lambda s: s["t0"])
+    sessions = sorted((_Session.of(evs) for evs in by_session.values()), key=lambda s: s.t0)
     staged_s, staged_bytes = _union([(a, b) for a, b, _ in staging]), sum(n for _, _, n in staging)
     if not sessions:
         wall = max((b for _, b, _ in staging), default=0.0) - min((a for a, _, _ in staging), default=0.0)
@@ -253,32 +285,32 @@ def _report(events: list[dict[str, Any]], restores: list[tuple[float, int]] | No
     productive = lost = 0.0
     for i, s in enumerate(sessions):
         if restores is None:
-            later = [x["restored_step"] for x in sessions[i + 1:] if x["restored_step"] is not None]
+            later = [x.restored_step for x in sessions[i + 1:] if x.restored_step is not None]
         else:
-            later = [step for t, step in restores if t > s["t1"]]
-        done = s["points"][-1][1]
-        s["kept"] = _productive_at(s["points"], min(later)) if later else done
-        lost += done - s["kept"]
-        productive += s["kept"]
+            later = [step for t, step in restores if t > s.t1]
+        done = s.points[-1][1]
+        s.kept = _productive_at(s.points, min(later)) if later else done
+        lost += done - s.kept
+        productive += s.kept
     # Staging runs before a session starts: the job's wall time begins with the first of either.
-    wall = max([s["t1"] for s in sessions] + [b for _, b, _ in staging]) - \
-        min([sessions[0]["t0"]] + [a for a, _, _ in staging])
-    spans = sum(s["t1"] - s["t0"] for s in sessions) + staged_s
+    wall = max([s.t1 for s in sessions] + [b for _, b, _ in staging]) - \
+        min([sessions[0].t0] + [a for a, _, _ in staging])
+    spans = sum(s.t1 - s.t0 for s in sessions) + staged_s
     waited = _capacity_wait(sessions)
     return Report(
         goodput=productive / wall if wall > 0 else 0.0,
         wall_s=wall,
         productive_s=productive,
-        startup_s=sum(s["startup_s"] for s in sessions),
-        restore_s=sum(s["restore_s"] for s in sessions),
-        checkpoint_blocked_s=sum(s["blocked"] for s in sessions),
+        startup_s=sum(s.startup_s for s in sessions),
+        restore_s=sum(s.restore_s for s in sessions),
+        checkpoint_blocked_s=sum(s.blocked for s in sessions),
         lost_s=lost,
         downtime_s=max(0.0, wall - spans),
-        preemptions=sum(1 for s in sessions if s["preempted"]),
-        crashes=sum(1 for s in sessions[:-1] if not (s["preempted"] or s["paused"] or s["finished"] or s["failed"])),
-        failures=sum(1 for s in sessions if s["failed"]),
+        preemptions=sum(1 for s in sessions if s.preempted),
+        crashes=sum(1 for s in sessions[:-1] if not (s.preempted or s.paused or s.finished or s.failed)),
+        failures=sum(1 for s in sessions if s.failed),
         sessions=len(sessions),
-        finished=sessions[-1]["finished"],
+        finished=sessions[-1].finished,
         cost=_cost(sessions, _reached(sessions)),
         steps=_reached(sessions),
         capacity_wait_s=sum(waited.values()),
@@ -299,35 +331,35 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def _capacity_wait(sessions: list[dict[str, Any]]) -> dict[str, float]:
+def _capacity_wait(sessions: list[_Session]) -> dict[str, float]:
     """Seconds between a session's end and the boot of the VM that ran the next one, by the
     zone/provisioning model of that VM. A session restarted on the same VM (booted before the
     previous session ended) waited for nothing; a session without a placement is not counted."""
     out: dict[str, float] = {}
     for prev, s in zip(sessions, sessions[1:]):
-        where = s["placement"]
+        where = s.placement
         boot = where.get("boot_time") if where else None
-        if not isinstance(boot, (int, float)) or isinstance(boot, bool):
+        if where is None or not isinstance(boot, (int, float)) or isinstance(boot, bool):
             continue
-        waited = min(max(0.0, float(boot) - prev["t1"]), max(0.0, s["t0"] - prev["t1"]))
+        waited = min(max(0.0, float(boot) - prev.t1), max(0.0, s.t0 - prev.t1))
         if waited > 0:
             key = f"{where.get('zone') or '?'}/{where.get('provisioning') or '?'}"
             out[key] = out.get(key, 0.0) + waited
     return out
 
 
-def _reached(sessions: list[dict[str, Any]]) -> int:
+def _reached(sessions: list[_Session]) -> int:
     # Steps completed: where the newest session that got as far as a restore stands (a session
     # that failed during start-up reached no step at all).
-    reached = [s for s in sessions if s["restored_step"] is not None or len(s["points"]) > 1]
-    return reached[-1]["points"][-1][0] if reached else 0
+    reached = [s for s in sessions if s.restored_step is not None or len(s.points) > 1]
+    return reached[-1].points[-1][0] if reached else 0
 
 
-def _cost(sessions: list[dict[str, Any]], steps: int) -> Cost:
-    priced = [s for s in sessions if s["price"] is not None]
-    on_demand = [s for s in sessions if s["on_demand_price"] is not None]
-    so_far = sum((s["t1"] - s["t0"]) / 3600 * s["price"] for s in priced) if priced else None
-    equivalent = sum(s["kept"] / 3600 * s["on_demand_price"] for s in on_demand) if on_demand else None
+def _cost(sessions: list[_Session], steps: int) -> Cost:
+    priced = [(s, s.price) for s in sessions if s.price is not None]
+    on_demand = [(s, s.on_demand_price) for s in sessions if s.on_demand_price is not None]
+    so_far = sum((s.t1 - s.t0) / 3600 * price for s, price in priced) if priced else None
+    equivalent = sum(s.kept / 3600 * price for s, price in on_demand) if on_demand else None
     complete = len(priced) == len(on_demand) == len(sessions)
     return Cost(
         cost_so_far=so_far,

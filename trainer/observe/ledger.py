@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from trainer import untrusted
 from trainer.distributed import node_name
+from trainer.observe.events import LEDGER_ERROR, RENAMED, Restored, SessionStarted
 
 LEDGER_DIR = "goodput"
 LEDGER_FILE = "ledger.jsonl"
@@ -66,7 +67,7 @@ def _integer(v: Any) -> bool:
 #: which a few optional ones may be) they must be numbers; these events must have them.
 _NUMERIC = ("t", "e", "started", "seconds", "startup_s", "productive_s", "blocked_s", "boot_time", "step",
             "downloaded_bytes")
-_REQUIRED = {"session_start": ("started",), "restore": ("step", "seconds", "startup_s")}
+_REQUIRED = {SessionStarted.kind: ("started",), Restored.kind: ("step", "seconds", "startup_s")}
 _NULLABLE = {"boot_time", "downloaded_bytes"}
 
 
@@ -96,15 +97,22 @@ def problem(ev: Any) -> str | None:
     return None
 
 
+def current(ev: dict[str, Any]) -> dict[str, Any]:
+    """``ev`` under the name its event has now (``events.RENAMED``: a ledger written before a
+    rename says ``finish`` where a newer one says ``finished``)."""
+    now = RENAMED.get(ev["event"])
+    return ev if now is None else dict(ev, event=now)
+
+
 def usable(events: list[Any], where: str, skipped: list[str] | None = None,
            log: logging.Logger | None = None) -> list[dict[str, Any]]:
-    """The events of ``events`` that ``problem`` accepts; each other one is logged (``where``
-    says from where) and, with ``skipped``, noted there."""
+    """The events of ``events`` that ``problem`` accepts, each under its current name; each other
+    one is logged (``where`` says from where) and, with ``skipped``, noted there."""
     out = []
     for i, ev in enumerate(events):
         why = problem(ev)
         if why is None:
-            out.append(ev)
+            out.append(current(ev))
             continue
         note = f"{where} #{i}: {why}"
         (log or _log).warning("event=ledger_skip %s (malformed goodput event skipped)", note)
@@ -175,7 +183,7 @@ def read_store_events(store: Any, *, skip: set[tuple[str, int]] | frozenset = fr
         if why is None and _parse_object_key(key) != (ev["session"], ev["seq"]):
             why = "its session/seq differ from its name"
         if why is None:
-            out.append(ev)
+            out.append(current(ev))
             continue
         note = f"{_location(store, key)}: {why}"
         _log.warning("event=ledger_skip %s (malformed goodput event skipped)", note)
@@ -295,7 +303,7 @@ class Ledger:
         other = "the mirror" if where == "local" else "the run dir"
         self.log.warning("event=ledger_error where=%s count=%d error=%r (training goes on; the event is kept "
                          "in %s where it can be)", where, n, e, other)
-        ev = {"session": self.session, "seq": self._seq, "t": self.wall(), "e": self._elapsed(), "event": "ledger_error",
+        ev = {"session": self.session, "seq": self._seq, "t": self.wall(), "e": self._elapsed(), "event": LEDGER_ERROR,
               "where": where, "count": n, "error": f"{type(e).__name__}: {e}"[:300]}
         self._seq += 1
         if where == "mirror":  # the run dir keeps it (if it can), without recursing
@@ -340,19 +348,20 @@ class Ledger:
             for ev in self._mine:
                 self._mirror.put(ev)
             self._mine = []
-            self._thread = threading.Thread(target=self._mirror_loop, name="ledger-mirror", daemon=True)
+            self._thread = threading.Thread(target=self._mirror_loop, args=(store,), name="ledger-mirror",
+                                            daemon=True)
             self._thread.start()
 
-    def _recover_from_store(self) -> None:
+    def _recover_from_store(self, store: Any) -> None:
         """Copy events only the durable tier has (lost run dir) into the local file; queue the
         local events the durable tier lacks (a mirror cut short by a kill). Bounded; best effort."""
         local = read_events(self.path)
         local_keys = {_key(e) for e in local}
         deadline = time.monotonic() + RECOVER_TIMEOUT_S
         try:
-            with self.store.deadline(deadline) if hasattr(self.store, "deadline") else _nothing():
-                remote_keys = {k for k in map(_parse_object_key, self.store.list(LEDGER_DIR + "/")) if k}
-            missing_here = read_store_events(self.store, skip=local_keys, deadline=deadline)
+            with store.deadline(deadline) if hasattr(store, "deadline") else _nothing():
+                remote_keys = {k for k in map(_parse_object_key, store.list(LEDGER_DIR + "/")) if k}
+            missing_here = read_store_events(store, skip=local_keys, deadline=deadline)
         except Exception as e:  # noqa: BLE001 - the durable tier being down must not stop training
             self.log.warning("event=ledger_recover ok=0 error=%r", e)
             return
@@ -364,11 +373,11 @@ class Ledger:
             if _key(ev) not in remote_keys and ev["session"] != self.session:
                 self._mirror.put(ev)
         if missing_here:
-            self.log.info("event=ledger_recover events=%d from=gcs", len(missing_here))
+            self.log.info("event=ledger_recover events=%d from=%s", len(missing_here), store.name)
 
-    def _mirror_loop(self) -> None:
+    def _mirror_loop(self, store: Any) -> None:
         try:
-            self._recover_from_store()
+            self._recover_from_store(store)
         finally:
             self._recovered.set()
         while True:
@@ -377,7 +386,7 @@ class Ledger:
                 if ev is None:
                     return
                 try:
-                    self.store.put_bytes(_object_key(ev), json.dumps(ev, sort_keys=True).encode())
+                    store.put_bytes(_object_key(ev), json.dumps(ev, sort_keys=True).encode())
                 except Exception as e:  # noqa: BLE001 - best effort: the local ledger is the record
                     with self._lock:
                         self._failed("mirror", e)

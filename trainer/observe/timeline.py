@@ -16,22 +16,46 @@ matplotlib is optional (a dev dependency); without it the command says how to in
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.tiers import TIER_NAMES
+from trainer.observe.events import (CheckpointDurable, CheckpointSaved, Failed, Finished, Notice, Paused, Preempted,
+                                    Progress, Restored, SessionStarted)
 from trainer.observe.goodput import report
 
 OUTCOME_COLOURS = {"finished": "#2e7d32", "preempted": "#ef6c00", "crashed": "#c62828", "failed": "#6a1b9a",
                    "paused": "#757575", "running": "#1565c0"}
 TIER_ROWS = TIER_NAMES  # the tier table's, fastest first
+#: Events that say which step the session stood at.
+_STEPS = (Progress.kind, CheckpointSaved.kind, Finished.kind, Preempted.kind, Paused.kind)
 
 
 class PlotUnavailable(Exception):
     """matplotlib is not installed."""
 
 
-def sessions(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+@dataclass
+class Session:
+    """One session's bar: where it ran, when, how it ended, the steps it reached."""
+
+    session: str
+    node: str
+    main: bool
+    t0: float
+    t_ready: float | None  # restore done (None: it never restored)
+    t1: float
+    outcome: str  # a key of OUTCOME_COLOURS, or "ended" until ``sessions`` judges it
+    restored: int | None  # the step it restored
+    points: list[tuple[float, int]]  # (t, step) it reached
+    notices: list[float]
+    durable: list[tuple[float, str]]  # (t, tier) a save became durable
+    emergency: list[tuple[float, str]]  # (t, tier) of the emergency save on a notice
+    t_lost: float | None = None  # from when its work was thrown away by a later restore
+
+
+def sessions(events: list[dict[str, Any]]) -> list[Session]:
     """Per session: node, main, t0, t_ready (restore done), t1, outcome, restored step, the
     (t, step) points it reached, notices, and t_lost (from when its work was thrown away)."""
     by: dict[str, list[dict[str, Any]]] = {}
@@ -39,34 +63,33 @@ def sessions(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by.setdefault(str(ev["session"]), []).append(ev)
     out = []
     for sid, evs in by.items():
-        start = next((e for e in evs if e["event"] == "session_start"), {})
-        restore = next((e for e in evs if e["event"] == "restore"), None)
+        start = next((e for e in evs if e["event"] == SessionStarted.kind), {})
+        restore = next((e for e in evs if e["event"] == Restored.kind), None)
         kinds = {e["event"] for e in evs}
-        outcome = ("finished" if "finish" in kinds else "failed" if "failed" in kinds
-                   else "paused" if "paused" in kinds else "preempted" if "preemption_notice" in kinds else "ended")
+        outcome = ("finished" if Finished.kind in kinds else "failed" if Failed.kind in kinds
+                   else "paused" if Paused.kind in kinds else "preempted" if Notice.kind in kinds else "ended")
         t0 = float(start.get("started", evs[0]["t"]))
         points = [(float(restore["t"]), int(restore["step"]))] if restore else []
-        points += [(float(e["t"]), int(e["step"])) for e in evs
-                   if e["event"] in ("progress", "checkpoint", "finish", "preempted", "paused") and "step" in e]
-        out.append({"session": sid, "node": str(start.get("node") or start.get("host") or "?"),
-                    "main": start.get("main", True) is not False, "t0": t0,
-                    "t_ready": float(restore["t"]) if restore else None,
-                    "t1": max(float(e["t"]) for e in evs), "outcome": outcome,
-                    "restored": int(restore["step"]) if restore else None, "points": sorted(points),
-                    "notices": [float(e["t"]) for e in evs if e["event"] == "preemption_notice"],
-                    "durable": [(float(e["t"]), str(e["tier"])) for e in evs if e["event"] == "durable"],
-                    "emergency": [(float(e["t"]), tier) for e in evs if e["event"] == "preempted"
-                                  for tier in TIER_ROWS if e.get(f"{tier}_ok") is True]})
-    out.sort(key=lambda s: s["t0"])
-    mains = [s for s in out if s["main"]]
+        points += [(float(e["t"]), int(e["step"])) for e in evs if e["event"] in _STEPS and "step" in e]
+        out.append(Session(
+            session=sid, node=str(start.get("node") or start.get("host") or "?"),
+            main=start.get("main", True) is not False, t0=t0,
+            t_ready=float(restore["t"]) if restore else None,
+            t1=max(float(e["t"]) for e in evs), outcome=outcome,
+            restored=int(restore["step"]) if restore else None, points=sorted(points),
+            notices=[float(e["t"]) for e in evs if e["event"] == Notice.kind],
+            durable=[(float(e["t"]), str(e["tier"])) for e in evs if e["event"] == CheckpointDurable.kind],
+            emergency=[(float(e["t"]), tier) for e in evs if e["event"] == Preempted.kind
+                       for tier in TIER_ROWS if e.get(f"{tier}_ok") is True]))
+    out.sort(key=lambda s: s.t0)
+    mains = [s for s in out if s.main]
     for i, s in enumerate(out):
-        if s["outcome"] == "ended":  # the newest session may still run; an older one crashed
-            s["outcome"] = "running" if s is mains[-1] or not s["main"] and s["t1"] >= mains[-1]["t0"] else "crashed"
-        later = [x["restored"] for x in mains if x["t0"] > s["t1"] and x["restored"] is not None]
-        s["t_lost"] = None
-        if later and s["points"] and s["points"][-1][1] > min(later):
+        if s.outcome == "ended":  # the newest session may still run; an older one crashed
+            s.outcome = "running" if s is mains[-1] or not s.main and s.t1 >= mains[-1].t0 else "crashed"
+        later = [x.restored for x in mains if x.t0 > s.t1 and x.restored is not None]
+        if later and s.points and s.points[-1][1] > min(later):
             cut = min(later)
-            s["t_lost"] = max((t for t, step in s["points"] if step <= cut), default=s["t0"])
+            s.t_lost = max((t for t, step in s.points if step <= cut), default=s.t0)
     return out
 
 
@@ -76,6 +99,7 @@ def draw(events: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.artist import Artist
         from matplotlib.patches import Patch
     except ImportError:
         raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib (or the dev extra: "
@@ -83,40 +107,40 @@ def draw(events: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
     ss = sessions(events)
     if not ss:
         raise PlotUnavailable("the ledger holds no events yet: nothing to draw")
-    origin = ss[0]["t0"]
-    end = max(s["t1"] for s in ss)
+    origin = ss[0].t0
+    end = max(s.t1 for s in ss)
     span = max(end - origin, 1e-9)
     unit, scale = ("h", 3600.0) if span > 3 * 3600 else ("min", 60.0) if span > 180 else ("s", 1.0)
 
     def x(t: float) -> float:
         return (t - origin) / scale
 
-    nodes = sorted({s["node"] for s in ss}, key=lambda n: min(s["t0"] for s in ss if s["node"] == n))
+    nodes = sorted({s.node for s in ss}, key=lambda n: min(s.t0 for s in ss if s.node == n))
     fig, axes = plt.subplots(4, 1, sharex=True, figsize=(12, 3.0 + 0.45 * len(nodes) + 6.5),
                              gridspec_kw={"height_ratios": [0.6 + 0.45 * len(nodes), 2.2, 1.2, 2.0]})
     ax_s, ax_p, ax_c, ax_g = axes
 
     for row, node in enumerate(nodes):
-        for s in (s for s in ss if s["node"] == node):
-            colour = OUTCOME_COLOURS[s["outcome"]]
-            ax_s.barh(row, x(s["t1"]) - x(s["t0"]), left=x(s["t0"]), height=0.6, color=colour, edgecolor="black",
+        for s in (s for s in ss if s.node == node):
+            colour = OUTCOME_COLOURS[s.outcome]
+            ax_s.barh(row, x(s.t1) - x(s.t0), left=x(s.t0), height=0.6, color=colour, edgecolor="black",
                       linewidth=0.5)
-            if s["t_ready"] is not None:  # start-up and restore: badput before the first step
-                ax_s.barh(row, x(s["t_ready"]) - x(s["t0"]), left=x(s["t0"]), height=0.6, color="white", alpha=0.55)
-            if s["t_lost"] is not None:
-                ax_s.barh(row, x(s["t1"]) - x(s["t_lost"]), left=x(s["t_lost"]), height=0.6, facecolor="none",
+            if s.t_ready is not None:  # start-up and restore: badput before the first step
+                ax_s.barh(row, x(s.t_ready) - x(s.t0), left=x(s.t0), height=0.6, color="white", alpha=0.55)
+            if s.t_lost is not None:
+                ax_s.barh(row, x(s.t1) - x(s.t_lost), left=x(s.t_lost), height=0.6, facecolor="none",
                           edgecolor="black", hatch="xxx", linewidth=0.5)
-            for t in s["notices"]:
+            for t in s.notices:
                 ax_s.plot(x(t), row + 0.42, marker="v", color="black", markersize=7)
-    mains = [s for s in ss if s["main"]]
+    mains = [s for s in ss if s.main]
     for a, b in zip(mains, mains[1:]):  # time with no session of the job: VM recreation, capacity
-        if b["t0"] > a["t1"]:
-            ax_s.axvspan(x(a["t1"]), x(b["t0"]), color="#9e9e9e", alpha=0.18, linewidth=0)
+        if b.t0 > a.t1:
+            ax_s.axvspan(x(a.t1), x(b.t0), color="#9e9e9e", alpha=0.18, linewidth=0)
     ax_s.set_yticks(range(len(nodes)), nodes)
     ax_s.set_ylim(-0.6, len(nodes) - 0.2)
     ax_s.invert_yaxis()
     ax_s.set_title("sessions per node", loc="left", fontsize=10)
-    legend = [Patch(color=c, label=k) for k, c in OUTCOME_COLOURS.items() if any(s["outcome"] == k for s in ss)]
+    legend: list[Artist] = [Patch(color=c, label=k) for k, c in OUTCOME_COLOURS.items() if any(s.outcome == k for s in ss)]
     legend += [Patch(facecolor="white", alpha=0.55, edgecolor="black", label="start-up, restore"),
                Patch(facecolor="none", edgecolor="black", hatch="xxx", label="lost work"),
                Patch(color="#9e9e9e", alpha=0.3, label="no session (down)")]
@@ -124,12 +148,12 @@ def draw(events: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
     ax_s.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
 
     for s in mains:
-        if s["points"]:
-            ts, steps = zip(*s["points"])
-            ax_p.plot([x(t) for t in ts], steps, drawstyle="steps-post", color=OUTCOME_COLOURS[s["outcome"]],
+        if s.points:
+            ts, steps = zip(*s.points)
+            ax_p.plot([x(t) for t in ts], steps, drawstyle="steps-post", color=OUTCOME_COLOURS[s.outcome],
                       linewidth=1.6)
-            if s["t_lost"] is not None:
-                lost = [(t, st) for t, st in s["points"] if t >= s["t_lost"]]
+            if s.t_lost is not None:
+                lost = [(t, st) for t, st in s.points if t >= s.t_lost]
                 ax_p.plot([x(t) for t, _ in lost], [st for _, st in lost], drawstyle="steps-post", color="black",
                           linewidth=1.2, linestyle=":")
     ax_p.set_ylabel("step")
@@ -138,10 +162,10 @@ def draw(events: list[dict[str, Any]], path: Path, *, title: str = "") -> None:
     ax_p.grid(alpha=0.3)
 
     for s in ss:
-        for t, tier in s["durable"]:
+        for t, tier in s.durable:
             if tier in TIER_ROWS:
                 ax_c.plot(x(t), TIER_ROWS.index(tier), marker="|", color="#37474f", markersize=12)
-        for t, tier in s["emergency"]:
+        for t, tier in s.emergency:
             if tier in TIER_ROWS:
                 ax_c.plot(x(t), TIER_ROWS.index(tier), marker="*", color="#ef6c00", markersize=11)
     ax_c.set_yticks(range(len(TIER_ROWS)), TIER_ROWS)

@@ -21,7 +21,7 @@ from drill.attacker import copy_step, delete_step, plant
 from tests.trainer.support import Policy, bucket_names, checkpointer, code_running_pickle, forge_in_bucket, run_key
 from trainer.checkpoint import run_record
 from trainer.checkpoint.key import CheckpointKey
-from trainer.checkpoint.manifest import MANIFEST, ResumeMismatch, step_name
+from trainer.checkpoint.manifest import MANIFEST, ResumeMismatch
 from trainer.checkpoint.tier_wait import TierUnknown
 from trainer.checkpoint.whole_model import STATE
 

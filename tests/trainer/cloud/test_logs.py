@@ -191,3 +191,13 @@ def test_make_logs_takes_the_project_and_the_name_from_the_experiment_file(loggi
     bad = subprocess.run([sys.executable, "-m", "stacks.logs", "no-such-experiment"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no-such-experiment" in bad.stderr
+
+
+def test_the_lines_it_reads_are_named_as_the_events_name_them() -> None:
+    """`trainer logs` runs beside the trainer (standard library only) and cannot import the events'
+    names (`trainer.observe.events`): its copies must agree with them."""
+    from trainer.cloud import logs
+    from trainer.observe import events as ev
+
+    assert (logs.RESTORE, logs.FINISHED, logs.PREEMPTED, logs.PAUSED, logs.NOT_DURABLE, logs.FAILED) == (
+        ev.Restored.line, ev.Finished.line, ev.Preempted.line, ev.Paused.line, ev.NOT_DURABLE, ev.Failed.line)

@@ -258,7 +258,7 @@ def test_one_failed_step_skips_no_other_and_every_failure_is_reported(world, cap
     assert w.gcp.instance(ZONE, "exp-coordinator").status == "RUNNING"
     err = capsys.readouterr().err
     assert "event=group_resized group=exp-group target_size=0" in err
-    assert "event=stop_failed step='stop zones/us-central1-a/instances/exp-coordinator: 403" in err
+    assert 'event=stop_failed step="stop zones/us-central1-a/instances/exp-coordinator: 403' in err
     w.gcp.join_jobs()
     assert [r.returncode for r in w.job.runs] == [1]
 
@@ -352,8 +352,8 @@ def test_a_planted_checkpoint_never_lets_the_disk_go(world, capsys) -> None:
     assert w.main("stop", "bad-input", "--detail", "trainer.args: bad") == scale.EXIT_REFUSED
     w.bucket.blob(w.markers["bad-input"]).upload_from_string(b"{}")  # a marker, planted as well
     assert w.main("honour") == scale.EXIT_REFUSED
-    # The reasons as a person reads them (the line shows them repr-quoted: a quote inside is escaped).
-    err = capsys.readouterr().err.replace("\\'", "'")
+    # The reasons as a person reads them (the line shows them JSON-quoted: a quote inside is escaped).
+    err = capsys.readouterr().err.replace('\\"', '"')
     assert "step 99999999: manifest has" in err or "step 99999999: unauthenticated" in err
     assert "step 150: unauthenticated: its manifest carries no HMAC" in err
     assert "step 120: unauthenticated: its manifest names checkpoint key" in err

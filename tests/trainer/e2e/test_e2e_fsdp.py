@@ -56,3 +56,27 @@ def test_fsdp_sigterm_then_resume_on_one_process_matches_the_same_path(tmp_path:
     two.seen(rf"event=paused step={saved} ")
     assert Proc(_args(ref, config)).wait() == 0
     assert final["model_digest"] == status(ref)["model_digest"]
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_a_named_state_beside_sharded_weights_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """``Task.states`` in the sharded layout: saved with the replicated rest next to the shards,
+    restored on every rank (issue 29)."""
+    from tests.trainer.e2e.test_e2e_any_job import digests
+
+    config = write_config(tmp_path, 'parallelism = "fsdp"\nglobal_batch_size = 8\n'
+                                    'task = "tests.trainer.e2e.tracked_task:build"\n', multi_rank=True)
+    ref = torchrun(tmp_path / "ref", config)
+    assert ref.wait() == 0, ref.output[-4000:]
+    run_dir = tmp_path / "run"
+    p = torchrun(run_dir, config)
+    p.wait_for(r"event=step step=6/")
+    p.signal(signal.SIGTERM, group=True)
+    p.wait()
+    saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    p = torchrun(run_dir, config)
+    assert p.wait() == 0, p.output[-4000:]
+    assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
+    want = digests(tmp_path / "ref", STEPS)
+    assert "states.tracker" in want and digests(run_dir, STEPS) == want
+    assert status(run_dir)["model_digest"] == status(tmp_path / "ref")["model_digest"]

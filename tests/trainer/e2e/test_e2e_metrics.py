@@ -97,4 +97,4 @@ def test_the_tasks_own_metrics_reach_the_log_line_tensorboard_and_a_sink_and_cha
     lines = [json.loads(x) for x in events.read_text().splitlines()]
     steps = [e for e in lines if e["event"] == "Step"]
     assert steps and all(set(e["metrics"]) == {"ppl", "tokens"} for e in steps)
-    assert [e["event"] for e in lines if e["event"] in ("preempted", "finish")] == ["preempted", "finish"]
+    assert [e["event"] for e in lines if e["event"] in ("preempted", "finished")] == ["preempted", "finished"]

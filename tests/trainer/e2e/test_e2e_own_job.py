@@ -120,7 +120,10 @@ def test_init_from_export_and_artifacts_of_a_run_with_gcs(tmp_path: Path, zygote
     # The finished run exported itself to GCS, once.
     bucket = gcs_emulator.client.bucket(uri.split("/")[2])
     prefix = uri.split("/", 3)[3]
-    names = lambda sub: sorted(b.name[len(prefix) + 1:] for b in bucket.list_blobs(prefix=f"{prefix}/{sub}"))
+
+    def names(sub: str) -> list[str]:
+        return sorted(b.name[len(prefix) + 1:] for b in bucket.list_blobs(prefix=f"{prefix}/{sub}"))
+
     assert names("export/") == ["export/step-00000008/model.json", "export/step-00000008/model.safetensors"]
     assert first.seen(rf"event=export step=8 at={re.escape(uri)}/export/step-00000008 digest={digest}")
     side = json.loads(bucket.blob(f"{prefix}/export/step-00000008/model.json").download_as_bytes())

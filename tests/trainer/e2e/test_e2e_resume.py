@@ -73,7 +73,7 @@ def test_resume_with_other_checkpoint_interval_and_second_signal(tmp_path: Path,
         p.signal(sig)
     assert p.wait() == 75, p.output[-3000:]
     saved = int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
-    assert p.seen(rf"checkpoint step 14 durable on local")
+    assert p.seen(r"checkpoint step 14 durable on local")
     p = run_to_end(run_dir, STEPS, config, "--checkpoint-every-seconds", "0.2", *local)
     assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
     s = status(run_dir, "--local-dir", str(tmp_path / "local"))
@@ -99,7 +99,7 @@ def test_finished_run_exits_at_once_and_mismatch_is_refused(tmp_path: Path, refe
     assert status(run_dir)["model_digest"] == reference["model_digest"]
     assert status_main(StatusConfig(run_dir=run_dir)) == 0
     human = capsys.readouterr().out
-    assert f"newest valid checkpoint: step 40 on persistent" in human
+    assert "newest valid checkpoint: step 40 on persistent" in human
     assert f"model digest: {reference['model_digest']}" in human
     assert "preemptions 2, crashes 0, failures 1, finished yes" in human
 

@@ -58,7 +58,7 @@ LEDGER_RECORDS = [
       "gcs_ok": False, "local_ok": True}),
     (ev.Preempted(detail="notice during start-up (SIGTERM)"), {"event": "preempted", "blocked_s": 0.0}),
     (ev.Paused(20, 1.0, 9.0), {"event": "paused", "step": 20, "blocked_s": 1.0, "productive_s": 9.0}),
-    (ev.Finished(40, 1.0, 19.0, again=True), {"event": "finish", "step": 40, "blocked_s": 1.0, "productive_s": 19.0}),
+    (ev.Finished(40, 1.0, 19.0, again=True), {"event": "finished", "step": 40, "blocked_s": 1.0, "productive_s": 19.0}),
     (ev.Failed("bad_input", "x" * 600, trace="tb"), {"event": "failed", "reason": "bad_input", "detail": "x" * 500}),
     (ev.TierFailing("gcs", 1.0e9, 3, "Forbidden: 403"),
      {"event": "tier_failing", "tier": "gcs", "since": 1.0e9, "failures": 3, "error": "Forbidden: 403"}),
@@ -146,5 +146,5 @@ def test_the_jsonl_sink_writes_every_event_as_a_line(tmp_path: Path) -> None:
     bus.emit(ev.Finished(10, 1.0, 9.0))
     bus.close(0.0)
     lines = [json.loads(x) for x in (tmp_path / "e" / "events.jsonl").read_text().splitlines()]
-    assert [(e["event"], e["step"], e["rank"]) for e in lines] == [("Step", 3, 0), ("finish", 10, 0)]
+    assert [(e["event"], e["step"], e["rank"]) for e in lines] == [("Step", 3, 0), ("finished", 10, 0)]
     assert lines[0]["metrics"] == {"acc": 0.5}

@@ -53,7 +53,7 @@ def test_a_session_that_says_nothing_is_called_silent() -> None:
     (_ev("b", 4, 1140.0, "paused", step=100, reason="max_usd", cost_usd=2.0, max_usd=1.5),
      "paused at the spend cap (max_usd)"),
     (_ev("b", 4, 1140.0, "failed", reason="bad_input", detail="x"), "stopped on an error (bad_input)"),
-    (_ev("b", 4, 1140.0, "finish", step=1000), "finished"),
+    (_ev("b", 4, 1140.0, "finished", step=1000), "finished"),
 ])
 def test_an_ended_session_means_no_vm_and_says_why(tail: dict, doing: str) -> None:
     g = glance([*_training(), tail], now=1140.0 + 5 * SILENT_S, steps=1000)

@@ -29,6 +29,35 @@ def test_torn_last_line_is_skipped_and_not_glued_to_the_next(tmp_path: Path) -> 
     assert [(e["session"], e["event"]) for e in read_events(path)] == [("a", "session_start"), ("b", "session_start")]
 
 
+def test_a_ledger_written_before_finish_was_renamed_still_reads(tmp_path: Path) -> None:
+    """``Finished`` was ``finish`` in the ledger and ``event=finished`` in its log line; it is
+    ``finished`` in both now, and a ledger that says ``finish`` (the run dir's or the mirror's)
+    reads as ``finished``: the report, the glance and the rollback guard see a finished run."""
+    from trainer.observe.events import Finished
+    from trainer.observe.glance import glance
+
+    assert Finished.kind == Finished.line == "finished"
+    old = [ev("s1", 0, 0.0, "session_start", started=0.0), ev("s1", 1, 1.0, "restore", step=0, seconds=0.1,
+                                                               startup_s=1.0),
+           ev("s1", 2, 9.0, "finish", step=8, blocked_s=0.5, productive_s=8.0)]
+    path = tmp_path / LEDGER_DIR / LEDGER_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(e) + "\n" for e in old))
+    events = read_events(path)
+    assert [e["event"] for e in events] == ["session_start", "restore", "finished"]
+    assert report(old).finished and report(events).finished
+    assert glance(events, now=10.0)["doing"] == "finished"
+
+    class Mirror:
+        def list(self, prefix: str) -> list[str]:
+            return [f"{prefix}s1/{e['seq']:06d}.json" for e in old]
+
+        def get_bytes(self, key: str) -> bytes:
+            return json.dumps(old[int(key[-11:-5])]).encode()
+
+    assert [e["event"] for e in read_store_events(Mirror())][-1] == "finished"
+
+
 def test_report_arithmetic() -> None:
     events = [
         # Session 1: starts at 0, restores nothing, 100 s productive up to step 100, checkpoint at
@@ -312,10 +341,10 @@ def test_a_full_run_dir_loses_no_later_event_once_there_is_room_again(small_fs) 
         led.append("progress", step=i + 1, productive_s=float(i + 1))
     assert led.errors["local"] > 0
     fs.free()
-    led.append("finish", step=101, blocked_s=0.0, productive_s=101.0)
+    led.append("finished", step=101, blocked_s=0.0, productive_s=101.0)
     led.close()
     events = read_events(fs.path / LEDGER_DIR / LEDGER_FILE)
-    assert events[0]["event"] == "session_start" and events[-1]["event"] == "finish"  # nothing glued
+    assert events[0]["event"] == "session_start" and events[-1]["event"] == "finished"  # nothing glued
     assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
 
 

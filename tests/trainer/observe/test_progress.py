@@ -3,7 +3,6 @@ metrics in it; a live line only on a terminal."""
 from __future__ import annotations
 
 import io
-import logging
 import re
 
 import pytest
@@ -12,6 +11,8 @@ from tests.trainer.support import restore_logging  # noqa: F401  (fixture)
 from trainer.observe.events import Step
 from trainer.observe.progress import StepWindow, setup_logging
 from trainer.observe.sinks.log import LogSink
+
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 class Progress:
@@ -36,7 +37,7 @@ class Tty(io.StringIO):
         return True
 
 
-def test_interval_lines_are_structured(restore_logging) -> None:
+def test_interval_lines_are_structured() -> None:
     out = io.StringIO()
     log = setup_logging(stream=out)
     p = Progress(log, total_steps=10, start_step=0, every=5, tokens_per_step=100, stream=out)
@@ -51,7 +52,7 @@ def test_interval_lines_are_structured(restore_logging) -> None:
     assert "step=10/10" in lines[1]
 
 
-def test_live_line_on_a_terminal(restore_logging) -> None:
+def test_live_line_on_a_terminal() -> None:
     tty = Tty()
     log = setup_logging(stream=tty)
     p = Progress(log, total_steps=4, start_step=0, every=2, tokens_per_step=0, stream=tty)
@@ -63,7 +64,7 @@ def test_live_line_on_a_terminal(restore_logging) -> None:
     p.close()
 
 
-def test_no_terminal_escapes_in_log_lines(restore_logging) -> None:
+def test_no_terminal_escapes_in_log_lines() -> None:
     """torch's unpickling errors bold their advice (ESC[1m ... ESC[0m); a restore logged them."""
     out = io.StringIO()
     log = setup_logging(stream=out)
@@ -77,7 +78,7 @@ def test_no_terminal_escapes_in_log_lines(restore_logging) -> None:
     assert "state.pt: do those steps only if you trust the source" in text and "ValueError: red" in text
 
 
-def test_samples_per_s_counts_the_samples_of_a_step(restore_logging) -> None:
+def test_samples_per_s_counts_the_samples_of_a_step() -> None:
     """A task without tokens (an image classifier) gets samples/s: steps/s x the global batch,
     not steps/s again."""
     out = io.StringIO()
@@ -92,7 +93,7 @@ def test_samples_per_s_counts_the_samples_of_a_step(restore_logging) -> None:
         assert float(m.group(2)) == pytest.approx(32 * float(m.group(1)), abs=1.0)
 
 
-def test_the_tasks_metrics_are_averaged_over_the_interval_and_logged_after_the_figures(restore_logging) -> None:
+def test_the_tasks_metrics_are_averaged_over_the_interval_and_logged_after_the_figures() -> None:
     out = io.StringIO()
     log = setup_logging(stream=out)
     p = Progress(log, total_steps=4, start_step=0, every=2, tokens_per_step=0, stream=out)

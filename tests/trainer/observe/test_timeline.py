@@ -49,12 +49,12 @@ def test_sessions_outcomes_and_lost_work(tmp_path: Path) -> None:
     from trainer.observe.ledger import read_events
 
     ss = sessions(read_events(tmp_path / LEDGER_DIR / LEDGER_FILE))
-    assert [(s["node"], s["outcome"]) for s in ss] == [("a", "crashed"), ("a", "preempted"), ("b", "finished")]
+    assert [(s.node, s.outcome) for s in ss] == [("a", "crashed"), ("a", "preempted"), ("b", "finished")]
     t = 1_800_000_000.0
-    assert ss[0]["t_lost"] == t + 30  # from step 100 on, the crashed session's work was thrown away
-    assert ss[1]["t_lost"] is None and ss[2]["t_lost"] is None
-    assert ss[0]["durable"] == [(t + 31, "local"), (t + 33, "gcs")]
-    assert ss[1]["emergency"] == [(t + 82, "persistent"), (t + 82, "gcs")] and ss[1]["notices"] == [t + 80]
+    assert ss[0].t_lost == t + 30  # from step 100 on, the crashed session's work was thrown away
+    assert ss[1].t_lost is None and ss[2].t_lost is None
+    assert ss[0].durable == [(t + 31, "local"), (t + 33, "gcs")]
+    assert ss[1].emergency == [(t + 82, "persistent"), (t + 82, "gcs")] and ss[1].notices == [t + 80]
 
 
 def test_status_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,7 @@ from trainer import EXIT_NOT_DURABLE
 from trainer.observe.bus import BaseSink, SinkContext
 from trainer.observe.events import (CapacityWait, CheckpointSaved, CheckpointsSetAside, DataWorkersDied, Eval, Event,
                                     Failed, Finished, InitFrom, Paused, Preempted, Restored, Stalled, Step, StepsChanged,
-                                    TierFailing, TierOk)
+                                    NOT_DURABLE, TierFailing, TierOk)
 from trainer.observe.progress import WINDOW_FIGURES, LiveLine
 from trainer.observe.sinks import register
 
@@ -34,99 +34,104 @@ class LogSink(BaseSink):
     def handle(self, ev: Event) -> None:
         getattr(self, "_" + type(ev).__name__.lower())(ev)
 
+    def _say(self, level: int, named: Event | str, fmt: str, *args: Any) -> None:
+        """One ``event=NAME ...`` line: NAME the event's ``line`` (``trainer.observe.events``)."""
+        name = named if isinstance(named, str) else named.line
+        self.log.log(level, "event=" + name + " " + fmt, *args)
+
     def _step(self, ev: Step) -> None:
         w = ev.window
         if w is not None:
             self._rate = w["steps_per_s"]
             unit = "tokens_per_s" if "tokens_per_s" in w else "samples_per_s"
             extra = "".join(f" {k}={v:.4g}" for k, v in w.items() if k not in WINDOW_FIGURES)
-            self.log.info("event=step step=%d/%d loss=%.4f lr=%.3e steps_per_s=%.2f %s=%.0f eta_s=%.0f%s",
-                          ev.step, ev.total, w["loss"], w["lr"], w["steps_per_s"], unit, w[unit], w["eta_s"], extra)
+            self._say(logging.INFO, ev, "step=%d/%d loss=%.4f lr=%.3e steps_per_s=%.2f %s=%.0f eta_s=%.0f%s",
+                      ev.step, ev.total, w["loss"], w["lr"], w["steps_per_s"], unit, w[unit], w["eta_s"], extra)
         self.live.draw(ev.step, ev.total, ev.loss, self._rate)
 
     def _eval(self, ev: Eval) -> None:
-        self.log.info("event=eval step=%d %s batches=%d seconds=%.3f", ev.step,
-                      " ".join(f"{k}={v:.4f}" for k, v in ev.values.items()), ev.batches, ev.seconds)
+        self._say(logging.INFO, ev, "step=%d %s batches=%d seconds=%.3f", ev.step,
+                  " ".join(f"{k}={v:.4f}" for k, v in ev.values.items()), ev.batches, ev.seconds)
 
     def _checkpointsaved(self, ev: CheckpointSaved) -> None:
-        self.log.info("event=checkpoint_save step=%d blocked_s=%.4f", ev.step, ev.blocked_s)
+        self._say(logging.INFO, ev, "step=%d blocked_s=%.4f", ev.step, ev.blocked_s)
 
     def _restored(self, ev: Restored) -> None:
         if ev.tier:
-            self.log.info("event=restore step=%d tier=%s path=%s seconds=%.3f world_size=%d", ev.step, ev.tier,
-                          ev.path, ev.seconds, ev.world_size)
+            self._say(logging.INFO, ev, "step=%d tier=%s path=%s seconds=%.3f world_size=%d", ev.step, ev.tier,
+                      ev.path, ev.seconds, ev.world_size)
         else:
-            self.log.info("event=restore step=0 (no checkpoint: starting %s)", ev.fresh_from or "fresh")
+            self._say(logging.INFO, ev, "step=0 (no checkpoint: starting %s)", ev.fresh_from or "fresh")
 
     def _stepschanged(self, ev: StepsChanged) -> None:
-        self.log.warning("event=steps_changed step=%d from=%d to=%d (extend_steps)", ev.step, ev.before, ev.after)
+        self._say(logging.WARNING, ev, "step=%d from=%d to=%d (extend_steps)", ev.step, ev.before, ev.after)
 
     def _initfrom(self, ev: InitFrom) -> None:
-        self.log.info("event=init_from source=%s step=%d location=%s layout=%s optimizer=%d digest=%s",
-                      ev.source, ev.step, ev.location, ev.layout, ev.optimizer, ev.digest)
+        self._say(logging.INFO, ev, "source=%s step=%d location=%s layout=%s optimizer=%d digest=%s",
+                  ev.source, ev.step, ev.location, ev.layout, ev.optimizer, ev.digest)
 
     def _preempted(self, ev: Preempted) -> None:
         if ev.ok is not None:  # rank 0's verdict on the emergency save: the home tier's as 0/1 first
             oks = list(ev.ok.items())
             fields = " ".join([f"{oks[0][0]}_ok={int(bool(oks[0][1]))}"] + [f"{t}_ok={v}" for t, v in oks[1:]])
-            self.log.warning("event=preempted step=%d %s seconds=%.3f detail=%s", ev.step, fields, ev.seconds,
-                             ev.detail)
+            self._say(logging.WARNING, ev, "step=%d %s seconds=%.3f detail=%s", ev.step, fields, ev.seconds,
+                      ev.detail)
         elif ev.step is None:
-            self.log.warning("event=preempted step=none detail=%s", ev.detail)
+            self._say(logging.WARNING, ev, "step=none detail=%s", ev.detail)
         elif ev.detail:
-            self.log.warning("event=preempted step=%d detail=%s", ev.step, ev.detail)
+            self._say(logging.WARNING, ev, "step=%d detail=%s", ev.step, ev.detail)
 
     def _paused(self, ev: Paused) -> None:
         if ev.reason == "max_usd":
-            self.log.warning("event=paused reason=max_usd step=%d cost_usd=%.6g max_usd=%.6g (the spend cap: run "
-                             "again with a higher max_usd to continue)", ev.step, ev.cost_usd or 0.0, ev.max_usd or 0.0)
+            self._say(logging.WARNING, ev, "reason=max_usd step=%d cost_usd=%.6g max_usd=%.6g (the spend cap: run "
+                      "again with a higher max_usd to continue)", ev.step, ev.cost_usd or 0.0, ev.max_usd or 0.0)
         else:
-            self.log.warning("event=paused step=%d (stop_at_step; run again without it to continue)", ev.step)
+            self._say(logging.WARNING, ev, "step=%d (stop_at_step; run again without it to continue)", ev.step)
 
     def _finished(self, ev: Finished) -> None:
-        self.log.info("event=finished step=%d%s", ev.step, " (already complete)" if ev.again else "")
+        self._say(logging.INFO, ev, "step=%d%s", ev.step, f" ({Finished.AGAIN})" if ev.again else "")
 
     def _failed(self, ev: Failed) -> None:
         if ev.reason == "exception":
-            self.log.error("event=failed reason=exception\n%s", ev.trace or ev.detail)
+            self._say(logging.ERROR, ev, "reason=exception\n%s", ev.trace or ev.detail)
         elif ev.reason == "not_durable":
             if self.main:
-                self.log.error("event=not_durable step=%d detail=%s; exit %d: run the same command again, it "
-                               "writes the missing copies", ev.step, ev.detail, EXIT_NOT_DURABLE)
+                self._say(logging.ERROR, NOT_DURABLE, "step=%d detail=%s; exit %d: run the same command again, it "
+                          "writes the missing copies", ev.step, ev.detail, EXIT_NOT_DURABLE)
         elif ev.reason == "lease_lost":
             pass  # logged when it was found out (event=stopped), before the save to the own disks
         else:
-            self.log.error("event=failed reason=%s %s", ev.reason, ev.detail)
+            self._say(logging.ERROR, ev, "reason=%s %s", ev.reason, ev.detail)
 
     def _tierfailing(self, ev: TierFailing) -> None:
         from trainer.checkpoint.checkpointer import describe_failing
 
-        self.log.warning("event=tier_failing tier=%s %s", ev.tier, describe_failing(
+        self._say(logging.WARNING, ev, "tier=%s %s", ev.tier, describe_failing(
             {ev.tier: {"since": ev.since, "failures": ev.failures, "error": ev.error}}))
 
     def _checkpointssetaside(self, ev: CheckpointsSetAside) -> None:
         # A warning a log-based alert can match: someone must look at the objects set aside.
-        self.log.warning("event=checkpoints_set_aside saved_before=%d steps=%s (started from scratch beside "
-                         "checkpoints nobody can vouch for as this run's: %s; %s)", int(ev.saved_before),
-                         ",".join(map(str, ev.steps)), ev.found, ev.record)
+        self._say(logging.WARNING, ev, "saved_before=%d steps=%s (started from scratch beside "
+                  "checkpoints nobody can vouch for as this run's: %s; %s)", int(ev.saved_before),
+                  ",".join(map(str, ev.steps)), ev.found, ev.record)
 
     def _tierok(self, ev: TierOk) -> None:
-        self.log.info("event=tier_ok tier=%s", ev.tier)
+        self._say(logging.INFO, ev, "tier=%s", ev.tier)
 
     def _stalled(self, ev: Stalled) -> None:
-        self.log.warning("event=stalled step=%d seconds=%.0f (no step completed for that long: the health check "
-                         "answers stalled, so the group recreates the VM)", ev.step, ev.seconds)
+        self._say(logging.WARNING, ev, "step=%d seconds=%.0f (no step completed for that long: the health check "
+                  "answers stalled, so the group recreates the VM)", ev.step, ev.seconds)
 
     def _dataworkersdied(self, ev: DataWorkersDied) -> None:
         what = ("new workers start at the position: nothing lost" if ev.restarted else
                 "given up: the step finishes with batches made in the trainer, which then saves and exits 1 to be "
                 "restarted")
-        self.log.warning("event=data_workers_died step=%d consumed=%d died=%s deaths=%d restarted=%d (%s)", ev.step,
-                         ev.consumed, ev.died, ev.deaths, ev.restarted, what)
+        self._say(logging.WARNING, ev, "step=%d consumed=%d died=%s deaths=%d restarted=%d (%s)", ev.step,
+                  ev.consumed, ev.died, ev.deaths, ev.restarted, what)
 
     def _capacitywait(self, ev: CapacityWait) -> None:
         waited = "unknown" if ev.waited_s is None else f"{ev.waited_s:.0f}"
-        self.log.info("event=capacity_wait zone=%s provisioning=%s waited_s=%s", ev.zone, ev.provisioning, waited)
+        self._say(logging.INFO, ev, "zone=%s provisioning=%s waited_s=%s", ev.zone, ev.provisioning, waited)
 
     def close(self, timeout: float) -> bool:
         self.live.close()

@@ -1,0 +1,73 @@
+"""Named states (``trainer.loop.named_state``): what a job may declare, and their state in and out."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from trainer.loop.named_state import NamedStates, StateError, per_rank, unwrap
+
+
+def _states(**kw: object) -> NamedStates:
+    model = torch.nn.Linear(2, 2)
+    return NamedStates.declare(kw, where="task t:build", optimizers=[torch.optim.SGD(model.parameters(), lr=1)])
+
+
+@pytest.mark.parametrize("states, why", [
+    ({"optimizer": torch.nn.Linear(1, 1)}, "name 'optimizer' is not allowed"),
+    ({"1st": torch.nn.Linear(1, 1)}, "name '1st' is not allowed"),
+    ({"noise": object()}, r"states\['noise'\]: a object has no state_dict\(\)"),
+    ({"data": torch.utils.data.DataLoader([1, 2])}, "name 'data' is not allowed"),
+    ({"loader": torch.utils.data.DataLoader([1, 2])}, "a torch DataLoader cannot save its position"),
+])
+def test_what_cannot_be_checkpointed_is_refused_naming_it(states: dict, why: str) -> None:
+    with pytest.raises(StateError, match=why):
+        _states(**states)
+
+
+def test_an_object_declared_twice_is_refused() -> None:
+    m = torch.nn.Linear(1, 1)
+    with pytest.raises(StateError, match="declared twice"):
+        _states(a=m, b=m)
+
+
+def test_state_that_is_not_plain_data_is_refused_before_any_step() -> None:
+    class Custom:
+        def state_dict(self) -> dict:
+            return {"fn": lambda: 0}
+
+        def load_state_dict(self, s: dict) -> None: ...
+
+    ns = _states(custom=Custom())
+    with pytest.raises(StateError, match=r"states\['custom'\].*without pickle"):
+        ns.check("task t:build")
+
+
+def test_an_ema_keeps_its_own_count_and_only_ddp_is_unwrapped() -> None:
+    model = torch.nn.Linear(3, 3)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    ema.update_parameters(model)
+    ns = _states(ema=ema)
+    saved = ns.replicated()["ema"]
+    assert int(saved["n_averaged"]) == 1 and "module.weight" in saved  # the count travels with the weights
+    assert unwrap(ema) is ema
+    fresh = AveragedModel(torch.nn.Linear(3, 3), multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    ns2 = _states(ema=fresh)
+    ns2.load(ns.replicated(), {})
+    assert int(fresh.n_averaged) == 1 and torch.equal(fresh.module.weight, ema.module.weight)
+
+
+def test_loaders_are_per_rank_and_models_train_when_an_optimizer_holds_them() -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    disc, ema = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt_d = torch.optim.Adam(disc.parameters())
+    loader = StatefulDataLoader(list(range(8)), batch_size=2)
+    ns = _states(D=disc, opt_d=opt_d, ema=ema, loader=loader)
+    assert per_rank(loader) and not per_rank(disc)
+    assert set(ns.rank_local()) == {"loader"} and set(ns.replicated()) == {"D", "opt_d", "ema"}
+    optimized = {id(p) for g in opt_d.param_groups for p in g["params"]}
+    assert set(ns.trained_models(optimized)) == {"D"} and set(ns.models()) == {"D", "ema"}
+    assert ns.fingerprint() == {"D": "Linear", "opt_d": "Adam", "ema": "Linear", "loader": "StatefulDataLoader"}
+    with pytest.raises(KeyError, match="no state 'ema'"):
+        ns.load({"D": disc.state_dict(), "opt_d": opt_d.state_dict()}, {"loader": loader.state_dict()})

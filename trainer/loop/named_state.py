@@ -1,0 +1,138 @@
+"""A job's named state: every object beyond the main model and optimizer that a checkpoint holds.
+
+A job declares them by name (``Task.states``, or ``Run.track`` in an own loop): anything with
+``state_dict()``/``load_state_dict()``, the protocol of ``torch.distributed.checkpoint.stateful.
+Stateful``: a second model and its optimizer (a GAN's discriminator), an EMA or ``AveragedModel``,
+schedulers, a ``GradScaler``, a ``StatefulDataLoader``, a custom object. This module sorts them
+and moves their state in and out of a checkpoint:
+
+* **trained models**: modules with a parameter in a declared optimizer; the loop puts them under
+  DDP like the main model (their gradients are all-reduced) and the step receives them wrapped;
+* **per-rank state**: data loaders, whose position differs on every rank; gathered from every
+  rank like the RNG streams, and put back on each rank (so a resume keeps the world size);
+* everything else is replicated: rank 0's ``state_dict()`` is saved, every rank loads it.
+
+A state must be plain data (``trainer.checkpoint.state_codec``): ``check`` walks every declared
+state once at start-up, so an object whose state a checkpoint cannot hold is refused (exit 2)
+before a step is trained, never at the first save. Their names and types are part of the resume
+fingerprint: a resume with a state added, removed or of another type is refused.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: A state's name: what a checkpoint key, an export file name and a log field can carry.
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+#: Names the main objects use in a checkpoint.
+RESERVED = ("model", "optimizer", "scheduler", "scaler", "data", "rng", "step", "fingerprint")
+
+
+class StateError(TypeError):
+    """A declared state that cannot be checkpointed, or a name that cannot be used (exit 2)."""
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def per_rank(obj: Any) -> bool:
+    """State that differs on every rank: a data loader's position (torchdata's StatefulDataLoader,
+    or any object saying so with ``per_rank = True``)."""
+    if getattr(obj, "per_rank", False) is True:
+        return True
+    return isinstance(obj, torch.utils.data.DataLoader) or type(obj).__name__ == "StatefulDataLoader"
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a DDP wrapper; any other module as it is (an ``AveragedModel`` also has
+    a ``.module``, and its own state, ``n_averaged``, belongs to the checkpoint)."""
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    return model
+
+
+@dataclass
+class NamedStates:
+    """The declared states beyond the main model, optimizer, scheduler and scaler."""
+
+    objects: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def declare(cls, states: dict[str, Any] | None, *, where: str, optimizers: list[torch.optim.Optimizer]) -> "NamedStates":
+        """Check ``states`` (from ``where``, e.g. ``task trainer.tasks.gan:build``): names, the
+        protocol, and no object declared twice; ``optimizers`` are the main one(s) already held."""
+        out = cls()
+        seen = {id(o) for o in optimizers}
+        for name, obj in (states or {}).items():
+            if not isinstance(name, str) or not NAME.match(name) or name in RESERVED:
+                raise StateError(f"{where}: states: name {name!r} is not allowed: letters, digits, _ . - (64 at "
+                                 f"most, not starting with a digit), and none of {', '.join(RESERVED)}")
+            if isinstance(obj, torch.utils.data.DataLoader) and type(obj).__name__ != "StatefulDataLoader":
+                raise StateError(f"{where}: states[{name!r}]: a torch DataLoader cannot save its position; use "
+                                 "torchdata.stateful_dataloader.StatefulDataLoader (a drop-in replacement)")
+            if not is_stateful(obj):
+                raise StateError(f"{where}: states[{name!r}]: a {type(obj).__name__} has no state_dict()/"
+                                 "load_state_dict(), so a checkpoint cannot hold it (declare an object that has them, "
+                                 "e.g. torchdata's StatefulDataLoader instead of a DataLoader)")
+            if id(obj) in seen:
+                raise StateError(f"{where}: states[{name!r}]: this object is declared twice")
+            seen.add(id(obj))
+            out.objects[name] = obj
+        return out
+
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {n: o for n, o in self.objects.items() if isinstance(o, torch.optim.Optimizer)}
+
+    def trained_models(self, optimized: set[int]) -> dict[str, torch.nn.Module]:
+        """The modules with a parameter among ``optimized`` (ids of every declared optimizer's
+        parameters): they train, so they go under DDP."""
+        return {n: o for n, o in self.objects.items() if isinstance(o, torch.nn.Module)
+                and any(id(p) in optimized for p in o.parameters())}
+
+    def models(self) -> dict[str, torch.nn.Module]:
+        """Every module among the states (trained or an EMA): what ``export`` writes by name."""
+        return {n: o for n, o in self.objects.items() if isinstance(o, torch.nn.Module)}
+
+    def fingerprint(self) -> dict[str, str]:
+        """Names and types: a resume with another set is refused (``state.check_fingerprint``)."""
+        return {n: type(o).__name__ for n, o in self.objects.items()}
+
+    def replicated(self) -> dict[str, Any]:
+        return {n: _state_dict(o) for n, o in self.objects.items() if not per_rank(o)}
+
+    def rank_local(self) -> dict[str, Any]:
+        return {n: _state_dict(o) for n, o in self.objects.items() if per_rank(o)}
+
+    def has_rank_local(self) -> bool:
+        return any(per_rank(o) for o in self.objects.values())
+
+    def load(self, replicated: dict[str, Any] | None, rank_local: dict[str, Any] | None) -> None:
+        """Put a checkpoint's states back; a state missing from it is a ``KeyError`` (the caller
+        turns it into a refusal naming the checkpoint)."""
+        for name, obj in self.objects.items():
+            saved = (rank_local if per_rank(obj) else replicated) or {}
+            if name not in saved:
+                raise KeyError(f"the checkpoint has no state {name!r}")
+            if isinstance(obj, torch.nn.Module):
+                unwrap(obj).load_state_dict(saved[name])
+            else:
+                obj.load_state_dict(saved[name])
+
+    def check(self, where: str) -> None:
+        """Every state is plain data now (``state_codec``), before any step: exit 2 naming it."""
+        from trainer.checkpoint import state_codec
+
+        for name, obj in self.objects.items():
+            try:
+                state_codec.encode(_state_dict(obj), lambda t, path: None, (("key", "states"), ("key", name)))
+            except state_codec.NotPlainData as e:
+                raise StateError(f"{where}: states[{name!r}]: its state_dict() holds what a checkpoint cannot hold "
+                                 f"without pickle: {e}") from None
+
+
+def _state_dict(obj: Any) -> Any:
+    return unwrap(obj).state_dict() if isinstance(obj, torch.nn.Module) else obj.state_dict()
