@@ -125,7 +125,9 @@ _REF = re.compile(r"^\$\{(google_[a-z0-9_]+)\.([^.}]+)\.[a-z_]+\}$")
 
 
 def _name(r: dict) -> str:
-    return next((str(r[k]) for k in _NAMING if isinstance(r.get(k), str) and r[k]), "")
+    """Its name, else where the stack's code made it (the construct path: e.g. a `terraform_data`)."""
+    named = next((str(r[k]) for k in _NAMING if isinstance(r.get(k), str) and r[k]), "")
+    return named or str(((r.get("//") or {}).get("metadata") or {}).get("path") or "")
 
 
 def _name_of(stack: dict, value: str) -> str:
