@@ -4,15 +4,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
+DEV_STAMP := $(VENV)/.setup-dev-stamp
 # Telemetry and version checks try the network; keep the CLI and jsii quiet and offline.
 export CHECKPOINT_DISABLE := 1
 export DISABLE_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup lint test demo drill lifecycle chaos soak bench synth cost review preflight docs lock wheels clean \
+.PHONY: setup setup-dev lint test test-fast demo drill lifecycle chaos soak bench synth cost review preflight docs lock wheels clean \
 	deploy diff destroy output logs prices
 
-## setup: build .venv (pinned Python deps, Node from PyPI) and the cdktn CLI. Idempotent.
+## setup: build .venv (the pinned packages of requirements.lock: the trainer, synthesis, the drill;
+## Node from PyPI) and the cdktn CLI. Idempotent. What `make demo` needs, and nothing more.
 setup: $(STAMP)
 
 $(STAMP): requirements.lock package.json package-lock.json
@@ -21,14 +23,27 @@ $(STAMP): requirements.lock package.json package-lock.json
 	$(VENV)/bin/npm ci --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 
+## setup-dev: setup, plus the tests' and tools' pins (requirements-dev.lock: pytest, checkov, ruff,
+## mypy, the trackers the sinks' tests drive, ...). `make test` runs it. Idempotent.
+setup-dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP) requirements-dev.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.lock
+	touch $(DEV_STAMP)
+
 ## lint: ruff on the whole repository, mypy on the packages pyproject.toml's [tool.mypy] files lists.
-lint: setup
+lint: setup-dev
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
 ## test: lint, then the whole suite (a lint finding fails it).
 test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup
+
+## test-fast: the inner loop's tier (configuration, stacks, units; no trainer process, drill or
+## emulator end to end): under 3 minutes. `make test` runs these too.
+test-fast: setup-dev
+	$(PY) -m pytest -n 2 --dist loadgroup -m "fast and not soak"
 
 ## demo: what the example experiment creates and costs, then a brief local preemption drill
 ## (the drill needs root for its namespaces and loop disk; without root the demo says so).
@@ -64,7 +79,7 @@ chaos: setup
 	$(PY) -m drill.chaos $(if $(CHAOS_CELLS),--cells '$(CHAOS_CELLS)') $(CHAOS_ARGS)
 
 ## soak: the long crash-consistency runs, then the long drill (~8 min).
-soak: setup
+soak: setup-dev
 	SPOTTRAIN_SOAK_KILLS=$${SPOTTRAIN_SOAK_KILLS:-300} $(PY) -m pytest -m soak -p no:xdist
 	$(PY) -m drill --soak
 

@@ -24,6 +24,7 @@ the timeouts are failure guards.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -62,6 +63,15 @@ OPERATOR_TOKEN = "drill-operator-token"
 MIN_STEPS_PER_ROUND = 30
 
 
+#: The environment variable naming `DrillConfig.reference_cache`'s default.
+REFERENCE_CACHE_ENV = "SPOTTRAIN_DRILL_REFERENCE_CACHE"
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
 class DrillFailure(Exception):
     """The drill could not run to the end (a VM failed, a guard timed out)."""
 
@@ -97,6 +107,11 @@ class DrillConfig:
     reference: bool = True
     """Run the uninterrupted reference first and require the same final model. Off only where the
     question is another one (the lifecycle drill's variants: what a deploy leaves behind)."""
+    reference_cache: Path | None = field(default_factory=lambda: _env_path(REFERENCE_CACHE_ENV))
+    """A folder of reference results, each under the digest of everything that determines it
+    (`reference_key`): a drill whose reference is there takes it instead of running it again.
+    Default: $SPOTTRAIN_DRILL_REFERENCE_CACHE (the test suite sets build/drill-reference); none
+    for `make drill`, which runs its reference every time."""
     stall_s: int | None = None
     """The VMs' log shipper's stall window, seconds (default: the experiment's stall_minutes): a
     drill that shows a healthy run raising no stall runs longer than it."""
@@ -672,11 +687,25 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print, *,
         ref_status: dict[str, Any] = {}
         refusals, control_runs = [], []
         if cfg.reference:
-            say("reference: one VM, no preemption ...")
-            with Deployment(workdir / "reference", rendered, cfg, say, image) as ref:
-                ref.run_to_end()
-                ref_status = ref.status()
-                refusals, control_runs = ref.iam_record()
+            def run_reference() -> dict[str, Any]:
+                say("reference: one VM, no preemption ...")
+                with Deployment(workdir / "reference", rendered, cfg, say, image) as ref:
+                    ref.run_to_end()
+                    status = ref.status()
+                    found, runs = ref.iam_record()
+                return {"status": status, "refusals": found, "control_runs": runs}
+
+            if cfg.reference_cache is not None:
+                key = reference_key(cfg, rendered, image / "trainer")
+                ran, cached = cached_reference(cfg.reference_cache, key, run_reference)
+                if not ran:
+                    say(f"reference: taken from {cfg.reference_cache / (key + '.json')} (the same trainer, "
+                        "scripts, code and settings ran it uninterrupted)")
+            else:
+                cached = run_reference()
+            ref_status = cached["status"]
+            refusals = [tuple(r) for r in cached["refusals"]]
+            control_runs = list(cached["control_runs"])
             say(f"reference: step {ref_status['latest_step']}, digest {str(ref_status['model_digest'])[:16]}, "
                 f"{time.monotonic() - t0:.1f} s")
         reference_s = time.monotonic() - t0
@@ -725,6 +754,58 @@ def run_drill(cfg: DrillConfig, say: Callable[[str], None] = print, *,
     finally:
         if not cfg.keep and not cfg.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def reference_key(cfg: DrillConfig, rendered: Rendered, trainer: Path) -> str:
+    """The digest of everything an uninterrupted reference run's result follows from: the rendered
+    boot scripts (their loopback health port blanked), the archives they fetch (named by their
+    content: the trainer, the experiment's code, its locked wheels), the trainer tree the VM runs,
+    the drill's own code (the VM stand-in and the fakes), this Python and its torch, and the
+    settings the run reads. Preemptions, their seed and the wiped rounds are the drill's, not the
+    reference's."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+
+    def add(label: str, data: bytes) -> None:
+        h.update(f"{label}\0{len(data)}\0".encode())
+        h.update(data)
+
+    port = str(rendered.health_port)
+    for label, text in (("startup", rendered.startup), ("shutdown", rendered.shutdown)):
+        add(label, text.replace(port, "HEALTH_PORT").encode() if rendered.health_port else text.encode())
+    for name, path in sorted(rendered.uploads):
+        add(f"upload:{name}", path.read_bytes())
+    for root, label in ((trainer, "trainer"), (REPO / "drill", "drill")):
+        for f in sorted(root.rglob("*.py")):
+            add(f"{label}:{f.relative_to(root)}", f.read_bytes())
+    add("experiment", Path(cfg.experiment).read_bytes())
+    add("runtime", f"{sys.version}|{torch.__version__}".encode())
+    add("settings", json.dumps({"steps": cfg.steps, "every": cfg.checkpoint_every_steps, "window_s": cfg.window_s,
+                                "disk_mb": cfg.disk_mb, "nodes": cfg.nodes}).encode())
+    return h.hexdigest()[:32]
+
+
+def cached_reference(folder: Path, key: str, run: Callable[[], dict[str, Any]]) -> tuple[bool, dict[str, Any]]:
+    """(ran it, result): the reference result stored under `key` in `folder`, else `run()`'s, stored
+    there when it is a clean one (a final digest, no refusal, every control run 0). One process
+    runs a key at a time (a lock file): a second one waits and takes the first one's result."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key}.json"
+    with open(folder / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return False, json.loads(path.read_text())
+        result = run()
+        if result["status"].get("model_digest") and not result["refusals"] and not any(result["control_runs"]):
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(result, default=str))
+            os.replace(tmp, path)
+        return True, result
 
 
 def _preempt_round(dep: Deployment, cfg: DrillConfig, i: int, rng: random.Random, say: Callable[[str], None]) -> Preemption:

@@ -8,6 +8,7 @@ nothing outside a temporary folder.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -41,7 +42,8 @@ def _retention(bucket: dict) -> str:
     return ", ".join(parts)
 
 
-def _summary(kind: str, r: dict) -> str:
+def _summary(kind: str, r: dict, stack: dict | None = None) -> str:
+    stack = stack or {}
     if kind == "google_compute_instance_template":
         s = r["scheduling"]
         action = s.get("instance_termination_action")
@@ -94,11 +96,50 @@ def _summary(kind: str, r: dict) -> str:
         return (f"{r['name']}  tcp:{t['port']} sends {t['request']!r}, expects {t['response']!r}, "
                 f"every {r['check_interval_sec']} s")
     if kind.endswith("iam_member"):
-        role = r["role"] if not r["role"].startswith("${") else "custom role"
-        where = " on the checkpoint bucket" if "bucket" in r else " on the project" if "project" in r \
-            and "instance_name" not in r and "name" not in r else " on one resource"
-        return role + where + (f" if {r['condition']['title']}" if "condition" in r else "")
-    return str(r.get("name") or r.get("account_id") or "")
+        role = r["role"] if not r["role"].startswith("${") else f"custom role {_name_of(stack, r['role'])}"
+        if "bucket" in r:
+            where = " on the checkpoint bucket"
+        elif "secret_id" in r:
+            where = f" on the secret {_name_of(stack, r['secret_id'])}"
+        elif "name" in r or "instance_name" in r:
+            target = kind.removeprefix("google_").removesuffix("_iam_member")
+            target = "Cloud Run job" if target == "cloud_run_v2_job" else target.replace("_", " ")
+            where = f" on the {target} {_name_of(stack, r.get('name') or r['instance_name'])}"
+        else:
+            where = " on the project"
+        member = r.get("member", "")
+        who = f" for {_name_of(stack, member.split(':', 1)[-1])}" if member else ""
+        return role + where + who + (f" if {r['condition']['title']}" if "condition" in r else "")
+    if kind == "google_monitoring_dashboard":
+        return str(json.loads(r.get("dashboard_json") or "{}").get("displayName") or "")
+    if kind == "google_service_account":
+        return f"{r['account_id']}  {r.get('display_name') or ''}".rstrip()
+    if kind == "google_project_iam_custom_role":
+        return f"{r['role_id']}  {r['title']}"
+    return _name(r)
+
+
+#: The attributes that name a resource, most telling first (a row never goes out blank).
+_NAMING = ("name", "display_name", "account_id", "secret_id", "service", "role_id", "title")
+_REF = re.compile(r"^\$\{(google_[a-z0-9_]+)\.([^.}]+)\.[a-z_]+\}$")
+
+
+def _name(r: dict) -> str:
+    """Its name, else where the stack's code made it (the construct path: e.g. a `terraform_data`)."""
+    named = next((str(r[k]) for k in _NAMING if isinstance(r.get(k), str) and r[k]), "")
+    return named or str(((r.get("//") or {}).get("metadata") or {}).get("path") or "")
+
+
+def _name_of(stack: dict, value: str) -> str:
+    """A Terraform reference (`${google_service_account.X.email}`) as the name of what it refers
+    to in the stack (its account id, secret id, role id, ...); any other value as it is."""
+    m = _REF.match(value)
+    if not m:
+        return value
+    target = stack.get("resource", {}).get(m.group(1), {}).get(m.group(2))
+    if target is None:
+        return value
+    return str(target.get("role_id") or target.get("account_id") or _name(target) or value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for kind, resources in sorted(stack["resource"].items()):
         for r in resources.values():
-            print(f"  {kind.removeprefix('google_'):34} {_summary(kind, r)}")
+            print(f"  {kind.removeprefix('google_'):34} {_summary(kind, r, stack)}")
     print()
     budget = estimate(exp.spec)
     print(budget.warning() or budget.describe())

@@ -33,6 +33,14 @@ os.environ["SPOTTRAIN_CHECKPOINT_KEY_FILE"] = _key_file
 # a controlled index (the resolver's, the two-index proof) make local ones and say so themselves.
 os.environ.pop("SPOTTRAIN_WHEEL_INDEX", None)
 
+# A drill's uninterrupted reference run is kept in build/drill-reference/ under the digest of what
+# determines it (`drill.drill.reference_key`: the scripts, archives, trainer, drill code, Python,
+# torch, settings): a later run of the suite with nothing of it changed takes the digest from there
+# instead of training a whole deployment again. An empty build/ (a fresh clone) runs it.
+os.environ.setdefault("SPOTTRAIN_DRILL_REFERENCE_CACHE",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build",
+                                   "drill-reference"))
+
 
 def pytest_sessionstart(session) -> None:
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller fetched them
@@ -50,6 +58,7 @@ def pytest_sessionstart(session) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    _write_durations(session)
     shutil.rmtree(_PRIVATE_TMP, ignore_errors=True)
 
 
@@ -85,12 +94,58 @@ class ProxiedGcs:
                               client_options={"api_endpoint": host})
 
 
+#: The default bucket of the worker's emulator (`gcs_emulator`, `gcs_proxy`).
+TEST_BUCKET = "spottrain-test"
+
+
+@pytest.fixture(scope="session")
+def worker_emulator() -> Iterator[Any]:
+    """One gcp-storage-emulator for this pytest process (an xdist worker runs one test at a time),
+    instead of one a test: starting one costs 0.5-0.75 s. Tests get it through `fresh_emulator`."""
+    from drill.gcs_emulator import StorageEmulator
+
+    emu = StorageEmulator(TEST_BUCKET, quiet=True).start()
+    try:
+        yield emu
+    finally:
+        emu.stop()
+
+
+def fresh_emulator(emu: Any) -> Any:
+    """The worker's emulator as a test's own would be at its start: running (a test before may have
+    stopped it to stage an outage), its data wiped (the emulator's `/wipe`: objects, buckets,
+    bucket policies, soft-deleted objects), holding only its empty default bucket."""
+    import json
+    import urllib.request
+
+    if emu.proc is None or emu.proc.poll() is not None:
+        emu.start()  # in-memory: it comes back empty, with the default bucket
+        return emu
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, never a proxy
+    with opener.open(f"{emu.host}/wipe", timeout=30) as r:
+        assert r.status == 200, r.status
+    create = urllib.request.Request(f"{emu.host}/storage/v1/b?project=spottrain-test", method="POST",
+                                    data=json.dumps({"name": emu.bucket}).encode(),
+                                    headers={"Content-Type": "application/json"})
+    with opener.open(create, timeout=30) as r:
+        assert r.status == 200, r.status
+    return emu
+
+
+@pytest.fixture
+def fresh_gcs(worker_emulator: Any) -> Any:
+    """The worker's emulator, fresh for this test (`fresh_emulator`)."""
+    return fresh_emulator(worker_emulator)
+
+
 @pytest.fixture
 def gcs_proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[ProxiedGcs]:
+    """An emulator of the test's own behind a fault proxy: a request the proxy stalled may reach the
+    emulator after the test (when the proxy stops), so these never share the worker's."""
     from drill.fault_proxy import FaultProxy
     from drill.gcs_emulator import StorageEmulator
 
-    bucket = "spottrain-test"
+    bucket = TEST_BUCKET
     emu = StorageEmulator(bucket, quiet=True).start()
     proxy = FaultProxy(emu.host).start()
     env = {"STORAGE_EMULATOR_HOST": proxy.host, "GOOGLE_CLOUD_PROJECT": "spottrain-test"}
@@ -124,3 +179,91 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     finally:
         for fs in reversed(mounted):
             fs.__exit__(None, None, None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scheduling: the slowest work first, and the fast tier
+# ------------------------------------------------------------------------------------------------
+#
+# tests/durations.json holds each test's seconds (setup, call and teardown) from a whole run
+# (`pytest --record-durations`). With it, the collection is ordered longest first by blocks: an
+# `xdist_group` by its total, any other test with its module by the module's total (a module's
+# tests stay together, in their order: a module-scoped fixture is set up once a worker). xdist's
+# loadgroup hands out the units in that order, so a 4-minute drill no longer starts last while the
+# other worker idles.
+# The fast tier (`-m fast`, `make test-fast`: configuration, stacks, units) is every test outside
+# SLOW_PATHS (the end-to-end trainer runs, the VM drills, the benchmarks, the walkthrough) that the
+# file does not record at FAST_S seconds or more; a new test there runs in the inner loop until the
+# file is recorded again.
+
+import json as _json  # noqa: E402
+
+DURATIONS = Path(__file__).with_name("durations.json")
+FAST_S = 2.0
+SLOW_PATHS = ("tests/trainer/e2e/", "tests/bench/", "tests/test_walkthrough.py", "tests/drill/test_drill.py",
+              "tests/drill/test_pool_drill.py", "tests/drill/test_lifecycle.py", "tests/drill/test_logs_drill.py",
+              "tests/drill/test_boot_scripts.py", "tests/drill/test_chaos.py")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"write every test's seconds (setup + call + teardown) into {DURATIONS.name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"fast: the inner loop's tier (`make test-fast`): outside the "
+                                       f"end-to-end paths, under {FAST_S:g} s in tests/{DURATIONS.name}")
+    # Keep the order below: xdist would otherwise sort the groups by their count of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _base_id(item: pytest.Item) -> str:
+    """The node id without the `@group` suffix xdist's loadgroup appends."""
+    marker = item.get_closest_marker("xdist_group")
+    nodeid = item.nodeid
+    if marker is not None:
+        name = marker.args[0] if marker.args else marker.kwargs.get("name", "")
+        nodeid = nodeid.removesuffix(f"@{name}")
+    return nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    known: dict[str, float] = _json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    total: dict[str, float] = {}  # a block's seconds
+    blocks = []
+    for item in items:
+        base = _base_id(item)
+        seconds = known.get(base)
+        if not base.startswith(SLOW_PATHS) and (seconds is None or seconds < FAST_S):
+            item.add_marker(pytest.mark.fast)
+        # A block: an xdist group (one worker runs it whole), else a module, kept together so that a
+        # module-scoped fixture is set up once a worker, never again for a test sorted apart.
+        marker = item.get_closest_marker("xdist_group")
+        block = f"group:{marker.args[0] if marker.args else marker.kwargs.get('name', '')}" if marker \
+            else base.partition("::")[0]
+        total[block] = total.get(block, 0.0) + (seconds if seconds is not None else FAST_S)
+        blocks.append(block)
+    # Longest block first; inside one, the collection's own order.
+    order = sorted(range(len(items)), key=lambda i: (-total[blocks[i]], blocks[i], i))
+    items[:] = [items[i] for i in order]
+
+
+_running: dict[str, float] = {}
+_recorded: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    nodeid = report.nodeid.split("@")[0] if "@" in report.nodeid.rpartition("::")[2] else report.nodeid
+    _running[nodeid] = _running.get(nodeid, 0.0) + report.duration
+    if report.when == "teardown":  # only a test that ran to its end (an interrupted run's last do not)
+        _recorded[nodeid] = _running.pop(nodeid)
+
+
+def _write_durations(session: pytest.Session) -> None:
+    if not session.config.getoption("--record-durations") or hasattr(session.config, "workerinput"):
+        return
+    known: dict[str, float] = _json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    known.update({k: round(v, 2) for k, v in _recorded.items()})
+    DURATIONS.write_text(_json.dumps(dict(sorted(known.items())), indent=0) + "\n")

@@ -1,7 +1,7 @@
 """The Makefile's targets for one experiment, run as a newcomer's fresh shell would run them.
 
-`make -o .venv/.setup-stamp` treats the environment as set up (the suite's .venv is): nothing here
-installs anything. A fresh shell's PATH is /usr/bin:/bin, where this machine's system Node (if
+`make -o .venv/.setup-stamp -o .venv/.setup-dev-stamp` treats the environment as set up (the
+suite's .venv is): nothing here installs anything. A fresh shell's PATH is /usr/bin:/bin, where this machine's system Node (if
 any) is too old for cdktn: the targets must use the venv's Node anyway.
 """
 
@@ -20,7 +20,8 @@ FRESH_PATH = "/usr/bin:/bin"
 
 def make(*args: str, path: str = FRESH_PATH) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PATH", "VIRTUAL_ENV", "MAKEFLAGS")}
-    return subprocess.run(["/usr/bin/make", "--no-print-directory", "-o", ".venv/.setup-stamp", *args],
+    return subprocess.run(["/usr/bin/make", "--no-print-directory", "-o", ".venv/.setup-stamp", "-o",
+                           ".venv/.setup-dev-stamp", *args],
                           cwd=ROOT, env={**env, "PATH": path}, capture_output=True, text=True,
                           timeout=120)
 

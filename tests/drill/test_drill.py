@@ -88,8 +88,9 @@ def test_drill_a_two_gpu_vm_runs_two_ranks_and_resumes_exactly(tmp_path: Path) -
     preemption reaches both ranks, the unit exits 75 (not torchrun's 1), and the final model
     equals an uninterrupted run of the same world size."""
     lines: list[str] = []
+    # No cached reference (`reference_cache`): this test reads the reference VM's own journal.
     cfg = DrillConfig(experiment=TWO_GPUS, steps=60, preemptions=1, seed=1, window_s=15.0,
-                      checkpoint_every_steps=20, disk_mb=64, workdir=tmp_path / "drill")
+                      checkpoint_every_steps=20, disk_mb=64, workdir=tmp_path / "drill", reference_cache=None)
     result = run_drill(cfg, say=lines.append)
     assert result.reference_digest is not None and result.ok, "\n".join(lines)
     (p,) = result.preemptions
@@ -263,3 +264,26 @@ def test_the_drill_installs_the_code_dirs_locked_requirements_as_a_deploy_does(t
         journal = dep.vm.journal()
     assert "wheels, offline)" in journal  # the startup script installed them, as on a VM
     assert f"event=step step={cfg.steps}/{cfg.steps}" in journal
+
+
+def test_a_reference_is_run_once_for_its_key_and_only_a_clean_one_is_kept(tmp_path: Path) -> None:
+    from drill.drill import cached_reference
+
+    runs: list[str] = []
+
+    def run(digest: str | None, refusals: list | None = None):
+        def go():
+            runs.append(digest or "none")
+            return {"status": {"model_digest": digest, "latest_step": 3}, "refusals": refusals or [],
+                    "control_runs": [0]}
+        return go
+
+    assert cached_reference(tmp_path, "k1", run("d1")) == (True, {"status": {"model_digest": "d1", "latest_step": 3},
+                                                                   "refusals": [], "control_runs": [0]})
+    ran, got = cached_reference(tmp_path, "k1", run("other"))
+    assert not ran and got["status"]["model_digest"] == "d1" and runs == ["d1"]
+    # A reference that failed (no digest) or met a refusal is not kept: the next drill runs it again.
+    assert cached_reference(tmp_path, "k2", run(None))[0] and cached_reference(tmp_path, "k2", run(None))[0]
+    assert cached_reference(tmp_path, "k3", run("d3", [["sa", "perm", "res"]]))[0]
+    assert cached_reference(tmp_path, "k3", run("d3"))[0]
+    assert runs == ["d1", "none", "none", "d3", "d3"]

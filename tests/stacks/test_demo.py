@@ -66,3 +66,20 @@ def test_demo_without_a_lock_exits_2_in_one_line(tmp_path, capsys):
     assert err == [f"{code}/requirements.py3.10-glibc2.35.lock: no lock of the VM's dependencies for Python "
                    "3.10, glibc 2.35, image torch 2.9.0 (synthesis installs exactly a committed lock, it never "
                    "resolves): run `make lock EXPERIMENT=mine` and commit the lock"]
+
+
+def test_demo_names_every_resource_it_lists(capsys, monkeypatch):
+    """No row of the resource list goes out blank: alert policies, the dashboard, APIs, custom
+    roles and the secret are named, and an IAM grant says on what and for whom."""
+    from stack_support import ROOT
+
+    monkeypatch.chdir(ROOT)
+    assert demo.main([]) == 0
+    out = capsys.readouterr().out
+    resources = out.split("\n\n")[1].splitlines()  # "  kind (34 wide) summary", one a resource
+    assert len(resources) > 40 and all(line[37:].strip() for line in resources), out
+    assert "monitoring_alert_policy            spottrain example: training stalled" in out
+    assert "project_service                    compute.googleapis.com" in out
+    assert "secret_manager_secret              example-checkpoint-key" in out
+    assert "roles/secretmanager.secretAccessor on the secret example-checkpoint-key for example-trainer" in out
+    assert "monitoring_dashboard               spottrain example" in out

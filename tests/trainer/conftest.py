@@ -1,9 +1,10 @@
 """Fixtures for the checkpoint tests: a real gcp-storage-emulator and a fault-injecting client.
 
-``gcs_emulator`` starts ``gcp-storage-emulator`` (``drill.gcs_emulator.StorageEmulator``, the
-drill's own) on a free 127.0.0.1 port (in-memory, with a default bucket), waits until it answers,
-and stops it at teardown. It can be stopped and restarted on the same port mid-test
-(``stop()``/``start()``) to simulate an outage.
+``gcs_emulator`` is the worker's ``gcp-storage-emulator`` (``drill.gcs_emulator.StorageEmulator``,
+the drill's own, on a free 127.0.0.1 port, in-memory; ``tests/conftest.py``'s ``worker_emulator``)
+as a test's own would be: running, wiped, holding only its empty default bucket. It can be stopped
+and restarted on the same port mid-test (``stop()``/``start()``) to simulate an outage; the next
+test's ``gcs_emulator`` starts it again if it was left stopped.
 
 ``FaultyClient`` wraps the real ``google.cloud.storage.Client``: every call goes to the emulator,
 but a plan can make chosen calls fail with 503 or 412 before (or after) reaching it, run a hook
@@ -46,16 +47,13 @@ def _client(host: str) -> Any:
 
 
 @pytest.fixture
-def gcs_emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsEnv]:
-    bucket = "spottrain-test"
-    emu = StorageEmulator(bucket, quiet=True).start()
+def gcs_emulator(monkeypatch: pytest.MonkeyPatch, fresh_gcs: StorageEmulator) -> Iterator[GcsEnv]:
+    """The worker's emulator (tests/conftest.py), fresh: running, wiped, its empty default bucket."""
+    emu = fresh_gcs
     env = {"STORAGE_EMULATOR_HOST": emu.host, "GOOGLE_CLOUD_PROJECT": "spottrain-test"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    try:
-        yield GcsEnv(emu, f"gs://{bucket}/runs/{uuid.uuid4().hex[:8]}", _client(emu.host), env)
-    finally:
-        emu.stop()
+    yield GcsEnv(emu, f"gs://{emu.bucket}/runs/{uuid.uuid4().hex[:8]}", _client(emu.host), env)
 
 
 # ------------------------------------------------------------------------------------------
