@@ -181,7 +181,6 @@ def test_an_own_loop_iterating_a_plain_dataloader_is_refused(tmp_path: Path) -> 
     assert not list((tmp_path / "run").glob("step-*"))
 
 
-@pytest.mark.xdist_group("torchrun")
 def test_a_gan_on_two_ranks_resumes_bit_for_bit_and_its_ranks_stay_identical(tmp_path: Path) -> None:
     code = (EXAMPLES / "gan",)
     # 20 extra layers a network: 659 tensors of state sent to rank 1, the size at which pickled views once cost GBs.
@@ -196,7 +195,6 @@ def test_a_gan_on_two_ranks_resumes_bit_for_bit_and_its_ranks_stay_identical(tmp
     assert "hold different weights" not in p.output
 
 
-@pytest.mark.xdist_group("torchrun")
 def test_an_own_loop_on_two_ranks_resumes_bit_for_bit(tmp_path: Path) -> None:
     script = ("--script", "tests/trainer/e2e/own_loop_script.py", "--script-arg=--layers", "--script-arg=200")
     cfg = config(tmp_path, "batch_size = 4\n")
@@ -206,7 +204,6 @@ def test_an_own_loop_on_two_ranks_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert digests(tmp_path / "run", STEPS) == digests(tmp_path / "ref", STEPS)
 
 
-@pytest.mark.xdist_group("torchrun")
 @pytest.mark.parametrize("port", ["task", "script"])
 def test_a_model_trained_outside_ddp_on_two_ranks_is_refused(tmp_path: Path, port: str) -> None:
     if port == "task":  # the step unwraps the DDP model: the ranks drift, found at the first save
@@ -223,7 +220,6 @@ def test_a_model_trained_outside_ddp_on_two_ranks_is_refused(tmp_path: Path, por
     assert not list((tmp_path / "run").glob("step-*"))
 
 
-@pytest.mark.xdist_group("torchrun")
 def test_an_ema_on_shards_split_over_two_ranks_and_their_workers_resumes_bit_for_bit(tmp_path: Path) -> None:
     sys.path.insert(0, str(EXAMPLES / "diffusion"))
     try:

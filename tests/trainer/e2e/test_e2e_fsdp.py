@@ -58,7 +58,6 @@ def test_fsdp_sigterm_then_resume_on_one_process_matches_the_same_path(tmp_path:
     assert final["model_digest"] == status(ref)["model_digest"]
 
 
-@pytest.mark.xdist_group("torchrun")
 def test_a_named_state_beside_sharded_weights_resumes_bit_for_bit(tmp_path: Path) -> None:
     """``Task.states`` in the sharded layout: saved with the replicated rest next to the shards,
     restored on every rank (issue 29)."""
