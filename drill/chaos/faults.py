@@ -772,16 +772,23 @@ _WS2_SAMPLE = ("world size 2 runs a sample of the matrix (torchrun and two ranks
                "lease); the others are the world size 1 row's")
 
 
-def _ws2(key: str, moments: tuple[str, ...]) -> Fault:
-    """The fault ``key`` at ``moments``, two ranks on the VM (torchrun, DDP, gloo on CPU)."""
+def _variant(key: str, moments: tuple[str, ...], *, prefix: str, title: str, injects: str, sample: str,
+             **changes: Any) -> Fault:
+    """The fault ``key`` in another shape of job (``changes``), at ``moments`` only: the other
+    moments say why with ``sample``."""
     base = FAULTS[key]
     return dataclasses.replace(
-        base, key=f"ws2-{key}", title=f"{base.title}, world size 2",
-        injects=f"{base.injects}; two ranks under torchrun (DDP, gloo on CPU), rank 0 saving, training the "
-                "16-layer GPT (788 tensors with AdamW's state: a restore between ranks at a real shape)",
-        na={m: base.na.get(m, _WS2_SAMPLE) for m in MOMENTS if m not in moments},
+        base, key=f"{prefix}-{key}", title=f"{base.title}, {title}", injects=f"{base.injects}; {injects}",
+        na={m: base.na.get(m, sample) for m in MOMENTS if m not in moments},
         blank_pd=tuple(m for m in base.blank_pd if m in moments),
-        unfinishable={m: why for m, why in base.unfinishable.items() if m in moments}, nproc=2)
+        unfinishable={m: why for m, why in base.unfinishable.items() if m in moments}, **changes)
+
+
+def _ws2(key: str, moments: tuple[str, ...]) -> Fault:
+    """The fault ``key`` at ``moments``, two ranks on the VM (torchrun, DDP, gloo on CPU)."""
+    return _variant(key, moments, prefix="ws2", title="world size 2", sample=_WS2_SAMPLE, nproc=2,
+                    injects="two ranks under torchrun (DDP, gloo on CPU), rank 0 saving, training the 16-layer GPT "
+                            "(788 tensors with AdamW's state: a restore between ranks at a real shape)")
 
 
 for _f in [_ws2("gcs-down", ("emergency", "restore")), _ws2("gcs-flip", ("restore",)),
@@ -800,14 +807,9 @@ _SCRIPT_SAMPLE = ("the own loop runs a sample of the matrix: the checkpointing u
 def _own_loop(key: str, moments: tuple[str, ...]) -> Fault:
     """The fault ``key`` at ``moments``, the job an own loop: `python -m trainer run --script` running
     examples/own_loop/train.py (pytorch/examples' MNIST, its loop kept) instead of a task."""
-    base = FAULTS[key]
-    return dataclasses.replace(
-        base, key=f"own-loop-{key}", title=f"{base.title}, own loop",
-        injects=f"{base.injects}; the job is examples/own_loop/train.py run by `python -m trainer run --script` "
-                "(its own loop, Adadelta and a per-epoch StepLR that steps at steps 10 and 20, 1.2 M parameters)",
-        na={m: base.na.get(m, _SCRIPT_SAMPLE) for m in MOMENTS if m not in moments},
-        blank_pd=tuple(m for m in base.blank_pd if m in moments),
-        unfinishable={m: why for m, why in base.unfinishable.items() if m in moments}, script=True)
+    return _variant(key, moments, prefix="own-loop", title="own loop", sample=_SCRIPT_SAMPLE, script=True,
+                    injects="the job is examples/own_loop/train.py run by `python -m trainer run --script` (its own "
+                            "loop, Adadelta and a per-epoch StepLR that steps at steps 10 and 20, 1.2 M parameters)")
 
 
 for _f in [_own_loop("gcs-down", ("emergency",))]:
