@@ -31,7 +31,7 @@ and what whatever is left costs a month.
   = ..." unless that metric was created at least `METRIC_VISIBLE_S` (10 minutes) before the
   policy (hashicorp/terraform-provider-google#11102). The apply keeps a clock: a resource is
   created once everything it depends on (`depends_on`, `${...}` references) is, instantly,
-  except a `terraform_data` whose `local-exec` provisioner is `sleep N`, which takes N seconds.
+  except a resource whose `local-exec` provisioner is `sleep N`: what depends on it starts N seconds later.
 - `plan(stack)`: the addresses a plan after the apply would change: the state holds what the API
   answers on read (`read_back`), compared with what the stack declares as the provider compares
   it. A dashboard's JSON comes back without its default values, so one that writes them (a tile
@@ -260,11 +260,13 @@ class FakeProject:
 
     def _created(self, resources: dict[str, dict[str, Any]]) -> dict[str, float]:
         """When the apply creates each new address on the project's clock: as soon as everything
-        it depends on exists (Terraform creates in dependency order, the rest in parallel), and a
-        `terraform_data` whose local-exec provisioner is `sleep N` N seconds later (a provisioner
-        runs once, when its resource is created; developer.hashicorp.com/terraform/language/
-        resources/terraform-data). What the state already holds was created before."""
+        it depends on is done (Terraform creates in dependency order, the rest in parallel). A
+        resource whose local-exec provisioner is `sleep N` exists at once but is done N seconds
+        later: what depends on it starts then (a provisioner runs once, when its resource is
+        created; developer.hashicorp.com/terraform/language/resources/provisioners/syntax). What
+        the state already holds was created before."""
         done: dict[str, float] = {}
+        exists: dict[str, float] = {}
 
         def at(address: str, seen: tuple[str, ...] = ()) -> float:
             if address in done:
@@ -277,18 +279,17 @@ class FakeProject:
                 return self.clock
             start = max([self.clock, *(at(d, (*seen, address)) for d in self._deps(attrs))])
             took = 0.0
-            if k == "terraform_data":
-                for prov in attrs.get("provisioner") or []:
-                    m = _SLEEP.fullmatch(str((prov.get("local-exec") or {}).get("command", "")).strip())
-                    if m and (prov.get("local-exec") or {}).get("when") in (None, "create"):
-                        took += float(m.group(1))
-            done[address] = start + took
+            for prov in attrs.get("provisioner") or []:
+                m = _SLEEP.fullmatch(str((prov.get("local-exec") or {}).get("command", "")).strip())
+                if m and (prov.get("local-exec") or {}).get("when") in (None, "create"):
+                    took += float(m.group(1))
+            exists[address], done[address] = start, start + took
             return done[address]
 
         for k, items in resources.items():
             for key in items:
                 at(f"{k}.{key}")
-        return {a: t for a, t in done.items() if a not in self.state}
+        return {a: t for a, t in exists.items() if a not in self.state}
 
     def _check_alert_policies(self, resources: dict[str, dict[str, Any]], resolved: dict[str, Any],
                               created: dict[str, float]) -> None:

@@ -14,7 +14,7 @@ metric, summed over an alignment period that slides with each evaluation (cloud.
 monitoring/alerts/concepts-indepth): "more than N in an hour" is a sum over 3600 s compared with N.
 A condition whose count stays above 0 for `duration_s` says that something lasted that long.
 Those need their metric to exist in Monitoring, so `stacks.alerts` creates them only after the
-apply has waited 10 minutes for it (a `terraform_data` with a `sleep` provisioner; docs/watch.md,
+apply has waited 10 minutes for it (a `sleep` provisioner on the metric; docs/watch.md,
 "The first deploy"). `drill.alert_eval` evaluates both kinds over the drill's shipped entries.
 """
 

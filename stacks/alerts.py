@@ -10,25 +10,27 @@ this construct declares them.
   with the first Pub/Sub channel) roles/pubsub.publisher, on that topic only.
 - **Policies:** one per `alert_rules.rules`, each a single condition: a log-match on the metric's
   Logging filter for a rule that fires on one entry (no metric descriptor to wait for), else a
-  threshold on its metric (the filter names the metric resource), created only once the wait
-  `metrics-visible` has run (below); notifying every channel, its
+  threshold on its metric (the filter names the metric resource), created only once the metric's
+  wait has run (below); notifying every channel, its
   documentation saying what happened and the command to see more; incidents close by themselves
   `AUTO_CLOSE_S` after the condition stops holding.
 - **The wait:** Monitoring refuses an alert policy that names a log-based metric created moments
   before (404 "Cannot find metric(s) that match type = ..."; "it could take up to 10 minutes to
   become available", cloud.google.com/logging/docs/logs-based-metrics#monitoring; the provider
-  retries only 409, hashicorp/terraform-provider-google#11102). So the threshold policies depend
-  on a `terraform_data` (built into Terraform >= 1.4 and OpenTofu: no provider to download) whose
-  `local-exec` provisioner sleeps `METRIC_VISIBLE_S` once its metrics exist. A provisioner runs
-  when its resource is created, so the wait costs the first apply (and one that creates or
-  renames a counted metric: they are its `triggers_replace`), never a later one.
+  retries only 409, hashicorp/terraform-provider-google#11102). So each counted metric carries a
+  `local-exec` provisioner that sleeps `METRIC_VISIBLE_S` after the metric is created: Terraform
+  marks the metric created only then, and the policies that name it wait for that. A provisioner
+  runs when its resource is created, so the wait costs the first apply (and one that creates or
+  renames a counted metric), never a later one; the metrics of one apply wait side by side. (A
+  `terraform_data` for the wait would make synthesis run `terraform version`: cdktn validates
+  that resource's Terraform version, and synthesis must not need Terraform.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cdktn import DataResource, LocalExecProvisioner
+from cdktn import LocalExecProvisioner
 from cdktn_provider_google.data_google_project import DataGoogleProject
 from cdktn_provider_google.logging_metric import LoggingMetric, LoggingMetricMetricDescriptorLabels
 from cdktn_provider_google.monitoring_alert_policy import (
@@ -68,6 +70,7 @@ class RunAlerts(Construct):
         super().__init__(scope, id_)
         p, name, a = props.project, props.name, props.exp.alerts
         self.metrics: dict[str, LoggingMetric] = {}
+        counted = {r.metric for r in alert_rules.rules(props.exp) if not r.matched_log}
         for m in run_metrics.metrics(p, name):
             descriptor: dict = {"metric_kind": "DELTA", "value_type": "DISTRIBUTION" if m.distribution else "INT64",
                                 "unit": m.unit, "display_name": f"spottrain {name} {m.name}"}
@@ -80,7 +83,12 @@ class RunAlerts(Construct):
                 label_extractors={k: f"EXTRACT({v})" for k, v in sorted(m.labels.items())} or None,
                 value_extractor=f"EXTRACT({m.value_field})" if m.value_field else None,
                 bucket_options={"exponential_buckets": STEP_BUCKETS if m.name == "step" else BUCKETS}
-                if m.distribution else None)
+                if m.distribution else None,
+                # The wait: a counted metric is created, then Monitoring needs up to 10 minutes to know
+                # it; Terraform marks it created (and lets what names it start) after the sleep. Once:
+                # a provisioner runs when its resource is created (or replaced: a renamed metric).
+                provisioners=[LocalExecProvisioner(type="local-exec", command=f"sleep {METRIC_VISIBLE_S}")]
+                if m.name in counted else None)
 
         rules = alert_rules.rules(props.exp)
         self.channels: list[MonitoringNotificationChannel] = []
@@ -113,13 +121,6 @@ class RunAlerts(Construct):
         names = [c.name for c in self.channels]
         self.policies: list[MonitoringAlertPolicy] = []
         by_name = run_metrics.by_name(p, name)
-        counted = sorted({r.metric for r in rules if not r.matched_log})
-        #: What the threshold policies wait for (None: no rule counts).
-        self.wait: DataResource | None = None
-        if counted:
-            self.wait = DataResource(
-                self, "metrics-visible", triggers_replace={m: self.metrics[m].name for m in counted},
-                provisioners=[LocalExecProvisioner(type="local-exec", command=f"sleep {METRIC_VISIBLE_S}")])
         for r in rules:
             metric = self.metrics[r.metric]
             if r.matched_log:
@@ -149,5 +150,4 @@ class RunAlerts(Construct):
                 documentation={"content": alert_rules.documentation(props.exp, name, r), "mime_type": "text/markdown",
                                "subject": f"spottrain {name}: {r.title}"},
                 alert_strategy={"auto_close": f"{alert_rules.AUTO_CLOSE_S}s"},
-                depends_on=[self.wait] if self.wait is not None else None,
                 notification_channels=names or None, severity=r.severity, user_labels=dict(props.labels)))

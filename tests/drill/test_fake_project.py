@@ -161,33 +161,34 @@ def _policies_without(stack: dict[str, Any], change: Any) -> dict[str, Any]:
 
 def _no_wait(resources: dict[str, Any]) -> None:
     """The stack as it was: the counting policies created as soon as their metrics are."""
-    del resources["terraform_data"]
-    for policy in resources["google_monitoring_alert_policy"].values():
-        policy["depends_on"] = [d for d in policy.get("depends_on", []) if not d.startswith("terraform_data.")]
+    for metric in resources["google_logging_metric"].values():
+        metric.pop("provisioner", None)
 
 
 def _short_wait(resources: dict[str, Any]) -> None:
-    for wait in resources["terraform_data"].values():
-        wait["provisioner"] = [{"local-exec": {"command": "sleep 30"}}]
+    for metric in resources["google_logging_metric"].values():
+        if "provisioner" in metric:
+            metric["provisioner"] = [{"local-exec": {"command": "sleep 30"}}]
 
 
 def test_the_first_apply_of_a_fresh_project_creates_the_counting_alerts_after_their_metrics_are_known(
         stack, tmp_path) -> None:
     """Monitoring refuses an alert policy naming a log-based metric created less than 10 minutes
-    before (404 "Cannot find metric(s)"; hashicorp/terraform-provider-google#11102): the stack's
-    threshold policies wait for `terraform_data` `metrics-visible`, which sleeps 600 s once the
-    metrics exist; the log-match policies need no metric and do not wait."""
+    before (404 "Cannot find metric(s)"; hashicorp/terraform-provider-google#11102): each counted
+    metric's provisioner sleeps 600 s once it exists, and the threshold policies that name it wait
+    for that; the log-match policies need no metric and do not wait."""
     with applied(stack, tmp_path) as p:
         resources = stack["resource"]
-        (wait,) = [f"terraform_data.{k}" for k in resources["terraform_data"]]
-        metrics = {f"google_logging_metric.{k}" for k in resources["google_logging_metric"]}
-        counted = {a for a in metrics if any(n in a for n in ("-boots_", "-preemptions_", "-capacity_waits_"))}
-        assert len(counted) == 3
-        assert p.created[wait] - max(p.created[m] for m in counted) == 600
+        waits = {f"google_logging_metric.{k}" for k, m in resources["google_logging_metric"].items()
+                 if m.get("provisioner") == [{"local-exec": {"command": "sleep 600"}}]}
+        counted = {f"google_logging_metric.{k}" for k in resources["google_logging_metric"]
+                   if any(n in k for n in ("-boots_", "-preemptions_", "-capacity_waits_"))}
+        assert waits == counted and len(counted) == 3
+        known = max(p.created[m] for m in counted) + 600
         for key, policy in resources["google_monitoring_alert_policy"].items():
             (condition,) = policy["conditions"]
             at = p.created[f"google_monitoring_alert_policy.{key}"]
-            assert (at >= p.created[wait]) == ("condition_threshold" in condition), key
+            assert (at >= known) == ("condition_threshold" in condition), key
         assert p.plan(stack) == []  # and the next apply has nothing to create, nor to wait for
 
 

@@ -72,7 +72,7 @@ def test_the_watched_example_applies_its_alerts_and_budget_through_the_strict_st
     assert ("watch: 8 alert policies (3 created 600 s into the apply, once their log-based metrics were known), "
             f"16 log-based metrics, channels: email, webhook_tokenauth, budget: billingAccounts/{BILLING_ACCOUNT}"
             ) in report
-    assert not any(address.startswith(("google_monitoring", "google_logging", "google_billing", "terraform_data"))
+    assert not any(address.startswith(("google_monitoring", "google_logging", "google_billing"))
                    for address in result.destroyed.forgotten)
 
 

@@ -21,7 +21,9 @@ STALL_S = 90
 @pytest.mark.xdist_group("torchrun")
 def test_pool_drill_one_worker_preemption(tmp_path: Path) -> None:
     lines: list[str] = []
-    cfg = DrillConfig(nodes=2, steps=500, preemptions=1, seed=1, window_s=30.0, checkpoint_every_steps=50,
+    # 900 steps: the worker's session after it rejoins trains longer than STALL_S even on an idle
+    # machine (500 gave it 79 s there), so that the window is shown to hold for a healthy node.
+    cfg = DrillConfig(nodes=2, steps=900, preemptions=1, seed=1, window_s=30.0, checkpoint_every_steps=50,
                       disk_mb=64, workdir=tmp_path / "drill", stall_s=STALL_S)
     r = run_pool_drill(cfg, say=lines.append)
     log = "\n".join(lines)

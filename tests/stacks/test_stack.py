@@ -142,8 +142,7 @@ def test_every_resource_type_in_the_stack_has_its_api_enabled(synthesized, name)
     s = synthesized[name]
     enabled = {a["service"] for a in _apis(s).values()} | {PREREQUISITE}
     types = [*s.json["resource"], *(f"data.{t}" for t in s.json.get("data", {}))]
-    # terraform_data is Terraform's own (the wait before the counting alerts): no API, no provider.
-    missing = {t: service_of(t) for t in types if t != "terraform_data" and service_of(t) not in enabled}
+    missing = {t: service_of(t) for t in types if service_of(t) not in enabled}
     assert missing == {}
     assert BASE_APIS <= enabled
 
