@@ -211,8 +211,9 @@ class Session:
               mixed: Any, accum: int, dataset_len: int | None, where: str,
               wrapped: dict[str, torch.nn.Module] | None = None) -> Job:
         """The job as the loop trains it: the main model and every other trained model under the
-        run's parallelism (DDP on several ranks), bound to the checkpointer. ``wrapped``: the
-        trained models as an own loop wrapped them itself (``trainer.run``)."""
+        run's parallelism (DDP on several ranks), bound to the checkpointer, and the session's saves
+        and ends for it (``finish``). ``wrapped``: the trained models as an own loop wrapped them
+        itself (``trainer.run``)."""
         cfg, world = self.cfg, self.world
         optimized = {id(p) for opt in [task.optimizer, *states.optimizers().values()]
                      for g in opt.param_groups for p in g["params"]}
@@ -239,15 +240,15 @@ class Session:
                   in_place=cfg.parallelism == "fsdp", states=states, models=models)
         if self.ckpt is not None:
             job.before_update = self.ckpt.before_update
+        self.finish = Finish(cfg, world, self.log, ckpt=self.ckpt, job=job, bus=self.bus, health=self.health,
+                             preempt=self.preempt, artifacts=self.artifacts, writers=self.writers,
+                             productive=lambda: self.productive_s)
         return job
 
     def log_start(self, job: Job, device: torch.device, what: str) -> None:
         """The session's ``event=start`` line (node leaders), and the settings that change training
-        whatever the job's code says, with where each came from (docs/bring-your-own-model.md)."""
+        whatever the job's code says, with where each came from (docs/porting.md)."""
         cfg, world = self.cfg, self.world
-        self.finish = Finish(cfg, world, self.log, ckpt=self.ckpt, job=job, bus=self.bus, health=self.health,
-                             preempt=self.preempt, artifacts=self.artifacts, writers=self.writers,
-                             productive=lambda: self.productive_s)
         if not world.is_node_leader:
             return
         self.log.info("event=start steps=%d world_size=%d node=%s node_rank=%d restart=%d accum=%d device=%s %s",
