@@ -24,15 +24,20 @@ def torchrun(run_dir: Path, config: Path, *extra: str) -> Proc:
                  *_args(run_dir, config, *extra)[2:]], new_session=True)
 
 
+def sigterm_after(p: Proc, step: int) -> int:
+    """SIGTERM to every rank once ``step`` is trained (what systemd does to the unit): the step the
+    sharded emergency checkpoint holds, durable on the run dir."""
+    p.wait_for(rf"event=step step={step}/")
+    p.signal(signal.SIGTERM, group=True)
+    p.wait()
+    return int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+
+
 @pytest.mark.xdist_group("torchrun")
 def test_fsdp_sigterm_then_resume_on_one_process_matches_the_same_path(tmp_path: Path) -> None:
     config = write_config(tmp_path, 'parallelism = "fsdp"\nglobal_batch_size = 8\n', multi_rank=True)
     run_dir = tmp_path / "run"
-    p = torchrun(run_dir, config)
-    p.wait_for(r"event=step step=6/")
-    p.signal(signal.SIGTERM, group=True)
-    p.wait()
-    saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    saved = sigterm_after(torchrun(run_dir, config), 6)
     assert 6 <= saved < STEPS
     s = status(run_dir)
     assert s["sharded"] and s["latest_step"] == saved and s["data"]["consumed"] == saved * 8
@@ -68,11 +73,7 @@ def test_a_named_state_beside_sharded_weights_resumes_bit_for_bit(tmp_path: Path
     ref = torchrun(tmp_path / "ref", config)
     assert ref.wait() == 0, ref.output[-4000:]
     run_dir = tmp_path / "run"
-    p = torchrun(run_dir, config)
-    p.wait_for(r"event=step step=6/")
-    p.signal(signal.SIGTERM, group=True)
-    p.wait()
-    saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    saved = sigterm_after(torchrun(run_dir, config), 6)
     p = torchrun(run_dir, config)
     assert p.wait() == 0, p.output[-4000:]
     assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
