@@ -55,7 +55,8 @@ def trainer(run_dir: Path, cfg: Path, *extra: str, code: tuple[Path, ...] = (), 
 
 
 def interrupted(run_dir: Path, cfg: Path, *extra: str, code: tuple[Path, ...] = (), torchrun: int = 0) -> Proc:
-    """SIGTERM after step 5 (the emergency save, exit 75), SIGKILL after step 10 (power lost),
+    """SIGTERM after step 5 (the emergency save, exit 75), SIGKILL after step 10 once step 8's
+    save is durable (power lost),
     then a restart that finishes: the run a Spot VM gets."""
     p = trainer(run_dir, cfg, *extra, code=code, torchrun=torchrun)
     p.wait_for(r"event=step step=5/")
@@ -66,6 +67,7 @@ def interrupted(run_dir: Path, cfg: Path, *extra: str, code: tuple[Path, ...] = 
     p = trainer(run_dir, cfg, *extra, code=code, torchrun=torchrun)
     assert int(p.wait_for(r"event=restore step=(\d+)").group(1)) == saved
     p.wait_for(r"event=step step=10/")
+    p.seen_or_wait(r"checkpoint step 8 durable on persistent")  # the cadence's save, before power is lost
     p.power_off()
     p.wait()
     p = trainer(run_dir, cfg, *extra, code=code, torchrun=torchrun)
