@@ -14,8 +14,7 @@ its fields there, the same ones the ledger has always recorded, so that the ledg
 exactly ``{"event": kind, **fields()}``. Events the ledger does not record (``Step``, ``Eval``,
 ``Goodput``) have no ``kind``. ``line`` is the event's name in its log line (``event=NAME``,
 ``trainer.observe.sinks.log``), which the log-based metrics count: the ledger's name, except for
-the events whose line has always said something else (``Step``, ``Eval``, ``CheckpointSaved``,
-``CapacityWait``).
+the events the ledger does not record (``Step``, ``Eval``).
 
 ``RENAMED``: names the ledger once wrote for an event that has another name now, so that ledgers
 written before the rename still read (``trainer.observe.ledger`` renames them as it reads).
@@ -87,8 +86,7 @@ class CapacityWait(Event):
     the job waited without any VM for capacity (``waited_s``, when the run dir's ledger tells it;
     the report computes it over every session: ``goodput.Report.capacity_wait``)."""
 
-    kind: ClassVar[str] = "placement"
-    line: ClassVar[str] = "capacity_wait"
+    kind: ClassVar[str] = "capacity_wait"
     not_recorded: ClassVar[tuple[str, ...]] = ("waited_s",)
     zone: str
     provisioning: str
@@ -219,8 +217,7 @@ class DataWorkersDied(Event):
 class CheckpointSaved(Event):
     """A periodic save was handed to the checkpointer (rank 0): the loop was blocked ``blocked_s``."""
 
-    kind: ClassVar[str] = "checkpoint"
-    line: ClassVar[str] = "checkpoint_save"
+    kind: ClassVar[str] = "checkpoint_save"
     step: int
     blocked_s: float
     productive_s: float
@@ -360,7 +357,7 @@ STAGING = "staging"
 LEDGER_ERROR = "ledger_error"
 
 #: Names the ledger once wrote -> the name of the same event now.
-RENAMED = {"finish": Finished.kind}
+RENAMED = {"finish": Finished.kind, "checkpoint": CheckpointSaved.kind, "placement": CapacityWait.kind}
 
 
 __all__ = ["Event", "SessionStarted", "CapacityWait", "Restored", "StepsChanged", "InitFrom", "Step", "Eval",

@@ -48,7 +48,7 @@ def test_every_sink_gets_each_event_once_and_a_broken_one_stops_nothing(caplog: 
 LEDGER_RECORDS = [
     (ev.Restored(12, 1.5, 2, 3.25, tier="gcs", path="gs://b/p/step-12"),
      {"event": "restore", "step": 12, "seconds": 1.5, "world_size": 2, "startup_s": 3.25}),
-    (ev.CheckpointSaved(10, 0.01, 4.0), {"event": "checkpoint", "step": 10, "blocked_s": 0.01, "productive_s": 4.0}),
+    (ev.CheckpointSaved(10, 0.01, 4.0), {"event": "checkpoint_save", "step": 10, "blocked_s": 0.01, "productive_s": 4.0}),
     (ev.CheckpointDurable("gcs", 10), {"event": "durable", "tier": "gcs", "step": 10}),
     (ev.Progress(11, 5.0), {"event": "progress", "step": 11, "productive_s": 5.0}),
     (ev.Notice("SIGTERM", 13), {"event": "preemption_notice", "reason": "SIGTERM", "step": 13}),
@@ -65,7 +65,7 @@ LEDGER_RECORDS = [
     (ev.TierOk("gcs"), {"event": "tier_ok", "tier": "gcs"}),
     (ev.StepsChanged(30, 40, 60), {"event": "steps_changed", "step": 30, "from": 40, "to": 60}),
     (ev.CapacityWait("us-central1-a", "SPOT", 1.7e9, waited_s=30.0),
-     {"event": "placement", "zone": "us-central1-a", "provisioning": "SPOT", "boot_time": 1.7e9}),
+     {"event": "capacity_wait", "zone": "us-central1-a", "provisioning": "SPOT", "boot_time": 1.7e9}),
     (ev.Stalled(7, 601.0), {"event": "stalled", "step": 7, "seconds": 601.0}),
     (ev.DataWorkersDied(5, 24, "1234:SIGKILL", 1, True),
      {"event": "data_workers_died", "step": 5, "consumed": 24, "died": "1234:SIGKILL", "deaths": 1,

@@ -26,7 +26,7 @@ def _training(t0: float = 1000.0) -> list[dict]:
         _ev("a", 2, t0 + 21, "preempted", step=40),
         _ev("b", 0, t0 + 100, "session_start", main=True), _ev("b", 1, t0 + 105, "restore", step=40),
         _ev("b", 2, t0 + 120, "progress", step=70, productive_s=14),
-        _ev("b", 3, t0 + 135, "checkpoint", step=100),
+        _ev("b", 3, t0 + 135, "checkpoint_save", step=100),
     ]
 
 
@@ -37,7 +37,7 @@ def test_a_training_session_has_a_rate_an_eta_and_a_vm_up() -> None:
     assert g["eta_s"] == pytest.approx(450.0) and g["last_event_age_s"] == pytest.approx(10.0)
     assert (g["vm_up"], g["silent"], g["doing"], g["session"]) == (True, False, "training", "b")
     first, vm = lines(g)
-    assert first == "at a glance: step 100/1000 (10.0%), 2 steps/s, ETA 7m30s; last event 10s ago (checkpoint)"
+    assert first == "at a glance: step 100/1000 (10.0%), 2 steps/s, ETA 7m30s; last event 10s ago (checkpoint_save)"
     assert vm == "VM: up (session b), training"
 
 
