@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from trainer.loop import state
+from trainer.loop.named_state import unwrap
 from trainer.data.batches import fetch
 from trainer.task import loss_and_metrics
 
@@ -52,7 +53,7 @@ class Evaluator:
         self.batches, self.total, self.batch_size = cfg.eval_batches, cfg.steps, cfg.batch_size
         self.world, self.device, self.sharded = world, step_fn.device, sharded
         # DDP: the inner module (no collectives per forward); FSDP: the sharded model gathers.
-        self.model = step_fn.model if sharded else state.unwrap(step_fn.model)
+        self.model = step_fn.model if sharded else unwrap(step_fn.model)
         self.loss_fn, self.autocast, self.interrupted = step_fn.loss_fn, step_fn.autocast, interrupted
 
     def due(self, step: int) -> bool:

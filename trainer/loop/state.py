@@ -20,7 +20,7 @@ import torch
 # layout, which the checkpointer raises; both are the manifest's.
 from trainer.checkpoint.manifest import ResumeMismatch
 from trainer.distributed import World
-from trainer.loop.named_state import NamedStates
+from trainer.loop.named_state import NamedStates, unwrap
 
 FORMAT = 1
 
@@ -63,10 +63,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _own(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.uint8).contiguous().clone()
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)
 
 
 def build(
