@@ -32,8 +32,8 @@ MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port",
                  "--price-per-hour", "--on-demand-price-per-hour",
                  # `trainer.parallelism`
                  "--parallelism",
-                 # `[data]`: where the startup script staged the dataset
-                 "--data-dir",
+                 # `[data]`: where the startup script staged the dataset, or what the trainer streams
+                 "--data-dir", "--data-url",
                  # the experiment's checkpoint key (`stacks.checkpoint_key`)
                  "--checkpoint-key-file",
                  # `group.initial_delay_sec`: a restart in place gets a new VM's grace
@@ -679,6 +679,12 @@ class Data(Section):
     its path below the prefix (gs://b/p/train/0.bin becomes DATA_DIR/train/0.bin)."""
     parallel: int = Field(default=16, ge=1, le=64)
     """Downloads at once while staging (large objects are fetched in 32 MiB slices)."""
+    stream: bool = False
+    """true: nothing is staged; the trainer gets `source` as `--data-url` (the task's
+    `ctx.data_url`) and reads the data from the bucket as it trains (data larger than the disk).
+    `source` is then what the task reads, e.g. webdataset shards
+    "gs://my-datasets/train/shard-{000000..000999}.tar" (trainer/data/bucket_shards.py). The same
+    read grant on the bucket either way."""
 
     @field_validator("source")
     @classmethod

@@ -7,9 +7,10 @@ after every optimizer step and is the model one ships. The data stream from tar 
 (``shards.py`` writes them; on a VM the experiment's ``[data]`` stages them to ``ctx.data_dir``),
 split over ranks and data workers by webdataset itself.
 
-Data larger than the VM's disk streams from the bucket instead, with no local copy:
-``task_args.data_url = "gs://BUCKET/PREFIX/shard-{000000..000007}.tar"`` (upload what
-``shards.py`` writes with ``gcloud storage cp DIR/*.tar gs://BUCKET/PREFIX/``). The shards are
+Data larger than the VM's disk streams from the bucket instead, with no local copy: the
+experiment's ``[data] source = "gs://BUCKET/PREFIX/shard-{000000..000007}.tar"`` with
+``stream = true`` (the trainer's ``--data-url``, ``ctx.data_url``), or ``task_args.data_url``
+(upload what ``shards.py`` writes with ``gcloud storage cp DIR/*.tar gs://BUCKET/PREFIX/``). The shards are
 checked to be there before training (a missing one: exit 2, one line) and read by each data worker
 through the trainer's own Cloud Storage client in ranged reads of ``read_chunk_bytes`` (8 MiB),
 retried from the byte offset (``trainer.data.bucket_shards``). The resume is as exact as from a
@@ -106,10 +107,10 @@ def build(ctx: TaskContext, *, width: int = 16, blocks: int = 1, lr: float = 2e-
             ema.update_parameters(model)  # after the optimizer's step, as diffusers' training scripts do
         return loss
 
-    where: Path | str | None = data_url or (Path(shards_dir) if shards_dir else ctx.data_dir)
+    where: Path | str | None = data_url or ctx.data_url or (Path(shards_dir) if shards_dir else ctx.data_dir)
     if where is None:
-        raise ValueError("denoiser: give task_args.data_url (gs://...) or shards_dir, or stage the shards as the "
-                         "experiment's [data]")
+        raise ValueError("denoiser: give task_args.data_url (gs://...) or shards_dir, or the experiment's [data] "
+                         "(staged, or streamed with stream = true)")
     return Task(model=model, optimizer=optimizer, dataset=shards(where, read_chunk_bytes), step=step,
                 states={"ema": ema},
                 info={"example": "diffusion"})

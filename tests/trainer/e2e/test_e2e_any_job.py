@@ -133,13 +133,14 @@ def test_shards_streamed_from_the_bucket_through_faults_resume_bit_for_bit_as_fr
     for f in files:
         bucket.blob(f"diffusion/{f.name}").upload_from_filename(str(f))
     code = (EXAMPLES / "diffusion",)
-    head = 'task = "denoiser:build"\nbatch_size = 8\ndata_workers = 2\n[task_args]\n'
-    local = config(tmp_path, head + f'shards_dir = "{tmp_path / "shards"}"\n')
+    head = 'task = "denoiser:build"\nbatch_size = 8\ndata_workers = 2\n'
+    local = config(tmp_path, head + f'[task_args]\nshards_dir = "{tmp_path / "shards"}"\n')
     ref = trainer(tmp_path / "ref", local, code=code)
     assert ref.wait() == 0, ref.output[-4000:]
     (tmp_path / "bucket").mkdir()
     url = f"gs://{gcs_proxy.bucket}/diffusion/shard-{{000000..000003}}.tar"
-    streamed = config(tmp_path / "bucket", head + f'data_url = "{url}"\nread_chunk_bytes = 8192\n')
+    # data_url as the VM passes [data] stream's source (--data-url): the task's ctx.data_url
+    streamed = config(tmp_path / "bucket", head + f'data_url = "{url}"\n[task_args]\nread_chunk_bytes = 8192\n')
     media = r"alt=media.* object=diffusion/shard-00000{}\.tar$"
     fail = gcs_proxy.proxy.add("GET", media.format(1), "status", status=503, after=2)  # shard 1's 3rd read
     reset = gcs_proxy.proxy.add("GET", media.format(2), "drop", after=1)  # shard 2's 2nd read
