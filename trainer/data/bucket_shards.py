@@ -29,8 +29,10 @@ How a shard is read:
   minutes), then the read goes on from the first byte it does not have yet. A 403 is retried
   within ``IAM_GRANT``'s grace (ten minutes): a VM can start before its read grant on the data
   bucket has propagated, and no staging waited for it;
-- **a missing shard** (404 at its opening) is ``ShardMissing``, a ``StreamError``: one line naming
-  the object; ``Stream`` reports it as one line also when a data worker met it.
+- **a missing shard** (404) is ``ShardMissing`` and a shard rewritten while read ``ShardChanged``,
+  both ``StreamError`` (bad input, exit 2: a restart would meet them again); reads that still fail
+  past the retries are ``ShardError`` (exit 1: the next start reads again). Each is one line naming
+  the object, also when a data worker met it.
 
 Resume exactness is ``trainer.data.streaming``'s: the stream is a function of the shard list and
 its split, so a resume replays the epoch from the bucket and drops the batches before its position.
@@ -62,18 +64,31 @@ POLICY = dataclasses.replace(retry.STORAGE, grace_s=retry.IAM_GRANT.grace_s,
                              grace_first_s=retry.IAM_GRANT.grace_first_s, grace_cap_s=retry.IAM_GRANT.grace_cap_s)
 
 
-class ShardMissing(StreamError):
-    """A shard named by the data URL is not in the bucket."""
+class _OneLine(Exception):
+    """One line, also when raised in a data worker: torch re-raises a worker's error in the main
+    process as ``Type(message)`` with the worker's traceback as the message (its last line is
+    ``module.Type: the line``), and webdataset appends the URL to ``args``."""
 
-    def __str__(self) -> str:  # webdataset appends the URL to ``args``: keep the one line
-        return str(self.args[0]) if self.args else ""
-
-
-class ShardError(StreamError):
-    """A shard could not be read (a 4xx, or transient errors past the retries)."""
+    def __init__(self, message: str) -> None:
+        if "Original Traceback" in message:
+            message = message.strip().splitlines()[-1].split(": ", 1)[-1]
+        super().__init__(message)
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class ShardMissing(_OneLine, StreamError):
+    """A shard named by the data URL is not in the bucket (bad input: exit 2)."""
+
+
+class ShardChanged(_OneLine, StreamError):
+    """A shard was rewritten while it was read (bad input: exit 2; the data must not change)."""
+
+
+class ShardError(_OneLine):
+    """A shard could not be read: transient errors past the retries, a 403 past the grant's grace,
+    another 4xx (exit 1: a restart reads it again)."""
 
 
 @dataclasses.dataclass
@@ -131,7 +146,7 @@ def _call(what: str, fn: Callable[[], Any]) -> Any:
         if isinstance(t.error, gexc.NotFound):
             raise ShardMissing(f"{what}: no such object in the bucket (404)") from None
         if isinstance(t.error, gexc.PreconditionFailed):
-            raise ShardError(f"{what}: the object changed while it was read (412): shards must not be rewritten "
+            raise ShardChanged(f"{what}: the object changed while it was read (412): shards must not be rewritten "
                              "during a run") from None
         if t.why == "forbidden":
             raise ShardError(f"{what}: still HTTP 403 after {t.elapsed_s:.0f} s: this VM's service account cannot "
@@ -148,6 +163,7 @@ class _Ranged(io.RawIOBase):
 
     def __init__(self, url: str, blob: Any, size: int, generation: int | None) -> None:
         self.url, self.blob, self.size, self.generation = url, blob, size, generation
+        self.name = url  # in webdataset's messages, which name the open file
         self.pos = 0
 
     def readable(self) -> bool:

@@ -134,9 +134,25 @@ def test_a_shard_rewritten_while_it_is_read_is_an_error_not_a_mix(gcs_proxy: Any
     f = bucket_shards.gopen_gcs(urls[0])
     head = f.read(5000)
     client.bucket(gcs_proxy.bucket).blob(f"{PREFIX}/shard-000000.tar").upload_from_filename(str(local[1]))
-    with pytest.raises(bucket_shards.ShardError, match=r"changed while it was read \(412\)"):
+    with pytest.raises(bucket_shards.ShardChanged, match=r"changed while it was read \(412\)"):
         f.read()
     assert head == local[0].read_bytes()[:5000]
+
+
+def test_reads_that_keep_failing_past_the_retries_are_a_failure_not_bad_input(gcs_proxy: Any,
+                                                                            local: list[Path]) -> None:
+    client = gcs_proxy.client(direct=True)
+    urls = [f"gs://{gcs_proxy.bucket}/{PREFIX}/{f.name}" for f in local]
+    _upload(client, gcs_proxy.bucket, local)
+    bucket_shards.register(chunk_bytes=4096, policy=dataclasses.replace(NO_WAIT, attempts=3))
+    down = gcs_proxy.proxy.add("GET", rf"alt=media.* object={PREFIX}/shard-000003\.tar$", "status", status=503,
+                               times=None)
+    with pytest.raises(bucket_shards.ShardError) as e:
+        _read(urls, workers=2)  # met in a data worker
+    assert not isinstance(e.value, StreamError)  # exit 1 (a restart reads again), not 2
+    assert str(e.value).startswith(f"gs://{gcs_proxy.bucket}/{PREFIX}/shard-000003.tar bytes 0-4095: ")
+    assert "(attempt 3, attempts)" in str(e.value) and "\n" not in str(e.value)
+    assert down.hits == 3
 
 
 def test_a_missing_shard_is_one_line(gcs_emulator: Any, local: list[Path]) -> None:
