@@ -103,6 +103,14 @@ _clients: dict[int, Any] = {}  # pid -> this process's client
 _lock = threading.Lock()
 
 
+def _after_fork() -> None:  # a data worker: a lock some other thread held at the fork is not held here
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def register(*, client_factory: Callable[[], Any] | None = None, chunk_bytes: int | None = None,
              policy: retry.Policy | None = None) -> None:
     """Make webdataset open ``gs://`` URLs with :func:`gopen_gcs` (in this process and the data
