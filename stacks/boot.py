@@ -228,6 +228,8 @@ class BootProps:
     """`[data] source`: staged before training (`python -m trainer stage`) and passed to the
     trainer as `--data-dir`; None: no dataset."""
     data_parallel: int = 16
+    data_stream: bool = False
+    """`[data] stream`: nothing staged; the trainer gets `data_source` as `--data-url`."""
     startup_grace_s: int = 900
     """`--startup-grace-s`: how long the trainer's start-up passes the health check
     (`group.initial_delay_sec`, the same grace a new VM gets; `trainer.health`)."""
@@ -314,6 +316,7 @@ def boot_props(name: str, exp: Experiment, *, releases: tuple[Release, ...] = ()
         scale=scale_target(name, exp),
         data_source=exp.data.source if exp.data is not None else None,
         data_parallel=exp.data.parallel if exp.data is not None else 16,
+        data_stream=exp.data.stream if exp.data is not None else False,
         python_version=_image_python(exp),
         checkpoint_key_secret=secret_name(exp.gcp.project, name),
         startup_grace_s=exp.group.initial_delay_sec,
@@ -470,7 +473,8 @@ def render(props: BootProps) -> BootScripts:
         "scale_settings": scale_json,
         "stop_when_done": props.scale is not None and props.scale.stop_when_done,
         "flex": props.scale is not None and props.scale.run_duration_s is not None,
-        "data": None if props.data_source is None else {
+        "data_url": props.data_source if props.data_stream else None,
+        "data": None if props.data_source is None or props.data_stream else {
             "source": props.data_source, "parallel": props.data_parallel,
             "local_dir": DATA_DIR_LOCAL, "disk_dir": DATA_DIR_DISK},
         "checkpoint_key_secret": props.checkpoint_key_secret,

@@ -32,8 +32,8 @@ MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port",
                  "--price-per-hour", "--on-demand-price-per-hour",
                  # `trainer.parallelism`
                  "--parallelism",
-                 # `[data]`: where the startup script staged the dataset
-                 "--data-dir",
+                 # `[data]`: where the startup script staged the dataset, or what the trainer streams
+                 "--data-dir", "--data-url",
                  # the experiment's checkpoint key (`stacks.checkpoint_key`)
                  "--checkpoint-key-file",
                  # `group.initial_delay_sec`: a restart in place gets a new VM's grace
@@ -670,15 +670,23 @@ DATA_SOURCE = re.compile(r"^gs://([a-z0-9][-_.a-z0-9]{1,220}[a-z0-9])(/[^\x00-\x
 class Data(Section):
     """Your dataset: every object under a `gs://` prefix, staged onto each VM before the trainer
     starts (local SSDs when the VM has them, else the checkpoint disk), verified and resumable,
-    and handed to the task as `ctx.data_dir`. The VMs' service account gets read access on that
-    bucket only (roles/storage.objectViewer). See docs/data.md."""
+    and handed to the task as `ctx.data_dir`; or, with `stream = true`, read from the bucket as the
+    task trains (`ctx.data_url`). The VMs' service account gets read access on that bucket only
+    (roles/storage.objectViewer). See docs/data.md."""
 
     source: str
     """REQUIRED. gs://BUCKET/PREFIX of the dataset, e.g. "gs://my-datasets/openwebtext". A bucket
     of yours other than the checkpoint bucket; every object under the prefix is staged, keeping
-    its path below the prefix (gs://b/p/train/0.bin becomes DATA_DIR/train/0.bin)."""
+    its path below the prefix (gs://b/p/train/0.bin becomes DATA_DIR/train/0.bin). With
+    `stream = true`, what the task reads (e.g. "gs://my-datasets/train/shard-{000000..000999}.tar")."""
     parallel: int = Field(default=16, ge=1, le=64)
     """Downloads at once while staging (large objects are fetched in 32 MiB slices)."""
+    stream: bool = False
+    """true: nothing is staged; the trainer gets `source` as `--data-url` (the task's
+    `ctx.data_url`) and reads the data from the bucket as it trains (data larger than the disk).
+    `source` is then what the task reads, e.g. webdataset shards
+    "gs://my-datasets/train/shard-{000000..000999}.tar" (trainer/data/bucket_shards.py). The same
+    read grant on the bucket either way."""
 
     @field_validator("source")
     @classmethod

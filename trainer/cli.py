@@ -135,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every-seconds", type=float, help="save every T seconds")
     r.add_argument("--local-dir", type=Path, help="optional fast tier (local SSD)")
     r.add_argument("--data-dir", type=Path, help="the staged dataset, handed to the task as ctx.data_dir")
+    r.add_argument("--data-url", help="the dataset streamed from the bucket (gs://...), handed to the task as "
+                                      "ctx.data_url")
     r.add_argument("--health-port", type=int, help="TCP health port (default 8471; 0 = any free port)")
     r.add_argument("--price-per-hour", type=float,
                    help="USD per hour of this VM as provisioned, for the cost in `status` (may change on resume)")

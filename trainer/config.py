@@ -8,6 +8,7 @@ or ``command line``) and the process exits 2 without a traceback.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 if sys.version_info >= (3, 11):
@@ -43,6 +44,20 @@ def _check_gcs_uri(v: str) -> str:
 
 
 GcsUri = Annotated[str, AfterValidator(_check_gcs_uri)]
+
+
+def _check_data_url(v: str) -> str:
+    rest = v.removeprefix("gs://")
+    bucket, _, name = rest.partition("/")
+    if not v.startswith("gs://") or not name.strip("/") or not re.fullmatch(r"[a-z0-9][-_.a-z0-9]{1,220}[a-z0-9]",
+                                                                             bucket):
+        raise ValueError("must look like gs://BUCKET/PREFIX[/NAME] (braces for ranges: shard-{000000..000099}.tar)")
+    if any(ord(c) < 32 or c == "\x7f" for c in v):
+        raise ValueError("must not hold control characters")
+    return v
+
+
+DataUrl = Annotated[str, AfterValidator(_check_data_url)]
 
 
 class TierCadence(BaseModel):
@@ -106,6 +121,11 @@ class RunConfig(BaseModel):
     """Where the dataset was staged (``python -m trainer stage``; on a VM the stack stages the
     experiment's ``[data]`` there), handed to the task as ``ctx.data_dir``. Not part of the
     fingerprint: the same data may be staged to another disk after a restart."""
+    data_url: DataUrl | None = None
+    """The dataset in the bucket, read as it streams instead of staged (on a VM: the experiment's
+    ``[data] source`` with ``stream = true``), handed to the task as ``ctx.data_url``, e.g. webdataset
+    shards ``gs://BUCKET/PREFIX/shard-{000000..000999}.tar`` (``trainer.data.bucket_shards``). Part
+    of the fingerprint when set: other data would not continue the run."""
     task: str = DEFAULT_TASK
     """``module:callable`` returning a :class:`trainer.task.Task`. Part of the fingerprint."""
     task_args: dict[str, Any] = Field(default_factory=dict)
@@ -434,6 +454,8 @@ class RunConfig(BaseModel):
             "dataset_len": dataset_len,
             "data_order": ORDER_VERSION,
         }
+        if self.data_url is not None:  # set: the data it names decide the run (unset: no key, as before)
+            fp["data_url"] = self.data_url
         if self.global_batch_size is None:
             fp["grad_accum_steps"] = self.grad_accum_steps
         else:

@@ -107,6 +107,7 @@ class Run:
         self.seed, self.total_steps = cfg.seed, cfg.steps
         self.artifacts_dir: Path = cfg.run_dir / "artifacts"
         self.data_dir: Path | None = cfg.data_dir
+        self.data_url: str | None = cfg.data_url
         self.start_step = 0
         self._data: Any = None
         self._batches: Any = None

@@ -43,6 +43,9 @@ class TaskContext:
     #: ``<gcs_uri>/artifacts/`` and back to a fresh disk; see ``trainer.artifacts``.
     artifacts_dir: Path | None = None
     data_dir: Path | None = None  # the staged dataset (`[data]` in the experiment), None without one
+    #: The dataset streamed from the bucket (``[data]`` with ``stream = true``; ``--data-url``), a
+    #: ``gs://`` URL, e.g. of webdataset shards (``trainer.data.bucket_shards``); None without one.
+    data_url: str | None = None
 
 
 class Dataset(Protocol):

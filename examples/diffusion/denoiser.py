@@ -7,6 +7,15 @@ after every optimizer step and is the model one ships. The data stream from tar 
 (``shards.py`` writes them; on a VM the experiment's ``[data]`` stages them to ``ctx.data_dir``),
 split over ranks and data workers by webdataset itself.
 
+Data larger than the VM's disk streams from the bucket instead, with no local copy: the
+experiment's ``[data] source = "gs://BUCKET/PREFIX/shard-{000000..000007}.tar"`` with
+``stream = true`` (the trainer's ``--data-url``, ``ctx.data_url``), or ``task_args.data_url``
+(upload what ``shards.py`` writes with ``gcloud storage cp DIR/*.tar gs://BUCKET/PREFIX/``). The shards are
+checked to be there before training (a missing one: exit 2, one line) and read by each data worker
+through the trainer's own Cloud Storage client in ranged reads of ``read_chunk_bytes`` (8 MiB),
+retried from the byte offset (``trainer.data.bucket_shards``). The resume is as exact as from a
+local directory. The VM's service account needs read on that bucket (docs/porting.md).
+
 What makes it a spottrain job: the EMA is declared by name (``states={"ema": ema}``: saved,
 restored, exported as ``model-ema.safetensors``), the EMA update runs in the task's ``step`` after
 the optimizer's, and the dataset is an ``IterableDataset``, whose exact position per rank the
@@ -56,12 +65,20 @@ class UNet(nn.Module):
         return self.out(self.up1(torch.cat([u, d1], 1)))
 
 
-def shards(directory: Path) -> torch.utils.data.IterableDataset:
+def shards(where: Path | str, read_chunk_bytes: int | None = None) -> torch.utils.data.IterableDataset:
+    """The stream of images: ``where`` is a local directory of ``shard-*.tar``, or a ``gs://`` URL
+    of the shards (``gs://BUCKET/PREFIX/shard-{000000..000007}.tar``), read from the bucket."""
     import webdataset as wds
 
-    urls = sorted(str(p) for p in directory.glob("shard-*.tar"))
-    if not urls:
-        raise FileNotFoundError(f"no shard-*.tar in {directory} (python examples/diffusion/shards.py DIR)")
+    if str(where).startswith("gs://"):
+        from trainer.data import bucket_shards
+
+        urls = bucket_shards.urls(str(where))  # every shard there, or one line naming the missing
+        bucket_shards.register(chunk_bytes=read_chunk_bytes)  # webdataset opens gs:// with the trainer's client
+    else:
+        urls = sorted(str(p) for p in Path(where).glob("shard-*.tar"))
+        if not urls:
+            raise FileNotFoundError(f"no shard-*.tar in {where} (python examples/diffusion/shards.py DIR)")
     return (wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node,
                            workersplitter=wds.split_by_worker, empty_check=False)
             .map(lambda s: (torch.from_numpy(np.frombuffer(s["img.f32"], dtype=np.float32).copy()).view(1, 16, 16),)))
@@ -72,7 +89,7 @@ def alpha_bar(t: torch.Tensor) -> torch.Tensor:
 
 
 def build(ctx: TaskContext, *, width: int = 16, blocks: int = 1, lr: float = 2e-3, ema_decay: float = 0.99,
-          shards_dir: str | None = None) -> Task:
+          shards_dir: str | None = None, data_url: str | None = None, read_chunk_bytes: int | None = None) -> Task:
     model = UNet(width, blocks).to(ctx.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay))
@@ -90,8 +107,10 @@ def build(ctx: TaskContext, *, width: int = 16, blocks: int = 1, lr: float = 2e-
             ema.update_parameters(model)  # after the optimizer's step, as diffusers' training scripts do
         return loss
 
-    where = Path(shards_dir) if shards_dir else ctx.data_dir
+    where: Path | str | None = data_url or ctx.data_url or (Path(shards_dir) if shards_dir else ctx.data_dir)
     if where is None:
-        raise ValueError("denoiser: give task_args.shards_dir, or stage the shards as the experiment's [data]")
-    return Task(model=model, optimizer=optimizer, dataset=shards(where), step=step, states={"ema": ema},
+        raise ValueError("denoiser: give task_args.data_url (gs://...) or shards_dir, or the experiment's [data] "
+                         "(staged, or streamed with stream = true)")
+    return Task(model=model, optimizer=optimizer, dataset=shards(where, read_chunk_bytes), step=step,
+                states={"ema": ema},
                 info={"example": "diffusion"})

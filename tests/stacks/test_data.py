@@ -37,3 +37,36 @@ def test_the_startup_script_stages_before_training_and_the_trainer_gets_the_dir(
     assert "EnvironmentFile=-/etc/spottrain/data.env" in script
     plain = synthesized["example"].one("google_compute_instance_template")["metadata"]["startup-script"]
     assert "trainer stage" not in plain and "--data-dir" not in plain
+
+
+def test_a_streamed_dataset_is_not_staged_and_the_trainer_gets_its_url(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from stack_support import variant
+
+    from stacks.boot import boot_props, render
+
+    url = "gs://my-datasets/train/shard-{000000..000099}.tar"
+    scripts = render(boot_props("s", variant({"data": {"source": url, "stream": True}}, "s")))
+    assert "--data-url 'gs://my-datasets/train/shard-{000000..000099}.tar'" in scripts.trainer_sh
+    assert "trainer stage" not in scripts.startup and "--data-dir" not in scripts.trainer_sh
+    assert "data.env" not in scripts.unit
+    (tmp_path / "trainer.sh").write_text(scripts.trainer_sh)
+    (tmp_path / "startup.sh").write_text(scripts.startup)
+    check = subprocess.run([str(Path(sys.prefix) / "bin" / "shellcheck"), "--shell=bash", str(tmp_path / "trainer.sh"),
+                            str(tmp_path / "startup.sh")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    staged = render(boot_props("s", variant({"data": {"source": url}}, "s")))
+    assert "--data-url" not in staged.trainer_sh and "trainer stage" in staged.startup  # the default: staged
+
+
+def test_a_bad_stream_value_names_the_file_and_field() -> None:
+    from stack_support import variant
+
+    from stacks.load import ExperimentError
+
+    with pytest.raises(ExperimentError) as e:
+        variant({"data": {"source": "gs://my-datasets/x", "stream": "sometimes"}}, "s")
+    assert any(line.startswith("s.toml: data.stream: ") for line in e.value.lines), e.value.lines

@@ -199,3 +199,16 @@ def test_every_run_flag_reaches_the_config() -> None:
     cfg = run_config(args)
     assert (cfg.preemption_budget_s, cfg.startup_grace_s) == (110.0, 1800.0)
     assert run_config(parser().parse_args(["run", "--run-dir", "/tmp/r", "--steps", "5"])).preemption_budget_s == 20.0
+
+
+def test_a_data_url_is_a_bucket_url_and_part_of_the_fingerprint_only_when_set(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('data_url = "/mnt/data/shard-{0..3}.tar"\n')
+    with pytest.raises(ConfigError) as e:
+        load_run_config({"run_dir": tmp_path, "steps": 5}, f)
+    assert e.value.lines == [f"{f}: data_url: must look like gs://BUCKET/PREFIX[/NAME] (braces for ranges: "
+                             "shard-{000000..000099}.tar)"]
+    url = "gs://my-data/train/shard-{000000..000099}.tar"
+    cfg = load_run_config({"run_dir": tmp_path, "steps": 5, "data_url": url}, None)
+    assert cfg.fingerprint(dataset_len=0)["data_url"] == url
+    assert "data_url" not in RunConfig(run_dir=tmp_path, steps=5).fingerprint(dataset_len=0)  # old runs' keys

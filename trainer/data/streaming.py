@@ -36,6 +36,17 @@ class StreamError(Exception):
     """The stream cannot be read the way a resume needs (bad input: exit 2)."""
 
 
+def _one_line(e: StreamError) -> str:
+    """A ``StreamError``'s message; raised in a data worker, torch re-raises it in the main process
+    with the worker's traceback as its message, whose last line is ``module.Type: message``."""
+    text = str(e).strip()
+    if "Original Traceback" not in text:
+        return text
+    last = text.splitlines()[-1]
+    kind, sep, message = last.partition(": ")
+    return message if sep and "." in kind and " " not in kind else last
+
+
 class Stream:
     """This rank's micro-batches of an iterable dataset; see the module docstring."""
 
@@ -79,6 +90,8 @@ class Stream:
                 self._skip = 0
             try:
                 batch = next(self._iter)
+            except StreamError as e:  # a data worker's (a shard missing in the bucket): its one line
+                raise StreamError(_one_line(e)) from None
             except StopIteration:
                 if self.taken == 0:
                     raise StreamError("the iterable dataset yielded no batch in a whole epoch (on this rank: is it "

@@ -187,7 +187,8 @@ class Session:
         cfg, world = self.cfg, self.world
         _seed(cfg.seed)
         ctx = tasks.TaskContext(seed=cfg.seed, steps=cfg.steps, device=device, rank=world.rank,
-                                world_size=world.size, artifacts_dir=cfg.run_dir / "artifacts", data_dir=cfg.data_dir)
+                                world_size=world.size, artifacts_dir=cfg.run_dir / "artifacts", data_dir=cfg.data_dir,
+                                data_url=cfg.data_url)
         task = tasks.build(cfg.task, ctx, cfg.task_args)
         _seed((cfg.seed + 1_000_003 * world.rank) % 2**63)
         where = f"task {cfg.task}"

@@ -121,7 +121,7 @@ PROVENANCE = ("world_size", "init_from")
 #: what its run used is unknown: the resume is accepted with a warning naming the key (refusing
 #: would strand every running job at its next restart; see ``unrecorded``), and its next
 #: checkpoint records the key.
-LATER_KEYS = ("threads", "deterministic", "device")
+LATER_KEYS = ("threads", "deterministic", "device", "data_url")
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], *, step: int | None = None,

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file
@@ -115,6 +116,56 @@ def test_an_ema_fed_by_streaming_shards_through_workers_resumes_bit_for_bit(tmp_
     assert digests(tmp_path / "run", STEPS) == want  # the EMA did not restart; the stream's position held
     ema = load_file(tmp_path / "run" / "export" / f"step-{STEPS:08d}" / "model-ema.safetensors")
     denoiser.UNet().load_state_dict(ema, strict=True)  # the EMA is the model one ships
+
+
+def test_shards_streamed_from_the_bucket_through_faults_resume_bit_for_bit_as_from_a_local_copy(
+        tmp_path: Path, gcs_proxy: Any) -> None:
+    """No local copy: the shards are read from the (emulated) bucket by two data workers, through a
+    503 and a connection reset mid-shard, SIGTERM and SIGKILL; the run ends where a run from the
+    local directory ends, bit for bit."""
+    sys.path.insert(0, str(EXAMPLES / "diffusion"))
+    try:
+        import shards
+    finally:
+        sys.path.remove(str(EXAMPLES / "diffusion"))
+    files = shards.write(tmp_path / "shards", shards=4, per_shard=24)  # 12 batches an epoch; ~37 KB a shard
+    bucket = gcs_proxy.client(direct=True).bucket(gcs_proxy.bucket)
+    for f in files:
+        bucket.blob(f"diffusion/{f.name}").upload_from_filename(str(f))
+    code = (EXAMPLES / "diffusion",)
+    head = 'task = "denoiser:build"\nbatch_size = 8\ndata_workers = 2\n'
+    local = config(tmp_path, head + f'[task_args]\nshards_dir = "{tmp_path / "shards"}"\n')
+    ref = trainer(tmp_path / "ref", local, code=code)
+    assert ref.wait() == 0, ref.output[-4000:]
+    (tmp_path / "bucket").mkdir()
+    url = f"gs://{gcs_proxy.bucket}/diffusion/shard-{{000000..000003}}.tar"
+    # data_url as the VM passes [data] stream's source (--data-url): the task's ctx.data_url
+    streamed = config(tmp_path / "bucket", head + f'data_url = "{url}"\n[task_args]\nread_chunk_bytes = 8192\n')
+    media = r"alt=media.* object=diffusion/shard-00000{}\.tar$"
+    fail = gcs_proxy.proxy.add("GET", media.format(1), "status", status=503, after=2)  # shard 1's 3rd read
+    reset = gcs_proxy.proxy.add("GET", media.format(2), "drop", after=1)  # shard 2's 2nd read
+    interrupted(tmp_path / "run", streamed, code=code)
+    assert (fail.hits, reset.hits) == (1, 1)
+    assert digests(tmp_path / "run", STEPS) == digests(tmp_path / "ref", STEPS)
+    assert not list((tmp_path / "run").rglob("*.tar"))  # read, never copied
+
+
+def test_a_shard_missing_from_the_bucket_is_one_line_before_training(tmp_path: Path, gcs_proxy: Any) -> None:
+    sys.path.insert(0, str(EXAMPLES / "diffusion"))
+    try:
+        import shards
+    finally:
+        sys.path.remove(str(EXAMPLES / "diffusion"))
+    bucket = gcs_proxy.client(direct=True).bucket(gcs_proxy.bucket)
+    for f in shards.write(tmp_path / "shards", shards=2, per_shard=8):
+        bucket.blob(f"d/{f.name}").upload_from_filename(str(f))
+    url = f"gs://{gcs_proxy.bucket}/d/shard-{{000000..000002}}.tar"
+    cfg = config(tmp_path, f'task = "denoiser:build"\nbatch_size = 8\n[task_args]\ndata_url = "{url}"\n')
+    p = trainer(tmp_path / "run", cfg, code=(EXAMPLES / "diffusion",))
+    assert p.wait() == EXIT_BAD_INPUT, p.output[-3000:]
+    assert p.seen(rf"event=failed reason=bad_input data URL: 1 of 3 shards missing in gs://{gcs_proxy.bucket}/d/: "
+                  rf"gs://{gcs_proxy.bucket}/d/shard-000002\.tar$")
+    assert not list((tmp_path / "run").glob("step-*"))
 
 
 def test_a_stream_refuses_another_split_over_workers(tmp_path: Path) -> None:
