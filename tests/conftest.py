@@ -228,9 +228,50 @@ def _base_id(item: pytest.Item) -> str:
     return nodeid
 
 
+#: The group of the tests that start several processes each (torchrun's ranks, a pool's VMs):
+#: several of them at once would crowd the cores until their waits time out. With more than two
+#: workers its modules are dealt into lanes (``MULTI-1``, ``MULTI-2``, ...), one fewer than the
+#: workers, each a group of its own: at most that many run at once, one worker stays free of them,
+#: and no lane is a third of the suite that one worker runs alone.
+MULTI = "torchrun"
+
+
+def _workers(config: pytest.Config) -> int:
+    """How many xdist workers run the suite (0 without xdist)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return int(workerinput["workercount"])
+    n = getattr(config.option, "numprocesses", None)
+    return n if isinstance(n, int) else 0
+
+
+def _deal_into_lanes(items: list[pytest.Item], known: dict[str, float], lanes: int) -> None:
+    """Put each module of the ``MULTI`` group into one of ``lanes`` groups, longest module first
+    into the lane with the fewest seconds so far (the same on every worker: the same collection
+    and durations)."""
+    seconds: dict[str, float] = {}
+    for item in items:
+        marker = item.get_closest_marker("xdist_group")
+        if marker is not None and (marker.args[:1] or [marker.kwargs.get("name")])[0] == MULTI:
+            module = _base_id(item).partition("::")[0]
+            seconds[module] = seconds.get(module, 0.0) + known.get(_base_id(item), FAST_S)
+    load = [0.0] * lanes
+    lane_of: dict[str, int] = {}
+    for module in sorted(seconds, key=lambda m: (-seconds[m], m)):
+        lane_of[module] = min(range(lanes), key=lambda i: (load[i], i))
+        load[lane_of[module]] += seconds[module]
+    for item in items:
+        lane = lane_of.get(_base_id(item).partition("::")[0])
+        marker = item.get_closest_marker("xdist_group")
+        if lane is not None and marker is not None and (marker.args[:1] or [marker.kwargs.get("name")])[0] == MULTI:
+            item.add_marker(pytest.mark.xdist_group(f"{MULTI}-{lane + 1}"))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     known: dict[str, float] = _json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    if (lanes := _workers(config) - 1) > 1:
+        _deal_into_lanes(items, known, lanes)
     total: dict[str, float] = {}  # a block's seconds
     blocks = []
     for item in items:
