@@ -12,6 +12,11 @@ and moves their state in and out of a checkpoint:
   rank like the RNG streams, and put back on each rank (so a resume keeps the world size);
 * everything else is replicated: rank 0's ``state_dict()`` is saved, every rank loads it.
 
+Under ``parallelism = "fsdp"`` (``sharded``) every model among the states with parameters is
+sharded like the main model, trained ones (a discriminator) with their optimizer, the others (an
+EMA, a frozen copy) alone, and the sharded layout saves and loads their shards through DCP beside
+the main model's (``shard_plan``); they leave the replicated rest.
+
 A state must be plain data (``trainer.checkpoint.state_codec``): ``check`` walks every declared
 state once at start-up, so an object whose state a checkpoint cannot hold is refused (exit 2)
 before a step is trained, never at the first save. Their names and types are part of the resume
@@ -60,6 +65,8 @@ class NamedStates:
     """The declared states beyond the main model, optimizer, scheduler and scaler."""
 
     objects: dict[str, Any] = field(default_factory=dict)
+    #: Names whose state the sharded layout holds in its shards (``shard_plan``), not the extras.
+    sharded: set[str] = field(default_factory=set)
 
     @classmethod
     def declare(cls, states: dict[str, Any] | None, *, where: str, optimizers: list[torch.optim.Optimizer]) -> "NamedStates":
@@ -101,11 +108,56 @@ class NamedStates:
         """Names and types: a resume with another set is refused (``state.check_fingerprint``)."""
         return {n: type(o).__name__ for n, o in self.objects.items()}
 
+    def shard_plan(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   where: str) -> dict[str, tuple[torch.nn.Module, str | None, torch.optim.Optimizer | None]]:
+        """The states the sharded layout shards (``parallelism = "fsdp"``): every model among them
+        with parameters, by name, with the name and object of the optimizer that trains it (None
+        for an EMA or a frozen copy); those names, and their optimizers', go to ``sharded``.
+
+        A model's optimizer state is sharded with that model (``get_state_dict(model,
+        optimizer)``), so each optimizer must hold the parameters of one model only, each model be
+        trained by one optimizer at most, and no two models share a parameter; anything else is a
+        ``StateError`` naming it (exit 2). An optimizer over parameters of no model stays
+        replicated."""
+        fsdp = "under parallelism = 'fsdp' "
+        modules = {"model": model, **{n: o for n, o in self.models().items() if any(True for _ in o.parameters())}}
+        owner: dict[int, str] = {}
+        for name, m in modules.items():
+            for p in m.parameters():
+                if owner.setdefault(id(p), name) != name:
+                    raise StateError(f"{where}: states[{name!r}]: its parameters are also {owner[id(p)]}'s; {fsdp}"
+                                     "each model is sharded on its own: declare a model once (not a part of another)")
+        trains: dict[str, list[str]] = {}
+        optimizers = {"optimizer": optimizer, **self.optimizers()}
+        for oname, opt in optimizers.items():
+            held = {owner.get(id(p)) for g in opt.param_groups for p in g["params"]}
+            if len(held) > 1:
+                spans = " and ".join(sorted("parameters of no model" if h is None else h for h in held))
+                raise StateError(f"{where}: {_label(oname)}: it holds {spans}; {fsdp}an optimizer's state is sharded "
+                                 "with its model, so each optimizer holds one model's parameters (one optimizer per "
+                                 "model, or parallelism = 'ddp')")
+            if held and None not in held:
+                trains.setdefault(held.pop(), []).append(oname)
+        if trains.get("model", ["optimizer"]) != ["optimizer"]:
+            raise StateError(f"{where}: {_label(trains['model'][-1])}: it trains the main model, which "
+                             f"Task.optimizer trains; {fsdp}each model has one optimizer")
+        for name, opts in trains.items():
+            if len(opts) > 1:
+                raise StateError(f"{where}: states[{name!r}]: trained by {' and '.join(map(_label, opts))}; {fsdp}each "
+                                 "model has one optimizer (its state is sharded with the model)")
+        plan: dict[str, tuple[torch.nn.Module, str | None, torch.optim.Optimizer | None]] = {}
+        for name, m in modules.items():
+            if name != "model":
+                oname = (trains.get(name) or [None])[0]
+                plan[name] = (m, oname, optimizers[oname] if oname is not None else None)
+        self.sharded = set(plan) | {o for _, o, _ in plan.values() if o is not None}
+        return plan
+
     def replicated(self) -> dict[str, Any]:
-        return {n: _state_dict(o) for n, o in self.objects.items() if not per_rank(o)}
+        return {n: _state_dict(o) for n, o in self.objects.items() if not per_rank(o) and n not in self.sharded}
 
     def rank_local(self) -> dict[str, Any]:
-        return {n: _state_dict(o) for n, o in self.objects.items() if per_rank(o)}
+        return {n: _state_dict(o) for n, o in self.objects.items() if per_rank(o) and n not in self.sharded}
 
     def has_rank_local(self) -> bool:
         return any(per_rank(o) for o in self.objects.values())
@@ -114,6 +166,8 @@ class NamedStates:
         """Put a checkpoint's states back; a state missing from it is a ``KeyError`` (the caller
         turns it into a refusal naming the checkpoint)."""
         for name, obj in self.objects.items():
+            if name in self.sharded:
+                continue  # loaded with the shards (``trainer.checkpoint.sharded``)
             saved = (rank_local if per_rank(obj) else replicated) or {}
             if name not in saved:
                 raise KeyError(f"the checkpoint has no state {name!r}")
@@ -132,6 +186,10 @@ class NamedStates:
             except state_codec.NotPlainData as e:
                 raise StateError(f"{where}: states[{name!r}]: its state_dict() holds what a checkpoint cannot hold "
                                  f"without pickle: {e}") from None
+
+
+def _label(optimizer: str) -> str:
+    return "Task.optimizer" if optimizer == "optimizer" else f"states[{optimizer!r}]"
 
 
 def _state_dict(obj: Any) -> Any:
