@@ -25,6 +25,7 @@ fingerprint: a resume with a state added, removed or of another type is refused.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +107,7 @@ class NamedStates:
 
     def fingerprint(self) -> dict[str, str]:
         """Names and types: a resume with another set is refused (``state.check_fingerprint``)."""
-        return {n: type(o).__name__ for n, o in self.objects.items()}
+        return {n: _type_name(o) for n, o in self.objects.items()}
 
     def shard_plan(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    where: str) -> dict[str, tuple[torch.nn.Module, str | None, torch.optim.Optimizer | None]]:
@@ -136,8 +137,12 @@ class NamedStates:
                 raise StateError(f"{where}: {_label(oname)}: it holds {spans}; {fsdp}an optimizer's state is sharded "
                                  "with its model, so each optimizer holds one model's parameters (one optimizer per "
                                  "model, or parallelism = 'ddp')")
-            if held and None not in held:
-                trains.setdefault(held.pop(), []).append(oname)
+            one = next(iter(held), None)
+            if oname == "optimizer" and one != "model":
+                raise StateError(f"{where}: Task.optimizer: it does not hold the parameters of Task.model; {fsdp}the "
+                                 "main optimizer is sharded with the main model, so it trains that model")
+            if one is not None:
+                trains.setdefault(one, []).append(oname)
         if trains.get("model", ["optimizer"]) != ["optimizer"]:
             raise StateError(f"{where}: {_label(trains['model'][-1])}: it trains the main model, which "
                              f"Task.optimizer trains; {fsdp}each model has one optimizer")
@@ -148,8 +153,8 @@ class NamedStates:
         plan: dict[str, tuple[torch.nn.Module, str | None, torch.optim.Optimizer | None]] = {}
         for name, m in modules.items():
             if name != "model":
-                oname = (trains.get(name) or [None])[0]
-                plan[name] = (m, oname, optimizers[oname] if oname is not None else None)
+                opts = trains.get(name, [])
+                plan[name] = (m, opts[0], optimizers[opts[0]]) if opts else (m, None, None)
         self.sharded = set(plan) | {o for _, o, _ in plan.values() if o is not None}
         return plan
 
@@ -186,6 +191,17 @@ class NamedStates:
             except state_codec.NotPlainData as e:
                 raise StateError(f"{where}: states[{name!r}]: its state_dict() holds what a checkpoint cannot hold "
                                  f"without pickle: {e}") from None
+
+
+def _type_name(obj: Any) -> str:
+    """The class the job made: FSDP2's ``fully_shard`` swaps a module's class for a subclass of
+    its own (``FSDPNet``), which is there on several ranks and not in one process."""
+    cls = type(obj)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: nothing was sharded
+    FSDPModule = getattr(fsdp, "FSDPModule", None)  # noqa: N806 - the class's own name
+    if FSDPModule is not None and issubclass(cls, FSDPModule):
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls.__name__
 
 
 def _label(optimizer: str) -> str:

@@ -3,7 +3,8 @@ discriminator, each of ``blocks`` linear + LayerNorm blocks, each with its own A
 updates in the task's own ``step``, and EMAs of the generator declared in ``Task.states``:
 ``ema = "averaged"`` (torch's ``AveragedModel`` with ``get_ema_multi_avg_fn``, ``n_averaged``
 in its state), ``"plain"`` (a copy of the generator averaged in the step by hand), ``"both"`` or
-``"none"``. Under ``parallelism = "fsdp"`` the trainer shards every one of them.
+``"none"``. Under ``parallelism = "fsdp"`` the trainer shards every one of them. ``optim =
+"one"``: one Adam over both networks, which the sharded layout refuses (exit 2).
 
 No BatchNorm: FSDP2 keeps buffers whole on every rank and never synchronises them, so running
 statistics would differ per rank (docs/porting.md)."""
@@ -47,12 +48,15 @@ class Net(nn.Module):
 
 
 def build(ctx: TaskContext, *, dim: int = 8, nz: int = 8, width: int = 16, blocks: int = 30, lr: float = 1e-3,
-          samples: int = 2048, ema: str = "both") -> Task:
+          samples: int = 2048, ema: str = "both", optim: str = "two") -> Task:
     netG = Net(nz, width, dim, blocks).to(ctx.device)
     netD = Net(dim, width, 1, blocks).to(ctx.device)
     opt_g = torch.optim.Adam(netG.parameters(), lr=lr, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(netD.parameters(), lr=lr, betas=(0.5, 0.999))
     states: dict[str, Any] = {"D": netD, "opt_d": opt_d}
+    if optim == "one":
+        opt_g = torch.optim.Adam([*netG.parameters(), *netD.parameters()], lr=lr)
+        states = {"D": netD}
     averaged = AveragedModel(netG, multi_avg_fn=get_ema_multi_avg_fn(0.9)) if ema in ("averaged", "both") else None
     plain = copy.deepcopy(netG).requires_grad_(False) if ema in ("plain", "both") else None
     if averaged is not None:

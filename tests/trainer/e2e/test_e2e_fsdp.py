@@ -121,3 +121,38 @@ def test_a_gan_with_a_sharded_discriminator_and_emas_resumes_bit_for_bit(tmp_pat
                       ("model-ema", sharded_gan_task.Net(8, 16, 8, 30)),
                       ("model-ema_plain", sharded_gan_task.Net(8, 16, 8, 30))]:
         net.load_state_dict(load_file(export / f"{name}.safetensors"), strict=True)
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_a_sharded_gan_resumes_on_one_process_like_the_same_path(tmp_path: Path) -> None:
+    """The discriminator, its Adam and the EMA reshard 2 -> 1 like the main model (DCP)."""
+    from tests.trainer.e2e.test_e2e_any_job import config, trainer
+
+    cfg = config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
+                           'batch_size = 4\n[task_args]\nema = "averaged"\n')
+    saved = sigterm_after(trainer(tmp_path / "run", cfg, torchrun=2), 6)
+    one = trainer(tmp_path / "run", cfg)
+    assert one.wait() == 0, one.output[-4000:]
+    assert one.seen(rf"event=world_size_change step={saved} from=2 to=1 ")
+    two = trainer(tmp_path / "ref", cfg, "--stop-at-step", str(saved), torchrun=2)
+    two.wait()
+    assert two.seen(rf"event=paused step={saved} ")
+    assert trainer(tmp_path / "ref", cfg).wait() == 0
+    got, states = _sharded_digests(tmp_path / "run", STEPS)
+    assert {"states.D", "states.opt_d", "states.ema"} <= set(got)
+    assert got == _sharded_digests(tmp_path / "ref", STEPS)[0] and int(states["ema"]["n_averaged"]) == STEPS
+
+
+def test_one_optimizer_over_two_sharded_models_is_refused_before_anything_is_saved(tmp_path: Path) -> None:
+    from tests.trainer.e2e.test_e2e_any_job import config, trainer
+    from trainer import EXIT_BAD_INPUT
+
+    cfg = config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
+                           'batch_size = 4\n[task_args]\noptim = "one"\nblocks = 2\n')
+    p = trainer(tmp_path / "run", cfg)
+    assert p.wait() == EXIT_BAD_INPUT, p.output[-3000:]
+    line = p.seen(r"event=failed reason=bad_input (.*)").group(1)
+    assert line.startswith("task tests.trainer.e2e.sharded_gan_task:build: Task.optimizer: it holds D and model; "
+                           "under parallelism = 'fsdp'"), line
+    assert "Traceback" not in p.output
+    assert not list((tmp_path / "run").glob("step-*"))

@@ -105,6 +105,7 @@ def test_under_fsdp_every_model_among_the_states_is_sharded_with_its_optimizer()
     ("two_optimizers_on_d", r"states\['D'\]: trained by states\['opt_d'\] and states\['opt_d2'\]"),
     ("part_of_model", r"states\['head'\]: its parameters are also model's"),
     ("free_and_model", r"states\['opt_d'\]: it holds D and parameters of no model"),
+    ("swapped", r"Task.optimizer: it does not hold the parameters of Task.model"),
 ])
 def test_what_cannot_be_sharded_beside_the_model_is_refused_naming_it(kind: str, why: str) -> None:
     g, opt_g, d, opt_d = _gan()
@@ -118,6 +119,8 @@ def test_what_cannot_be_sharded_beside_the_model_is_refused_naming_it(kind: str,
         states["opt_d2"] = torch.optim.SGD(d.parameters(), lr=1)
     elif kind == "part_of_model":
         states["head"] = g[0]
+    elif kind == "swapped":
+        opt_g, states["opt_d"] = opt_d, opt_g
     else:
         states["opt_d"] = torch.optim.Adam([*d.parameters(), torch.nn.Parameter(torch.zeros(1))])
     ns = NamedStates.declare(states, where="task t:build", optimizers=[opt_g])
@@ -132,3 +135,16 @@ def test_an_optimizer_of_parameters_outside_any_model_stays_replicated_under_fsd
     ns = NamedStates.declare({"opt_t": opt_t}, where="task t:build", optimizers=[opt_g])
     assert ns.shard_plan(g, opt_g, "task t:build") == {} and ns.sharded == set()
     assert set(ns.replicated()) == {"opt_t"}
+
+
+def test_the_fingerprint_names_a_sharded_model_by_its_own_class() -> None:
+    """fully_shard swaps a module's class for ``FSDP<name>`` on several ranks and not in one
+    process: a resume at another world size must see the same states."""
+    from torch.distributed.fsdp import FSDPModule
+
+    d = torch.nn.Linear(2, 2)
+    sharded = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})
+    ns = _states(D=d)
+    before = ns.fingerprint()
+    d.__class__ = sharded
+    assert ns.fingerprint() == before == {"D": "Linear"}
