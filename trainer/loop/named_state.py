@@ -127,7 +127,8 @@ class NamedStates:
             for p in m.parameters():
                 if owner.setdefault(id(p), name) != name:
                     raise StateError(f"{where}: states[{name!r}]: its parameters are also {owner[id(p)]}'s; {fsdp}"
-                                     "each model is sharded on its own: declare a model once (not a part of another)")
+                                     "each model is sharded on its own: declare a model once, not a part of another (or use "
+                                     "parallelism = 'ddp')")
         trains: dict[str, list[str]] = {}
         optimizers = {"optimizer": optimizer, **self.optimizers()}
         for oname, opt in optimizers.items():
@@ -140,16 +141,19 @@ class NamedStates:
             one = next(iter(held), None)
             if oname == "optimizer" and one != "model":
                 raise StateError(f"{where}: Task.optimizer: it does not hold the parameters of Task.model; {fsdp}the "
-                                 "main optimizer is sharded with the main model, so it trains that model")
+                                 "main optimizer is sharded with the main model, so it trains that model (or use "
+                                 "parallelism = 'ddp')")
             if one is not None:
                 trains.setdefault(one, []).append(oname)
         if trains.get("model", ["optimizer"]) != ["optimizer"]:
             raise StateError(f"{where}: {_label(trains['model'][-1])}: it trains the main model, which "
-                             f"Task.optimizer trains; {fsdp}each model has one optimizer")
+                             f"Task.optimizer trains; {fsdp}each model has one optimizer (its state is sharded with "
+                             "the model): merge their parameter groups into one, or use parallelism = 'ddp'")
         for name, opts in trains.items():
             if len(opts) > 1:
                 raise StateError(f"{where}: states[{name!r}]: trained by {' and '.join(map(_label, opts))}; {fsdp}each "
-                                 "model has one optimizer (its state is sharded with the model)")
+                                 "model has one optimizer (its state is sharded with the model): merge their parameter "
+                                 "groups into one, or use parallelism = 'ddp'")
         plan: dict[str, tuple[torch.nn.Module, str | None, torch.optim.Optimizer | None]] = {}
         for name, m in modules.items():
             if name != "model":
