@@ -521,8 +521,9 @@ class Sharded:
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         try:
-            self.load_into(folder, self._model, self._optimizer, self._named)
-            return _load_extras(folder / EXTRAS)
+            extras = _load_extras(folder / EXTRAS)
+            self.load_into(folder, self._model, self._optimizer, self._in_shards(folder, extras))
+            return extras
         except CheckpointUnloadable:
             raise
         except (CheckpointException, Exception) as e:  # noqa: BLE001
@@ -532,6 +533,23 @@ class Sharded:
             raise CheckpointUnloadable(
                 "the checkpoint verified but does not fit this model and optimizer (use the original code and "
                 f"settings, or a new --run-dir/--gcs-uri for a new run; nothing was deleted): {err}") from None
+
+    def _in_shards(self, folder: Path, extras: Any) -> dict[str, Any]:
+        """The bound other models the checkpoint holds in its shards. One written before they
+        were sharded holds a model that did not train (a frozen copy) in the extras' ``states``:
+        it is loaded from there (``NamedStates.load``); one in neither is ``CheckpointUnloadable``."""
+        if not self._named:
+            return {}
+        import torch.distributed.checkpoint as dcp
+
+        keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        held = {n for n in self._named if any(k.startswith(f"states.{n}.") for k in keys)}
+        replicated = extras.get("states") if isinstance(extras, dict) else None
+        for name, (_, oname, _) in self._named.items():
+            if name not in held and not (oname is None and isinstance(replicated, dict) and name in replicated):
+                raise CheckpointUnloadable(f"the checkpoint holds no state {name!r} (use the original code and "
+                                           "settings, or a new --run-dir/--gcs-uri for a new run; nothing was deleted)")
+        return {n: part for n, part in self._named.items() if n in held}
 
     def load_into(self, folder: Path, model: Any, optimizer: Any | None, named: dict[str, Any] | None = None) -> None:
         """Load a verified checkpoint folder's shards into ``model`` (and ``optimizer``; None:

@@ -175,9 +175,13 @@ class NamedStates:
         """Put a checkpoint's states back; a state missing from it is a ``KeyError`` (the caller
         turns it into a refusal naming the checkpoint)."""
         for name, obj in self.objects.items():
-            if name in self.sharded:
-                continue  # loaded with the shards (``trainer.checkpoint.sharded``)
             saved = (rank_local if per_rank(obj) else replicated) or {}
+            if name in self.sharded:
+                if name in saved:  # written before it was sharded (a frozen model): each rank takes its shard
+                    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+                    set_model_state_dict(obj, saved[name], options=StateDictOptions(full_state_dict=True))
+                continue  # else loaded with the shards (``trainer.checkpoint.sharded``)
             if name not in saved:
                 raise KeyError(f"the checkpoint has no state {name!r}")
             if isinstance(obj, torch.nn.Module):
