@@ -90,7 +90,8 @@ class Task:
     #: (a GAN's discriminator), an EMA or ``AveragedModel``, more schedulers, a custom object with
     #: ``state_dict()``/``load_state_dict()``. Saved, restored and fingerprinted with the rest
     #: (``trainer.loop.named_state``); models among them are exported by name; a model with
-    #: parameters in a declared optimizer trains under DDP like ``model``.
+    #: parameters in a declared optimizer trains under DDP like ``model``; under ``parallelism =
+    #: "fsdp"`` every model among them is sharded like ``model`` (docs/porting.md).
     states: dict[str, Any] = field(default_factory=dict)
     #: Your own step: ``step(s, batch)`` runs in place of ``loss_fn`` for each micro-batch, with
     #: ``s`` a ``trainer.loop.step.OwnStep`` (the models as trained, the optimizers by name,

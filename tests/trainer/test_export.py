@@ -134,3 +134,40 @@ def test_export_reads_only_what_the_key_authenticates(tmp_path: Path, capsys) ->
     assert "no valid checkpoint at" in err and "never read: persistent step 10: unauthenticated: its manifest names" in err
     assert main(["export", "--run-dir", str(run), "--out", out, "--checkpoint-key-file", str(tmp_path / "nope")]) == 2
     assert "checkpoint_key_file: cannot read" in capsys.readouterr().err
+
+
+def test_export_from_a_sharded_checkpoint_gathers_every_model_by_name(tmp_path: Path) -> None:
+    """Issue 29: the other models of a sharded run (a discriminator with its optimizer, an EMA)
+    lie in the shards, not in the extras; each is exported whole by name, loadable with
+    ``strict=True`` by its own class, ``n_averaged`` left out of the EMA's weights."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from trainer.checkpoint.sharded import Sharded
+
+    torch.manual_seed(0)
+    g, d = Tied(), torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    opt_g, opt_d = torch.optim.Adam(g.parameters()), torch.optim.Adam(d.parameters())
+    ema = AveragedModel(g, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    for _ in range(2):
+        d(g.wte(torch.tensor([1, 2]))).sum().backward()
+        opt_g.step(), opt_d.step()
+        ema.update_parameters(g)
+    run = tmp_path / "run"
+    c = Checkpointer(tier_table(run), Sharded(None, run_dir=run), key=run_key())
+    c.bind(g, opt_g, named={"D": (d, "opt_d", opt_d), "ema": (ema, None, None)})
+    c.save(7, {"step": 7, "rng": [], "states": {}, "state_models": ["D", "ema"],
+               "fingerprint": {"task": "gan:build", "parallelism": "fsdp", "steps": 10, "seed": 0}},
+           meta={"world_size": 1}, every_tier=True)
+    c.wait()
+    c.close()
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    assert main(["export", "--run-dir", str(run), "--out", str(out)]) == 0
+    assert torch.equal(load_strict(out).lm_head.weight, g.lm_head.weight)
+    d2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    d2.load_state_dict(load_file(str(out.parent / "model-D.safetensors")), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(d2.state_dict().values(), d.state_dict().values()))
+    averaged = load_strict(out.parent / "model-ema.safetensors")
+    assert torch.equal(averaged.wte.weight, ema.module.wte.weight) and not torch.equal(averaged.wte.weight, g.wte.weight)
+    sidecar = json.loads((out.parent / "model.json").read_text())
+    assert sorted(sidecar["models"]) == ["D", "ema"] and sidecar["layout"] == "sharded"

@@ -139,9 +139,10 @@ class Checkpointer:
                 self.log.warning("%s checkpoints across %d nodes without a remote tier: no tier will hold a "
                                  "complete checkpoint, so no restore is possible", layout.name, self.group.nodes)
 
-    def bind(self, model: Any, optimizer: Any) -> None:
-        """The model and optimizer a layout that saves them in place reads and loads (sharded)."""
-        self.layout.bind(model, optimizer)
+    def bind(self, model: Any, optimizer: Any, *, named: dict[str, Any] | None = None) -> None:
+        """The model and optimizer a layout that saves them in place reads and loads (sharded);
+        ``named``: the job's other models it saves the same way (``Sharded.bind``)."""
+        self.layout.bind(model, optimizer, named=named)
 
     # ------------------------------------------------------------------------------ what the parts hold
     @property

@@ -8,7 +8,9 @@ this module says what a sharded checkpoint is and how the ranks write, verify an
 A sharded checkpoint folder (or remote prefix)::
 
     step-00001200/
-        __0_0.distcp   rank 0's shards of the model and optimizer (DCP, one file per rank)
+        __0_0.distcp   rank 0's shards of the model and optimizer, and of the job's other models
+                       (a GAN's discriminator and its optimizer, an EMA: ``bind``'s ``named``,
+                       under ``states.NAME``) (DCP, one file per rank)
         __1_0.distcp   rank 1's ...
         .metadata      DCP's index: which slice of which tensor lies where (written by rank 0)
         extras.json    the small replicated state rank 0 saves beside the shards (step, scheduler,
@@ -178,6 +180,21 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _named_state_dicts(named: dict[str, Any]) -> dict[str, Any]:
+    """The other models' (and their optimizers') sharded state dicts under ``states``, as DCP
+    saves and loads them (``Sharded.bind``); nothing when there are none (a checkpoint of one
+    model keeps the layout it always had)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    out: dict[str, Any] = {}
+    for name, (module, oname, opt) in named.items():
+        if opt is None:
+            out[name] = get_model_state_dict(module)
+        else:
+            out[name], out[oname] = get_state_dict(module, opt)
+    return {"states": out} if out else {}
+
+
 # --------------------------------------------------------------------------------------------
 # The ranks that save together
 # --------------------------------------------------------------------------------------------
@@ -236,7 +253,7 @@ class Ranks:
 class _Staged:
     step: int
     meta: dict
-    shards: dict             # {"model": ..., "optim": ...}: this rank's shards, on the host
+    shards: dict             # {"model": ..., "optim": ..., "states": {...}}: this rank's shards, on the host
     extras: bytes | None     # rank 0: the extras as plain JSON
     tag: str                 # staging folder suffix, identical on every rank
     created_unix: float
@@ -273,6 +290,7 @@ class Sharded:
         self._host: HostCopy | None = None
         self._model: Any = None
         self._optimizer: Any = None
+        self._named: dict[str, Any] = {}
         self._file_hash: file_hash.FileHash | None = None
 
     parse_manifest = staticmethod(parse_sharded_manifest)
@@ -281,8 +299,12 @@ class Sharded:
     def _pg(self) -> Any:
         return getattr(self.group, "pg", None)
 
-    def bind(self, model: Any, optimizer: Any) -> None:
-        self._model, self._optimizer = model, optimizer
+    def bind(self, model: Any, optimizer: Any, *, named: dict[str, Any] | None = None) -> None:
+        """The sharded model and its optimizer; ``named``: the job's other sharded models by state
+        name, each ``(module, optimizer name or None, optimizer or None)`` (a discriminator and its
+        Adam; an EMA alone), whose shards are saved and loaded beside the main model's under
+        ``states.NAME`` (and ``states.OPTIMIZER_NAME``)."""
+        self._model, self._optimizer, self._named = model, optimizer, dict(named or {})
 
     # ------------------------------------------------------------------------------ saving
     def can_stage(self, droppable: bool) -> bool:
@@ -320,7 +342,7 @@ class Sharded:
         if self._host is None:
             self._host = HostCopy(cuda=torch.cuda.is_available())  # reused host buffers, pinned on CUDA
         msd, osd = get_state_dict(self._model, self._optimizer)
-        shards = self._host.copy({"model": msd, "optim": osd})
+        shards = self._host.copy({"model": msd, "optim": osd, **_named_state_dicts(self._named)})
         return _Staged(step, meta, shards, blob, tag, time.time())
 
     def write(self, staged: _Staged, disks: list[Tier], plan: Plan, *, for_upload: bool, parallel: bool,
@@ -499,8 +521,9 @@ class Sharded:
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         try:
-            self.load_into(folder, self._model, self._optimizer)
-            return _load_extras(folder / EXTRAS)
+            extras = _load_extras(folder / EXTRAS)
+            self.load_into(folder, self._model, self._optimizer, self._in_shards(folder, extras))
+            return extras
         except CheckpointUnloadable:
             raise
         except (CheckpointException, Exception) as e:  # noqa: BLE001
@@ -511,9 +534,27 @@ class Sharded:
                 "the checkpoint verified but does not fit this model and optimizer (use the original code and "
                 f"settings, or a new --run-dir/--gcs-uri for a new run; nothing was deleted): {err}") from None
 
-    def load_into(self, folder: Path, model: Any, optimizer: Any | None) -> None:
+    def _in_shards(self, folder: Path, extras: Any) -> dict[str, Any]:
+        """The bound other models the checkpoint holds in its shards. One written before they
+        were sharded holds a model that did not train (a frozen copy) in the extras' ``states``:
+        it is loaded from there (``NamedStates.load``); one in neither is ``CheckpointUnloadable``."""
+        if not self._named:
+            return {}
+        import torch.distributed.checkpoint as dcp
+
+        keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        held = {n for n in self._named if any(k.startswith(f"states.{n}.") for k in keys)}
+        replicated = extras.get("states") if isinstance(extras, dict) else None
+        for name, (_, oname, _) in self._named.items():
+            if name not in held and not (oname is None and isinstance(replicated, dict) and name in replicated):
+                raise CheckpointUnloadable(f"the checkpoint holds no state {name!r} (use the original code and "
+                                           "settings, or a new --run-dir/--gcs-uri for a new run; nothing was deleted)")
+        return {n: part for n, part in self._named.items() if n in held}
+
+    def load_into(self, folder: Path, model: Any, optimizer: Any | None, named: dict[str, Any] | None = None) -> None:
         """Load a verified checkpoint folder's shards into ``model`` (and ``optimizer``; None:
-        the weights only), resharded to this world size. A collective (``--init-from``)."""
+        the weights only), and the other models of ``named`` (``bind``), resharded to this world
+        size. A collective (``--init-from``: the weights only)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                              set_model_state_dict, set_state_dict)
@@ -524,6 +565,7 @@ class Sharded:
         else:
             msd, osd = get_state_dict(model, optimizer)
             sd = {"model": msd, "optim": osd}
+        sd.update(_named_state_dicts(named or {}))
         with _single_process_quiet():
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(folder)), process_group=self._pg,
                      no_dist=self._pg is None)
@@ -531,10 +573,17 @@ class Sharded:
             set_model_state_dict(model, sd["model"])
         else:
             set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for name, (module, oname, opt) in (named or {}).items():
+            if opt is None:
+                set_model_state_dict(module, sd["states"][name])
+            else:
+                set_state_dict(module, opt, model_state_dict=sd["states"][name], optim_state_dict=sd["states"][oname])
 
     def look(self, folder: Path, *, key: Any) -> tuple[dict, Any]:
         """The full (unsharded) model state dict and the extras of a folder, in this process
-        alone (``status``, ``export``); verified first: only then may DCP read it."""
+        alone (``status``, ``export``); verified first: only then may DCP read it. The other
+        models' and their optimizers' full states (``bind``'s ``named``) join the extras'
+        ``states``, where the replicated ones are: a reader finds every state by name there."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -550,7 +599,10 @@ class Sharded:
                 raise CheckpointUnreadable(f"DCP could not read the verified checkpoint just now ({_error_text(e)})") \
                     from None
             raise CheckpointUnloadable(f"DCP cannot read the verified checkpoint ({type(e).__name__}: {e})") from None
-        return full["model"], _load_extras(folder / EXTRAS)
+        extras = _load_extras(folder / EXTRAS)
+        if isinstance(full.get("states"), dict) and isinstance(extras, dict):
+            extras["states"] = {**(extras.get("states") or {}), **full["states"]}
+        return full["model"], extras
 
     def close(self) -> None:
         if self._host is not None:

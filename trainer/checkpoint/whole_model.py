@@ -452,7 +452,7 @@ class WholeModel:
     def buffers(self) -> list[SnapshotBuffer]:
         return list(self._buffers.all)
 
-    def bind(self, model: Any, optimizer: Any) -> None:
+    def bind(self, model: Any, optimizer: Any, *, named: dict[str, Any] | None = None) -> None:
         """The state passed to each save holds the model and the optimizer; the tensors the
         optimizer writes (its parameters and its state) are copied beside the loop's next step."""
         self._optimizer = optimizer

@@ -219,19 +219,23 @@ class Session:
         optimized = {id(p) for opt in [task.optimizer, *states.optimizers().values()]
                      for g in opt.param_groups for p in g["params"]}
         trained = states.trained_models(optimized)
-        if trained and cfg.parallelism == "fsdp":
-            raise BadWorld(f"{where}: states: {', '.join(trained)} train beside the model, and the sharded layout "
-                           "(parallelism = 'fsdp') shards one trained model; use parallelism = 'ddp', or one model")
+        # Under fsdp every model among the states is sharded too (trained ones with their
+        # optimizer), and the sharded layout saves their shards beside the main model's.
+        plan = states.shard_plan(task.model, task.optimizer, where) if cfg.parallelism == "fsdp" else {}
         if wrapped is not None:
             models = dict(wrapped)
         else:
             models = {"model": parallel.wrap(task.model, world, parallelism=cfg.parallelism, device=device,
-                                             optimizer=task.optimizer),
-                      **{n: parallel.wrap(m, world, parallelism="ddp", device=device, optimizer=None)
-                         for n, m in trained.items()}}
+                                             optimizer=task.optimizer)}
+            for n, (m, _, opt) in plan.items():
+                sharded = parallel.shard(m, world, optimizer=opt)
+                if n in trained:
+                    models[n] = sharded
+            models.update({n: parallel.wrap(m, world, parallelism="ddp", device=device, optimizer=None)
+                           for n, m in trained.items() if n not in plan})
         model = models["model"]
-        if self.ckpt is not None:
-            self.ckpt.bind(model, task.optimizer)  # the sharded layout saves and loads them in place
+        if self.ckpt is not None:  # the sharded layout saves and loads them in place
+            self.ckpt.bind(model, task.optimizer, named=plan)
         fingerprint = cfg.fingerprint(dataset_len=dataset_len, device=device.type)
         if states.objects:
             fingerprint["states"] = states.fingerprint()

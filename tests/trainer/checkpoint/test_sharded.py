@@ -729,3 +729,40 @@ def test_another_runs_sharded_checkpoint_planted_at_a_first_boot_is_set_aside(tm
     c.wait()
     c.close()
     assert run_record.read(c.tiers["gcs"].store, mine)[0]
+
+
+def test_a_frozen_model_saved_before_it_was_sharded_loads_from_the_extras(tmp_path: Path) -> None:
+    """Before issue 29's sharding of every model among ``Task.states``, a sharded checkpoint held
+    a model that did not train (a frozen copy) in the extras: a resume loads it from there; a
+    trained model in neither place is a resume mismatch, never a fresh one."""
+    from trainer.loop.named_state import NamedStates
+    from trainer.loop.state import ResumeMismatch
+
+    run = tmp_path / "run"
+    model, opt, sched = make(seed=0)
+    frozen = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    c = ckpt(run, World(), model=model, opt=opt)
+    c.save(3, {**extras_for(3, sched, []), "states": {"frozen": frozen.state_dict()}, "state_models": ["frozen"]},
+           meta={"world_size": 1})
+    c.wait()
+    c.close()
+
+    model2, opt2, _ = make(seed=99)
+    frozen2 = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    states = NamedStates.declare({"frozen": frozen2}, where="task t:build", optimizers=[opt2])
+    plan = states.shard_plan(model2, opt2, "task t:build")
+    c = ckpt(run, World())
+    c.bind(model2, opt2, named=plan)
+    restored = c.restore()
+    c.close()
+    assert restored is not None and restored.step == 3
+    states.load(restored.state["states"], {})
+    assert torch.equal(frozen2[0].weight, frozen[0].weight) and torch.equal(model2[0].weight, model[0].weight)
+
+    d = nn.Linear(4, 1)
+    opt_d = torch.optim.Adam(d.parameters())
+    c = ckpt(run, World())
+    c.bind(model2, opt2, named={"D": (d, "opt_d", opt_d)})
+    with pytest.raises(ResumeMismatch, match=r"cannot resume from step 3 .*the checkpoint holds no state 'D'"):
+        c.restore()
+    c.close()

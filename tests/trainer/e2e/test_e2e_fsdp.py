@@ -80,3 +80,79 @@ def test_a_named_state_beside_sharded_weights_resumes_bit_for_bit(tmp_path: Path
     want = digests(tmp_path / "ref", STEPS)
     assert "states.tracker" in want and digests(run_dir, STEPS) == want
     assert status(run_dir)["model_digest"] == status(tmp_path / "ref")["model_digest"]
+
+
+def _sharded_digests(run_dir: Path, step: int) -> tuple[dict[str, str], dict]:
+    """Every part of a sharded checkpoint by name (the gathered model, and each named state,
+    sharded or replicated), and its states as read."""
+    from tests.trainer.e2e.test_e2e_any_job import digests
+    from tests.trainer.support import run_key
+    from trainer.checkpoint.format import state_digest
+    from trainer.checkpoint.reader import read
+
+    found = read(run_dir=run_dir, gcs_uri=None, step=step, key=run_key())
+    return {"model": state_digest(found.model), **digests(run_dir, step)}, found.state["states"]
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_a_gan_with_a_sharded_discriminator_and_emas_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """Two trained models with two optimizers, an ``AveragedModel`` EMA and a hand-averaged copy
+    of the generator, all sharded on 2 ranks (issue 29): SIGTERM, SIGKILL and a restart end where
+    an uninterrupted run ends, every state bit for bit; each model exports whole by name."""
+    from safetensors.torch import load_file
+
+    from tests.trainer.e2e import sharded_gan_task
+    from tests.trainer.e2e.test_e2e_any_job import config, interrupted, trainer
+
+    cfg = config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
+                           'batch_size = 4\n')
+    ref = trainer(tmp_path / "ref", cfg, torchrun=2)
+    assert ref.wait() == 0, ref.output[-4000:]
+    interrupted(tmp_path / "run", cfg, torchrun=2)
+    want, states = _sharded_digests(tmp_path / "ref", STEPS)
+    assert {"model", "states.D", "states.opt_d", "states.ema", "states.ema_plain", "data"} <= set(want)
+    got, resumed = _sharded_digests(tmp_path / "run", STEPS)
+    assert got == want  # both networks, the discriminator's Adam, both EMAs, the data position
+    assert int(resumed["ema"]["n_averaged"]) == int(states["ema"]["n_averaged"]) == STEPS
+    # 4 tensors a block, 30 blocks a network: hundreds of sharded tensors, Adam's moments twice that.
+    assert len(resumed["D"]) > 120 and len(resumed["opt_d"]["state"]) == len(resumed["D"])
+    export = tmp_path / "run" / "export" / f"step-{STEPS:08d}"
+    for name, net in [("model", sharded_gan_task.Net(8, 16, 8, 30)), ("model-D", sharded_gan_task.Net(8, 16, 1, 30)),
+                      ("model-ema", sharded_gan_task.Net(8, 16, 8, 30)),
+                      ("model-ema_plain", sharded_gan_task.Net(8, 16, 8, 30))]:
+        net.load_state_dict(load_file(export / f"{name}.safetensors"), strict=True)
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_a_sharded_gan_resumes_on_one_process_like_the_same_path(tmp_path: Path) -> None:
+    """The discriminator, its Adam and the EMA reshard 2 -> 1 like the main model (DCP)."""
+    from tests.trainer.e2e.test_e2e_any_job import config, trainer
+
+    cfg = config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
+                           'batch_size = 4\n[task_args]\nema = "averaged"\n')
+    saved = sigterm_after(trainer(tmp_path / "run", cfg, torchrun=2), 6)
+    one = trainer(tmp_path / "run", cfg)
+    assert one.wait() == 0, one.output[-4000:]
+    assert one.seen(rf"event=world_size_change step={saved} from=2 to=1 ")
+    two = trainer(tmp_path / "ref", cfg, "--stop-at-step", str(saved), torchrun=2)
+    two.wait()
+    assert two.seen(rf"event=paused step={saved} ")
+    assert trainer(tmp_path / "ref", cfg).wait() == 0
+    got, states = _sharded_digests(tmp_path / "run", STEPS)
+    assert {"states.D", "states.opt_d", "states.ema"} <= set(got)
+    assert got == _sharded_digests(tmp_path / "ref", STEPS)[0] and int(states["ema"]["n_averaged"]) == STEPS
+
+
+def test_one_optimizer_over_two_sharded_models_is_refused_before_anything_is_saved(tmp_path: Path) -> None:
+    from tests.trainer.e2e.test_e2e_any_job import config, trainer
+    from trainer import EXIT_BAD_INPUT
+
+    cfg = config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
+                           'batch_size = 4\n[task_args]\noptim = "one"\nblocks = 2\n')
+    p = trainer(tmp_path / "run", cfg)
+    assert p.wait() == EXIT_BAD_INPUT, p.output[-3000:]
+    line = p.seen(r"event=failed reason=bad_input (.*)").group(1)
+    assert line.startswith("task tests.trainer.e2e.sharded_gan_task:build: Task.optimizer: it holds D and model; "
+                           "under parallelism = 'fsdp'"), line
+    assert "Traceback" not in p.output
+    assert not list((tmp_path / "run").glob("step-*"))
