@@ -100,7 +100,9 @@ class Proc:
     instead (a ``ForkedProc``: same code path as ``python -m trainer``, real signals, exit status,
     process group, cwd and environment, without paying the torch import again). ``fork=False``
     keeps a fresh interpreter (a test of what start-up itself does); ``fork=True`` insists on the
-    fork. ``SPOTTRAIN_TEST_NO_ZYGOTE=1`` turns the forks off for the whole run (to compare)."""
+    fork. ``SPOTTRAIN_TEST_NO_ZYGOTE=1`` turns the forks off for the whole run (to compare).
+    Anything else stays a fresh interpreter: torchrun (``-m torch.distributed.run`` starts and
+    watches workers of its own, each a fresh `python -m trainer`), scripts, other commands."""
 
     #: Every Proc a test started, for `power_off_leftovers`.
     started: "weakref.WeakSet[Proc]" = weakref.WeakSet()
