@@ -551,10 +551,17 @@ def close_worker_zygote() -> None:
         _worker_zygote = None
 
 
+#: Commands that set an environment variable torch reads at import before they import it, which a
+#: child of the zygote (torch loaded) cannot honour: `rendezvous-id` sets TORCH_CPP_LOG_LEVEL=FATAL
+#: so that c10d's C++ log does not add a stack trace to its one line.
+FRESH_COMMANDS = ("rendezvous-id",)
+
+
 def forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
     """Whether ``argv`` (with ``env``, default ``trainer_env()``) is a plain ``python -m trainer``
     launch that the worker's zygote can fork in place of a fresh interpreter."""
-    if argv[:3] != [sys.executable, "-m", "trainer"] or os.environ.get(NO_ZYGOTE_ENV):
+    if argv[:3] != [sys.executable, "-m", "trainer"] or any(argv[3:4] == [c] for c in FRESH_COMMANDS) \
+            or os.environ.get(NO_ZYGOTE_ENV):
         return False
     return worker_zygote().reproduces(env or trainer_env())
 

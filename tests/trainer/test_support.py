@@ -58,5 +58,8 @@ def test_a_launch_the_zygote_cannot_reproduce_gets_a_fresh_interpreter(tmp_path:
     p = Proc([*argv, "--extend-steps"], env=trainer_env(PYTHONHASHSEED="7"))
     assert type(p) is Proc and p.wait() == 0, p.output[-3000:]
     assert type(Proc([sys.executable, "-c", "pass"])) is Proc
+    # rendezvous-id quiets c10d's C++ log through the environment before it imports torch.
+    p = Proc([sys.executable, "-m", "trainer", "rendezvous-id", "--help"])
+    assert type(p) is Proc and p.wait() == 0, p.output[-3000:]
     with pytest.raises(ValueError):
         Proc([sys.executable, "-c", "pass"], fork=True)
