@@ -226,6 +226,24 @@ def logwatch() -> Iterator[LogWatch]:
             lg.setLevel(lvl)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _worker_zygote_closed() -> Iterator[None]:
+    """The pytest process's zygote (`support.worker_zygote`: the fork server most trainer launches
+    come from, started on first use) stops with the session."""
+    from tests.trainer.support import close_worker_zygote
+
+    yield
+    close_worker_zygote()
+
+
+@pytest.fixture(scope="session")
+def zygote(_worker_zygote_closed: None) -> Any:
+    """The pytest process's fork server (see support.Zygote), for tests that fork from it by hand."""
+    from tests.trainer.support import worker_zygote
+
+    return worker_zygote()
+
+
 @pytest.fixture(autouse=True)
 def _no_trainer_outlives_its_test() -> Iterator[None]:
     from tests.trainer.support import power_off_leftovers

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -92,26 +93,52 @@ def trainer_env(**extra: str) -> dict[str, str]:
 
 
 class Proc:
-    """A subprocess whose merged stdout/stderr is read line by line by a thread."""
+    """A process whose merged stdout/stderr is read line by line by a thread.
+
+    A plain ``python -m trainer ...`` (``argv`` starts ``sys.executable, "-m", "trainer"``) whose
+    environment the worker's zygote reproduces (``Zygote.reproduces``) is forked from that zygote
+    instead (a ``ForkedProc``: same code path as ``python -m trainer``, real signals, exit status,
+    process group, cwd and environment, without paying the torch import again). ``fork=False``
+    keeps a fresh interpreter (a test of what start-up itself does); ``fork=True`` insists on the
+    fork. ``SPOTTRAIN_TEST_NO_ZYGOTE=1`` turns the forks off for the whole run (to compare).
+    Anything else stays a fresh interpreter: torchrun (``-m torch.distributed.run`` starts and
+    watches workers of its own, each a fresh `python -m trainer`), scripts, other commands."""
 
     #: Every Proc a test started, for `power_off_leftovers`.
     started: "weakref.WeakSet[Proc]" = weakref.WeakSet()
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None, new_session: bool = False):
+    def __new__(cls, argv: list[str], env: dict[str, str] | None = None, new_session: bool = False,
+                fork: bool | None = None, **kw: Any) -> "Proc":
+        if cls is Proc and fork is not False and forkable(argv, env):
+            cls = ForkedProc
+        elif cls is Proc and fork:
+            raise ValueError(f"not a launch the zygote can fork: {argv[:4]}")
+        return super().__new__(cls)
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, new_session: bool = False,
+                 fork: bool | None = None):
         self.argv = argv
-        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                  env=env or trainer_env(), cwd=REPO, start_new_session=new_session)
+        self.p: Any = self._start(argv, env or trainer_env(), new_session)
         Proc.started.add(self)
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
-    def _read(self) -> None:
+    def _start(self, argv: list[str], env: dict[str, str], new_session: bool) -> Any:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env=env, cwd=REPO, start_new_session=new_session)
+
+    def _stream(self) -> Any:
+        """The merged output, as lines (a pipe here, a fifo in ForkedProc)."""
         assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.lines.append(line.rstrip("\n"))
-            self._q.put(line.rstrip("\n"))
+        return contextlib.nullcontext(self.p.stdout)
+
+    def _read(self) -> None:
+        with self._stream() as stream:
+            for line in stream:
+                self.lines.append(line.rstrip("\n"))
+                self._q.put(line.rstrip("\n"))
         self._q.put(None)
 
     def wait_for(self, pattern: str, timeout: float = TIMEOUT) -> re.Match[str]:
@@ -217,19 +244,23 @@ def run_args(run_dir: Path, steps: int, config: Path, *extra: str, seed: int = 0
             "--seed", str(seed), "--health-port", "0", "--config", str(config), *extra]
 
 
-def start(run_dir: Path, steps: int, config: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
-    return Proc(run_args(run_dir, steps, config, *extra), env=env)
+def start(run_dir: Path, steps: int, config: Path, *extra: str, env: dict[str, str] | None = None,
+          fork: bool | None = None) -> Proc:
+    """``python -m trainer run``: forked from the worker's zygote unless ``fork=False`` (see Proc)."""
+    return Proc(run_args(run_dir, steps, config, *extra), env=env, fork=fork)
 
 
-def run_to_end(run_dir: Path, steps: int, config: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
-    p = start(run_dir, steps, config, *extra, env=env)
+def run_to_end(run_dir: Path, steps: int, config: Path, *extra: str, env: dict[str, str] | None = None,
+               fork: bool | None = None) -> Proc:
+    p = start(run_dir, steps, config, *extra, env=env, fork=fork)
     rc = p.wait()
     assert rc == 0, p.output[-4000:]
     return p
 
 
 def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: bool = False) -> dict[str, Any]:
-    """`python -m trainer status --json` (in this process unless ``cli``: torch is loaded here)."""
+    """`python -m trainer status --json` (in this process unless ``cli``: torch is loaded here;
+    with ``cli``, forked from the worker's zygote: see Proc)."""
     if not cli:
         from trainer.config import StatusConfig
         from trainer.status import collect
@@ -237,73 +268,192 @@ def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: b
         opt = dict(zip(extra[::2], extra[1::2]))
         cfg = StatusConfig(run_dir=run_dir, gcs_uri=opt.get("--gcs-uri"), local_dir=opt.get("--local-dir"))
         return json.loads(json.dumps(collect(cfg), default=str))
-    out = subprocess.run([sys.executable, "-m", "trainer", "status", "--run-dir", str(run_dir), "--json", *extra],
-                         capture_output=True, text=True, env=env or trainer_env(), cwd=REPO, timeout=TIMEOUT)
+    out = run_trainer(["status", "--run-dir", str(run_dir), "--json", *extra], env=env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
 # --------------------------------------------------------------------------------------------
-# A fork server for the many SIGKILL restarts: importing torch costs seconds per process on this
-# box, so one "zygote" imports the trainer once and forks a fresh process per restart. Each child
-# runs exactly what `python -m trainer` runs (trainer.cli.main) and is killed with real signals.
+# A fork server: importing torch costs 1.6-1.9 s of CPU per process on this box, so one "zygote"
+# a pytest process imports torch and the trainer once and forks a child per trainer launch. Each
+# child runs exactly what `python -m trainer` runs (trainer/__main__.py, through runpy, as
+# __main__), with the launch's argv, environment, cwd and output, in its own session when the
+# launch asks for one, and exits as an interpreter exits (non-daemon threads joined, atexit run);
+# tests signal and power it off with real signals.
+#
+# What a fork cannot reproduce, and so what `Zygote.reproduces` refuses (a fresh interpreter is
+# started instead): an environment that differs from the zygote's in variables read when the
+# interpreter or torch starts (IMPORT_TIME_ENV: PYTHON*, TORCH*, OMP_*, ...). trainer/ reads no
+# environment at import time. The zygote itself starts no thread (torch's intra-op pool and CUDA
+# start on first use, never here), so each child starts them as a fresh process would. Shared with
+# the zygote and so with every child: the hash seed (a fresh process draws its own).
 # --------------------------------------------------------------------------------------------
 
 ZYGOTE_SRC = r"""
-import json, os, select, sys
+import json, os, runpy, select, signal, sys
 import torch, torch._dynamo  # noqa: F401  (what every trainer process would import)
 import trainer.cli, trainer.train, trainer.checkpoint.checkpointer, trainer.tasks.gpt  # noqa: F401
-out = os.fdopen(os.dup(1), "w", buffering=1)
-children = set()
-print(json.dumps({"ready": os.getpid()}), file=out)
-while True:
-    r, _, _ = select.select([sys.stdin], [], [], 0.02)
-    if r:
-        line = sys.stdin.readline()
-        if not line:
-            break
-        cmd = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
+
+replies = os.fdopen(os.dup(1), "w", buffering=1)
+null = os.open(os.devnull, os.O_WRONLY)
+os.dup2(null, 1)  # nothing a child inherits can write into the replies
+os.close(null)
+wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+signal.set_wakeup_fd(wake_w)
+signal.signal(signal.SIGCHLD, lambda *a: None)
+
+
+def child(cmd):
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in (wake_r, wake_w, replies.fileno()):
+            os.close(fd)
+        if cmd["new_session"]:
+            os.setsid()
+        fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(fd, 0)
+        os.close(fd)
+        out = os.open(cmd["out"], os.O_WRONLY)
+        err = os.open(cmd["err"], os.O_WRONLY) if cmd["err"] else out
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in {out, err}:
+            os.close(fd)
+        sys.stdin = sys.__stdin__ = open(0, closefd=False)
+        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+        for f in (sys.stdout, sys.stderr):
+            f.reconfigure(write_through=True)  # what PYTHONUNBUFFERED=1 gives a fresh interpreter
+        os.chdir(cmd["cwd"])
+        os.environ.clear()
+        os.environ.update(cmd["env"])
+        import tempfile
+        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+        if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
+            sys.modules["numpy"].random.seed()
+        if sys.path[0] == "":
+            sys.path[0] = os.getcwd()  # what `python -m` puts first
+        sys.argv = ["-m", *cmd["argv"]]
+        runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code & 0xFF
+        else:
+            print(e.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:
+        import traceback
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    try:
+        import atexit, threading
+        threading._shutdown()  # the interpreter's own exit: non-daemon threads, then atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        if code == -signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code)
+
+
+print(json.dumps({"ready": os.getpid()}), file=replies)
+pending = b""
+while True:
+    ready, _, _ = select.select([0, wake_r], [], [])
+    if wake_r in ready:
+        while True:
             try:
-                fd = os.open(cmd["fifo"], os.O_WRONLY)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                os.environ.clear()
-                os.environ.update(cmd["env"])
-                sys.argv = ["trainer", *cmd["argv"]]
-                code = trainer.cli.main(cmd["argv"])
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-            except BaseException:
-                import traceback
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        children.add(pid)
-        print(json.dumps({"pid": pid, "id": cmd["id"]}), file=out)
-    for pid in list(children):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            children.discard(pid)
-            print(json.dumps({"exit": pid, "rc": os.waitstatus_to_exitcode(status)}), file=out)
+                if not os.read(wake_r, 512):
+                    break
+            except BlockingIOError:
+                break
+    if 0 in ready:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            break
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            cmd = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                child(cmd)
+            print(json.dumps({"pid": pid, "id": cmd["id"]}), file=replies)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        print(json.dumps({"exit": pid, "rc": os.waitstatus_to_exitcode(status)}), file=replies)
 """
+
+#: Environment variables read when the interpreter, torch or its libraries start: a child whose
+#: value of one differs from the zygote's would not behave as a fresh `python -m trainer`.
+IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "CUDA", "NCCL",
+                   "LD_", "MALLOC", "TRITON", "API_ENDPOINT_OVERRIDE")
+
+
+def _import_time(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+
+
+class ForkedPopen:
+    """The ``subprocess.Popen`` face of a zygote's child (pid, poll, wait, returncode, signals):
+    its exit status comes from the zygote, which reaps it."""
+
+    def __init__(self, pid: int, exits: "queue.Queue[int]") -> None:
+        self.pid, self._exits = pid, exits
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(queue.Empty):
+                self.returncode = self._exits.get_nowait()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            try:
+                self.returncode = self._exits.get(timeout=timeout)
+            except queue.Empty:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0) from None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class Zygote:
-    def __init__(self, tmp: Path):
+    """The fork server (``ZYGOTE_SRC``); ``worker_zygote()`` is the pytest process's own."""
+
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None):
         self.tmp = tmp
-        env = trainer_env()
+        self.env = env or trainer_env()
         self.p = subprocess.Popen([sys.executable, "-c", ZYGOTE_SRC], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, bufsize=1, env=env, cwd=REPO)
+                                  stdout=subprocess.PIPE, text=True, bufsize=1, env=self.env, cwd=REPO)
         self._lock = threading.Lock()
-        self._pids: dict[int, "queue.Queue[int]"] = {}
-        self._started: dict[int, "queue.Queue[int]"] = {}
+        self._exits: dict[int, "queue.Queue[int]"] = {}
+        self._started: dict[int, "queue.Queue[tuple[int, queue.Queue[int]]]"] = {}
         self._n = 0
         assert self.p.stdout is not None
         first = json.loads(self.p.stdout.readline())
@@ -315,34 +465,117 @@ class Zygote:
         for line in self.p.stdout:
             msg = json.loads(line)
             with self._lock:
-                if "pid" in msg:
-                    self._pids[msg["pid"]] = queue.Queue()
-                    self._started[msg["id"]].put(msg["pid"])
+                if "pid" in msg:  # a reused pid's earlier process was reaped, so reported, before
+                    self._exits[msg["pid"]] = exits = queue.Queue()
+                    self._started.pop(msg["id"]).put((msg["pid"], exits))
                 else:
-                    self._pids[msg["exit"]].put(msg["rc"])
+                    self._exits.pop(msg["exit"]).put(msg["rc"])
 
-    def spawn(self, argv: list[str], env: dict[str, str]) -> "ForkedProc":
+    def reproduces(self, env: dict[str, str]) -> bool:
+        """Whether a child given ``env`` behaves as a fresh interpreter given it would."""
+        return self.p.poll() is None and _import_time(env) == _import_time(self.env)
+
+    def fork(self, args: list[str], env: dict[str, str], new_session: bool = False,
+             err: bool = False) -> tuple[ForkedPopen, Path, Path | None]:
+        """Fork a child running ``python -m trainer *args``: its Popen face, the fifo its output
+        goes to (stdout and, unless ``err``, stderr) and, with ``err``, its stderr's fifo."""
         with self._lock:
             self._n += 1
             n = self._n
-            self._started[n] = queue.Queue()
-        fifo = self.tmp / f"out-{n}.fifo"
-        os.mkfifo(fifo)
-        proc = ForkedProc(self, fifo)
+            started: "queue.Queue[tuple[int, queue.Queue[int]]]" = queue.Queue()
+            self._started[n] = started
+        out = self.tmp / f"out-{n}.fifo"
+        os.mkfifo(out)
+        err_fifo = self.tmp / f"err-{n}.fifo" if err else None
+        if err_fifo is not None:
+            os.mkfifo(err_fifo)
+        cmd = {"argv": args, "env": env, "cwd": str(REPO), "new_session": new_session, "id": n,
+               "out": str(out), "err": str(err_fifo) if err_fifo else None}
         assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps({"argv": argv, "env": env, "fifo": str(fifo), "id": n}) + "\n")
-        self.p.stdin.flush()
-        proc.pid = self._started[n].get(timeout=TIMEOUT)
-        return proc
-
-    def exit_queue(self, pid: int) -> "queue.Queue[int]":
         with self._lock:
-            return self._pids[pid]
+            self.p.stdin.write(json.dumps(cmd) + "\n")
+            self.p.stdin.flush()
+        pid, exits = started.get(timeout=TIMEOUT)
+        return ForkedPopen(pid, exits), out, err_fifo
+
+    def spawn(self, args: list[str], env: dict[str, str], new_session: bool = False) -> "ForkedProc":
+        """``python -m trainer *args``, forked from this zygote."""
+        return ForkedProc([sys.executable, "-m", "trainer", *args], env, new_session, zygote=self)
+
+    def run(self, args: list[str], env: dict[str, str], timeout: float = TIMEOUT) -> "subprocess.CompletedProcess[str]":
+        """``subprocess.run([python, -m, trainer, *args], capture_output=True, text=True)``, forked."""
+        popen, out, err = self.fork(args, env, err=True)
+        assert err is not None
+        texts: dict[Path, str] = {}
+
+        def drain(path: Path) -> None:
+            with open(path) as f:
+                texts[path] = f.read()
+
+        readers = [threading.Thread(target=drain, args=(f,), daemon=True) for f in (out, err)]
+        for r in readers:
+            r.start()
+        try:
+            rc = popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            power_off(popen.pid)
+            raise
+        for r in readers:
+            r.join(timeout=10)
+        return subprocess.CompletedProcess([sys.executable, "-m", "trainer", *args], rc, texts.get(out, ""),
+                                           texts.get(err, ""))
 
     def close(self) -> None:
         if self.p.stdin is not None:
             self.p.stdin.close()
         self.p.wait(timeout=60)
+
+
+_worker_zygote: Zygote | None = None
+NO_ZYGOTE_ENV = "SPOTTRAIN_TEST_NO_ZYGOTE"
+
+
+def worker_zygote() -> Zygote:
+    """This pytest process's zygote, started on first use (again if it died); ``close_worker_zygote``
+    (the trainer conftest's session teardown) stops it."""
+    global _worker_zygote
+    if _worker_zygote is None or _worker_zygote.p.poll() is not None:
+        _worker_zygote = Zygote(Path(tempfile.mkdtemp(prefix="zygote-")))
+    return _worker_zygote
+
+
+def close_worker_zygote() -> None:
+    global _worker_zygote
+    if _worker_zygote is not None:
+        _worker_zygote.close()
+        _worker_zygote = None
+
+
+#: Commands that set an environment variable torch reads at import before they import it, which a
+#: child of the zygote (torch loaded) cannot honour: `rendezvous-id` sets TORCH_CPP_LOG_LEVEL=FATAL
+#: so that c10d's C++ log does not add a stack trace to its one line.
+FRESH_COMMANDS = ("rendezvous-id",)
+
+
+def forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
+    """Whether ``argv`` (with ``env``, default ``trainer_env()``) is a plain ``python -m trainer``
+    launch that the worker's zygote can fork in place of a fresh interpreter."""
+    if argv[:3] != [sys.executable, "-m", "trainer"] or any(argv[3:4] == [c] for c in FRESH_COMMANDS) \
+            or os.environ.get(NO_ZYGOTE_ENV):
+        return False
+    return worker_zygote().reproduces(env or trainer_env())
+
+
+def run_trainer(args: list[str], env: dict[str, str] | None = None, timeout: float = TIMEOUT,
+                fork: bool | None = None) -> "subprocess.CompletedProcess[str]":
+    """``python -m trainer *args`` to its end, stdout and stderr apart (``subprocess.run``'s
+    ``capture_output``): forked from the worker's zygote when it can be (``fork`` as in ``Proc``)."""
+    argv, env = [sys.executable, "-m", "trainer", *args], env or trainer_env()
+    if fork is not False and forkable(argv, env):
+        return worker_zygote().run(args, env, timeout)
+    if fork:
+        raise ValueError(f"not a launch the zygote can fork: {args[:1]}")
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
 
 
 def power_off_leftovers() -> list[int]:
@@ -357,37 +590,20 @@ def power_off_leftovers() -> list[int]:
 
 
 class ForkedProc(Proc):
-    """Same interface as Proc, for a child of the Zygote."""
+    """A Proc forked from a zygote (the worker's unless given): see Proc and ZYGOTE_SRC."""
 
-    def __init__(self, zygote: Zygote, fifo: Path):  # noqa: D107 (no super().__init__: no Popen)
-        self.zygote, self.fifo, self.pid = zygote, fifo, 0
-        self.lines = []
-        self._q = queue.Queue()
-        self._rc: int | None = None
-        self._reader = threading.Thread(target=self._read_fifo, daemon=True)
-        self._reader.start()
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, new_session: bool = False,
+                 fork: bool | None = None, zygote: Zygote | None = None):
+        self.zygote = zygote or worker_zygote()
+        super().__init__(argv, env, new_session)
 
-    def _read_fifo(self) -> None:
-        with open(self.fifo) as f:  # blocks until the child opens its end
-            for line in f:
-                self.lines.append(line.rstrip("\n"))
-                self._q.put(line.rstrip("\n"))
-        self._q.put(None)
+    def _start(self, argv: list[str], env: dict[str, str], new_session: bool) -> Any:
+        assert argv[:3] == [sys.executable, "-m", "trainer"], argv
+        self.p, self.fifo, _ = self.zygote.fork(argv[3:], env, new_session)
+        return self.p
 
-    def signal(self, sig: int, group: bool = False) -> None:
-        os.kill(self.pid, sig)
-
-    def wait(self, timeout: float = TIMEOUT) -> int:
-        if self._rc is None:
-            self._rc = self.zygote.exit_queue(self.pid).get(timeout=timeout)
-        self._reader.join(timeout=10)
-        return self._rc
-
-    def kill(self) -> None:
-        if self._rc is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            self.wait()
+    def _stream(self) -> Any:
+        return open(self.fifo)  # blocks until the child opens its end
 
 
 @pytest.fixture

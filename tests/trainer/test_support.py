@@ -1,10 +1,16 @@
-"""tests/trainer/support.py: no trainer a test started outlives it."""
+"""tests/trainer/support.py: no trainer a test started outlives it; a trainer forked from the worker's
+zygote is a process as a fresh one would be."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
+from pathlib import Path
 
-from tests.trainer.support import Proc, power_off_leftovers
+import pytest
+
+from tests.trainer.support import (REPO, ForkedProc, Proc, power_off_leftovers, run_args, run_trainer, start,
+                                   trainer_env, worker_zygote, write_config)
 
 
 def test_a_process_left_running_is_powered_off_and_a_finished_one_left_alone() -> None:
@@ -15,3 +21,45 @@ def test_a_process_left_running_is_powered_off_and_a_finished_one_left_alone() -
     assert power_off_leftovers() == [left.p.pid]
     assert left.wait() == -signal.SIGKILL
     assert power_off_leftovers() == []
+
+
+def test_a_plain_trainer_launch_is_forked_from_the_zygote_and_behaves_as_a_process(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    p = start(tmp_path / "run", 100000, config)
+    assert isinstance(p, ForkedProc) and p.p.pid != worker_zygote().p.pid
+    p.wait_for(r"event=step step=2/")
+    assert Path(f"/proc/{p.p.pid}/cwd").resolve() == REPO
+    assert os.getpgid(p.p.pid) == os.getpgrp()  # no session of its own unless asked, as Popen
+    assert power_off_leftovers() == [p.p.pid]
+    assert p.wait() == -signal.SIGKILL
+
+    # Its own session when asked: a signal to the group reaches it; its exit status is the trainer's.
+    p = Proc(run_args(tmp_path / "run", 100000, config), new_session=True)
+    p.wait_for(r"event=step step=\d+/")
+    assert os.getpgid(p.p.pid) == p.p.pid
+    p.signal(signal.SIGTERM, group=True)
+    assert p.wait() == 75, p.output[-3000:]
+
+    # stdout and stderr apart, the environment the launch gave (not this process's), a usage error's 2.
+    (tmp_path / "none").mkdir()
+    out = run_trainer(["export", "--run-dir", str(tmp_path / "none"), "--out", str(tmp_path / "m.safetensors")])
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.strip().splitlines()[-1] == f"export: no valid checkpoint at {tmp_path / 'none'}"
+    bad_key = trainer_env(SPOTTRAIN_CHECKPOINT_KEY_FILE=str(tmp_path / "missing.key"))
+    s = run_trainer(["status", "--run-dir", str(tmp_path / "run"), "--json"], env=bad_key)
+    assert s.returncode != 0 and "missing.key" in s.stderr, s
+
+
+def test_a_launch_the_zygote_cannot_reproduce_gets_a_fresh_interpreter(tmp_path: Path) -> None:
+    argv = run_args(tmp_path / "run", 2, write_config(tmp_path))
+    p = Proc(argv, fork=False)
+    assert type(p) is Proc and p.wait() == 0, p.output[-3000:]
+    # PYTHONHASHSEED is read when the interpreter starts: a fork would keep the zygote's.
+    p = Proc([*argv, "--extend-steps"], env=trainer_env(PYTHONHASHSEED="7"))
+    assert type(p) is Proc and p.wait() == 0, p.output[-3000:]
+    assert type(Proc([sys.executable, "-c", "pass"])) is Proc
+    # rendezvous-id quiets c10d's C++ log through the environment before it imports torch.
+    p = Proc([sys.executable, "-m", "trainer", "rendezvous-id", "--help"])
+    assert type(p) is Proc and p.wait() == 0, p.output[-3000:]
+    with pytest.raises(ValueError):
+        Proc([sys.executable, "-c", "pass"], fork=True)

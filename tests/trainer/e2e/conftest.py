@@ -5,11 +5,9 @@ The long crash-consistency runs are marked ``soak``: the suite's addopts deselec
 """
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 
-from tests.trainer.support import REFERENCE_STEPS, Zygote, run_to_end, status, write_config
+from tests.trainer.support import REFERENCE_STEPS, run_to_end, status, write_config
 
 
 @pytest.fixture(scope="session")
@@ -21,11 +19,3 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     s = status(d / "run")
     assert s["latest_step"] == REFERENCE_STEPS
     return s
-
-
-@pytest.fixture(scope="session")
-def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    """A fork server for the SIGKILL restarts (see support.Zygote)."""
-    z = Zygote(tmp_path_factory.mktemp("zygote"))
-    yield z
-    z.close()

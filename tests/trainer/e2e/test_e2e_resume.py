@@ -109,12 +109,13 @@ def _kill_run(tmp_path: Path, reference: dict, seed: int, kills: int, zygote: Zy
     durable), `kills` times, restarting each time; the end result must be exact.
 
     With a zygote, each restart is a process forked from it (same code as `python -m trainer`,
-    without paying the torch import again); without, a fresh `python -m trainer run`."""
+    without paying the torch import again); without, a fresh `python -m trainer run` (``fork=False``:
+    this path checks that the forks stand for real interpreters)."""
     config, run_dir = write_config(tmp_path), tmp_path / "run"
 
     def start(*a: object, **kw: object) -> Proc:
         if zygote is None:
-            return start_process(*a, **kw)
+            return start_process(*a, **kw, fork=False)
         return zygote.spawn(run_args(*a)[3:], trainer_env())
 
     rng = random.Random(seed)

@@ -12,8 +12,11 @@ from tests.trainer.support import start, status, trainer_env, write_config
 
 
 def _notice_at(run_dir: Path, config: Path, point: str, sig: int = signal.SIGTERM) -> str:
-    """Start, wait until start-up holds at ``point``, signal; expect exit 75; the stop line."""
-    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10", env=trainer_env(**{HOLD_ENV: point}))
+    """Start, wait until start-up holds at ``point``, signal; expect exit 75; the stop line.
+    Before the heavy imports ("main", "imports") a fresh interpreter (``fork=False``): a zygote's
+    child has torch loaded already, so a notice there would not meet the imports it must survive."""
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10", env=trainer_env(**{HOLD_ENV: point}),
+              fork=False if point in ("main", "imports") else None)
     p.wait_for(rf"event=startup_hold point={point} ")
     p.signal(sig)
     assert p.wait() == 75, p.output[-3000:]
