@@ -335,6 +335,9 @@ def child(cmd):
             sys.modules["numpy"].random.seed()
         if sys.path[0] == "":
             sys.path[0] = os.getcwd()  # what `python -m` puts first
+        # PYTHONPATH's entries beyond the zygote's own (a job's code directory): where a fresh
+        # interpreter puts them, after the zygote's PYTHONPATH entries (sys.path[1:1 + n]).
+        sys.path[1 + cmd["path_kept"]:1 + cmd["path_kept"]] = cmd["path_extra"]
         sys.argv = ["-m", *cmd["argv"]]
         runpy.run_module("trainer", run_name="__main__", alter_sys=True)
         code = 0
@@ -406,7 +409,12 @@ IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_"
 
 
 def _import_time(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+    """What the interpreter or torch reads at start, but PYTHONPATH (``_path``: a child extends it)."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH"}
+
+
+def _path(env: dict[str, str]) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 class ForkedPopen:
@@ -473,7 +481,9 @@ class Zygote:
 
     def reproduces(self, env: dict[str, str]) -> bool:
         """Whether a child given ``env`` behaves as a fresh interpreter given it would."""
-        return self.p.poll() is None and _import_time(env) == _import_time(self.env)
+        mine = _path(self.env)
+        return self.p.poll() is None and _import_time(env) == _import_time(self.env) \
+            and _path(env)[:len(mine)] == mine  # the same PYTHONPATH, or it with more after it
 
     def fork(self, args: list[str], env: dict[str, str], new_session: bool = False,
              err: bool = False) -> tuple[ForkedPopen, Path, Path | None]:
@@ -489,8 +499,10 @@ class Zygote:
         err_fifo = self.tmp / f"err-{n}.fifo" if err else None
         if err_fifo is not None:
             os.mkfifo(err_fifo)
+        kept = len(_path(self.env))
         cmd = {"argv": args, "env": env, "cwd": str(REPO), "new_session": new_session, "id": n,
-               "out": str(out), "err": str(err_fifo) if err_fifo else None}
+               "out": str(out), "err": str(err_fifo) if err_fifo else None,
+               "path_kept": kept, "path_extra": _path(env)[kept:]}
         assert self.p.stdin is not None
         with self._lock:
             self.p.stdin.write(json.dumps(cmd) + "\n")
@@ -531,24 +543,43 @@ class Zygote:
         self.p.wait(timeout=60)
 
 
-_worker_zygote: Zygote | None = None
+_worker_zygotes: dict[tuple[Any, ...], Zygote] = {}
 NO_ZYGOTE_ENV = "SPOTTRAIN_TEST_NO_ZYGOTE"
+#: Zygotes one pytest process keeps at most (one for each environment a fork cannot change; most
+#: workers need one, a few tests' import-time settings another); beyond, launches start fresh.
+MAX_ZYGOTES = 4
 
 
-def worker_zygote() -> Zygote:
-    """This pytest process's zygote, started on first use (again if it died); ``close_worker_zygote``
-    (the trainer conftest's session teardown) stops it."""
-    global _worker_zygote
-    if _worker_zygote is None or _worker_zygote.p.poll() is not None:
-        _worker_zygote = Zygote(Path(tempfile.mkdtemp(prefix="zygote-")))
-    return _worker_zygote
+def _zygote_key(env: dict[str, str]) -> tuple[Any, ...]:
+    """What a child's zygote must have been started with: the environment's import-time part and
+    the PYTHONPATH a child extends (the repository's, when the launch's starts with it)."""
+    path = _path(env)
+    base = path[:1] if path[:1] == [str(REPO)] else path
+    return tuple(sorted(_import_time(env).items())), tuple(base)
+
+
+def worker_zygote(env: dict[str, str] | None = None) -> Zygote | None:
+    """This pytest process's zygote for launches with ``env`` (default ``trainer_env()``), started
+    on first use (again if it died): one per environment a fork cannot change (a test, or code a
+    test ran in this process, may set TORCH_*, PYTHONHASHSEED, ...), at most ``MAX_ZYGOTES``
+    (None beyond). ``close_worker_zygote`` (the trainer conftest's session teardown) stops them."""
+    env = env or trainer_env()
+    key = _zygote_key(env)
+    zygote = _worker_zygotes.get(key)
+    if zygote is None or zygote.p.poll() is not None:
+        if zygote is None and len(_worker_zygotes) >= MAX_ZYGOTES:
+            return None
+        base = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+        if key[1]:
+            base["PYTHONPATH"] = os.pathsep.join(key[1])
+        zygote = _worker_zygotes[key] = Zygote(Path(tempfile.mkdtemp(prefix="zygote-")), base)
+    return zygote
 
 
 def close_worker_zygote() -> None:
-    global _worker_zygote
-    if _worker_zygote is not None:
-        _worker_zygote.close()
-        _worker_zygote = None
+    for zygote in _worker_zygotes.values():
+        zygote.close()
+    _worker_zygotes.clear()
 
 
 #: Commands that set an environment variable torch reads at import before they import it, which a
@@ -563,7 +594,8 @@ def forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
     if argv[:3] != [sys.executable, "-m", "trainer"] or any(argv[3:4] == [c] for c in FRESH_COMMANDS) \
             or os.environ.get(NO_ZYGOTE_ENV):
         return False
-    return worker_zygote().reproduces(env or trainer_env())
+    zygote = worker_zygote(env)
+    return zygote is not None and zygote.reproduces(env or trainer_env())
 
 
 def run_trainer(args: list[str], env: dict[str, str] | None = None, timeout: float = TIMEOUT,
@@ -572,10 +604,16 @@ def run_trainer(args: list[str], env: dict[str, str] | None = None, timeout: flo
     ``capture_output``): forked from the worker's zygote when it can be (``fork`` as in ``Proc``)."""
     argv, env = [sys.executable, "-m", "trainer", *args], env or trainer_env()
     if fork is not False and forkable(argv, env):
-        return worker_zygote().run(args, env, timeout)
+        return _zygote(env).run(args, env, timeout)
     if fork:
         raise ValueError(f"not a launch the zygote can fork: {args[:1]}")
     return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+def _zygote(env: dict[str, str] | None) -> Zygote:
+    zygote = worker_zygote(env)
+    assert zygote is not None, "forkable() said a zygote would fork it"
+    return zygote
 
 
 def power_off_leftovers() -> list[int]:
@@ -594,7 +632,7 @@ class ForkedProc(Proc):
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, new_session: bool = False,
                  fork: bool | None = None, zygote: Zygote | None = None):
-        self.zygote = zygote or worker_zygote()
+        self.zygote = zygote or _zygote(env)
         super().__init__(argv, env, new_session)
 
     def _start(self, argv: list[str], env: dict[str, str], new_session: bool) -> Any:

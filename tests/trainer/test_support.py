@@ -2,6 +2,7 @@
 zygote is a process as a fresh one would be."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.support import (REPO, ForkedProc, Proc, power_off_leftovers, run_args, run_trainer, start,
+from tests.trainer import support
+from tests.trainer.support import (MAX_ZYGOTES, REPO, ForkedProc, Proc, power_off_leftovers, run_args, run_trainer, start,
                                    trainer_env, worker_zygote, write_config)
 
 
@@ -54,12 +56,48 @@ def test_a_launch_the_zygote_cannot_reproduce_gets_a_fresh_interpreter(tmp_path:
     argv = run_args(tmp_path / "run", 2, write_config(tmp_path))
     p = Proc(argv, fork=False)
     assert type(p) is Proc and p.wait() == 0, p.output[-3000:]
-    # PYTHONHASHSEED is read when the interpreter starts: a fork would keep the zygote's.
+    # PYTHONHASHSEED is read when the interpreter starts: a fork keeps its zygote's, so the launch
+    # is forked from a zygote started with it (the worker's default one is left as it was).
+    default = worker_zygote()
     p = Proc([*argv, "--extend-steps"], env=trainer_env(PYTHONHASHSEED="7"))
-    assert type(p) is Proc and p.wait() == 0, p.output[-3000:]
+    assert isinstance(p, ForkedProc) and p.wait() == 0, p.output[-3000:]
+    assert p.zygote is not default and p.zygote.env["PYTHONHASHSEED"] == "7"
+    assert worker_zygote() is default and "PYTHONHASHSEED" not in default.env
+    # Beyond MAX_ZYGOTES environments, a fresh interpreter.
+    for i in range(MAX_ZYGOTES):
+        env = trainer_env(TORCH_SHOW_CPP_STACKTRACES=str(i))
+        last = Proc([sys.executable, "-m", "trainer", "--help"], env=env)
+        assert last.wait() == 0, last.output[-3000:]
+    assert type(last) is Proc
+    for key, zygote in list(support._worker_zygotes.items()):  # the worker keeps only its default
+        if zygote is not default:
+            zygote.close()
+            del support._worker_zygotes[key]
     assert type(Proc([sys.executable, "-c", "pass"])) is Proc
     # rendezvous-id quiets c10d's C++ log through the environment before it imports torch.
     p = Proc([sys.executable, "-m", "trainer", "rendezvous-id", "--help"])
     assert type(p) is Proc and p.wait() == 0, p.output[-3000:]
     with pytest.raises(ValueError):
         Proc([sys.executable, "-c", "pass"], fork=True)
+
+
+def test_a_launch_with_its_code_on_the_path_is_forked_with_the_path_a_fresh_one_has(tmp_path: Path) -> None:
+    """A job's code directory after the zygote's PYTHONPATH (as a VM's code_dir): the fork puts it
+    where a fresh interpreter does, and the job's module imports from it."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "probe_task.py").write_text(
+        "import json, os, sys\n"
+        "from trainer.tasks.gpt import build  # noqa: F401\n"
+        "with open(os.environ['PROBE_OUT'], 'w') as f:\n"
+        "    json.dump(sys.path, f)\n")
+    paths = {}
+    for fork in (True, False):
+        out = tmp_path / f"path-{fork}.json"
+        env = trainer_env(PYTHONPATH=os.pathsep.join([str(REPO), str(code)]), PROBE_OUT=str(out))
+        p = Proc(run_args(tmp_path / f"run-{fork}", 1, write_config(tmp_path), "--task", "probe_task:build"),
+                 env=env, fork=fork)
+        assert isinstance(p, ForkedProc) is fork
+        assert p.wait() == 0, p.output[-3000:]
+        paths[fork] = json.loads(out.read_text())
+    assert paths[True] == paths[False] and paths[True][1:3] == [str(REPO), str(code)]
