@@ -40,7 +40,7 @@ class _NeverDue:
     def __init__(self, tiers: Any) -> None:
         self.tiers = tiers
 
-    def bind(self, model: Any, optimizer: Any) -> None:
+    def bind(self, model: Any, optimizer: Any, *, named: dict[str, Any] | None = None) -> None:
         pass
 
     def before_update(self, timeout: float | None = None) -> bool:
