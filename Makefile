@@ -36,14 +36,16 @@ lint: setup-dev
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-## test: lint, then the whole suite (a lint finding fails it).
+## test: lint, then the whole suite (a lint finding fails it). Workers: one more than the 2-core
+## machine's cores, since many tests wait on processes, timers and sockets (TEST_WORKERS=N to change).
+TEST_WORKERS ?= 3
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 ## test-fast: the inner loop's tier (configuration, stacks, units; no trainer process, drill or
 ## emulator end to end): under 3 minutes. `make test` runs these too.
 test-fast: setup-dev
-	$(PY) -m pytest -n 2 --dist loadgroup -m "fast and not soak"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "fast and not soak"
 
 ## demo: what the example experiment creates and costs, then a brief local preemption drill
 ## (the drill needs root for its namespaces and loop disk; without root the demo says so).
