@@ -15,6 +15,7 @@ import torch
 from trainer import retry
 from trainer.data import bucket_shards
 from trainer.data.streaming import Stream, StreamError
+from tests.trainer.data.stream_support import read_in_pieces
 
 SHARDS, PER_SHARD = 4, 10
 PREFIX = "data"
@@ -96,18 +97,9 @@ def test_a_stream_from_the_bucket_resumed_mid_epoch_reads_what_an_uninterrupted_
     bucket_shards.register(chunk_bytes=4096)
     cpu = torch.device("cpu")
 
-    def take(s: Stream, k: int) -> list[int]:
-        return [int(x) for _ in range(k) for x in s.next()[0].view(-1)]
-
-    whole = take(Stream(_dataset(urls), batch_size=4, workers=2, device=cpu), 17)  # 10 batches an epoch
-    got, state = [], None
-    for k in (3, 5, 9):  # the last resume crosses into the next epoch
-        s = Stream(_dataset(urls), batch_size=4, workers=2, device=cpu)
-        if state is not None:
-            s.load_state_dict(state)
-        got += take(s, k)
-        state = s.state_dict()
-        s.close()
+    whole, _ = read_in_pieces(lambda: Stream(_dataset(urls), batch_size=4, workers=2, device=cpu), (17,))
+    # 10 batches an epoch: the last resume crosses into the next epoch.
+    got, _ = read_in_pieces(lambda: Stream(_dataset(urls), batch_size=4, workers=2, device=cpu), (3, 5, 9))
     assert got == whole
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainer.data.streaming import Stream, StreamError
+from tests.trainer.data.stream_support import read_in_pieces, take as _take
 
 
 class Shards(torch.utils.data.IterableDataset):
@@ -41,22 +42,12 @@ class Positioned(Shards):
         self.start = s["start"]
 
 
-def _take(stream: Stream, k: int) -> list[int]:
-    return [int(x) for _ in range(k) for x in stream.next()[0].view(-1)]
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stream_resumed_again_and_again_reads_what_an_uninterrupted_one_reads(workers: int) -> None:
     cpu = torch.device("cpu")
     whole = _take(Stream(Shards(), batch_size=4, workers=workers, device=cpu), 27)  # 10 batches an epoch
-    got, state = [], None
-    for k in (3, 5, 9, 10):  # the last resume lands past an epoch's end
-        s = Stream(Shards(), batch_size=4, workers=workers, device=cpu)
-        if state is not None:
-            s.load_state_dict(state)
-        got += _take(s, k)
-        state = s.state_dict()
-        s.close()
+    # The last resume lands past an epoch's end.
+    got, state = read_in_pieces(lambda: Stream(Shards(), batch_size=4, workers=workers, device=cpu), (3, 5, 9, 10))
     assert got == whole
     assert state["epoch"] == 2 and state["taken"] == 7 and state["consumed"] == 27
 
