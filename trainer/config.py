@@ -8,7 +8,6 @@ or ``command line``) and the process exits 2 without a traceback.
 from __future__ import annotations
 
 import json
-import re
 import sys
 
 if sys.version_info >= (3, 11):
@@ -47,10 +46,13 @@ GcsUri = Annotated[str, AfterValidator(_check_gcs_uri)]
 
 
 def _check_data_url(v: str) -> str:
-    rest = v.removeprefix("gs://")
-    bucket, _, name = rest.partition("/")
-    if not v.startswith("gs://") or not name.strip("/") or not re.fullmatch(r"[a-z0-9][-_.a-z0-9]{1,220}[a-z0-9]",
-                                                                             bucket):
+    from trainer.checkpoint.stores import parse_gcs_uri
+
+    try:
+        _, name = parse_gcs_uri(v)
+    except ValueError:
+        name = ""
+    if not name:
         raise ValueError("must look like gs://BUCKET/PREFIX[/NAME] (braces for ranges: shard-{000000..000099}.tar)")
     if any(ord(c) < 32 or c == "\x7f" for c in v):
         raise ValueError("must not hold control characters")

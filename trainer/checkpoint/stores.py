@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -359,6 +360,11 @@ def _same_file_content(a: Path, b: Path) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+#: Bucket naming rules (simplified): 3-222 ASCII lowercase letters, digits, - _ . (Cloud Storage
+#: refuses any other letter), starting and ending with a letter or digit.
+_BUCKET = re.compile(r"[a-z0-9][-_.a-z0-9]{1,220}[a-z0-9]")
+
+
 def parse_gcs_uri(uri: str) -> tuple[str, str]:
     """``gs://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (prefix may be empty)."""
     if not isinstance(uri, str) or not uri.startswith("gs://"):
@@ -366,10 +372,7 @@ def parse_gcs_uri(uri: str) -> tuple[str, str]:
     rest = uri[len("gs://") :]
     bucket, _, prefix = rest.partition("/")
     prefix = prefix.strip("/")
-    # Bucket naming rules (simplified): 3-222 chars of lowercase letters, digits, - _ .
-    if not (3 <= len(bucket) <= 222) or not all(c.islower() or c.isdigit() or c in "-_." for c in bucket):
-        raise ValueError(f"invalid bucket name in {uri!r}")
-    if not (bucket[0].isalnum() and bucket[-1].isalnum()):
+    if not _BUCKET.fullmatch(bucket):
         raise ValueError(f"invalid bucket name in {uri!r}")
     if any(p in (".", "..") for p in prefix.split("/")) or "//" in prefix:
         raise ValueError(f"invalid object prefix in {uri!r}")

@@ -78,7 +78,7 @@ def test_parse_gcs_uri() -> None:
     assert parse_gcs_uri("gs://my-bucket/runs/exp1/") == ("my-bucket", "runs/exp1")
     assert parse_gcs_uri("gs://my-bucket") == ("my-bucket", "")
     for bad in ["s3://b/x", "gs://", "gs://UPPER/x", "gs://a/x", "gs://b-/x", "gs://bucket/a/../b",
-                "/local/path", "gs://bucket/a//b"]:
+                "/local/path", "gs://bucket/a//b", "gs://b\u00fccket/x", "gs://bucket\u0663/x"]:
         with pytest.raises(ValueError):
             parse_gcs_uri(bad)
 
