@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 from trainer import retry
 from trainer.checkpoint.stores import default_gcs_client, is_retryable, parse_gcs_uri
-from trainer.data.streaming import StreamError
+from trainer.data.streaming import StreamError, worker_line
 
 log = logging.getLogger("trainer.data")
 
@@ -65,14 +65,11 @@ POLICY = dataclasses.replace(retry.STORAGE, grace_s=retry.IAM_GRANT.grace_s,
 
 
 class _OneLine(Exception):
-    """One line, also when raised in a data worker: torch re-raises a worker's error in the main
-    process as ``Type(message)`` with the worker's traceback as the message (its last line is
-    ``module.Type: the line``), and webdataset appends the URL to ``args``."""
+    """One line, also when raised in a data worker (``streaming.worker_line``), and webdataset
+    appends the URL to ``args``."""
 
     def __init__(self, message: str) -> None:
-        if "Original Traceback" in message:
-            message = message.strip().splitlines()[-1].split(": ", 1)[-1]
-        super().__init__(message)
+        super().__init__(worker_line(message))
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""

@@ -36,10 +36,11 @@ class StreamError(Exception):
     """The stream cannot be read the way a resume needs (bad input: exit 2)."""
 
 
-def _one_line(e: StreamError) -> str:
-    """A ``StreamError``'s message; raised in a data worker, torch re-raises it in the main process
-    with the worker's traceback as its message, whose last line is ``module.Type: message``."""
-    text = str(e).strip()
+def worker_line(text: str) -> str:
+    """An error's message, also of one raised in a data worker: torch re-raises it in the main
+    process as ``Type(text)``, ``text`` the worker's traceback, whose last line is
+    ``module.Type: message``."""
+    text = text.strip()
     if "Original Traceback" not in text:
         return text
     last = text.splitlines()[-1]
@@ -91,7 +92,7 @@ class Stream:
             try:
                 batch = next(self._iter)
             except StreamError as e:  # a data worker's (a shard missing in the bucket): its one line
-                raise StreamError(_one_line(e)) from None
+                raise StreamError(worker_line(str(e))) from None
             except StopIteration:
                 if self.taken == 0:
                     raise StreamError("the iterable dataset yielded no batch in a whole epoch (on this rank: is it "
