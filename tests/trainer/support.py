@@ -95,8 +95,8 @@ def trainer_env(**extra: str) -> dict[str, str]:
 class Proc:
     """A process whose merged stdout/stderr is read line by line by a thread.
 
-    A plain ``python -m trainer ...`` (``argv`` starts ``sys.executable, "-m", "trainer"``) whose
-    environment the worker's zygote reproduces (``Zygote.reproduces``) is forked from that zygote
+    A plain ``python -m trainer ...`` (``argv`` starts ``sys.executable, "-m", "trainer"``) is
+    forked from the worker's zygote for its environment (``worker_zygote``, ``forkable``)
     instead (a ``ForkedProc``: same code path as ``python -m trainer``, real signals, exit status,
     process group, cwd and environment, without paying the torch import again). ``fork=False``
     keeps a fresh interpreter (a test of what start-up itself does); ``fork=True`` insists on the
@@ -281,9 +281,10 @@ def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: b
 # launch asks for one, and exits as an interpreter exits (non-daemon threads joined, atexit run);
 # tests signal and power it off with real signals.
 #
-# What a fork cannot reproduce, and so what `Zygote.reproduces` refuses (a fresh interpreter is
-# started instead): an environment that differs from the zygote's in variables read when the
-# interpreter or torch starts (IMPORT_TIME_ENV: PYTHON*, TORCH*, OMP_*, ...). trainer/ reads no
+# What a fork cannot change, and so what a child's zygote must have been started with
+# (`_zygote_key`; `worker_zygote` keeps one zygote per such environment): the variables read when
+# the interpreter or torch starts (IMPORT_TIME_ENV: PYTHON*, TORCH*, OMP_*, ...), and PYTHONPATH up
+# to the zygote's own entries (a child's further entries are put where a fresh interpreter puts them). trainer/ reads no
 # environment at import time. The zygote itself starts no thread (torch's intra-op pool and CUDA
 # start on first use, never here), so each child starts them as a fresh process would. Shared with
 # the zygote and so with every child: the hash seed (a fresh process draws its own).
@@ -479,12 +480,6 @@ class Zygote:
                 else:
                     self._exits.pop(msg["exit"]).put(msg["rc"])
 
-    def reproduces(self, env: dict[str, str]) -> bool:
-        """Whether a child given ``env`` behaves as a fresh interpreter given it would."""
-        mine = _path(self.env)
-        return self.p.poll() is None and _import_time(env) == _import_time(self.env) \
-            and _path(env)[:len(mine)] == mine  # the same PYTHONPATH, or it with more after it
-
     def fork(self, args: list[str], env: dict[str, str], new_session: bool = False,
              err: bool = False) -> tuple[ForkedPopen, Path, Path | None]:
         """Fork a child running ``python -m trainer *args``: its Popen face, the fifo its output
@@ -594,8 +589,7 @@ def forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
     if argv[:3] != [sys.executable, "-m", "trainer"] or any(argv[3:4] == [c] for c in FRESH_COMMANDS) \
             or os.environ.get(NO_ZYGOTE_ENV):
         return False
-    zygote = worker_zygote(env)
-    return zygote is not None and zygote.reproduces(env or trainer_env())
+    return worker_zygote(env) is not None  # one started with what the fork cannot change (``_zygote_key``)
 
 
 def run_trainer(args: list[str], env: dict[str, str] | None = None, timeout: float = TIMEOUT,
