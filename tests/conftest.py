@@ -218,14 +218,18 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+def _group(item: pytest.Item) -> str | None:
+    """The test's xdist group (its closest `xdist_group` marker's name), None outside any."""
+    marker = item.get_closest_marker("xdist_group")
+    if marker is None:
+        return None
+    return marker.args[0] if marker.args else marker.kwargs.get("name", "")
+
+
 def _base_id(item: pytest.Item) -> str:
     """The node id without the `@group` suffix xdist's loadgroup appends."""
-    marker = item.get_closest_marker("xdist_group")
-    nodeid = item.nodeid
-    if marker is not None:
-        name = marker.args[0] if marker.args else marker.kwargs.get("name", "")
-        nodeid = nodeid.removesuffix(f"@{name}")
-    return nodeid
+    group = _group(item)
+    return item.nodeid if group is None else item.nodeid.removesuffix(f"@{group}")
 
 
 #: The group of the tests that start several processes each (torchrun's ranks, a pool's VMs):
@@ -250,21 +254,17 @@ def _deal_into_lanes(items: list[pytest.Item], known: dict[str, float], lanes: i
     into the lane with the fewest seconds so far (the same on every worker: the same collection
     and durations)."""
     seconds: dict[str, float] = {}
-    for item in items:
-        marker = item.get_closest_marker("xdist_group")
-        if marker is not None and (marker.args[:1] or [marker.kwargs.get("name")])[0] == MULTI:
-            module = _base_id(item).partition("::")[0]
-            seconds[module] = seconds.get(module, 0.0) + known.get(_base_id(item), FAST_S)
+    multi = [item for item in items if _group(item) == MULTI]
+    for item in multi:
+        module = _base_id(item).partition("::")[0]
+        seconds[module] = seconds.get(module, 0.0) + known.get(_base_id(item), FAST_S)
     load = [0.0] * lanes
     lane_of: dict[str, int] = {}
     for module in sorted(seconds, key=lambda m: (-seconds[m], m)):
         lane_of[module] = min(range(lanes), key=lambda i: (load[i], i))
         load[lane_of[module]] += seconds[module]
-    for item in items:
-        lane = lane_of.get(_base_id(item).partition("::")[0])
-        marker = item.get_closest_marker("xdist_group")
-        if lane is not None and marker is not None and (marker.args[:1] or [marker.kwargs.get("name")])[0] == MULTI:
-            item.add_marker(pytest.mark.xdist_group(f"{MULTI}-{lane + 1}"))
+    for item in multi:
+        item.add_marker(pytest.mark.xdist_group(f"{MULTI}-{lane_of[_base_id(item).partition('::')[0]] + 1}"))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -281,9 +281,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.fast)
         # A block: an xdist group (one worker runs it whole), else a module, kept together so that a
         # module-scoped fixture is set up once a worker, never again for a test sorted apart.
-        marker = item.get_closest_marker("xdist_group")
-        block = f"group:{marker.args[0] if marker.args else marker.kwargs.get('name', '')}" if marker \
-            else base.partition("::")[0]
+        group = _group(item)
+        block = f"group:{group}" if group is not None else base.partition("::")[0]
         total[block] = total.get(block, 0.0) + (seconds if seconds is not None else FAST_S)
         blocks.append(block)
     # Longest block first; inside one, the collection's own order.
