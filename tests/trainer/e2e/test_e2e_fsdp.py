@@ -5,23 +5,14 @@ world-size path without the signal. Switching parallelism on a run dir is refuse
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.support import Proc, run_args, status, write_config
+from tests.trainer.e2e.job_support import STEPS, digests, interrupted, trainer
+from tests.trainer.e2e.job_support import config as job_config
+from tests.trainer.support import Proc, status, write_config
 
-STEPS = 16
-
-
-def _args(run_dir: Path, config: Path, *extra: str) -> list[str]:
-    return run_args(run_dir, STEPS, config, "--checkpoint-every-steps", "4", *extra)
-
-
-def torchrun(run_dir: Path, config: Path, *extra: str) -> Proc:
-    return Proc([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                 *_args(run_dir, config, *extra)[2:]], new_session=True)
 
 
 def sigterm_after(p: Proc, step: int) -> int:
@@ -37,44 +28,43 @@ def sigterm_after(p: Proc, step: int) -> int:
 def test_fsdp_sigterm_then_resume_on_one_process_matches_the_same_path(tmp_path: Path) -> None:
     config = write_config(tmp_path, 'parallelism = "fsdp"\nglobal_batch_size = 8\n', multi_rank=True)
     run_dir = tmp_path / "run"
-    saved = sigterm_after(torchrun(run_dir, config), 6)
+    saved = sigterm_after(trainer(run_dir, config, torchrun=2), 6)
     assert 6 <= saved < STEPS
     s = status(run_dir)
     assert s["sharded"] and s["latest_step"] == saved and s["data"]["consumed"] == saved * 8
 
     # The other layout is refused, and nothing is deleted.
     (tmp_path / "ddp").mkdir()
-    ddp = Proc(_args(run_dir, write_config(tmp_path / "ddp", "global_batch_size = 8\n", multi_rank=True)))
+    ddp = trainer(run_dir, write_config(tmp_path / "ddp", "global_batch_size = 8\n", multi_rank=True))
     assert ddp.wait() == 2
     assert 'this run has parallelism = "ddp", but its tiers hold checkpoints of the other layout' in ddp.output
     assert status(run_dir)["latest_step"] == saved
 
-    one = Proc(_args(run_dir, config))
+    one = trainer(run_dir, config)
     assert one.wait() == 0, one.output[-4000:]
     assert one.seen(rf"event=world_size_change step={saved} from=2 to=1 consumed={saved * 8} ")
     final = status(run_dir)
     assert final["latest_step"] == STEPS
 
     ref = tmp_path / "ref"
-    two = torchrun(ref, config, "--stop-at-step", str(saved))
+    two = trainer(ref, config, "--stop-at-step", str(saved), torchrun=2)
     two.wait()
     two.seen(rf"event=paused step={saved} ")
-    assert Proc(_args(ref, config)).wait() == 0
+    assert trainer(ref, config).wait() == 0
     assert final["model_digest"] == status(ref)["model_digest"]
 
 
 def test_a_named_state_beside_sharded_weights_resumes_bit_for_bit(tmp_path: Path) -> None:
     """``Task.states`` in the sharded layout: saved with the replicated rest next to the shards,
     restored on every rank (issue 29)."""
-    from tests.trainer.e2e.test_e2e_any_job import digests
 
     config = write_config(tmp_path, 'parallelism = "fsdp"\nglobal_batch_size = 8\n'
                                     'task = "tests.trainer.e2e.tracked_task:build"\n', multi_rank=True)
-    ref = torchrun(tmp_path / "ref", config)
+    ref = trainer(tmp_path / "ref", config, torchrun=2)
     assert ref.wait() == 0, ref.output[-4000:]
     run_dir = tmp_path / "run"
-    saved = sigterm_after(torchrun(run_dir, config), 6)
-    p = torchrun(run_dir, config)
+    saved = sigterm_after(trainer(run_dir, config, torchrun=2), 6)
+    p = trainer(run_dir, config, torchrun=2)
     assert p.wait() == 0, p.output[-4000:]
     assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
     want = digests(tmp_path / "ref", STEPS)
@@ -85,7 +75,6 @@ def test_a_named_state_beside_sharded_weights_resumes_bit_for_bit(tmp_path: Path
 def _sharded_digests(run_dir: Path, step: int) -> tuple[dict[str, str], dict]:
     """Every part of a sharded checkpoint by name (the gathered model, and each named state,
     sharded or replicated), and its states as read."""
-    from tests.trainer.e2e.test_e2e_any_job import digests
     from tests.trainer.support import run_key
     from trainer.checkpoint.format import state_digest
     from trainer.checkpoint.reader import read
@@ -102,9 +91,8 @@ def test_a_gan_with_a_sharded_discriminator_and_emas_resumes_bit_for_bit(tmp_pat
     from safetensors.torch import load_file
 
     from tests.trainer.e2e import sharded_gan_task
-    from tests.trainer.e2e.test_e2e_any_job import config, interrupted, trainer
 
-    cfg = config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
+    cfg = job_config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
                            'batch_size = 4\n')
     ref = trainer(tmp_path / "ref", cfg, torchrun=2)
     assert ref.wait() == 0, ref.output[-4000:]
@@ -126,9 +114,8 @@ def test_a_gan_with_a_sharded_discriminator_and_emas_resumes_bit_for_bit(tmp_pat
 @pytest.mark.xdist_group("torchrun")
 def test_a_sharded_gan_resumes_on_one_process_like_the_same_path(tmp_path: Path) -> None:
     """The discriminator, its Adam and the EMA reshard 2 -> 1 like the main model (DCP)."""
-    from tests.trainer.e2e.test_e2e_any_job import config, trainer
 
-    cfg = config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
+    cfg = job_config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
                            'batch_size = 4\n[task_args]\nema = "averaged"\n')
     saved = sigterm_after(trainer(tmp_path / "run", cfg, torchrun=2), 6)
     one = trainer(tmp_path / "run", cfg)
@@ -144,10 +131,9 @@ def test_a_sharded_gan_resumes_on_one_process_like_the_same_path(tmp_path: Path)
 
 
 def test_one_optimizer_over_two_sharded_models_is_refused_before_anything_is_saved(tmp_path: Path) -> None:
-    from tests.trainer.e2e.test_e2e_any_job import config, trainer
     from trainer import EXIT_BAD_INPUT
 
-    cfg = config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
+    cfg = job_config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
                            'batch_size = 4\n[task_args]\noptim = "one"\nblocks = 2\n')
     p = trainer(tmp_path / "run", cfg)
     assert p.wait() == EXIT_BAD_INPUT, p.output[-3000:]
