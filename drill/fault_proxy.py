@@ -85,6 +85,7 @@ class Rule:
     seen: int = 0        # matching requests, acted on or skipped
     released: threading.Event = field(default_factory=threading.Event)
     held: int = 0        # requests currently stalled by this rule
+    settled: int = 0     # stalled requests since let go and answered (forwarded, refused or dropped)
 
     def matches(self, method: str, path: str) -> bool:
         return (self.method in ("*", method)) and re.search(self.pattern, path) is not None
@@ -180,6 +181,17 @@ class FaultProxy:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if rule.held >= count:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def wait_settled(self, rule: Rule, count: int = 1, timeout: float = 60.0) -> bool:
+        """Block until `count` requests `rule` held have gone on to their end (a request let go
+        still reaches the server after its client gave up, as on the real network); False after
+        `timeout`."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if rule.settled >= count:
                 return True
             time.sleep(0.01)
         return False
@@ -457,10 +469,16 @@ class _Handler(BaseHTTPRequestHandler):
             rule.released.wait()
             with p._lock:
                 rule.held -= 1
-            if p._server is None:
-                self._drop()
-                return
-        elif rule is not None and rule.action == "status":
+            try:
+                if p._server is None:  # stopped while the request was held
+                    self._drop()
+                else:
+                    self._go_on(p, method, path, body, headers, tgt, None)
+            finally:
+                with p._lock:
+                    rule.settled += 1
+            return
+        if rule is not None and rule.action == "status":
             p._record(method, tgt, f"status {rule.status}")
             self._send(rule.status, [("Content-Type", "application/json")],
                        gcs_error(rule.status, f"injected {rule.status} by the fault proxy"))
@@ -469,6 +487,11 @@ class _Handler(BaseHTTPRequestHandler):
             p._record(method, tgt, "dropped")
             self._drop()
             return
+        self._go_on(p, method, path, body, headers, tgt, rule)
+
+    def _go_on(self, p: "FaultProxy", method: str, path: str, body: bytes, headers: dict[str, str],
+               tgt: str, rule: Rule | None) -> None:
+        """The request past the rules that answer at once: checked, forwarded, maybe altered."""
         flipped = ""
         if rule is not None and rule.action == "flip-request" and body:
             at = len(body) // 2

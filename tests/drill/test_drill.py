@@ -167,11 +167,14 @@ def test_the_table_shows_the_emergency_save_the_real_trainer_measured(tmp_path: 
     import signal
 
     from drill.drill import DrillResult, Preemption, emergency_save, report
-    from tests.trainer.support import start, write_config
+    from tests.trainer.support import GATE_TASK, gated, open_gate_on_notice, start, write_config
 
-    p = start(tmp_path / "run", 40, write_config(tmp_path), "--checkpoint-every-steps", "10")
+    gate = tmp_path / "gate"  # held at step 8 only if this test reads the log late
+    p = start(tmp_path / "run", 40, write_config(tmp_path), "--checkpoint-every-steps", "10", "--task", GATE_TASK,
+              env=gated(gate, 8))
     p.wait_for(r"event=step step=3/")
     p.signal(signal.SIGTERM)
+    open_gate_on_notice(p, gate)
     assert p.wait() == EXIT_PREEMPTED, p.output[-3000:]
     logged = p.seen(r"event=preempted step=(\d+) .*\bseconds=([\d.]+)")
     round_ = Preemption(index=1, boot=1, trainer_exit=EXIT_PREEMPTED)

@@ -47,6 +47,32 @@ def test_a_stalled_request_is_held_until_released(gcs_proxy) -> None:
     assert done.is_set() and _bucket(gcs_proxy, direct=True).get_blob("held") is not None
 
 
+def test_a_held_request_whose_client_gave_up_still_lands_once_released(gcs_proxy) -> None:
+    """As on the real network: a write the client stopped waiting for can still reach the server,
+    and `wait_settled` says when it has."""
+    import requests
+
+    b = _bucket(gcs_proxy)
+    rule = gcs_proxy.proxy.add("POST", r"object=late$", "stall")
+    gave_up: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            b.blob("late").upload_from_string(b"1", retry=None, timeout=0.2)
+        except requests.exceptions.Timeout as e:
+            gave_up.append(e)
+
+    t = threading.Thread(target=upload)
+    t.start()
+    assert gcs_proxy.proxy.wait_stalled(rule)
+    t.join(30)
+    assert len(gave_up) == 1 and rule.settled == 0
+    assert _bucket(gcs_proxy, direct=True).get_blob("late") is None
+    gcs_proxy.proxy.release(rule)
+    assert gcs_proxy.proxy.wait_settled(rule)
+    assert _bucket(gcs_proxy, direct=True).get_blob("late") is not None
+
+
 def test_down_refuses_connections_and_up_restores_them(gcs_proxy) -> None:
     import requests
 

@@ -346,6 +346,8 @@ def test_the_code_downloads_403_loop_waits_as_the_trainers_grant_rule(tmp_path):
     function = scripts.startup[start:scripts.startup.index("\n}\n", start) + 3]
     waits = tmp_path / "waits"
     stubs = f"""
+unset SECONDS  # a plain variable from here on: only the sleep stand-in moves this clock
+SECONDS=0
 log() {{ :; }}
 fail() {{ echo "FAILED: $*"; exit 1; }}
 METADATA=http://metadata STORAGE=http://storage BUCKET=b

@@ -258,6 +258,30 @@ def run_to_end(run_dir: Path, steps: int, config: Path, *extra: str, env: dict[s
     return p
 
 
+# The gpt task whose loader can wait at a gate (tests/trainer/e2e/gate_task.py): the same weights.
+GATE_TASK = "tests.trainer.e2e.gate_task:build"
+NOTICE = r"event=preemption_notice reason="  # whichever signal or watch it heard first
+
+
+def gated(gate: Path, steps: int, env: dict[str, str] | None = None, *, samples_per_step: int = 4) -> dict[str, str]:
+    """``env`` (the trainer's by default) for a run of ``GATE_TASK`` whose loader (each process's,
+    each data worker's) serves ``steps`` steps' samples, then waits while the file ``gate`` exists.
+
+    A test that signals a run once it logs step N puts the gate a few steps past N: the run trains
+    on as usual, and a test that reads the log late on a busy machine still finds it training,
+    never finished before its signal."""
+    gate.touch()
+    return {**(env if env is not None else trainer_env()), "GATE_FLAG": str(gate),
+            "GATE_AFTER": str(steps * samples_per_step)}
+
+
+def open_gate_on_notice(p: "Proc", gate: Path, notice: str = NOTICE) -> None:
+    """Once ``p`` heard its notice, open ``gate``: a run parked there completes the step in flight
+    and saves it, as a run that was never held does."""
+    p.wait_for(notice)
+    gate.unlink()
+
+
 def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: bool = False) -> dict[str, Any]:
     """`python -m trainer status --json` (in this process unless ``cli``: torch is loaded here;
     with ``cli``, forked from the worker's zygote: see Proc)."""
@@ -340,7 +364,7 @@ def child(cmd):
         # interpreter puts them, after the zygote's PYTHONPATH entries (sys.path[1:1 + n]).
         sys.path[1 + cmd["path_kept"]:1 + cmd["path_kept"]] = cmd["path_extra"]
         sys.argv = ["-m", *cmd["argv"]]
-        runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+        runpy.run_module(cmd["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         if e.code is None:
@@ -481,9 +505,11 @@ class Zygote:
                     self._exits.pop(msg["exit"]).put(msg["rc"])
 
     def fork(self, args: list[str], env: dict[str, str], new_session: bool = False,
-             err: bool = False) -> tuple[ForkedPopen, Path, Path | None]:
-        """Fork a child running ``python -m trainer *args``: its Popen face, the fifo its output
-        goes to (stdout and, unless ``err``, stderr) and, with ``err``, its stderr's fifo."""
+             err: bool = False, module: str = "trainer") -> tuple[ForkedPopen, Path, Path | None]:
+        """Fork a child running ``python -m MODULE *args`` (a module of ``LAUNCHERS``): its Popen
+        face, the fifo its output goes to (stdout and, unless ``err``, stderr) and, with ``err``,
+        its stderr's fifo."""
+        assert module in LAUNCHERS, module
         with self._lock:
             self._n += 1
             n = self._n
@@ -495,7 +521,7 @@ class Zygote:
         if err_fifo is not None:
             os.mkfifo(err_fifo)
         kept = len(_path(self.env))
-        cmd = {"argv": args, "env": env, "cwd": str(REPO), "new_session": new_session, "id": n,
+        cmd = {"module": module, "argv": args, "env": env, "cwd": str(REPO), "new_session": new_session, "id": n,
                "out": str(out), "err": str(err_fifo) if err_fifo else None,
                "path_kept": kept, "path_extra": _path(env)[kept:]}
         assert self.p.stdin is not None
@@ -583,10 +609,16 @@ def close_worker_zygote() -> None:
 FRESH_COMMANDS = ("rendezvous-id",)
 
 
+#: What a zygote's child can run as ``python -m MODULE``: the trainer, and the trainer held at a
+#: step while a file exists (``tests/trainer/e2e/held.py``, for tests of any job).
+LAUNCHERS = ("trainer", "tests.trainer.e2e.held")
+
+
 def forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
     """Whether ``argv`` (with ``env``, default ``trainer_env()``) is a plain ``python -m trainer``
-    launch that the worker's zygote can fork in place of a fresh interpreter."""
-    if argv[:3] != [sys.executable, "-m", "trainer"] or any(argv[3:4] == [c] for c in FRESH_COMMANDS) \
+    (or another of ``LAUNCHERS``) that the worker's zygote can fork in place of a fresh interpreter."""
+    if argv[:2] != [sys.executable, "-m"] or len(argv) < 3 or argv[2] not in LAUNCHERS \
+            or any(argv[3:4] == [c] for c in FRESH_COMMANDS) \
             or os.environ.get(NO_ZYGOTE_ENV):
         return False
     return worker_zygote(env) is not None  # one started with what the fork cannot change (``_zygote_key``)
@@ -630,8 +662,8 @@ class ForkedProc(Proc):
         super().__init__(argv, env, new_session)
 
     def _start(self, argv: list[str], env: dict[str, str], new_session: bool) -> Any:
-        assert argv[:3] == [sys.executable, "-m", "trainer"], argv
-        self.p, self.fifo, _ = self.zygote.fork(argv[3:], env, new_session)
+        assert argv[:2] == [sys.executable, "-m"], argv
+        self.p, self.fifo, _ = self.zygote.fork(argv[3:], env, new_session, module=argv[2])
         return self.p
 
     def _stream(self) -> Any:

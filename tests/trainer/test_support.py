@@ -101,3 +101,22 @@ def test_a_launch_with_its_code_on_the_path_is_forked_with_the_path_a_fresh_one_
         assert p.wait() == 0, p.output[-3000:]
         paths[fork] = json.loads(out.read_text())
     assert paths[True] == paths[False] and paths[True][1:3] == [str(REPO), str(code)]
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
+def test_a_held_run_waits_after_its_step_until_the_file_goes(tmp_path: Path, fork: bool) -> None:
+    """`tests.trainer.e2e.held` (what the tests of any job signal through): forked like the trainer
+    or a fresh interpreter, it holds after step 3 while the file exists, so that a SIGTERM read
+    from the log of step 3 finds the run there, and once the file goes it saves and exits 75."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    argv = [sys.executable, "-m", "tests.trainer.e2e.held", *run_args(tmp_path / "run", 100000, write_config(tmp_path))[3:]]
+    p = Proc(argv, env=trainer_env(HOLD_FLAG=str(hold), HOLD_AT_STEP="3"), fork=fork)
+    assert isinstance(p, ForkedProc) == fork
+    p.wait_for(r"event=step step=3/")
+    p.signal(signal.SIGTERM)
+    p.wait_for(r"event=preemption_notice reason=SIGTERM completed_step=3$")
+    hold.unlink()
+    assert p.wait() == 75, p.output[-3000:]
+    assert "event=step step=4/" not in p.output
+    p.seen(r"event=preempted step=3 persistent_ok=1")

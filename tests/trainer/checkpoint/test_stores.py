@@ -317,6 +317,7 @@ def _upload_stopped(s: GcsStore, src: Path, held, gcs_proxy, stop) -> BaseExcept
     stop()
     gcs_proxy.proxy.release(held)
     t.join(60)
+    assert gcs_proxy.proxy.wait_settled(held)  # the part let go lands after its client gave up
     assert len(errors) == 1
     return errors[0]
 

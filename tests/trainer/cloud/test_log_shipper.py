@@ -16,7 +16,7 @@ import pytest
 
 from drill.fake_observability import FakeObservability, Filter
 from drill.metadata_server import MetadataServer
-from tests.trainer.support import REPO, Proc, run_args, write_config
+from tests.trainer.support import GATE_TASK, REPO, Proc, gated, open_gate_on_notice, run_args, write_config
 from trainer import retry
 from trainer.cloud.log_shipper import (LABEL, RETRY, RETRY_CAP_S, SCRIPT_LINE, TRAINER_LINE, entry, load_key,
                                        parse_message, sign)
@@ -32,10 +32,11 @@ def trainer_lines(tmp_path_factory) -> list[str]:
     """A real trainer's log: a fresh start, steps, a preemption notice (SIGTERM) and its emergency
     save, then a restart that restores and finishes."""
     tmp = tmp_path_factory.mktemp("run")
-    config = write_config(tmp)
-    first = Proc(run_args(tmp / "run", 40, config))
+    config, gate = write_config(tmp, f'task = "{GATE_TASK}"\n'), tmp / "gate"
+    first = Proc(run_args(tmp / "run", 40, config), env=gated(gate, 8))  # held at 8 only if read late
     first.wait_for(r"event=step step=3/")
     first.signal(signal.SIGTERM)
+    open_gate_on_notice(first, gate)
     assert first.wait() == 75, first.output[-3000:]
     second = Proc(run_args(tmp / "run", 40, config))
     assert second.wait() == 0, second.output[-3000:]

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.trainer.support import REPO, Proc, run_args, trainer_env
+from tests.trainer.support import REPO, Proc, open_gate_on_notice, run_args, trainer_env
 from trainer import EXIT_PREEMPTED
 
 EXAMPLES = REPO / "examples"
@@ -40,25 +40,34 @@ def digests(run_dir: Path, step: int) -> dict[str, str]:
     return out
 
 
-def trainer(run_dir: Path, cfg: Path, *extra: str, code: tuple[Path, ...] = (), torchrun: int = 0) -> Proc:
-    argv = run_args(run_dir, STEPS, cfg, "--checkpoint-every-steps", "4", *extra)
+def trainer(run_dir: Path, cfg: Path, *extra: str, code: tuple[Path, ...] = (), torchrun: int = 0,
+            hold: tuple[Path, int] | None = None) -> Proc:
+    """The job's run; ``hold``: (a file, a step): held after that step while the file exists
+    (``tests/trainer/e2e/held.py``), so that a signal always finds it mid-way."""
+    argv, environ = run_args(run_dir, STEPS, cfg, "--checkpoint-every-steps", "4", *extra), env(*code)
+    if hold is not None:
+        argv[2] = "tests.trainer.e2e.held"
+        hold[0].touch()
+        environ.update(HOLD_FLAG=str(hold[0]), HOLD_AT_STEP=str(hold[1]))
     if torchrun:  # the same module under torchrun, one rank per process
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
                 "-m", *argv[2:]]
-    return Proc(argv, env=env(*code), new_session=bool(torchrun))
+    return Proc(argv, env=environ, new_session=bool(torchrun))
 
 
 def interrupted(run_dir: Path, cfg: Path, *extra: str, code: tuple[Path, ...] = (), torchrun: int = 0) -> Proc:
     """SIGTERM after step 5 (the emergency save, exit 75), SIGKILL after step 10 once step 8's
-    save is durable (power lost),
-    then a restart that finishes: the run a Spot VM gets."""
-    p = trainer(run_dir, cfg, *extra, code=code, torchrun=torchrun)
+    save is durable (power lost), then a restart that finishes: the run a Spot VM gets. (Each
+    interrupted session is held at its step until then: the examples' steps take milliseconds.)"""
+    hold = run_dir.parent / f"hold-{run_dir.name}"
+    p = trainer(run_dir, cfg, *extra, code=code, torchrun=torchrun, hold=(hold, 5))
     p.wait_for(r"event=step step=5/")
     p.signal(signal.SIGTERM, group=bool(torchrun))
+    open_gate_on_notice(p, hold)
     rc = p.wait()
     saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
     assert torchrun or rc == EXIT_PREEMPTED, p.output[-3000:]
-    p = trainer(run_dir, cfg, *extra, code=code, torchrun=torchrun)
+    p = trainer(run_dir, cfg, *extra, code=code, torchrun=torchrun, hold=(hold, 10))
     assert int(p.wait_for(r"event=restore step=(\d+)").group(1)) == saved
     p.wait_for(r"event=step step=10/")
     p.seen_or_wait(r"checkpoint step 8 durable on persistent")  # the cadence's save, before power is lost

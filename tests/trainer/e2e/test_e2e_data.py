@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 from tests.trainer.support import REFERENCE_STEPS as STEPS
-from tests.trainer.support import run_to_end, start, status, write_config
+from tests.trainer.support import run_to_end, start, status, trainer_env, write_config
+
+GATE = "tests.trainer.e2e.gate_task:build"  # its loader waits after GATE_AFTER samples while GATE_FLAG exists
 
 
 def _gone(pid: int) -> bool:
@@ -22,34 +24,46 @@ def _gone(pid: int) -> bool:
 
 
 def test_workers_give_the_inline_weights_across_sigterm_and_sigkill(tmp_path: Path, reference: dict) -> None:
-    """2 workers, SIGTERM at step 13; 1 worker, SIGKILL after step 20 (checkpoint 20 survives);
-    inline to the end: the final weights are the inline reference's, bit for bit."""
-    config, run_dir = write_config(tmp_path), tmp_path / "run"
-    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10", "--data-workers", "2")
+    """2 workers, SIGTERM after step 14; 1 worker, SIGKILL at step 23 (checkpoint 20 survives);
+    inline to the end: the final weights are the inline reference's, bit for bit. The gate task
+    parks each worker after a set number of samples, so every signal finds the run mid-way."""
+    config, run_dir, gate = write_config(tmp_path), tmp_path / "run", tmp_path / "gate"
+    args = ("--checkpoint-every-steps", "10", "--task", GATE)
+    # Batches go round-robin to the 2 workers: 7 batches each, and the loop waits for batch 15.
+    p = start(run_dir, STEPS, config, *args, "--data-workers", "2", env=_gated(gate, 7 * 4))
     pids = [int(x) for x in p.wait_for(r"event=data_workers workers=2 from=0 pids=([\d,]+)").group(1).split(",")]
-    p.wait_for(r"event=step step=13/")
+    p.wait_for(r"event=step step=14/")
     p.signal(signal.SIGTERM)
+    p.wait_for(r"event=preemption_notice reason=SIGTERM")
+    gate.unlink()  # the step in flight completes and is saved
     assert p.wait() == 75, p.output[-3000:]
     saved = int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    assert saved in (14, 15)  # the step it had completed, or the one it was waiting to load
     assert all(_gone(pid) for pid in pids), "a data worker outlived the trainer"
     s = status(run_dir)
     # Workers had prepared batches beyond the save: only the ones the loop took count.
     assert s["latest_step"] == saved and s["data"]["consumed"] == saved * 4
 
-    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10", "--data-workers", "1")
+    p = start(run_dir, STEPS, config, *args, "--data-workers", "1", env=_gated(gate, (23 - saved) * 4))
     pids = [int(p.wait_for(rf"event=data_workers workers=1 from={saved * 4} pids=(\d+)").group(1))]
-    p.wait_for(r"checkpoint step 20 durable on persistent")  # the save is asynchronous
-    p.wait_for(r"event=step step=2[1-9]/")  # a few steps past it, before the next save
-    p.signal(signal.SIGKILL)  # the trainer alone: its workers must follow it (PR_SET_PDEATHSIG)
+    for line in (r"checkpoint step 20 durable on persistent", r"event=step step=23/"):  # the save is asynchronous
+        p.seen_or_wait(line)
+    p.signal(signal.SIGKILL)  # the trainer alone: its parked worker must follow it (PR_SET_PDEATHSIG)
     p.wait()
     deadline = time.monotonic() + 60
     while not all(_gone(pid) for pid in pids):
         assert time.monotonic() < deadline, "a data worker outlived the SIGKILLed trainer"
         time.sleep(0.05)
 
-    p = run_to_end(run_dir, STEPS, config, "--checkpoint-every-steps", "10")
+    p = run_to_end(run_dir, STEPS, config, *args)
     assert int(p.seen(r"event=restore step=(\d+)").group(1)) == 20
     assert status(run_dir)["model_digest"] == reference["model_digest"]
+
+
+def _gated(gate: Path, samples: int) -> dict[str, str]:
+    """The gate task's loader (each worker's) serves `samples` samples, then waits while `gate` exists."""
+    gate.touch()
+    return trainer_env(GATE_FLAG=str(gate), GATE_AFTER=str(samples))
 
 
 def test_a_notice_does_not_wait_for_workers_busy_on_slow_samples(tmp_path: Path) -> None:
@@ -64,8 +78,6 @@ def test_a_notice_does_not_wait_for_workers_busy_on_slow_samples(tmp_path: Path)
     # samples) is batch 6 or 7, which the workers reach while the loop waits in step 6.
     env = {"SLOW_DIR": str(slow), "SLOW_AFTER": "12", "PARK_STEP": "6"}
     config = write_config(tmp_path, 'task = "tests.trainer.e2e.slow_data_task:build"\ndata_workers = 2\n')
-    from tests.trainer.support import trainer_env
-
     p = start(tmp_path / "run", STEPS, config, env=trainer_env(**env))
     try:
         deadline = time.monotonic() + 240
@@ -123,8 +135,6 @@ def test_workers_that_keep_dying_save_the_step_and_exit_to_be_restarted(tmp_path
     die = tmp_path / "die"
     config = write_config(tmp_path, 'task = "tests.trainer.e2e.dying_data_task:build"\ndata_workers = 2\n')
     run_dir = tmp_path / "run"
-    from tests.trainer.support import trainer_env
-
     env = trainer_env(DIE_FILE=str(die))
     p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "100", env=env)
     try:

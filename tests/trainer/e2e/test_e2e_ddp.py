@@ -7,28 +7,30 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.trainer.support import Proc, run_args, status, write_config
+from tests.trainer.support import GATE_TASK, Proc, gated, open_gate_on_notice, run_args, status, write_config
 
 STEPS = 20
 
 
-def torchrun(run_dir: Path, config: Path, *extra: str, nproc: int = 2) -> Proc:
+def torchrun(run_dir: Path, config: Path, *extra: str, nproc: int = 2, env: dict[str, str] | None = None) -> Proc:
     argv = run_args(run_dir, STEPS, config, "--checkpoint-every-steps", "5", *extra)
     # run_args starts with [python, -m, trainer, ...]: run the same module under torchrun.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", *argv[2:]]
-    return Proc(cmd, new_session=True)
+    return Proc(cmd, env=env, new_session=True)
 
 
 def test_ddp_two_ranks_sigterm_and_resume_exactly(tmp_path: Path) -> None:
-    config = write_config(tmp_path, multi_rank=True)
+    config = write_config(tmp_path, f'task = "{GATE_TASK}"\n', multi_rank=True)
     ref = torchrun(tmp_path / "ref", config)
     assert ref.wait() == 0, ref.output[-4000:]
 
-    run_dir = tmp_path / "run"
-    p = torchrun(run_dir, config, "--data-workers", "2")
+    run_dir, gate = tmp_path / "run", tmp_path / "gate"
+    # Each rank's 2 workers serve 6 batches each: held at step 12 only if this test reads the log late.
+    p = torchrun(run_dir, config, "--data-workers", "2", env=gated(gate, 6))
     p.wait_for(r"event=step step=7/")
     p.signal(signal.SIGTERM, group=True)  # what systemd does to the unit's processes
+    open_gate_on_notice(p, gate)
     p.wait()  # torchrun's own exit status reports the signal; the log says what was saved
     saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
     assert 7 <= saved < STEPS

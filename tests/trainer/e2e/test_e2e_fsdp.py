@@ -11,15 +11,18 @@ import pytest
 
 from tests.trainer.e2e.job_support import STEPS, digests, interrupted, trainer
 from tests.trainer.e2e.job_support import config as job_config
-from tests.trainer.support import Proc, status, write_config
+from tests.trainer.support import open_gate_on_notice, status, write_config
 
 
 
-def sigterm_after(p: Proc, step: int) -> int:
-    """SIGTERM to every rank once ``step`` is trained (what systemd does to the unit): the step the
-    sharded emergency checkpoint holds, durable on the run dir."""
+def sigterm_after(run_dir: Path, config: Path, step: int) -> int:
+    """A 2-rank run held after ``step`` until its notice, SIGTERMed on every rank (what systemd does
+    to the unit): the step the sharded emergency checkpoint holds, durable on the run dir."""
+    hold = run_dir.parent / f"hold-{run_dir.name}"
+    p = trainer(run_dir, config, torchrun=2, hold=(hold, step))
     p.wait_for(rf"event=step step={step}/")
     p.signal(signal.SIGTERM, group=True)
+    open_gate_on_notice(p, hold)
     p.wait()
     return int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
 
@@ -28,7 +31,7 @@ def sigterm_after(p: Proc, step: int) -> int:
 def test_fsdp_sigterm_then_resume_on_one_process_matches_the_same_path(tmp_path: Path) -> None:
     config = write_config(tmp_path, 'parallelism = "fsdp"\nglobal_batch_size = 8\n', multi_rank=True)
     run_dir = tmp_path / "run"
-    saved = sigterm_after(trainer(run_dir, config, torchrun=2), 6)
+    saved = sigterm_after(run_dir, config, 6)
     assert 6 <= saved < STEPS
     s = status(run_dir)
     assert s["sharded"] and s["latest_step"] == saved and s["data"]["consumed"] == saved * 8
@@ -63,7 +66,7 @@ def test_a_named_state_beside_sharded_weights_resumes_bit_for_bit(tmp_path: Path
     ref = trainer(tmp_path / "ref", config, torchrun=2)
     assert ref.wait() == 0, ref.output[-4000:]
     run_dir = tmp_path / "run"
-    saved = sigterm_after(trainer(run_dir, config, torchrun=2), 6)
+    saved = sigterm_after(run_dir, config, 6)
     p = trainer(run_dir, config, torchrun=2)
     assert p.wait() == 0, p.output[-4000:]
     assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
@@ -117,7 +120,7 @@ def test_a_sharded_gan_resumes_on_one_process_like_the_same_path(tmp_path: Path)
 
     cfg = job_config(tmp_path, 'parallelism = "fsdp"\ntask = "tests.trainer.e2e.sharded_gan_task:build"\n'
                            'batch_size = 4\n[task_args]\nema = "averaged"\n')
-    saved = sigterm_after(trainer(tmp_path / "run", cfg, torchrun=2), 6)
+    saved = sigterm_after(tmp_path / "run", cfg, 6)
     one = trainer(tmp_path / "run", cfg)
     assert one.wait() == 0, one.output[-4000:]
     assert one.seen(rf"event=world_size_change step={saved} from=2 to=1 ")

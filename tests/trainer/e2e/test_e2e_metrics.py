@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from tests.trainer.support import REFERENCE_STEPS as STEPS
-from tests.trainer.support import run_to_end, start, status, trainer_env, write_config
+from tests.trainer.support import gated, open_gate_on_notice, run_to_end, start, status, trainer_env, write_config
 
 
 def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -38,12 +38,16 @@ def test_curves_continue_across_crash_preemption_and_lost_disk(tmp_path: Path, g
     p.wait()
     flag.unlink()
 
-    p = start(run_dir, STEPS, config, *gcs, env=env)  # a preemption, then the disk is gone
+    newest = status(run_dir, "--gcs-uri", gcs_emulator.uri, env=env, cli=True)["latest_step"]
+    assert 10 <= newest < 27
+    # A preemption, then the disk is gone; held at step 33 only if this test reads the log late.
+    p = start(run_dir, STEPS, config, *gcs, env=gated(flag, 33 - newest, env))
     restored = int(p.wait_for(r"event=restore step=(\d+)").group(1))
-    assert 10 <= restored < 27
+    assert restored == newest
     p.wait_for(rf"event=metrics_superseded file=\S+ after_step={restored}")
     p.wait_for(r"event=eval step=30 loss=\d+\.\d+ batches=2")
     p.signal(signal.SIGTERM)
+    open_gate_on_notice(p, flag)
     assert p.wait() == 75, p.output[-3000:]
     assert "event=metrics_upload ok=0" not in p.output
     shutil.rmtree(run_dir)
@@ -80,10 +84,12 @@ def test_the_tasks_own_metrics_reach_the_log_line_tensorboard_and_a_sink_and_cha
                                     "eval_every_steps = 20\neval_batches = 2\n"
                                     f'[sinks.jsonl]\npath = "{events}"\n')
     run_dir = tmp_path / "run"
-    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10")
+    gate = tmp_path / "gate"  # held at step 18 only if this test reads the log late
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10", env=gated(gate, 18))
     line = p.wait_for(r"event=step step=13/\S+ loss=(\S+) .* eta_s=\S+ ppl=(\S+) tokens=(\S+)$")
     assert float(line.group(2)) == float(f"{math.exp(float(line.group(1))):.4g}")  # one step per line here
     p.signal(signal.SIGTERM)
+    open_gate_on_notice(p, gate)
     assert p.wait() == 75, p.output[-3000:]
     p = run_to_end(run_dir, STEPS, config, "--checkpoint-every-steps", "10")
     assert "ppl=" in p.wait_for(rf"event=step step={STEPS}/").string

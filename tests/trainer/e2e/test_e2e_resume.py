@@ -9,21 +9,31 @@ import os
 import random
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from trainer.config import StatusConfig
 from trainer.status import main as status_main
 from tests.trainer.support import REFERENCE_STEPS as STEPS
-from tests.trainer.support import Proc, Zygote, run_args, run_to_end, start, status, trainer_env, write_config
+from tests.trainer.support import (GATE_TASK, Proc, Zygote, gated, open_gate_on_notice, run_args, run_to_end, start,
+                                   status, trainer_env, write_config)
 from tests.trainer.support import start as start_process
 
 
+def _config(tmp_path: Path, extra: str = "") -> Path:
+    """The test config with the gate task: the plain task's weights, and a loader a test can hold."""
+    return write_config(tmp_path, f'task = "{GATE_TASK}"\n' + extra)
+
+
 def _sigterm_at(run_dir: Path, config: Path, step: int, *extra: str) -> int:
-    """Start, SIGTERM once step `step` is logged, expect exit 75; return the saved step."""
-    p = start(run_dir, STEPS, config, *extra)
+    """Start afresh, SIGTERM once step `step` is logged, expect exit 75; return the saved step. (The
+    loader's gate, 5 steps on, only holds a run the test reads late.)"""
+    gate = run_dir.parent / f"gate-{run_dir.name}"
+    p = start(run_dir, STEPS, config, *extra, env=gated(gate, step + 5))
     p.wait_for(rf"event=step step={step}/")
     p.signal(signal.SIGTERM)
+    open_gate_on_notice(p, gate)
     rc = p.wait()
     assert rc == 75, p.output[-3000:]
     saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
@@ -40,15 +50,16 @@ def _assert_at_most_the_step_in_flight(p: Proc, *, signalled_after: int, saved: 
 
 
 def test_sigterm_several_times_resumes_exactly(tmp_path: Path, reference: dict) -> None:
-    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    config, run_dir, gate = _config(tmp_path), tmp_path / "run", tmp_path / "gate"
     rng = random.Random(20261122)
     saved = 0
     for _ in range(3):
-        p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10")
-        assert int(p.wait_for(r"event=restore step=(\d+)").group(1)) == saved
         at = rng.randint(saved + 2, saved + 10)
+        p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "10", env=gated(gate, at + 5 - saved))
+        assert int(p.wait_for(r"event=restore step=(\d+)").group(1)) == saved
         p.wait_for(rf"event=step step={at}/")
         p.signal(signal.SIGTERM)
+        open_gate_on_notice(p, gate)
         assert p.wait() == 75, p.output[-3000:]
         saved = int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
         _assert_at_most_the_step_in_flight(p, signalled_after=at, saved=saved)
@@ -63,14 +74,15 @@ def test_sigterm_several_times_resumes_exactly(tmp_path: Path, reference: dict) 
 
 
 def test_resume_with_other_checkpoint_interval_and_second_signal(tmp_path: Path, reference: dict) -> None:
-    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    config, run_dir, gate = _config(tmp_path), tmp_path / "run", tmp_path / "gate"
     local = ("--local-dir", str(tmp_path / "local"))  # the fast tier joins for the later sessions
-    _sigterm_at(run_dir, config, 9, "--checkpoint-every-steps", "3")
+    first = _sigterm_at(run_dir, config, 9, "--checkpoint-every-steps", "3")
     # A second SIGTERM (and a SIGINT) right behind the first must not abort the save.
-    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "7", *local)
+    p = start(run_dir, STEPS, config, "--checkpoint-every-steps", "7", *local, env=gated(gate, 21 + 5 - first))
     p.wait_for(r"event=step step=21/")
     for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
         p.signal(sig)
+    open_gate_on_notice(p, gate)
     assert p.wait() == 75, p.output[-3000:]
     saved = int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
     assert p.seen(r"checkpoint step 14 durable on local")
@@ -82,15 +94,16 @@ def test_resume_with_other_checkpoint_interval_and_second_signal(tmp_path: Path,
 
 def test_finished_run_exits_at_once_and_mismatch_is_refused(tmp_path: Path, reference: dict,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    config, run_dir, gate = _config(tmp_path), tmp_path / "run", tmp_path / "gate"
     _sigterm_at(run_dir, config, 5)
     p = start(run_dir, STEPS, config, "--seed", "7")
     assert p.wait() == 2
     assert "seed: checkpoint has 0, this run has 7" in p.output
     assert "Traceback" not in p.output
-    p = start(run_dir, STEPS, config)
+    p = start(run_dir, STEPS, config, env=gated(gate, 0))  # held before its first step
     p.wait_for(r"event=restore step=")
     p.signal(signal.SIGTERM)  # a notice during start-up: the restored checkpoint is already durable
+    open_gate_on_notice(p, gate)
     assert p.wait() == 75, p.output[-3000:]
     run_to_end(run_dir, STEPS, config)
     p = run_to_end(run_dir, STEPS, config)
@@ -111,18 +124,20 @@ def _kill_run(tmp_path: Path, reference: dict, seed: int, kills: int, zygote: Zy
     With a zygote, each restart is a process forked from it (same code as `python -m trainer`,
     without paying the torch import again); without, a fresh `python -m trainer run` (``fork=False``:
     this path checks that the forks stand for real interpreters)."""
-    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    config, run_dir, gate = _config(tmp_path), tmp_path / "run", tmp_path / "gate"
 
-    def start(*a: object, **kw: object) -> Proc:
+    def start(*a: Any, held_after: int | None = None) -> Proc:
+        # The gate, 8 steps past the restore, only holds a run the test reads late: killed there.
+        env = gated(gate, held_after) if held_after is not None else trainer_env()
         if zygote is None:
-            return start_process(*a, **kw, fork=False)
-        return zygote.spawn(run_args(*a)[3:], trainer_env())
+            return start_process(*a, env=env, fork=False)
+        return zygote.spawn(run_args(*a)[3:], env)
 
     rng = random.Random(seed)
     args = ("--checkpoint-every-steps", "3")
     restored = 0
     for k in range(kills):
-        p = start(run_dir, STEPS, config, *args)
+        p = start(run_dir, STEPS, config, *args, held_after=8)
         got = int(p.wait_for(r"event=restore step=(\d+)").group(1))
         assert got >= restored, f"kill {k}: restored {got}, but step {restored} had been restored before"
         restored = got

@@ -10,27 +10,45 @@ from pathlib import Path
 
 from drill.metadata_server import MetadataServer
 from trainer.observe.health import ask
-from tests.trainer.support import TIMEOUT, run_to_end, start, status, trainer_env, write_config
+from tests.trainer.support import TIMEOUT, Proc, run_to_end, start, status, trainer_env, write_config
 
 from tests.trainer.support import REFERENCE_STEPS as STEPS
 
+GATE = "tests.trainer.e2e.gate_task:build"  # its loader waits after GATE_AFTER samples while GATE_FLAG exists
+SAMPLES_PER_STEP = 4  # the test config's batch
+
 
 def test_metadata_preemption_notice_saves_and_exits_75(tmp_path: Path, reference: dict) -> None:
-    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    config, run_dir, gate = write_config(tmp_path), tmp_path / "run", tmp_path / "gate"
     with MetadataServer() as md:
         env = trainer_env(GCE_METADATA_HOST=md.host)
-        p = start(run_dir, STEPS, config, env=env)
+        p = _parked(run_dir, config, gate, 12, env)
         p.wait_for(r"event=metadata_watch .* preempted=FALSE")
         assert md.wait_waiters(1, TIMEOUT)
         p.wait_for(r"event=step step=12/")
         md.preempt()
-        assert p.wait() == 75, p.output[-3000:]
-    p.wait_for(r"event=preemption_notice reason=metadata instance/preempted=TRUE")
-    saved = int(p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
-    assert saved >= 12
-    p = run_to_end(run_dir, STEPS, config)
+        saved = _saved(p, gate, r"event=preemption_notice reason=metadata instance/preempted=TRUE")
+    assert saved in (12, 13)  # the step it had completed, or the one it was waiting to load
+    p = run_to_end(run_dir, STEPS, config, "--task", GATE)
     assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
     assert status(run_dir)["model_digest"] == reference["model_digest"]
+
+
+def _parked(run_dir: Path, config: Path, gate: Path, steps: int, env: dict[str, str], *args: str) -> Proc:
+    """A trainer of the gate task that trains `steps` steps, then waits in the next step's data
+    loader while `gate` exists: a notice always finds it training, however fast it runs."""
+    gate.touch()
+    return start(run_dir, STEPS, config, "--task", GATE, *args,
+                 env=dict(env, GATE_FLAG=str(gate), GATE_AFTER=str(steps * SAMPLES_PER_STEP)))
+
+
+def _saved(p: Proc, gate: Path, notice: str = r"event=preemption_notice reason=SIGTERM") -> int:
+    """Once `p` heard `notice`, open its gate: it saves the step it had completed (or, when the
+    notice came while it waited for data, the step it was loading) and exits 75."""
+    p.wait_for(notice)
+    gate.unlink()
+    assert p.wait() == 75, p.output[-3000:]
+    return int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
 
 
 def _ask_until(port: int, want: str) -> str:
@@ -63,28 +81,28 @@ def test_health_ok_then_stalled_on_a_hung_loader_then_ok(tmp_path: Path) -> None
 
 
 def test_gcs_tier_survives_wiped_run_dirs(tmp_path: Path, gcs_emulator, reference: dict) -> None:
-    config, run_dir = write_config(tmp_path), tmp_path / "run"
+    config, run_dir, gate = write_config(tmp_path), tmp_path / "run", tmp_path / "gate"
     env = trainer_env(**gcs_emulator.env)
     gcs = ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
     rng = random.Random(7)
-    at = 0
+    saved = 0
     for _ in range(2):
-        at = rng.randint(at + 3, at + 12)
-        p = start(run_dir, STEPS, config, *gcs, env=env)
+        at = rng.randint(saved + 3, saved + 12)
+        p = _parked(run_dir, config, gate, at - saved, env, *gcs)
         p.wait_for(rf"event=step step={at}/")
         p.signal(signal.SIGTERM)
-        assert p.wait() == 75, p.output[-3000:]
-        line = p.wait_for(r"event=preempted step=(\d+) persistent_ok=1 gcs_ok=True").group(0)
-        at = int(line.split("step=")[1].split()[0])
+        saved = _saved(p, gate)
+        assert saved in (at, at + 1) and p.seen(r"event=preempted step=\d+ persistent_ok=1 gcs_ok=True")
         shutil.rmtree(run_dir)  # the VM comes back in another zone with a fresh disk
-        p = start(run_dir, STEPS, config, *gcs, env=env)
-        assert int(p.wait_for(r"event=restore step=(\d+) tier=").group(1)) == at
-        p.seen(rf"downloaded step {at} from gs:")
+        p = _parked(run_dir, config, gate, 1, env, *gcs)
+        assert int(p.wait_for(r"event=restore step=(\d+) tier=").group(1)) == saved
+        p.seen(rf"downloaded step {saved} from gs:")
         p.seen_or_wait(r"event=ledger_recover events=\d+ from=gcs")  # in the background
+        p.seen_or_wait(rf"event=step step={saved + 1}/")
         p.signal(signal.SIGTERM)
-        assert p.wait() == 75, p.output[-3000:]
+        saved = _saved(p, gate)
         shutil.rmtree(run_dir)
-    p = run_to_end(run_dir, STEPS, config, *gcs, env=env)
+    p = run_to_end(run_dir, STEPS, config, *gcs, "--task", GATE, env=env)
     shutil.rmtree(run_dir)
     s = status(run_dir, "--gcs-uri", gcs_emulator.uri, env=env, cli=True)
     assert s["latest_step"] == STEPS and s["tier"] == "gcs"
