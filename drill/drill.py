@@ -113,8 +113,9 @@ class DrillConfig:
     Default: $SPOTTRAIN_DRILL_REFERENCE_CACHE (the test suite sets build/drill-reference); none
     for `make drill`, which runs its reference every time."""
     stall_s: int | None = None
-    """The VMs' log shipper's stall window, seconds (default: the experiment's stall_minutes): a
-    drill that shows a healthy run raising no stall runs longer than it."""
+    """The VMs' log shipper's stall window, seconds (default: the experiment's stall_minutes), and
+    the trainers' ``heartbeat_every_s`` with it: a drill that shows a healthy run raising no stall
+    runs longer than it."""
 
 
 @dataclass
@@ -236,6 +237,11 @@ def render(cfg: DrillConfig, health_port: int, *, trainer_source: Path | None = 
         from stacks.boot import LogShipping
 
         extra = {**(extra or {}), "logs": LogShipping(project=exp.gcp.project, stall_s=cfg.stall_s)}
+    if cfg.stall_s is not None:  # the nodes' heartbeat as far inside that window as the stack's rule asks
+        from stacks.experiment import HEARTBEATS_PER_STALL_WINDOW
+
+        beat = {**exp.trainer.config, "heartbeat_every_s": cfg.stall_s / HEARTBEATS_PER_STALL_WINDOW}
+        exp = exp.model_copy(update={"trainer": exp.trainer.model_copy(update={"config": beat})})
     exp = many_tensors(exp)
     # The VM stand-in's Python is this one (drill.sandbox), not the image's: its wheels are the
     # lock for this Python (`make lock` writes it beside the image's), and the startup script's

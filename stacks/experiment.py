@@ -24,6 +24,10 @@ Problem = tuple[str, str]  # (dotted field path, "what is wrong and what is allo
 
 TASK = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 GCS_PREFIX = re.compile(r"^[A-Za-z0-9][-_.A-Za-z0-9/]{0,254}$")
+#: A pool's node that trains without global rank 0 logs ``event=heartbeat`` every
+#: ``trainer.config.heartbeat_every_s``; at least this many fit in the stall window, so that a long
+#: step between two of them is never a stall.
+HEARTBEATS_PER_STALL_WINDOW = 3
 #: Flags the stack sets itself from other fields; repeating them in `args` would contradict those.
 MANAGED_FLAGS = ("--run-dir", "--steps", "--gcs-uri", "--task", "--health-port", "--local-dir",
                  # `trainer.script`, `trainer.script_args`
@@ -974,6 +978,12 @@ def cross_section_problems(exp: Experiment, name: str) -> Iterator[Problem]:
             _check_bucket_name(exp.bucket_name(name))
         except ValueError as err:
             yield "bucket.name", f"the default name: {err}; or set bucket.name"
+    beat = exp.trainer.config.get("heartbeat_every_s")
+    window_s = exp.alerts.stall_minutes * 60
+    if isinstance(beat, (int, float)) and beat * HEARTBEATS_PER_STALL_WINDOW > window_s:
+        yield ("trainer.config.heartbeat_every_s",
+               f"{beat} s is not well under alerts.stall_minutes ({window_s} s): a pool's healthy nodes would "
+               f"raise the stall alert between heartbeats; allowed: at most {window_s / HEARTBEATS_PER_STALL_WINDOW:g} s")
     if exp.pool is not None:
         yield from pool_problems(exp)
     yield from capacity_problems(exp)

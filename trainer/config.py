@@ -21,6 +21,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       ValidationInfo, field_validator)
 
 from trainer.data.sampler import ORDER_VERSION
+from trainer.observe.progress import HEARTBEAT_S
 from trainer.shutdown_window import trainer_budget_s
 
 DEFAULT_TASK = "trainer.tasks.gpt:build"
@@ -238,6 +239,10 @@ class RunConfig(BaseModel):
     over at once."""
     log_every_steps: int = Field(default=10, gt=0)
     """One structured log line every this many steps."""
+    heartbeat_every_s: float = Field(default=HEARTBEAT_S, gt=0, allow_inf_nan=False)
+    """Seconds between the ``event=heartbeat`` lines of a node that trains without logging the step
+    lines (a pool's other nodes: only global rank 0 logs them). Its log shipper's stall clock
+    counts them, so the stack refuses a value that is not well under ``[alerts] stall_minutes``."""
     progress_every_s: float = Field(default=60.0, gt=0)
     """Seconds between goodput progress events in the ledger."""
     price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)

@@ -58,6 +58,8 @@ def test_a_typo_exits_2_naming_the_file_and_key_before_anything_is_synthesized(t
      "it here and set group.initial_delay_sec"),
     ({"health_request": "hi"}, "trainer.config.health_request: is set by the stack: the group's "
      "health check sends this request; allowed: remove it here"),
+    ({"heartbeat_every_s": 601}, "trainer.config.heartbeat_every_s: 601 s is not well under alerts.stall_minutes "
+     "(1800 s): a pool's healthy nodes would raise the stall alert between heartbeats; allowed: at most 600 s"),
 ])
 def test_the_trainers_own_rules_name_the_key(config, line):
     assert problems({"trainer": {"config": config}}) == [f"x.toml: {line}"]

@@ -370,7 +370,7 @@ class Session:
             self.bus.emit(Step(step, self.cfg.steps, loss, lr, metrics, window))
         elif self.world.is_node_leader:  # another node of a pool: its own shipper's stall clock
             if self._heartbeat is None:
-                self._heartbeat = Heartbeat(self.log)
+                self._heartbeat = Heartbeat(self.log, self.cfg.heartbeat_every_s)
             self._heartbeat.beat(step)
 
     def _workers_died(self, died: WorkersDied) -> None:

@@ -52,10 +52,11 @@ def test_only_the_leader_of_a_node_without_rank_0_beats(is_main, is_node_leader,
     fake = SimpleNamespace(
         done=0, world=SimpleNamespace(is_main=is_main, is_node_leader=is_node_leader), log=log, _heartbeat=None,
         _window=None, preempt=SimpleNamespace(step_completed=lambda step: None),
-        health=SimpleNamespace(beat=lambda step: None), cfg=SimpleNamespace(steps=10),
+        health=SimpleNamespace(beat=lambda step: None), cfg=SimpleNamespace(steps=10, heartbeat_every_s=7.0),
         bus=SimpleNamespace(emit=lambda ev: None))
     Session.completed(fake, 3, 1.0, 1e-3, {})  # type: ignore[arg-type]
     assert len([m for m in h.lines if m.startswith("event=heartbeat step=3")]) == beats
+    assert (fake._heartbeat.every_s if beats else fake._heartbeat) == (7.0 if beats else None)  # the config's
 
 
 def test_a_coordinator_that_only_hosts_the_store_beats_until_it_stops(capfd) -> None:
