@@ -214,20 +214,31 @@ def test_a_model_trained_outside_ddp_on_two_ranks_is_refused(tmp_path: Path, por
     assert not list((tmp_path / "run").glob("step-*"))
 
 
-def test_an_ema_on_shards_split_over_two_ranks_and_their_workers_resumes_bit_for_bit(tmp_path: Path) -> None:
+def test_an_ema_on_shards_split_over_two_ranks_and_their_workers_resumes_bit_for_bit(
+        tmp_path: Path, gcs_emulator: Any) -> None:
+    """2 ranks x 2 data workers: the run reads its shards from the (emulated) bucket through SIGTERM,
+    SIGKILL and a restart, and ends where the uninterrupted run from a local copy ends."""
     sys.path.insert(0, str(EXAMPLES / "diffusion"))
     try:
         import shards
     finally:
         sys.path.remove(str(EXAMPLES / "diffusion"))
-    shards.write(tmp_path / "shards", shards=8, per_shard=12)  # 2 ranks x 2 workers: 2 shards each
+    files = shards.write(tmp_path / "shards", shards=8, per_shard=12)  # 2 ranks x 2 workers: 2 shards each
+    bucket = gcs_emulator.client.bucket(gcs_emulator.emulator.bucket)
+    for f in files:
+        bucket.blob(f"diffusion/{f.name}").upload_from_filename(str(f))
     code = (EXAMPLES / "diffusion",)
     # 20 blocks a level: more than a thousand tensors of state with the EMA and AdamW's.
-    cfg = config(tmp_path, f'task = "denoiser:build"\nbatch_size = 4\ndata_workers = 2\n[task_args]\nwidth = 8\n'
-                           f'blocks = 20\nshards_dir = "{tmp_path / "shards"}"\n')
-    ref = trainer(tmp_path / "ref", cfg, code=code, torchrun=2)
+    head = 'task = "denoiser:build"\nbatch_size = 4\ndata_workers = 2\n'
+    args = "[task_args]\nwidth = 8\nblocks = 20\n"
+    local = config(tmp_path, head + args + f'shards_dir = "{tmp_path / "shards"}"\n')
+    ref = trainer(tmp_path / "ref", local, code=code, torchrun=2)
     assert ref.wait() == 0, ref.output[-4000:]
-    interrupted(tmp_path / "run", cfg, code=code, torchrun=2)
+    (tmp_path / "bucket").mkdir()
+    url = f"gs://{gcs_emulator.emulator.bucket}/diffusion/shard-{{000000..000007}}.tar"
+    streamed = config(tmp_path / "bucket", head + f'data_url = "{url}"\n' + args)
+    interrupted(tmp_path / "run", streamed, code=code, torchrun=2)
     want = digests(tmp_path / "ref", STEPS)
     assert {"states.ema", "rank_states.0", "rank_states.1"} <= set(want)
     assert digests(tmp_path / "run", STEPS) == want
+    assert not list((tmp_path / "run").rglob("*.tar"))  # read, never copied
