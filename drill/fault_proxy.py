@@ -91,6 +91,16 @@ class Rule:
         return (self.method in ("*", method)) and re.search(self.pattern, path) is not None
 
 
+def _until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Poll `condition` (another thread's requests move it) until true; False after `timeout`."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def gcs_error(status: int, message: str) -> bytes:
     reason = _REASONS.get(status, "error")
     return json.dumps({"error": {"code": status, "message": message,
@@ -178,23 +188,13 @@ class FaultProxy:
 
     def wait_stalled(self, rule: Rule, count: int = 1, timeout: float = 60.0) -> bool:
         """Block until `rule` holds at least `count` requests at once; False after `timeout`."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if rule.held >= count:
-                return True
-            time.sleep(0.01)
-        return False
+        return _until(lambda: rule.held >= count, timeout)
 
     def wait_settled(self, rule: Rule, count: int = 1, timeout: float = 60.0) -> bool:
         """Block until `count` requests `rule` held have gone on to their end (a request let go
         still reaches the server after its client gave up, as on the real network); False after
         `timeout`."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if rule.settled >= count:
-                return True
-            time.sleep(0.01)
-        return False
+        return _until(lambda: rule.settled >= count, timeout)
 
     def down(self) -> None:
         """Nothing listens on the port: every connection is refused until `up()`."""
