@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 from tests.trainer.support import REFERENCE_STEPS as STEPS
-from tests.trainer.support import run_to_end, start, status, trainer_env, write_config
-
-GATE = "tests.trainer.e2e.gate_task:build"  # its loader waits after GATE_AFTER samples while GATE_FLAG exists
+from tests.trainer.support import (GATE_TASK, gated, open_gate_on_notice, run_to_end, start, status, trainer_env,
+                                   write_config)
 
 
 def _gone(pid: int) -> bool:
@@ -28,14 +27,13 @@ def test_workers_give_the_inline_weights_across_sigterm_and_sigkill(tmp_path: Pa
     inline to the end: the final weights are the inline reference's, bit for bit. The gate task
     parks each worker after a set number of samples, so every signal finds the run mid-way."""
     config, run_dir, gate = write_config(tmp_path), tmp_path / "run", tmp_path / "gate"
-    args = ("--checkpoint-every-steps", "10", "--task", GATE)
+    args = ("--checkpoint-every-steps", "10", "--task", GATE_TASK)
     # Batches go round-robin to the 2 workers: 7 batches each, and the loop waits for batch 15.
-    p = start(run_dir, STEPS, config, *args, "--data-workers", "2", env=_gated(gate, 7 * 4))
+    p = start(run_dir, STEPS, config, *args, "--data-workers", "2", env=gated(gate, 7))
     pids = [int(x) for x in p.wait_for(r"event=data_workers workers=2 from=0 pids=([\d,]+)").group(1).split(",")]
     p.wait_for(r"event=step step=14/")
     p.signal(signal.SIGTERM)
-    p.wait_for(r"event=preemption_notice reason=SIGTERM")
-    gate.unlink()  # the step in flight completes and is saved
+    open_gate_on_notice(p, gate)  # the step in flight completes and is saved
     assert p.wait() == 75, p.output[-3000:]
     saved = int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
     assert saved in (14, 15)  # the step it had completed, or the one it was waiting to load
@@ -44,7 +42,7 @@ def test_workers_give_the_inline_weights_across_sigterm_and_sigkill(tmp_path: Pa
     # Workers had prepared batches beyond the save: only the ones the loop took count.
     assert s["latest_step"] == saved and s["data"]["consumed"] == saved * 4
 
-    p = start(run_dir, STEPS, config, *args, "--data-workers", "1", env=_gated(gate, (23 - saved) * 4))
+    p = start(run_dir, STEPS, config, *args, "--data-workers", "1", env=gated(gate, 23 - saved))
     pids = [int(p.wait_for(rf"event=data_workers workers=1 from={saved * 4} pids=(\d+)").group(1))]
     for line in (r"checkpoint step 20 durable on persistent", r"event=step step=23/"):  # the save is asynchronous
         p.seen_or_wait(line)
@@ -58,12 +56,6 @@ def test_workers_give_the_inline_weights_across_sigterm_and_sigkill(tmp_path: Pa
     p = run_to_end(run_dir, STEPS, config, *args)
     assert int(p.seen(r"event=restore step=(\d+)").group(1)) == 20
     assert status(run_dir)["model_digest"] == reference["model_digest"]
-
-
-def _gated(gate: Path, samples: int) -> dict[str, str]:
-    """The gate task's loader (each worker's) serves `samples` samples, then waits while `gate` exists."""
-    gate.touch()
-    return trainer_env(GATE_FLAG=str(gate), GATE_AFTER=str(samples))
 
 
 def test_a_notice_does_not_wait_for_workers_busy_on_slow_samples(tmp_path: Path) -> None:

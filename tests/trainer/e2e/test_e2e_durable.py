@@ -11,10 +11,9 @@ from trainer.checkpoint.manifest import MANIFEST, step_name
 from trainer.checkpoint.whole_model import list_whole as list_checkpoints
 from trainer.observe.health import ask
 from trainer.checkpoint.stores import GcsStore
-from tests.trainer.support import TIMEOUT, start, status, trainer_env, write_config
+from tests.trainer.support import GATE_TASK, TIMEOUT, gated, start, status, trainer_env, write_config
 
 STEPS = 6
-GATE = "tests.trainer.e2e.gate_task:build"
 
 
 def _valid_on_gcs(gcs_proxy) -> list[int]:
@@ -35,12 +34,11 @@ def _prefix(gcs_proxy) -> str:
 
 def test_gcs_refusing_the_final_upload_is_not_finished_and_a_rerun_repairs_it(tmp_path: Path, gcs_proxy) -> None:
     config, run_dir, flag = write_config(tmp_path, "durable_timeout_s = 3\n"), tmp_path / "run", tmp_path / "gate"
-    flag.touch()
     # Every manifest upload answers 403 (a grant withdrawn); the loader parks in step 5 meanwhile.
     rule = gcs_proxy.proxy.add("POST", rf"object={_prefix(gcs_proxy)}/step-\d+/manifest[.]json$", "status",
                                status=403, times=None)
-    env = trainer_env(**gcs_proxy.env, GATE_FLAG=str(flag), GATE_AFTER=str(4 * 4))
-    args = ("--gcs-uri", gcs_proxy.uri, "--checkpoint-every-steps", "2", "--task", GATE)
+    env = gated(flag, 4, trainer_env(**gcs_proxy.env))
+    args = ("--gcs-uri", gcs_proxy.uri, "--checkpoint-every-steps", "2", "--task", GATE_TASK)
     p = start(run_dir, STEPS, config, *args, env=env)
     port = int(p.wait_for(r"event=health_listening host=\S+ port=(\d+)").group(1))
     for line in (r"event=tier_failing tier=gcs", r"event=step step=4/"):  # in either order
@@ -72,9 +70,8 @@ def test_gcs_refusing_the_final_upload_is_not_finished_and_a_rerun_repairs_it(tm
 def test_a_full_run_dir_at_the_end_is_not_finished_but_gcs_gets_the_model(tmp_path: Path, gcs_proxy, small_fs) -> None:
     pd = small_fs("pd", 8 << 20)
     config, run_dir, flag = write_config(tmp_path, "durable_timeout_s = 2\n"), pd.path / "run", tmp_path / "gate"
-    flag.touch()
-    env = trainer_env(**gcs_proxy.env, GATE_FLAG=str(flag), GATE_AFTER=str((STEPS - 1) * 4))
-    args = ("--gcs-uri", gcs_proxy.uri, "--checkpoint-every-steps", "100", "--task", GATE)
+    env = gated(flag, STEPS - 1, trainer_env(**gcs_proxy.env))
+    args = ("--gcs-uri", gcs_proxy.uri, "--checkpoint-every-steps", "100", "--task", GATE_TASK)
     p = start(run_dir, STEPS, config, *args, env=env)
     p.wait_for(rf"event=step step={STEPS - 1}/")  # parked in the last step's batch
     pd.fill(leave_bytes=64 << 10)  # the ledger's lines still fit; a checkpoint does not

@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 
 from drill.net import free_port
-from tests.trainer.support import Proc, run_args, status, trainer_env, write_config
+from tests.trainer.support import GATE_TASK, Proc, gated, run_args, status, trainer_env, write_config
 
 STEPS = 24
 EVERY = 5
 PARKED_AFTER = 12  # steps both ranks complete before the gate holds them
 BATCH = 4
-TASK = "tests.trainer.e2e.gate_task:build"
 
 
 def _config(tmp: Path) -> Path:
@@ -34,7 +33,7 @@ def _config(tmp: Path) -> Path:
 
 
 def _args(run_dir: Path, config: Path, *extra: str) -> list[str]:
-    return run_args(run_dir, STEPS, config, "--task", TASK, "--checkpoint-every-steps", str(EVERY), *extra)
+    return run_args(run_dir, STEPS, config, "--task", GATE_TASK, "--checkpoint-every-steps", str(EVERY), *extra)
 
 
 def agent(run_dir: Path, config: Path, port: int, node: str, host: bool, *extra: str, **env: str) -> Proc:
@@ -55,8 +54,7 @@ class Pool:
         self.tmp, self.gcs = tmp, gcs
         self.config = _config(tmp)
         self.flag = tmp / "gate"
-        self.flag.touch()
-        env = dict(gcs.env, GATE_FLAG=str(self.flag), GATE_AFTER=str(PARKED_AFTER * BATCH))
+        env = gated(self.flag, PARKED_AFTER, dict(gcs.env), samples_per_step=BATCH)
         self.port = port = free_port()
         self.a = agent(tmp / "a", self.config, port, "a", True, "--gcs-uri", gcs.uri, **env)
         self.b = agent(tmp / "b", self.config, port, "b", False, "--gcs-uri", gcs.uri, **env)

@@ -18,19 +18,16 @@ from trainer.checkpoint.whole_model import list_whole as list_checkpoints
 from trainer.observe.health import ask
 from trainer.checkpoint.lease import LEASE_KEY
 from trainer.checkpoint.stores import GcsStore
-from tests.trainer.support import Proc, run_args, start, status, trainer_env, write_config
+from tests.trainer.support import GATE_TASK, Proc, gated, run_args, start, status, trainer_env, write_config
 
 STEPS = 40
-GATE = "tests.trainer.e2e.gate_task:build"  # its loader waits after GATE_AFTER samples while GATE_FLAG exists
 
 
 def _parked(tmp_path: Path, run_dir: Path, config: Path, *extra: str, **env: str) -> tuple[Proc, Path]:
     """A trainer of the gate task that completed step 1 and is held in step 2's data loader
     until the returned flag is deleted: alive and training, for as long as a test needs."""
     flag = tmp_path / f"gate-{run_dir.name}"
-    flag.touch()
-    p = start(run_dir, 400, config, "--task", GATE, *extra,
-              env=trainer_env(GATE_FLAG=str(flag), GATE_AFTER="4", **env))  # 4 samples: one step
+    p = start(run_dir, 400, config, "--task", GATE_TASK, *extra, env=gated(flag, 1, trainer_env(**env)))
     p.wait_for(r"event=step step=1/")
     return p, flag
 
@@ -163,7 +160,7 @@ def test_a_ledger_disk_that_fills_mid_run_still_gets_the_emergency_save(tmp_path
     p.seen(r"event=ledger_error where=local count=1 ")
     saved = int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
     ledger.free()
-    p = start(run_dir, 400, config, "--task", GATE, "--stop-at-step", str(saved + 1), env=trainer_env())
+    p = start(run_dir, 400, config, "--task", GATE_TASK, "--stop-at-step", str(saved + 1), env=trainer_env())
     assert p.wait() == 75, p.output[-3000:]
     assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
 
@@ -197,7 +194,7 @@ def test_a_second_trainer_on_the_same_run_dir_exits_2_naming_the_first(tmp_path:
     config, run_dir = write_config(tmp_path), tmp_path / "run"
     a, flag = _parked(tmp_path, run_dir, config)
     try:
-        b = start(run_dir, 400, config, "--task", GATE, env=trainer_env())
+        b = start(run_dir, 400, config, "--task", GATE_TASK, env=trainer_env())
         assert b.wait() == 2, b.output[-3000:]
         assert f"is in use by another trainer (pid {a.p.pid} on host " in b.output
         assert "Traceback" not in b.output and "event=restore" not in b.output
@@ -215,7 +212,7 @@ def test_two_run_dirs_on_one_gcs_prefix_never_write_it_at_once(tmp_path: Path, g
     a, flag = _parked(tmp_path, tmp_path / "a", config, "--gcs-uri", gcs_proxy.uri, **gcs_proxy.env)
     try:
         a.seen(r"event=lease_acquired holder=\S+:\S+/a object=")
-        b = start(tmp_path / "b", 400, config, "--task", GATE, "--gcs-uri", gcs_proxy.uri, env=env)
+        b = start(tmp_path / "b", 400, config, "--task", GATE_TASK, "--gcs-uri", gcs_proxy.uri, env=env)
         assert b.wait() == 2, b.output[-3000:]
         b.seen(r'event=waiting_for_lease holder="\S+/a \(pid \d+ on host ')
         b.seen(r"event=failed reason=bad_input another trainer is writing this job: the writer lease "
@@ -230,7 +227,7 @@ def test_two_run_dirs_on_one_gcs_prefix_never_write_it_at_once(tmp_path: Path, g
     assert not list((tmp_path / "b").glob("step-*"))
     # Released on exit: b takes over at once and resumes from a's newest GCS step.
     saved = int(a.seen(r"event=preempted step=(\d+) persistent_ok=1 gcs_ok=True").group(1))
-    b = start(tmp_path / "b", 400, config, "--task", GATE, "--gcs-uri", gcs_proxy.uri,
+    b = start(tmp_path / "b", 400, config, "--task", GATE_TASK, "--gcs-uri", gcs_proxy.uri,
               "--stop-at-step", str(saved + 1), env=env)
     assert b.wait() == 75, b.output[-3000:]
     assert int(b.seen(r"event=restore step=(\d+) tier=gcs").group(1)) == saved
@@ -242,13 +239,12 @@ def _pool_job(tmp_path: Path, run_dir: Path, config: Path, gcs, **env: str) -> P
     as rendezvous id) on a rendezvous of its own, parked in step 2 while its gate flag exists."""
     from drill.net import free_port
 
-    argv = run_args(run_dir, 400, config, "--task", GATE, "--gcs-uri", gcs.uri)
+    argv = run_args(run_dir, 400, config, "--task", GATE_TASK, "--gcs-uri", gcs.uri)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=pool", "--max-restarts=0", "-m", *argv[2:]]
     flag = tmp_path / f"gate-{run_dir.name}"
-    flag.touch()
-    return Proc(cmd, env=trainer_env(GATE_FLAG=str(flag), GATE_AFTER="4", SPOTTRAIN_NODE="pool-0",
-                                     TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **gcs.env, **env), new_session=True)
+    env = trainer_env(SPOTTRAIN_NODE="pool-0", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **gcs.env, **env)
+    return Proc(cmd, env=gated(flag, 1, env), new_session=True)
 
 
 def test_a_second_incarnation_of_a_pool_job_exits_2_and_the_first_keeps_its_lease(tmp_path: Path, gcs_proxy) -> None:
@@ -283,15 +279,14 @@ def test_a_second_incarnation_of_a_pool_job_exits_2_and_the_first_keeps_its_leas
 def test_a_holder_that_died_is_replaced_after_the_ttl(tmp_path: Path, gcs_proxy) -> None:
     config = write_config(tmp_path, "lease_ttl_s = 3\n")
     gate = tmp_path / "gate"
-    gate.touch()
-    a = start(tmp_path / "a", 400, config, "--task", GATE, "--gcs-uri", gcs_proxy.uri, "--checkpoint-every-steps",
-              "5", env=trainer_env(GATE_FLAG=str(gate), GATE_AFTER=str(12 * 4), **gcs_proxy.env))
+    a = start(tmp_path / "a", 400, config, "--task", GATE_TASK, "--gcs-uri", gcs_proxy.uri, "--checkpoint-every-steps",
+              "5", env=gated(gate, 12, trainer_env(**gcs_proxy.env)))
     try:
         a.wait_for(r"checkpoint step 5 durable on gcs")  # then it parks at step 13
     finally:
         a.power_off()  # no emergency save, no release
         a.wait()
-    b = start(tmp_path / "b", 400, config, "--task", GATE, "--gcs-uri", gcs_proxy.uri, "--stop-at-step", "12",
+    b = start(tmp_path / "b", 400, config, "--task", GATE_TASK, "--gcs-uri", gcs_proxy.uri, "--stop-at-step", "12",
               env=trainer_env(**gcs_proxy.env))
     assert b.wait() == 75, b.output[-3000:]
     # (Whether b had to wait depends on how long it took to start: test_lease shows the wait.)

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from tests.trainer.support import REFERENCE_STEPS as STEPS
-from tests.trainer.support import gated, open_gate_on_notice, run_to_end, start, status, trainer_env, write_config
+from tests.trainer.support import GATE_TASK, gated, open_gate_on_notice, run_to_end, start, status, trainer_env, write_config
 
 
 def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -20,15 +20,14 @@ def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_curves_continue_across_crash_preemption_and_lost_disk(tmp_path: Path, gcs_emulator) -> None:
     # The gate task parks the loop after 27 steps while the flag exists: a crash at a known step.
-    config = write_config(tmp_path, 'task = "tests.trainer.e2e.gate_task:build"\nmetrics_upload_every_s = 0.2\n'
+    config = write_config(tmp_path, f'task = "{GATE_TASK}"\nmetrics_upload_every_s = 0.2\n'
                                     "eval_every_steps = 10\neval_batches = 2\n")
     gcs = ("--gcs-uri", gcs_emulator.uri, "--checkpoint-every-steps", "10")
     ref_dir, run_dir, flag = tmp_path / "ref", tmp_path / "run", tmp_path / "gate"
     run_to_end(ref_dir, STEPS, config)
     env = trainer_env(**gcs_emulator.env)
 
-    flag.touch()
-    p = start(run_dir, STEPS, config, *gcs, env=dict(env, GATE_FLAG=str(flag), GATE_AFTER=str(27 * 4)))
+    p = start(run_dir, STEPS, config, *gcs, env=gated(flag, 27, env))
     p.wait_for(r"event=step step=27/")
     # A checkpoint on the disk before the crash. Step 10's, the first: the one at 20 may be deferred
     # past the parked step 27 while step 10's disk write still runs (steps take milliseconds here,

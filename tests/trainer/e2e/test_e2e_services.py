@@ -10,12 +10,10 @@ from pathlib import Path
 
 from drill.metadata_server import MetadataServer
 from trainer.observe.health import ask
-from tests.trainer.support import TIMEOUT, Proc, run_to_end, start, status, trainer_env, write_config
+from tests.trainer.support import (GATE_TASK, NOTICE, TIMEOUT, Proc, gated, open_gate_on_notice, run_to_end, start,
+                                   status, trainer_env, write_config)
 
 from tests.trainer.support import REFERENCE_STEPS as STEPS
-
-GATE = "tests.trainer.e2e.gate_task:build"  # its loader waits after GATE_AFTER samples while GATE_FLAG exists
-SAMPLES_PER_STEP = 4  # the test config's batch
 
 
 def test_metadata_preemption_notice_saves_and_exits_75(tmp_path: Path, reference: dict) -> None:
@@ -29,7 +27,7 @@ def test_metadata_preemption_notice_saves_and_exits_75(tmp_path: Path, reference
         md.preempt()
         saved = _saved(p, gate, r"event=preemption_notice reason=metadata instance/preempted=TRUE")
     assert saved in (12, 13)  # the step it had completed, or the one it was waiting to load
-    p = run_to_end(run_dir, STEPS, config, "--task", GATE)
+    p = run_to_end(run_dir, STEPS, config, "--task", GATE_TASK)
     assert int(p.seen(r"event=restore step=(\d+)").group(1)) == saved
     assert status(run_dir)["model_digest"] == reference["model_digest"]
 
@@ -37,16 +35,13 @@ def test_metadata_preemption_notice_saves_and_exits_75(tmp_path: Path, reference
 def _parked(run_dir: Path, config: Path, gate: Path, steps: int, env: dict[str, str], *args: str) -> Proc:
     """A trainer of the gate task that trains `steps` steps, then waits in the next step's data
     loader while `gate` exists: a notice always finds it training, however fast it runs."""
-    gate.touch()
-    return start(run_dir, STEPS, config, "--task", GATE, *args,
-                 env=dict(env, GATE_FLAG=str(gate), GATE_AFTER=str(steps * SAMPLES_PER_STEP)))
+    return start(run_dir, STEPS, config, "--task", GATE_TASK, *args, env=gated(gate, steps, env))
 
 
-def _saved(p: Proc, gate: Path, notice: str = r"event=preemption_notice reason=SIGTERM") -> int:
+def _saved(p: Proc, gate: Path, notice: str = NOTICE) -> int:
     """Once `p` heard `notice`, open its gate: it saves the step it had completed (or, when the
     notice came while it waited for data, the step it was loading) and exits 75."""
-    p.wait_for(notice)
-    gate.unlink()
+    open_gate_on_notice(p, gate, notice)
     assert p.wait() == 75, p.output[-3000:]
     return int(p.seen(r"event=preempted step=(\d+) persistent_ok=1").group(1))
 
@@ -102,7 +97,7 @@ def test_gcs_tier_survives_wiped_run_dirs(tmp_path: Path, gcs_emulator, referenc
         p.signal(signal.SIGTERM)
         saved = _saved(p, gate)
         shutil.rmtree(run_dir)
-    p = run_to_end(run_dir, STEPS, config, *gcs, "--task", GATE, env=env)
+    p = run_to_end(run_dir, STEPS, config, *gcs, "--task", GATE_TASK, env=env)
     shutil.rmtree(run_dir)
     s = status(run_dir, "--gcs-uri", gcs_emulator.uri, env=env, cli=True)
     assert s["latest_step"] == STEPS and s["tier"] == "gcs"
