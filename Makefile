@@ -36,11 +36,16 @@ lint: setup-dev
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-## test: lint, then the whole suite (a lint finding fails it). Workers: one more than the 2-core
-## machine's cores, since many tests wait on processes, timers and sockets (TEST_WORKERS=N to change).
+## test: ruff, then the whole suite with mypy beside it (a lint finding fails it): mypy's cold
+## minute would otherwise run alone on one core before the suite starts. Workers: one more than the
+## 2-core machine's cores, since many tests wait on processes, timers and sockets (TEST_WORKERS=N).
 TEST_WORKERS ?= 3
-test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+test: setup-dev
+	$(PY) -m ruff check .
+	$(PY) -m mypy & types=$$!; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup; suite=$$?; \
+	wait $$types || { echo "make test: mypy found problems (above): the suite fails" >&2; exit 1; }; \
+	exit $$suite
 
 ## test-fast: the inner loop's tier (configuration, stacks, units; no trainer process, drill or
 ## emulator end to end): under 3 minutes. `make test` runs these too.

@@ -12,6 +12,8 @@ import os
 import shutil
 import tempfile
 
+pytest_plugins = ["tests.cpu_ledger"]
+
 _PRIVATE_TMP = tempfile.mkdtemp(prefix="spottrain-tests-")
 os.environ["TMPDIR"] = _PRIVATE_TMP  # read by child processes, the jsii runtime among them
 
@@ -208,6 +210,8 @@ SLOW_PATHS = ("tests/trainer/e2e/", "tests/bench/", "tests/test_walkthrough.py",
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--record-durations", action="store_true",
                      help=f"write every test's seconds (setup + call + teardown) into {DURATIONS.name}")
+    parser.addoption("--cpu-ledger", metavar="FILE", default=None,
+                     help="write every test's CPU seconds, its own and its processes' (tests/cpu_ledger.py)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
