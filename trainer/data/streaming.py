@@ -72,6 +72,7 @@ class Stream:
         self.loader = StatefulDataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=_Collate(),
                                          pin_memory=device.type == "cuda", generator=g, **extra)
         self._iter: Any = None
+        self._workers: list[Any] = []  # every loader worker started and not yet seen dead (``close``)
         self._pending: dict | None = None  # a restored loader position, applied at the next ``iter``
         self._skip = 0  # batches to replay at the next ``iter`` (a restored position without one)
         self.jumps = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
@@ -86,6 +87,7 @@ class Stream:
                 if callable(set_epoch):
                     set_epoch(self.epoch)
                 self._iter = iter(self.loader)
+                self._workers = [w for w in self._workers if w.is_alive()] + list(getattr(self._iter, "_workers", []))
                 for _ in range(self._skip):  # the batches before the restored position: read again, dropped
                     next(self._iter)
                 self._skip = 0
@@ -123,7 +125,20 @@ class Stream:
         self.close()
 
     def close(self) -> None:
+        """Stop the loader's workers, and kill any that outlive torch's shutdown.
+
+        torch asks each worker to stop, waits up to 5 s, then falls back to SIGTERM, which our
+        workers ignore (``_worker_init``). A worker still busy in its dataset (a slow read on a
+        loaded machine) would then outlive the loop, and at exit multiprocessing joins it with
+        no timeout: a trainer that finished and never exits. So what is left is killed, as
+        ``Batches`` kills its own, including workers of an epoch torch itself ended earlier."""
         it, self._iter = self._iter, None
         if it is not None and hasattr(it, "_shutdown_workers"):
             with contextlib.suppress(Exception):
                 it._shutdown_workers()
+        for w in self._workers:
+            with contextlib.suppress(Exception):
+                if w.is_alive():
+                    w.kill()
+                w.join(timeout=5)
+        self._workers = [w for w in self._workers if w.is_alive()]

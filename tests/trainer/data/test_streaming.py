@@ -67,3 +67,24 @@ def test_a_stream_with_its_own_position_is_jumped_to_not_replayed() -> None:
 def test_an_empty_stream_is_refused_not_looped_on() -> None:
     with pytest.raises(StreamError, match="yielded no batch in a whole epoch"):
         Stream(Shards(0), batch_size=4, workers=0, device=torch.device("cpu")).next()
+
+
+class Stalling(Shards):
+    """A stream whose reads stall after its first samples (a shard read that hangs): a worker
+    busy in it does not answer torch's request to stop."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        yield from list(super().__iter__())[:4]
+        import signal
+        signal.pause()  # no signal the stream sends reaches it: SIGTERM is ignored in workers
+
+
+def test_a_worker_stuck_in_its_dataset_does_not_outlive_the_stream() -> None:
+    """torch's shutdown falls back to SIGTERM, which the workers ignore: a worker left stuck would
+    be joined forever when the trainer exits (a finished run that never ends). close() kills it."""
+    s = Stream(Stalling(), batch_size=4, workers=1, device=torch.device("cpu"))
+    assert s.next()[0].tolist() == [[0], [1], [2], [3]]
+    workers = list(s._iter._workers)
+    s.close()
+    assert workers and not any(w.is_alive() for w in workers)
+    assert workers[0].exitcode == -9  # killed: it never reached the end of its read
