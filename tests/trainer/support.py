@@ -184,7 +184,11 @@ class Proc:
         power_off(self.p.pid)
 
     def wait(self, timeout: float = TIMEOUT) -> int:
-        rc = self.p.wait(timeout=timeout)
+        try:
+            rc = self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # say what it was doing: a hang is otherwise a bare pid
+            raise AssertionError(f"{' '.join(self.argv[1:6])} ... still running after {timeout:g} s; its "
+                                 f"output ends:\n{self.output[-4000:]}") from None
         self._reader.join(timeout=10)
         return rc
 

@@ -25,6 +25,16 @@ def test_a_process_left_running_is_powered_off_and_a_finished_one_left_alone() -
     assert power_off_leftovers() == []
 
 
+def test_a_process_that_does_not_end_in_time_fails_with_its_last_output() -> None:
+    """A hang says what the process was doing (its output's end), not only its pid."""
+    p = Proc([sys.executable, "-c", "import time; print('parked at step 16', flush=True); time.sleep(600)"],
+             new_session=True)
+    p.wait_for("parked")
+    with pytest.raises(AssertionError, match="still running after 0.2 s; its output ends:\nparked at step 16$"):
+        p.wait(timeout=0.2)
+    assert power_off_leftovers() == [p.p.pid]
+
+
 def test_a_plain_trainer_launch_is_forked_from_the_zygote_and_behaves_as_a_process(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     p = start(tmp_path / "run", 100000, config)
