@@ -236,9 +236,12 @@ def _worker_zygote_closed() -> Iterator[None]:
     close_worker_zygote()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def zygote(_worker_zygote_closed: None) -> Any:
-    """The pytest process's fork server (see support.Zygote), for tests that fork from it by hand."""
+    """The pytest process's fork server for the default environment (see support.Zygote), for tests
+    that fork from it by hand. Looked up for each test, never kept: which zygote that is can change
+    within a session (an in-process test may set a TORCH_* variable, and a test may close the
+    zygotes of other environments), and a kept one was found closed."""
     from tests.trainer.support import worker_zygote
 
     return worker_zygote()
