@@ -200,6 +200,8 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
 import json as _json  # noqa: E402
 
+from tests.cpu_ledger import plain_nodeid  # noqa: E402
+
 DURATIONS = Path(__file__).with_name("durations.json")
 FAST_S = 2.0
 SLOW_PATHS = ("tests/trainer/e2e/", "tests/bench/", "tests/test_walkthrough.py", "tests/drill/test_drill.py",
@@ -299,7 +301,7 @@ _recorded: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    nodeid = report.nodeid.split("@")[0] if "@" in report.nodeid.rpartition("::")[2] else report.nodeid
+    nodeid = plain_nodeid(report.nodeid)
     _running[nodeid] = _running.get(nodeid, 0.0) + report.duration
     if report.when == "teardown":  # only a test that ran to its end (an interrupted run's last do not)
         _recorded[nodeid] = _running.pop(nodeid)

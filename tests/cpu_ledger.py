@@ -50,6 +50,12 @@ def tree_cpu(root: int) -> float:
     return total
 
 
+def plain_nodeid(nodeid: str) -> str:
+    """The node id without the ``@group`` suffix xdist's loadgroup appends (durations and the
+    ledger are kept by the test, whichever lane ran it)."""
+    return nodeid.split("@")[0] if "@" in nodeid.rpartition("::")[2] else nodeid
+
+
 _rows: dict[str, float] = {}
 
 
@@ -60,8 +66,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Iterator[None]:
         return
     before = tree_cpu(os.getpid())
     yield
-    nodeid = item.nodeid.split("@")[0] if "@" in item.nodeid.rpartition("::")[2] else item.nodeid
-    _rows[nodeid] = round(tree_cpu(os.getpid()) - before, 2)
+    _rows[plain_nodeid(item.nodeid)] = round(tree_cpu(os.getpid()) - before, 2)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

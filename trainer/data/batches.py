@@ -126,6 +126,18 @@ def _worker_init(_: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def kill_workers(workers: Any) -> None:
+    """SIGKILL the data workers still alive (they ignore SIGTERM: ``_worker_init``) and reap them."""
+    workers = list(workers)
+    for w in workers:
+        with contextlib.suppress(Exception):
+            if w.is_alive():
+                w.kill()
+    for w in workers:
+        with contextlib.suppress(Exception):
+            w.join(timeout=5)
+
+
 class Batches:
     """This rank's micro-batches; see the module docstring."""
 
@@ -233,13 +245,7 @@ class Batches:
         if it is None:
             return
         self._stopped = True  # (out of torch's SIGCHLD registry since ``_start``: no crash is raised)
-        workers = list(getattr(it, "_workers", []))
-        for w in workers:
-            with contextlib.suppress(Exception):
-                w.kill()
-        for w in workers:
-            with contextlib.suppress(Exception):
-                w.join(timeout=5)
+        kill_workers(getattr(it, "_workers", []))
 
     def close(self) -> None:
         """Stop the workers and release the loader's queues and threads."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from trainer.data.batches import _Collate, _worker_init
+from trainer.data.batches import _Collate, _worker_init, kill_workers
 
 
 class StreamError(Exception):
@@ -136,9 +136,5 @@ class Stream:
         if it is not None and hasattr(it, "_shutdown_workers"):
             with contextlib.suppress(Exception):
                 it._shutdown_workers()
-        for w in self._workers:
-            with contextlib.suppress(Exception):
-                if w.is_alive():
-                    w.kill()
-                w.join(timeout=5)
+        kill_workers(self._workers)
         self._workers = [w for w in self._workers if w.is_alive()]
