@@ -20,7 +20,7 @@ from urllib.parse import quote
 import jinja2
 
 from stacks import gcp_rules as R
-from stacks.checkpoint_key import secret_name
+from stacks.checkpoint_key_name import secret_name
 from stacks.experiment import Experiment
 from stacks.pool import COORDINATOR, ROLE_KEY, WORKER, PoolLayout, layout
 from stacks.pricing import coordinator_price_args, trainer_price_args

@@ -34,17 +34,10 @@ from cdktn_provider_google.secret_manager_secret import (
 )
 from constructs import Construct
 
+from stacks.checkpoint_key_name import secret_id, secret_name
+
 #: A destroyed key version is only disabled for this long (recoverable), then destroyed.
 VERSION_DESTROY_TTL = f"{30 * 86400}s"
-
-
-def secret_id(experiment: str) -> str:
-    return f"{experiment}-checkpoint-key"
-
-
-def secret_name(project: str, experiment: str) -> str:
-    """The secret's resource name, as the VM's boot fetches it (`projects/P/secrets/S`)."""
-    return f"projects/{project}/secrets/{secret_id(experiment)}"
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def check_stop_markers(experiment: str, client: Any = None) -> str:
     (none exists, none can yet, or each verifies as the control job verifies one); DeployError
     naming each marker and why, or what could not be checked, otherwise. ``client``: a
     `trainer.cloud.gce.Client` (default: one with application-default credentials)."""
-    from stacks.checkpoint_key import secret_name
+    from stacks.checkpoint_key_name import secret_name
     from stacks.stack import boot_scripts, stop_markers
     from trainer.cloud import control
     from trainer.cloud.gce import ApiError, Client

@@ -61,3 +61,20 @@ def test_folder_override_synthesizes_one_stack_per_file_and_warns_on_budget(tmp_
     # 110, standard) does not.
     warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
     assert len(warnings) == 1 and "n1-v100-standard.toml" in warnings[0]
+
+
+def test_a_bad_file_is_answered_before_cdktn_is_imported(tmp_path):
+    """Reading and checking an experiment (main.py, preflight, cost, demo) imports no cdktn: its
+    jsii runtime costs seconds to start (3.8 CPU-seconds for a bad file's one line, before), and a
+    bad file is answered without it."""
+    bad = tmp_path / "broken.toml"
+    bad.write_text("[gcp]\nproject = 'unterminated\n")
+    probe = ("import sys\n"
+             "from pathlib import Path\n"
+             "import stacks.cost, stacks.demo, stacks.deploy, stacks.preflight\n"
+             "from stacks.app import main\n"
+             f"rc = main(Path({str(bad)!r}))\n"
+             "print(rc, sorted(m for m in ('cdktn', 'constructs', 'jsii') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "2 []", proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"{bad}: TOML syntax error: ")
