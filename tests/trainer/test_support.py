@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.trainer import support
-from tests.trainer.support import (MAX_ZYGOTES, REPO, ForkedProc, Proc, power_off_leftovers, run_args, run_trainer, start,
-                                   trainer_env, worker_zygote, write_config)
+from tests.trainer.support import (MAX_ZYGOTES, REPO, ForkedProc, Proc, open_gate_on_notice, power_off_leftovers,
+                                   run_args, run_trainer, start, trainer_env, worker_zygote, write_config)
 
 
 def test_a_process_left_running_is_powered_off_and_a_finished_one_left_alone() -> None:
@@ -130,3 +130,32 @@ def test_a_held_run_waits_after_its_step_until_the_file_goes(tmp_path: Path, for
     assert p.wait() == 75, p.output[-3000:]
     assert "event=step step=4/" not in p.output
     p.seen(r"event=preempted step=3 persistent_ok=1")
+
+
+@pytest.mark.xdist_group("torchrun")
+def test_torchrun_is_forked_as_its_agent_and_its_ranks_are_fresh_children_of_it(tmp_path: Path) -> None:
+    """A torchrun launch forked from the zygote (its agent) and a fresh one are the same process
+    tree: the agent with one fresh `python -u -m MODULE` child per rank, each rank in a session of
+    its own; a SIGTERM to the agent's group reaches the agent, which passes it on, and every
+    rank saves the step it holds. Both end with the same status and the same save."""
+    results = {}
+    for fork in (True, False):
+        hold = tmp_path / f"hold-{fork}"
+        hold.touch()
+        run = run_args(tmp_path / f"run-{fork}", 100000, write_config(tmp_path, multi_rank=True))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                "-m", "tests.trainer.e2e.held", *run[3:]]
+        p = Proc(argv, env=trainer_env(HOLD_FLAG=str(hold), HOLD_AT_STEP="3"), new_session=True, fork=fork)
+        assert isinstance(p, ForkedProc) == fork
+        p.wait_for(r"event=step step=3/")
+        ranks = [int(pid) for pid in Path(f"/proc/{p.p.pid}/task/{p.p.pid}/children").read_text().split()]
+        assert len(ranks) == 2, ranks
+        for pid in ranks:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert cmdline[:4] == [sys.executable.encode(), b"-u", b"-m", b"tests.trainer.e2e.held"], cmdline
+            assert os.getsid(pid) == pid  # torchrun's own: each worker in a session of its own
+        p.signal(signal.SIGTERM, group=True)
+        open_gate_on_notice(p, hold)
+        rc = p.wait()
+        results[fork] = (rc, p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    assert results[True] == results[False] == (results[True][0], "3"), results
