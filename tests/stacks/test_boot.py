@@ -416,3 +416,34 @@ def test_a_script_and_hostile_script_args_reach_the_trainer_verbatim_and_execute
 
     parsed = parser().parse_args(argv[2:])
     assert (parsed.script, parsed.script_args) == (name, list(args))
+
+
+def test_the_images_python_is_the_first_with_torch_installed_found_without_importing_it(tmp_path):
+    """The rendered choice of the image's Python, run with stand-in candidates: one without torch
+    is passed over, one whose torch fails at import is still chosen (the boot only looks for
+    torch: importing it cost every boot seconds, and the trainer's own import says what is
+    wrong), and none at all fails the boot with one clear line."""
+    from stacks.boot import PYTHONS
+
+    scripts = render(BootProps(name="x", bucket="b", task="m:f", steps=1, health_port=8471, provisioning="spot"))
+    start = scripts.startup.index('python=""\n')
+    block = scripts.startup[start:scripts.startup.index('log "python: $python"', start)]
+    no_torch, broken = tmp_path / "no-torch", tmp_path / "broken-torch"
+    (tmp_path / "site" / "torch").mkdir(parents=True)
+    (tmp_path / "site" / "torch" / "__init__.py").write_text("raise ImportError('libcudnn.so.9: cannot open')\n")
+    (tmp_path / "empty").mkdir()
+    for path, site in ((no_torch, tmp_path / "empty"), (broken, tmp_path / "site")):
+        path.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec /usr/bin/python3 -S \"$@\"\n")
+        path.chmod(0o755)
+
+    def choose(*candidates: Path) -> subprocess.CompletedProcess[str]:
+        listed = " ".join(shquote(p) for p in PYTHONS)
+        assert listed in block
+        script = ('fail() { echo "FAILED: $*"; exit 1; }\n' + block.replace(listed, " ".join(map(str, candidates)))
+                  + 'echo "chosen: $python"\n')
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+
+    chose = choose(no_torch, broken)
+    assert chose.returncode == 0 and chose.stdout == f"chosen: {broken}\n", chose
+    none = choose(no_torch, no_torch)
+    assert none.returncode == 1 and none.stdout.startswith("FAILED: no Python with torch on this image (tried"), none
