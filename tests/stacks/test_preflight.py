@@ -13,6 +13,7 @@ import pytest
 
 from drill.fake_gcp import FakeGcp
 from drill.net import free_port
+from stack_support import run_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "experiments" / "example.toml"
@@ -36,9 +37,15 @@ def gcp(tmp_path: Path) -> Iterator[tuple[FakeGcp, dict[str, str]]]:
         yield fake, env
 
 
-def preflight(env: dict[str, str], target: Path = EXAMPLE) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "stacks.preflight", str(target)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+def preflight(env: dict[str, str], target: Path = EXAMPLE, process: bool = False) -> subprocess.CompletedProcess[str]:
+    """`python -m stacks.preflight TARGET` with ``env``: in this process (`run_in_process`), or with
+    ``process`` a real one (what `make preflight` runs: its exit status, no traceback)."""
+    if process:
+        return subprocess.run([sys.executable, "-m", "stacks.preflight", str(target)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    from stacks.preflight import main
+
+    return run_in_process(main, [str(target)], env)
 
 
 def test_every_check_passes_against_a_ready_project(gcp) -> None:
@@ -80,7 +87,7 @@ def test_what_the_api_would_refuse_is_a_failure_and_a_stockout_a_warning(gcp, tm
 def test_an_api_error_is_one_line_not_a_traceback(gcp) -> None:
     fake, env = gcp
     fake.deny("GET", r"/regions/us-central1$")
-    out = preflight(env)
+    out = preflight(env, process=True)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "FAIL quota: the API answered 403 PERMISSION_DENIED" in out.stdout
 
@@ -100,7 +107,7 @@ def test_without_credentials_it_says_what_it_would_check(tmp_path: Path) -> None
 def test_a_bad_experiment_file_is_bad_input(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(EXAMPLE.read_text().replace("steps = 20000", "steps = -1"))
-    out = preflight(dict(os.environ), bad)
+    out = preflight(dict(os.environ), bad, process=True)
     assert out.returncode == 2 and "bad.toml: trainer.steps" in out.stderr
 
 
