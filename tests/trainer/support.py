@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -216,14 +217,37 @@ def run_ranks(argv: list[str], nproc: int, env: dict[str, str] | None = None, ti
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, world_size=nproc + 1, is_master=True, wait_for_workers=False)
-    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), **{RANKS_STORE_PORT: str(store.port)}, **(env or {}))
-    procs = [subprocess.Popen(argv, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(nproc)]
+    base = trainer_env(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **{RANKS_STORE_PORT: str(store.port)},
+                       **(env or {}))
+    envs = [dict(base, RANK=str(r), LOCAL_RANK=str(r)) for r in range(nproc)]
+    # A worker script (``python FILE ...``) is forked from the zygote, as a trainer launch is: each
+    # rank is still a process of its own with its own store client and gloo group, without
+    # importing torch again (about 2.5 CPU-seconds a rank).
+    script = argv[1] if len(argv) > 1 and argv[0] == sys.executable and argv[1].endswith(".py") else None
+    zygote = worker_zygote(base) if script and not os.environ.get(NO_ZYGOTE_ENV) else None
+    procs: list[Any] = []
     outputs = []
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
+        if zygote is not None:
+            texts: dict[int, str] = {}
+            readers = []
+            for r in range(nproc):
+                popen, fifo, _ = zygote.fork(argv[2:], envs[r], script=Path(script))
+                procs.append(popen)
+                readers.append(threading.Thread(target=lambda r=r, fifo=fifo: texts.__setitem__(r, fifo.read_text()),
+                                                daemon=True))
+                readers[-1].start()
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            for reader in readers:
+                reader.join(timeout=10)
+            outputs = [texts.get(r, "") for r in range(nproc)]
+        else:
+            procs = [subprocess.Popen(argv, env=envs[r], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True) for r in range(nproc)]
+            for p in procs:
+                outputs.append(p.communicate(timeout=timeout)[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -363,13 +387,18 @@ def child(cmd):
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
         if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
             sys.modules["numpy"].random.seed()
-        if sys.path[0] == "":
-            sys.path[0] = os.getcwd()  # what `python -m` puts first
+        script = cmd.get("script")
+        # What a fresh interpreter puts first: the script's folder (`python FILE`), the cwd (`-m`).
+        sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
         # PYTHONPATH's entries beyond the zygote's own (a job's code directory): where a fresh
         # interpreter puts them, after the zygote's PYTHONPATH entries (sys.path[1:1 + n]).
         sys.path[1 + cmd["path_kept"]:1 + cmd["path_kept"]] = cmd["path_extra"]
-        sys.argv = ["-m", *cmd["argv"]]
-        runpy.run_module(cmd["module"], run_name="__main__", alter_sys=True)
+        if script:
+            sys.argv = [script, *cmd["argv"]]
+            runpy.run_path(script, run_name="__main__")
+        else:
+            sys.argv = ["-m", *cmd["argv"]]
+            runpy.run_module(cmd["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         if e.code is None:
@@ -510,11 +539,12 @@ class Zygote:
                     self._exits.pop(msg["exit"]).put(msg["rc"])
 
     def fork(self, args: list[str], env: dict[str, str], new_session: bool = False,
-             err: bool = False, module: str = "trainer") -> tuple[ForkedPopen, Path, Path | None]:
-        """Fork a child running ``python -m MODULE *args`` (a module of ``LAUNCHERS``): its Popen
-        face, the fifo its output goes to (stdout and, unless ``err``, stderr) and, with ``err``,
-        its stderr's fifo."""
-        assert module in LAUNCHERS, module
+             err: bool = False, module: str = "trainer",
+             script: Path | None = None) -> tuple[ForkedPopen, Path, Path | None]:
+        """Fork a child running ``python -m MODULE *args`` (a module of ``LAUNCHERS``), or with
+        ``script`` ``python SCRIPT *args`` (a test's own worker script): its Popen face, the fifo
+        its output goes to (stdout and, unless ``err``, stderr) and, with ``err``, its stderr's fifo."""
+        assert script is not None or module in LAUNCHERS, module
         with self._lock:
             self._n += 1
             n = self._n
@@ -526,7 +556,8 @@ class Zygote:
         if err_fifo is not None:
             os.mkfifo(err_fifo)
         kept = len(_path(self.env))
-        cmd = {"module": module, "argv": args, "env": env, "cwd": str(REPO), "new_session": new_session, "id": n,
+        cmd = {"module": module, "script": str(script) if script else None, "argv": args, "env": env,
+               "cwd": str(REPO), "new_session": new_session, "id": n,
                "out": str(out), "err": str(err_fifo) if err_fifo else None,
                "path_kept": kept, "path_extra": _path(env)[kept:]}
         assert self.p.stdin is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -62,13 +63,24 @@ def test_a_plain_trainer_launch_is_forked_from_the_zygote_and_behaves_as_a_proce
     assert s.returncode != 0 and "missing.key" in s.stderr, s
 
 
+def _keep_only(default: support.Zygote) -> None:
+    """Close the worker's zygotes but ``default`` (none of their children is running between tests)."""
+    for key, zygote in list(support._worker_zygotes.items()):
+        if zygote is not default:
+            zygote.close()
+            del support._worker_zygotes[key]
+
+
 def test_a_launch_the_zygote_cannot_reproduce_gets_a_fresh_interpreter(tmp_path: Path) -> None:
     argv = run_args(tmp_path / "run", 2, write_config(tmp_path))
     p = Proc(argv, fork=False)
     assert type(p) is Proc and p.wait() == 0, p.output[-3000:]
     # PYTHONHASHSEED is read when the interpreter starts: a fork keeps its zygote's, so the launch
-    # is forked from a zygote started with it (the worker's default one is left as it was).
+    # is forked from a zygote started with it (the worker's default one is left as it was). The
+    # worker's earlier tests may have started others (a torchrun launch's TORCH_* settings, a job's
+    # own path first): closed first, so that this test starts from the default alone.
     default = worker_zygote()
+    _keep_only(default)
     p = Proc([*argv, "--extend-steps"], env=trainer_env(PYTHONHASHSEED="7"))
     assert isinstance(p, ForkedProc) and p.wait() == 0, p.output[-3000:]
     assert p.zygote is not default and p.zygote.env["PYTHONHASHSEED"] == "7"
@@ -79,10 +91,7 @@ def test_a_launch_the_zygote_cannot_reproduce_gets_a_fresh_interpreter(tmp_path:
         last = Proc([sys.executable, "-m", "trainer", "--help"], env=env)
         assert last.wait() == 0, last.output[-3000:]
     assert type(last) is Proc
-    for key, zygote in list(support._worker_zygotes.items()):  # the worker keeps only its default
-        if zygote is not default:
-            zygote.close()
-            del support._worker_zygotes[key]
+    _keep_only(default)  # the worker keeps only its default
     assert type(Proc([sys.executable, "-c", "pass"])) is Proc
     # rendezvous-id quiets c10d's C++ log through the environment before it imports torch.
     p = Proc([sys.executable, "-m", "trainer", "rendezvous-id", "--help"])
@@ -159,3 +168,24 @@ def test_torchrun_is_forked_as_its_agent_and_its_ranks_are_fresh_children_of_it(
         rc = p.wait()
         results[fork] = (rc, p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
     assert results[True] == results[False] == (results[True][0], "3"), results
+
+
+def test_a_worker_script_forked_from_the_zygote_starts_as_a_fresh_one(tmp_path: Path) -> None:
+    """``run_ranks``' ranks (a test's own script, ``python FILE ARGS``) are forked from the zygote:
+    the script runs as ``__main__`` with the argv, the first path entry (its folder), the
+    environment and the cwd a fresh interpreter gives it, and exits with its own status."""
+    script = tmp_path / "probe_rank.py"
+    script.write_text("import json, os, sys\n"
+                      "print(json.dumps({'name': __name__, 'argv': sys.argv, 'path0': sys.path[0], 'cwd': os.getcwd(),\n"
+                      "                  'rank': os.environ['RANK']}))\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    env = trainer_env(RANK="1")
+    popen, fifo, _ = worker_zygote(env).fork(["0", "x y"], env, script=script)
+    forked = json.loads(fifo.read_text())
+    assert popen.wait() == 0
+    fresh = subprocess.run([sys.executable, str(script), "0", "x y"], env=env, cwd=REPO, capture_output=True, text=True)
+    assert fresh.returncode == 0 and forked == json.loads(fresh.stdout)
+    assert forked["name"] == "__main__" and forked["path0"] == str(tmp_path) and forked["rank"] == "1"
+    popen, fifo, _ = worker_zygote(env).fork(["3"], env, script=script)
+    fifo.read_text()
+    assert popen.wait() == 3
