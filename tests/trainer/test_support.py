@@ -144,21 +144,22 @@ def test_a_held_run_waits_after_its_step_until_the_file_goes(tmp_path: Path, for
 @pytest.mark.xdist_group("torchrun")
 def test_torchrun_is_forked_as_its_agent_and_its_ranks_are_fresh_children_of_it(tmp_path: Path) -> None:
     """A torchrun launch forked from the zygote (its agent) and a fresh one are the same process
-    tree: the agent with one fresh `python -u -m MODULE` child per rank, each rank in a session of
-    its own; a SIGTERM to the agent's group reaches the agent, which passes it on, and every
-    rank saves the step it holds. Both end with the same status and the same save."""
+    tree: the agent with a fresh `python -u -m MODULE` child for its rank, in a session of its own;
+    a SIGTERM to the agent's group reaches the agent, which passes it on, and the rank saves the
+    step it holds. Both end with the same status and the same save. (One rank of the small model:
+    what is checked is the tree the agent makes; the multi-rank tests run on forked agents.)"""
     results = {}
     for fork in (True, False):
         hold = tmp_path / f"hold-{fork}"
         hold.touch()
-        run = run_args(tmp_path / f"run-{fork}", 100000, write_config(tmp_path, multi_rank=True))
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        run = run_args(tmp_path / f"run-{fork}", 100000, write_config(tmp_path))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
                 "-m", "tests.trainer.e2e.held", *run[3:]]
         p = Proc(argv, env=trainer_env(HOLD_FLAG=str(hold), HOLD_AT_STEP="3"), new_session=True, fork=fork)
         assert isinstance(p, ForkedProc) == fork
         p.wait_for(r"event=step step=3/")
         ranks = [int(pid) for pid in Path(f"/proc/{p.p.pid}/task/{p.p.pid}/children").read_text().split()]
-        assert len(ranks) == 2, ranks
+        assert len(ranks) == 1, ranks
         for pid in ranks:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert cmdline[:4] == [sys.executable.encode(), b"-u", b"-m", b"tests.trainer.e2e.held"], cmdline
