@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -219,41 +218,21 @@ def run_ranks(argv: list[str], nproc: int, env: dict[str, str] | None = None, ti
     store = dist.TCPStore("127.0.0.1", 0, world_size=nproc + 1, is_master=True, wait_for_workers=False)
     base = trainer_env(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **{RANKS_STORE_PORT: str(store.port)},
                        **(env or {}))
-    envs = [dict(base, RANK=str(r), LOCAL_RANK=str(r)) for r in range(nproc)]
     # A worker script (``python FILE ...``) is forked from the zygote, as a trainer launch is: each
     # rank is still a process of its own with its own store client and gloo group, without
     # importing torch again (about 2.5 CPU-seconds a rank).
-    script = argv[1] if len(argv) > 1 and argv[0] == sys.executable and argv[1].endswith(".py") else None
+    script = len(argv) > 1 and argv[0] == sys.executable and argv[1].endswith(".py")
     zygote = worker_zygote(base) if script and not os.environ.get(NO_ZYGOTE_ENV) else None
-    procs: list[Any] = []
-    outputs = []
+    procs: list[Proc] = []
     try:
-        if zygote is not None:
-            texts: dict[int, str] = {}
-            readers = []
-            for r in range(nproc):
-                popen, fifo, _ = zygote.fork(argv[2:], envs[r], script=Path(script))
-                procs.append(popen)
-                readers.append(threading.Thread(target=lambda r=r, fifo=fifo: texts.__setitem__(r, fifo.read_text()),
-                                                daemon=True))
-                readers[-1].start()
-            deadline = time.monotonic() + timeout
-            for p in procs:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            for reader in readers:
-                reader.join(timeout=10)
-            outputs = [texts.get(r, "") for r in range(nproc)]
-        else:
-            procs = [subprocess.Popen(argv, env=envs[r], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True) for r in range(nproc)]
-            for p in procs:
-                outputs.append(p.communicate(timeout=timeout)[0])
+        for r in range(nproc):
+            env_r = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+            procs.append(ForkedProc(argv, env_r, zygote=zygote) if zygote else Proc(argv, env_r, fork=False))
+        codes = [p.wait(timeout) for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
+            p.kill()
+    outputs = [p.output for p in procs]
     assert codes == [0] * nproc, f"{argv[1:]} on {nproc} ranks exited {codes}:\n" + "\n".join(outputs)
     return outputs
 
@@ -648,8 +627,8 @@ FRESH_COMMANDS = ("rendezvous-id",)
 #: What a zygote's child can run as ``python -m MODULE``: the trainer, the trainer held at a step
 #: while a file exists (``tests/trainer/e2e/held.py``, for tests of any job), and torchrun's agent.
 #: The agent needs little beyond torch, which the zygote has loaded (measured: 1.6 CPU-seconds an
-#: agent fresh, 0.35 forked); its ranks stay what torchrun makes them, fresh ``python -u -m ...`` children of it, so
-#: the process tree, the sessions and the signals a test sends are torchrun's own.
+#: agent fresh, 0.35 forked); its ranks stay what torchrun makes them, fresh ``python -u -m ...``
+#: children of it, so the process tree, the sessions and the signals a test sends are torchrun's own.
 LAUNCHERS = ("trainer", "tests.trainer.e2e.held", "torch.distributed.run")
 
 
@@ -701,8 +680,11 @@ class ForkedProc(Proc):
         super().__init__(argv, env, new_session)
 
     def _start(self, argv: list[str], env: dict[str, str], new_session: bool) -> Any:
-        assert argv[:2] == [sys.executable, "-m"], argv
-        self.p, self.fifo, _ = self.zygote.fork(argv[3:], env, new_session, module=argv[2])
+        if argv[0] == sys.executable and argv[1].endswith(".py"):  # a test's worker script (``run_ranks``)
+            self.p, self.fifo, _ = self.zygote.fork(argv[2:], env, new_session, script=Path(argv[1]))
+        else:
+            assert argv[:2] == [sys.executable, "-m"], argv
+            self.p, self.fifo, _ = self.zygote.fork(argv[3:], env, new_session, module=argv[2])
         return self.p
 
     def _stream(self) -> Any:
