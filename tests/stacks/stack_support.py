@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
-import os
 import re
-import subprocess
 import tomllib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import stacks  # noqa: F401  (environment defaults before cdktn loads)
 from stacks.experiment import Experiment
@@ -33,29 +29,6 @@ def scrub_code_hashes(text: str) -> str:
     text = re.sub(r"(bad-input-)[0-9a-f]{16}\b", r"\1<sha16>", text)
     # Object names appear plain and URL-encoded (code%2Ftrainer-...), where \\b finds no boundary.
     return re.sub(r"(?:\b|(?<=%2F))(trainer|user|wheels)-[0-9a-f]{16}\b", r"\1-<sha16>", text)
-
-
-def run_in_process(main: Callable[[list[str]], int], argv: list[str],
-                   env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """A command's `main(argv)` called in this process, with `env` as the whole environment for the
-    call and its stdout and stderr captured, as `subprocess.run(..., capture_output=True)` gives
-    them: the command's own code without a fresh interpreter, whose cdktn import and jsii runtime
-    cost about 4.5 CPU-seconds a synthesis (0.5 in a process whose runtime is up). Each command
-    keeps a test that runs it as a real process."""
-    saved = dict(os.environ)
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        os.environ.clear()
-        os.environ.update(env)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(argv)
-            except SystemExit as exit:
-                code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def unless_stopped(value: Any) -> Any:
