@@ -10,7 +10,6 @@ import logging
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from drill.attacker import bucket_names, code_running_pickle, forge, forge_in_bu
 from drill.net import free_port
 from drill.procs import power_off
 from drill.tiny_gpt import MULTI_RANK_TASK_ARGS_TOML, TASK_ARGS_TOML
+from tests.trainer.zygote import LAUNCHERS, ForkedPopen, Replies, import_time, path_entries
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 240.0  # a failure guard only: this box is small and shared
@@ -306,216 +306,26 @@ def status(run_dir: Path, *extra: str, env: dict[str, str] | None = None, cli: b
 
 
 # --------------------------------------------------------------------------------------------
-# A fork server: importing torch costs 1.6-1.9 s of CPU per process on this box, so one "zygote"
-# a pytest process imports torch and the trainer once and forks a child per trainer launch. Each
-# child runs exactly what `python -m trainer` runs (trainer/__main__.py, through runpy, as
-# __main__), with the launch's argv, environment, cwd and output, in its own session when the
-# launch asks for one, and exits as an interpreter exits (non-daemon threads joined, atexit run);
-# tests signal and power it off with real signals.
-#
-# What a fork cannot change, and so what a child's zygote must have been started with
-# (`_zygote_key`; `worker_zygote` keeps one zygote per such environment): the variables read when
-# the interpreter or torch starts (IMPORT_TIME_ENV: PYTHON*, TORCH*, OMP_*, ...), and PYTHONPATH up
-# to the zygote's own entries (a child's further entries are put where a fresh interpreter puts them). trainer/ reads no
-# environment at import time. The zygote itself starts no thread (torch's intra-op pool and CUDA
-# start on first use, never here), so each child starts them as a fresh process would. Shared with
-# the zygote and so with every child: the hash seed (a fresh process draws its own).
+# A fork server (tests/trainer/zygote.py): importing torch costs 1.6-1.9 s of CPU per process on this
+# box, so one "zygote" a pytest process imports torch and the trainer once and forks a child per
+# trainer launch (and torchrun's agent forks its ranks from a server of its own).
 # --------------------------------------------------------------------------------------------
-
-ZYGOTE_SRC = r"""
-import json, os, runpy, select, signal, sys
-import torch, torch._dynamo  # noqa: F401  (what every trainer process would import)
-import trainer.cli, trainer.train, trainer.checkpoint.checkpointer, trainer.tasks.gpt  # noqa: F401
-
-replies = os.fdopen(os.dup(1), "w", buffering=1)
-null = os.open(os.devnull, os.O_WRONLY)
-os.dup2(null, 1)  # nothing a child inherits can write into the replies
-os.close(null)
-wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-signal.set_wakeup_fd(wake_w)
-signal.signal(signal.SIGCHLD, lambda *a: None)
-
-
-def child(cmd):
-    code = 1
-    try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in (wake_r, wake_w, replies.fileno()):
-            os.close(fd)
-        if cmd["new_session"]:
-            os.setsid()
-        fd = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(fd, 0)
-        os.close(fd)
-        out = os.open(cmd["out"], os.O_WRONLY)
-        err = os.open(cmd["err"], os.O_WRONLY) if cmd["err"] else out
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        for fd in {out, err}:
-            os.close(fd)
-        sys.stdin = sys.__stdin__ = open(0, closefd=False)
-        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-        for f in (sys.stdout, sys.stderr):
-            f.reconfigure(write_through=True)  # what PYTHONUNBUFFERED=1 gives a fresh interpreter
-        os.chdir(cmd["cwd"])
-        os.environ.clear()
-        os.environ.update(cmd["env"])
-        import tempfile
-        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-        if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
-            sys.modules["numpy"].random.seed()
-        script = cmd.get("script")
-        # What a fresh interpreter puts first: the script's folder (`python FILE`), the cwd (`-m`).
-        sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
-        # PYTHONPATH's entries beyond the zygote's own (a job's code directory): where a fresh
-        # interpreter puts them, after the zygote's PYTHONPATH entries (sys.path[1:1 + n]).
-        sys.path[1 + cmd["path_kept"]:1 + cmd["path_kept"]] = cmd["path_extra"]
-        if script:
-            sys.argv = [script, *cmd["argv"]]
-            runpy.run_path(script, run_name="__main__")
-        else:
-            sys.argv = ["-m", *cmd["argv"]]
-            runpy.run_module(cmd["module"], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code & 0xFF
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:
-        import traceback
-        traceback.print_exc()
-        code = -signal.SIGINT
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-    try:
-        import atexit, threading
-        threading._shutdown()  # the interpreter's own exit: non-daemon threads, then atexit
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        if code == -signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        os._exit(code)
-
-
-print(json.dumps({"ready": os.getpid()}), file=replies)
-pending = b""
-while True:
-    ready, _, _ = select.select([0, wake_r], [], [])
-    if wake_r in ready:
-        while True:
-            try:
-                if not os.read(wake_r, 512):
-                    break
-            except BlockingIOError:
-                break
-    if 0 in ready:
-        chunk = os.read(0, 1 << 16)
-        if not chunk:
-            break
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            cmd = json.loads(line)
-            pid = os.fork()
-            if pid == 0:
-                child(cmd)
-            print(json.dumps({"pid": pid, "id": cmd["id"]}), file=replies)
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            break
-        print(json.dumps({"exit": pid, "rc": os.waitstatus_to_exitcode(status)}), file=replies)
-"""
-
-#: Environment variables read when the interpreter, torch or its libraries start: a child whose
-#: value of one differs from the zygote's would not behave as a fresh `python -m trainer`.
-IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "CUDA", "NCCL",
-                   "LD_", "MALLOC", "TRITON", "API_ENDPOINT_OVERRIDE")
-
-
-def _import_time(env: dict[str, str]) -> dict[str, str]:
-    """What the interpreter or torch reads at start, but PYTHONPATH (``_path``: a child extends it)."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH"}
-
-
-def _path(env: dict[str, str]) -> list[str]:
-    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
-class ForkedPopen:
-    """The ``subprocess.Popen`` face of a zygote's child (pid, poll, wait, returncode, signals):
-    its exit status comes from the zygote, which reaps it."""
-
-    def __init__(self, pid: int, exits: "queue.Queue[int]") -> None:
-        self.pid, self._exits = pid, exits
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            with contextlib.suppress(queue.Empty):
-                self.returncode = self._exits.get_nowait()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            try:
-                self.returncode = self._exits.get(timeout=timeout)
-            except queue.Empty:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0) from None
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class Zygote:
-    """The fork server (``ZYGOTE_SRC``); ``worker_zygote()`` is the pytest process's own."""
+    """A fork server (``tests/trainer/zygote.py``); ``worker_zygote()`` is the pytest process's own."""
 
     def __init__(self, tmp: Path, env: dict[str, str] | None = None):
         self.tmp = tmp
         self.env = env or trainer_env()
-        self.p = subprocess.Popen([sys.executable, "-c", ZYGOTE_SRC], stdin=subprocess.PIPE,
+        self.p = subprocess.Popen([sys.executable, "-m", "tests.trainer.zygote"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, bufsize=1, env=self.env, cwd=REPO)
         self._lock = threading.Lock()
-        self._exits: dict[int, "queue.Queue[int]"] = {}
-        self._started: dict[int, "queue.Queue[tuple[int, queue.Queue[int]]]"] = {}
-        self._n = 0
+        self._replies = Replies()
         assert self.p.stdout is not None
         first = json.loads(self.p.stdout.readline())
         assert "ready" in first, first
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            msg = json.loads(line)
-            with self._lock:
-                if "pid" in msg:  # a reused pid's earlier process was reaped, so reported, before
-                    self._exits[msg["pid"]] = exits = queue.Queue()
-                    self._started.pop(msg["id"]).put((msg["pid"], exits))
-                else:
-                    self._exits.pop(msg["exit"]).put(msg["rc"])
+        threading.Thread(target=self._replies.read, args=(self.p.stdout,), daemon=True).start()
 
     def fork(self, args: list[str], env: dict[str, str], new_session: bool = False,
              err: bool = False, module: str = "trainer",
@@ -524,21 +334,17 @@ class Zygote:
         ``script`` ``python SCRIPT *args`` (a test's own worker script): its Popen face, the fifo
         its output goes to (stdout and, unless ``err``, stderr) and, with ``err``, its stderr's fifo."""
         assert script is not None or module in LAUNCHERS, module
-        with self._lock:
-            self._n += 1
-            n = self._n
-            started: "queue.Queue[tuple[int, queue.Queue[int]]]" = queue.Queue()
-            self._started[n] = started
+        n, started = self._replies.expect()
         out = self.tmp / f"out-{n}.fifo"
         os.mkfifo(out)
         err_fifo = self.tmp / f"err-{n}.fifo" if err else None
         if err_fifo is not None:
             os.mkfifo(err_fifo)
-        kept = len(_path(self.env))
+        kept = len(path_entries(self.env))
         cmd = {"module": module, "script": str(script) if script else None, "argv": args, "env": env,
                "cwd": str(REPO), "new_session": new_session, "id": n,
                "out": str(out), "err": str(err_fifo) if err_fifo else None,
-               "path_kept": kept, "path_extra": _path(env)[kept:]}
+               "path_kept": kept, "path_extra": path_entries(env)[kept:]}
         assert self.p.stdin is not None
         with self._lock:
             self.p.stdin.write(json.dumps(cmd) + "\n")
@@ -589,9 +395,9 @@ MAX_ZYGOTES = 4
 def _zygote_key(env: dict[str, str]) -> tuple[Any, ...]:
     """What a child's zygote must have been started with: the environment's import-time part and
     the PYTHONPATH a child extends (the repository's, when the launch's starts with it)."""
-    path = _path(env)
+    path = path_entries(env)
     base = path[:1] if path[:1] == [str(REPO)] else path
-    return tuple(sorted(_import_time(env).items())), tuple(base)
+    return tuple(sorted(import_time(env).items())), tuple(base)
 
 
 def worker_zygote(env: dict[str, str] | None = None) -> Zygote | None:
@@ -624,12 +430,6 @@ def close_worker_zygote() -> None:
 FRESH_COMMANDS = ("rendezvous-id",)
 
 
-#: What a zygote's child can run as ``python -m MODULE``: the trainer, the trainer held at a step
-#: while a file exists (``tests/trainer/e2e/held.py``, for tests of any job), and torchrun's agent.
-#: The agent needs little beyond torch, which the zygote has loaded (measured: 1.6 CPU-seconds an
-#: agent fresh, 0.35 forked); its ranks stay what torchrun makes them, fresh ``python -u -m ...``
-#: children of it, so the process tree, the sessions and the signals a test sends are torchrun's own.
-LAUNCHERS = ("trainer", "tests.trainer.e2e.held", "torch.distributed.run")
 
 
 def forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
@@ -672,7 +472,7 @@ def power_off_leftovers() -> list[int]:
 
 
 class ForkedProc(Proc):
-    """A Proc forked from a zygote (the worker's unless given): see Proc and ZYGOTE_SRC."""
+    """A Proc forked from a zygote (the worker's unless given): see Proc and tests/trainer/zygote.py."""
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, new_session: bool = False,
                  fork: bool | None = None, zygote: Zygote | None = None):

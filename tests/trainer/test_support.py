@@ -141,13 +141,17 @@ def test_a_held_run_waits_after_its_step_until_the_file_goes(tmp_path: Path, for
     p.seen(r"event=preempted step=3 persistent_ok=1")
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 @pytest.mark.xdist_group("torchrun")
-def test_torchrun_is_forked_as_its_agent_and_its_ranks_are_fresh_children_of_it(tmp_path: Path) -> None:
-    """A torchrun launch forked from the zygote (its agent) and a fresh one are the same process
-    tree: the agent with a fresh `python -u -m MODULE` child for its rank, in a session of its own;
-    a SIGTERM to the agent's group reaches the agent, which passes it on, and the rank saves the
-    step it holds. Both end with the same status and the same save. (One rank of the small model:
-    what is checked is the tree the agent makes; the multi-rank tests run on forked agents.)"""
+def test_torchrun_is_forked_as_its_agent_and_forks_its_ranks_as_torchrun_starts_them(tmp_path: Path) -> None:
+    """A torchrun launch forked from the zygote (its agent, whose ranks its own rank server forks)
+    and a fresh one (whose ranks are fresh `python -u -m MODULE` children) give each rank a session
+    of its own, as torchrun does; a SIGTERM to the agent's group reaches the agent, which passes it
+    on, and the rank saves the step it holds. Both end with the same status and the same save.
+    (One rank of the small model: what is checked is the launch; the multi-rank tests run forked.)"""
     results = {}
     for fork in (True, False):
         hold = tmp_path / f"hold-{fork}"
@@ -158,11 +162,17 @@ def test_torchrun_is_forked_as_its_agent_and_its_ranks_are_fresh_children_of_it(
         p = Proc(argv, env=trainer_env(HOLD_FLAG=str(hold), HOLD_AT_STEP="3"), new_session=True, fork=fork)
         assert isinstance(p, ForkedProc) == fork
         p.wait_for(r"event=step step=3/")
-        ranks = [int(pid) for pid in Path(f"/proc/{p.p.pid}/task/{p.p.pid}/children").read_text().split()]
+        if fork:  # the agent's one child is its rank server, out of the agent's group; the rank its child
+            [server] = _children(p.p.pid)
+            assert os.getsid(server) == server
+            ranks = _children(server)
+            want = [sys.executable.encode(), b"-m", b"tests.trainer.zygote"]  # forked, not started afresh
+        else:
+            ranks = _children(p.p.pid)
+            want = [sys.executable.encode(), b"-u", b"-m", b"tests.trainer.e2e.held"]
         assert len(ranks) == 1, ranks
         for pid in ranks:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            assert cmdline[:4] == [sys.executable.encode(), b"-u", b"-m", b"tests.trainer.e2e.held"], cmdline
+            assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:len(want)] == want
             assert os.getsid(pid) == pid  # torchrun's own: each worker in a session of its own
         p.signal(signal.SIGTERM, group=True)
         open_gate_on_notice(p, hold)
