@@ -150,26 +150,33 @@ def test_torchrun_is_forked_as_its_agent_and_forks_its_ranks_as_torchrun_starts_
     """A torchrun launch forked from the zygote (its agent, whose ranks its own rank server forks)
     and a fresh one (whose ranks are fresh `python -u -m MODULE` children) give each rank a session
     of its own, as torchrun does; a SIGTERM to the agent's group reaches the agent, which passes it
-    on, and the rank saves the step it holds. Both end with the same status and the same save.
-    (One rank of the small model: what is checked is the launch; the multi-rank tests run forked.)"""
+    on, and the rank saves the step it holds. All end with the same status and the same save. A
+    rank the server would not start as torchrun does (here: its output teed to files) is started
+    fresh by the forked agent. (One rank of the small model: what is checked is the launch; the
+    multi-rank tests run forked.)"""
+    held = [sys.executable.encode(), b"-u", b"-m", b"tests.trainer.e2e.held"]
     results = {}
-    for fork in (True, False):
-        hold = tmp_path / f"hold-{fork}"
+    for case, fork, flags in [("forked", True, []), ("fresh", False, []),
+                              ("teed", True, ["--tee=3", f"--log-dir={tmp_path / 'logs'}"])]:
+        hold = tmp_path / f"hold-{case}"
         hold.touch()
-        run = run_args(tmp_path / f"run-{fork}", 100000, write_config(tmp_path))
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+        run = run_args(tmp_path / f"run-{case}", 100000, write_config(tmp_path))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *flags,
                 "-m", "tests.trainer.e2e.held", *run[3:]]
         p = Proc(argv, env=trainer_env(HOLD_FLAG=str(hold), HOLD_AT_STEP="3"), new_session=True, fork=fork)
         assert isinstance(p, ForkedProc) == fork
         p.wait_for(r"event=step step=3/")
-        if fork:  # the agent's one child is its rank server, out of the agent's group; the rank its child
-            [server] = _children(p.p.pid)
-            assert os.getsid(server) == server
-            ranks = _children(server)
+        children = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in _children(p.p.pid)}
+        servers = [pid for pid, cmdline in children.items() if cmdline[:len(held)] != held]
+        assert len(servers) == fork, children  # a forked agent's one other child: its rank server
+        if case == "forked":
+            ranks = _children(servers[0])
             want = [sys.executable.encode(), b"-m", b"tests.trainer.zygote"]  # forked, not started afresh
         else:
-            ranks = _children(p.p.pid)
-            want = [sys.executable.encode(), b"-u", b"-m", b"tests.trainer.e2e.held"]
+            ranks = [pid for pid in children if pid not in servers]
+            want = held
+        for pid in servers:
+            assert os.getsid(pid) == pid  # out of the agent's group: a signal to it is the agent's to pass on
         assert len(ranks) == 1, ranks
         for pid in ranks:
             assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:len(want)] == want
@@ -177,8 +184,8 @@ def test_torchrun_is_forked_as_its_agent_and_forks_its_ranks_as_torchrun_starts_
         p.signal(signal.SIGTERM, group=True)
         open_gate_on_notice(p, hold)
         rc = p.wait()
-        results[fork] = (rc, p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
-    assert results[True] == results[False] == (results[True][0], "3"), results
+        results[case] = (rc, p.wait_for(r"event=preempted step=(\d+) persistent_ok=1").group(1))
+    assert results["forked"] == results["fresh"] == results["teed"] == (results["fresh"][0], "3"), results
 
 
 def test_a_worker_script_forked_from_the_zygote_starts_as_a_fresh_one(tmp_path: Path) -> None:

@@ -10,11 +10,11 @@ with real signals.
 
 torchrun's agent (``-m torch.distributed.run``) is such a child, and its ranks are forked too: before
 torchrun starts (while the agent has one thread), the agent forks a rank server of its own from
-itself, and torchrun's ``SubprocessHandler`` asks it for each ``python -u -m MODULE`` rank. A rank
-is then what torchrun makes it, a process in a session of its own that torchrun signals by its
-group, with torchrun's environment, without paying torch's import (about 2.5 CPU-seconds a rank).
-A rank the server cannot reproduce (another program, output redirected to files, an import-time
-setting of its own) is started fresh by torchrun as always.
+itself, and torchrun's ``SubprocessHandler`` asks it for each ``python -u -m MODULE`` (or
+``python -u FILE.py``) rank. A rank is then what torchrun makes it, a process in a session of its
+own that torchrun signals by its group, with torchrun's environment, without paying torch's import
+(about 2.5 CPU-seconds a rank). A rank the server cannot reproduce (another program, output
+redirected to files, an import-time setting of its own) is started fresh by torchrun as always.
 
 What a fork cannot change, and so what a child's zygote must have been started with
 (``support._zygote_key``; ``worker_zygote`` keeps one zygote per such environment): the variables
@@ -288,7 +288,9 @@ def fork_ranks(path_kept: int) -> None:
 
     def popen(handler: Any, args: tuple[str, ...], env: dict[str, str]) -> Any:
         module = args[3] if len(args) > 3 and list(args[:3]) == [sys.executable, "-u", "-m"] else None
-        forkable = (module in LAUNCHERS and module != TORCHRUN
+        script = args[2] if module is None and len(args) > 2 and list(args[:2]) == [sys.executable, "-u"] \
+            and args[2].endswith(".py") else None  # a test's own worker script (`torchrun FILE.py`)
+        forkable = ((module in LAUNCHERS and module != TORCHRUN or script is not None)
                     and handler._stdout is None and handler._stderr is None
                     and path_entries(env) == path_entries(agent_env)
                     and {k: v for k, v in import_time(env).items() if not k.startswith(TORCHRUN_RUNTIME_ENV)}
@@ -296,7 +298,8 @@ def fork_ranks(path_kept: int) -> None:
         if not forkable:
             return fresh(handler, args, env)
         n, started = replies.expect()
-        requests.write(json.dumps({"id": n, "module": module, "argv": list(args[4:]), "env": env, "cwd": os.getcwd(),
+        requests.write(json.dumps({"id": n, "module": module, "script": script,
+                                   "argv": list(args[3:] if script else args[4:]), "env": env, "cwd": os.getcwd(),
                                    "new_session": True, "out": None, "err": None,
                                    "path_kept": path_kept, "path_extra": []}) + "\n")
         requests.flush()
