@@ -581,7 +581,12 @@ class Deployment:
         ev = self.vm.wait_event(lambda e: e["event"] == "startup-script-exited", self.cfg.guard_s, since=e0)
         units = [e["unit"] for e in self.vm.events()[e0:] if e["event"] == "unit-started"]
         state = self.metadata.guest_attributes().get("spottrain/state")
-        health = health_answer(self.r.health_port, timeout=30 if units else 0)
+        # Only a unit that serves the health port is worth waiting for (the trainer's, or the
+        # finished run's answer); the log shipper starts at every boot and answers nothing.
+        from stacks.boot import FINISHED_UNIT
+
+        serving = {UNIT, FINISHED_UNIT} & set(units)
+        health = health_answer(self.r.health_port, timeout=30 if serving else 0)
         self.power_off()
         return {"startup_rc": ev["rc"], "unit_started": UNIT in units, "other_units": units,
                 "guest_state": state, "health": health, "group_size": self.group_size()}

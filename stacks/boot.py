@@ -158,7 +158,9 @@ def scale_target(name: str, exp: Experiment) -> ScaleTarget | None:
 LOG_SHIPPER = Path(__file__).resolve().parent.parent / "trainer" / "cloud" / "log_shipper.py"
 #: The trainer's unit, and the units whose output the shipper sends (flex-start adds its deadline's).
 TRAINER_UNIT = "spottrain.service"
-LOG_UNITS = (TRAINER_UNIT, "spottrain-finished.service")
+#: What answers the health check once the run has finished (trainer.sh starts it).
+FINISHED_UNIT = "spottrain-finished.service"
+LOG_UNITS = (TRAINER_UNIT, FINISHED_UNIT)
 DEADLINE_UNIT = "spottrain-deadline.service"
 #: On the boot disk, beside the journal it points into.
 LOG_CURSOR_FILE = "/var/lib/spottrain/logs.cursor"
