@@ -277,9 +277,14 @@ def fork_ranks(path_kept: int) -> None:
     threading.Thread(target=replies.read, args=(lines,), daemon=True).start()
     requests = os.fdopen(req_w, "w", buffering=1)
 
-    def stop() -> None:  # at the agent's exit: the server ends once its ranks have; reap it
-        requests.close()
-        os.waitpid(server, 0)
+    def stop() -> None:  # at the agent's exit: the server ends once its ranks have (torchrun has
+        requests.close()  # stopped them by then); reap it, never waiting for ever on a stuck one
+        for _ in range(600):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(server, os.WNOHANG)[0] == 0:
+                    threading.Event().wait(0.1)
+                    continue
+            return
 
     import atexit
     atexit.register(stop)
