@@ -379,16 +379,22 @@ class Zygote:
         return subprocess.CompletedProcess([sys.executable, "-m", "trainer", *args], rc, texts.get(out, ""),
                                            texts.get(err, ""))
 
+    def running(self) -> int:
+        """How many of its children have not ended."""
+        return self._replies.running()
+
     def close(self) -> None:
         if self.p.stdin is not None:
             self.p.stdin.close()
         self.p.wait(timeout=60)
 
 
+#: The worker's zygotes by ``_zygote_key``, the least recently used first.
 _worker_zygotes: dict[tuple[Any, ...], Zygote] = {}
 NO_ZYGOTE_ENV = "SPOTTRAIN_TEST_NO_ZYGOTE"
 #: Zygotes one pytest process keeps at most (one for each environment a fork cannot change; most
-#: workers need one, a few tests' import-time settings another); beyond, launches start fresh.
+#: workers need one, a few tests' import-time settings another); beyond, the least recently used
+#: one with no child running is closed for the new one, and while each has one, launches start fresh.
 MAX_ZYGOTES = 4
 
 
@@ -403,18 +409,23 @@ def _zygote_key(env: dict[str, str]) -> tuple[Any, ...]:
 def worker_zygote(env: dict[str, str] | None = None) -> Zygote | None:
     """This pytest process's zygote for launches with ``env`` (default ``trainer_env()``), started
     on first use (again if it died): one per environment a fork cannot change (a test, or code a
-    test ran in this process, may set TORCH_*, PYTHONHASHSEED, ...), at most ``MAX_ZYGOTES``
-    (None beyond). ``close_worker_zygote`` (the trainer conftest's session teardown) stops them."""
+    test ran in this process, may set TORCH_*, PYTHONHASHSEED, ...), at most ``MAX_ZYGOTES``: a new
+    one replaces the least recently used with no child running (None while every one has one).
+    ``close_worker_zygote`` (the trainer conftest's session teardown) stops them."""
     env = env or trainer_env()
     key = _zygote_key(env)
-    zygote = _worker_zygotes.get(key)
+    zygote = _worker_zygotes.pop(key, None)
     if zygote is None or zygote.p.poll() is not None:
-        if zygote is None and len(_worker_zygotes) >= MAX_ZYGOTES:
-            return None
+        if len(_worker_zygotes) >= MAX_ZYGOTES:
+            idle = next((k for k, z in _worker_zygotes.items() if not z.running()), None)
+            if idle is None:
+                return None
+            _worker_zygotes.pop(idle).close()
         base = {k: v for k, v in env.items() if k != "PYTHONPATH"}
         if key[1]:
             base["PYTHONPATH"] = os.pathsep.join(key[1])
-        zygote = _worker_zygotes[key] = Zygote(Path(tempfile.mkdtemp(prefix="zygote-")), base)
+        zygote = Zygote(Path(tempfile.mkdtemp(prefix="zygote-")), base)
+    _worker_zygotes[key] = zygote  # the most recently used last
     return zygote
 
 

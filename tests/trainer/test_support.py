@@ -85,13 +85,27 @@ def test_a_launch_the_zygote_cannot_reproduce_gets_a_fresh_interpreter(tmp_path:
     assert isinstance(p, ForkedProc) and p.wait() == 0, p.output[-3000:]
     assert p.zygote is not default and p.zygote.env["PYTHONHASHSEED"] == "7"
     assert worker_zygote() is default and "PYTHONHASHSEED" not in default.env
-    # Beyond MAX_ZYGOTES environments, a fresh interpreter.
-    for i in range(MAX_ZYGOTES):
-        env = trainer_env(TORCH_SHOW_CPP_STACKTRACES=str(i))
-        last = Proc([sys.executable, "-m", "trainer", "--help"], env=env)
-        assert last.wait() == 0, last.output[-3000:]
-    assert type(last) is Proc
-    _keep_only(default)  # the worker keeps only its default
+    # At most MAX_ZYGOTES: while each has a child running (here: parked opening a fifo), a launch of
+    # another environment starts fresh; once they have ended, the zygote least recently used gives
+    # way to the new one (a worker whose earlier tests left several is never left without one).
+    _keep_only(default)
+    gate = tmp_path / "gate.fifo"
+    os.mkfifo(gate)
+    script = tmp_path / "parked.py"
+    script.write_text("import sys\nopen(sys.argv[1]).read()\n")
+    envs = [trainer_env()] + [trainer_env(TORCH_SHOW_CPP_STACKTRACES=str(i)) for i in range(1, MAX_ZYGOTES)]
+    parked = [ForkedProc([sys.executable, str(script), str(gate)], env, zygote=worker_zygote(env)) for env in envs]
+    assert len(support._worker_zygotes) == MAX_ZYGOTES and all(z.running() for z in support._worker_zygotes.values())
+    more = trainer_env(TORCH_SHOW_CPP_STACKTRACES="more")
+    fresh = Proc([sys.executable, "-m", "trainer", "--help"], env=more)
+    assert type(fresh) is Proc and fresh.wait() == 0, fresh.output[-3000:]
+    with open(gate, "w"):  # every parked child's open returns, and its read ends at the close
+        pass
+    assert [p.wait() for p in parked] == [0] * MAX_ZYGOTES
+    forked = Proc([sys.executable, "-m", "trainer", "--help"], env=more)
+    assert isinstance(forked, ForkedProc) and forked.wait() == 0, forked.output[-3000:]
+    assert len(support._worker_zygotes) == MAX_ZYGOTES and default not in support._worker_zygotes.values()
+    support.close_worker_zygote()  # the next test starts the worker's default afresh
     assert type(Proc([sys.executable, "-c", "pass"])) is Proc
     # rendezvous-id quiets c10d's C++ log through the environment before it imports torch.
     p = Proc([sys.executable, "-m", "trainer", "rendezvous-id", "--help"])

@@ -118,6 +118,11 @@ class Replies:
             self._started[self._n] = started
             return self._n, started
 
+    def running(self) -> int:
+        """Children forked and not yet reaped."""
+        with self._lock:
+            return len(self._exits)
+
     def read(self, lines: IO[str]) -> None:
         for line in lines:
             msg = json.loads(line)
