@@ -161,6 +161,8 @@ class MetadataWatcher(threading.Thread):
                 if self._stopping.wait(backoff.next()):
                     return
                 continue
+            if self._stopping.is_set():  # the session closed while the long poll was open: not its notice
+                return
             backoff.reset()
             if not self.connected.is_set():
                 self.connected.set()

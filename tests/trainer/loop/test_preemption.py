@@ -84,6 +84,19 @@ def test_watcher_follows_wait_for_change(metadata: MetadataServer) -> None:
     assert all(r.flavor == "Google" for r in metadata.requests)
 
 
+def test_a_stopped_watcher_whose_long_poll_then_reads_true_calls_nothing(metadata: MetadataServer) -> None:
+    """A session that closed while its watcher's long poll was open (an own loop's process that
+    goes on after it) hears no notice that came after: the answer is dropped, the thread ends."""
+    got = threading.Event()
+    w = MetadataWatcher(metadata.host, got.set, logging.getLogger("t"), max_backoff_s=0.2)
+    w.start()
+    assert metadata.wait_waiters(1, 30)
+    w.stop()
+    metadata.preempt()  # answers the open long poll: TRUE
+    w.join(30)
+    assert not w.is_alive() and not got.is_set()
+
+
 def test_watcher_reconnects_after_server_restart(metadata: MetadataServer) -> None:
     """A metadata hiccup: the watcher backs off and reconnects; a later TRUE still counts."""
     got = threading.Event()
