@@ -441,8 +441,6 @@ def close_worker_zygote() -> None:
 FRESH_COMMANDS = ("rendezvous-id",)
 
 
-
-
 def forkable(argv: list[str], env: dict[str, str] | None = None) -> bool:
     """Whether ``argv`` (with ``env``, default ``trainer_env()``) is a plain ``python -m trainer``
     (or another of ``LAUNCHERS``) that the worker's zygote can fork in place of a fresh interpreter."""

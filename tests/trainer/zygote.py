@@ -179,7 +179,7 @@ def child(cmd: dict[str, Any], close: tuple[int, ...]) -> None:
         else:
             sys.argv = ["-m", *cmd["argv"]]
             if cmd["module"] == TORCHRUN:
-                fork_ranks(cmd["path_kept"] + len(cmd["path_extra"]))
+                fork_ranks()
             runpy.run_module(cmd["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
@@ -257,10 +257,10 @@ def serve(requests: int, replies: IO[str], reap_at_end: bool = False) -> None:
             print(json.dumps({"exit": pid, "rc": os.waitstatus_to_exitcode(status)}), file=replies)
 
 
-def fork_ranks(path_kept: int) -> None:
+def fork_ranks() -> None:
     """In torchrun's agent, before torchrun runs: fork this process's rank server (it has one thread
-    now, and the modules every rank imports) and have torchrun's SubprocessHandler fork each rank it
-    can reproduce from it. ``path_kept``: the PYTHONPATH entries already on this process's path."""
+    now, the modules every rank imports and the agent's path, which a rank's PYTHONPATH must equal)
+    and have torchrun's SubprocessHandler fork each rank it can reproduce from it."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     req_r, req_w = os.pipe()
@@ -293,7 +293,12 @@ def fork_ranks(path_kept: int) -> None:
 
     import atexit
     atexit.register(stop)
-    agent_env = dict(os.environ)
+    def fixed_at_start(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """What a rank's fork cannot change: its PYTHONPATH, and its import-time settings but those
+        torchrun adds for it."""
+        return path_entries(env), {k: v for k, v in import_time(env).items() if not k.startswith(TORCHRUN_RUNTIME_ENV)}
+
+    agent = fixed_at_start(dict(os.environ))
     fresh = subprocess_handler.SubprocessHandler._popen
 
     def popen(handler: Any, args: tuple[str, ...], env: dict[str, str]) -> Any:
@@ -301,17 +306,14 @@ def fork_ranks(path_kept: int) -> None:
         script = args[2] if module is None and len(args) > 2 and list(args[:2]) == [sys.executable, "-u"] \
             and args[2].endswith(".py") else None  # a test's own worker script (`torchrun FILE.py`)
         forkable = ((module in LAUNCHERS and module != TORCHRUN or script is not None)
-                    and handler._stdout is None and handler._stderr is None
-                    and path_entries(env) == path_entries(agent_env)
-                    and {k: v for k, v in import_time(env).items() if not k.startswith(TORCHRUN_RUNTIME_ENV)}
-                    == {k: v for k, v in import_time(agent_env).items() if not k.startswith(TORCHRUN_RUNTIME_ENV)})
+                    and handler._stdout is None and handler._stderr is None and fixed_at_start(env) == agent)
         if not forkable:
             return fresh(handler, args, env)
         n, started = replies.expect()
         requests.write(json.dumps({"id": n, "module": module, "script": script,
                                    "argv": list(args[3:] if script else args[4:]), "env": env, "cwd": os.getcwd(),
                                    "new_session": True, "out": None, "err": None,
-                                   "path_kept": path_kept, "path_extra": []}) + "\n")
+                                   "path_kept": 0, "path_extra": []}) + "\n")
         requests.flush()
         pid, exits = started.get(timeout=60)
         return ForkedPopen(pid, exits)
