@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 
-pytest_plugins = ["tests.cpu_ledger"]
+pytest_plugins = ["tests.cpu_ledger", "tests.scheduling"]
 
 _PRIVATE_TMP = tempfile.mkdtemp(prefix="spottrain-tests-")
 os.environ["TMPDIR"] = _PRIVATE_TMP  # read by child processes, the jsii runtime among them
@@ -60,7 +60,6 @@ def pytest_sessionstart(session) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    _write_durations(session)
     shutil.rmtree(_PRIVATE_TMP, ignore_errors=True)
 
 
@@ -181,135 +180,3 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     finally:
         for fs in reversed(mounted):
             fs.__exit__(None, None, None)
-
-
-# ------------------------------------------------------------------------------------------------
-# Scheduling: the slowest work first, and the fast tier
-# ------------------------------------------------------------------------------------------------
-#
-# tests/durations.json holds each test's seconds (setup, call and teardown) from a whole run
-# (`pytest --record-durations`). With it, the collection is ordered longest first by blocks: an
-# `xdist_group` by its total, any other test with its module by the module's total (a module's
-# tests stay together, in their order: a module-scoped fixture is set up once a worker). xdist's
-# loadgroup hands out the units in that order, so a 4-minute drill no longer starts last while the
-# other worker idles.
-# The fast tier (`-m fast`, `make test-fast`: configuration, stacks, units) is every test outside
-# SLOW_PATHS (the end-to-end trainer runs, the VM drills, the benchmarks, the walkthrough) that the
-# file does not record at FAST_S seconds or more; a new test there runs in the inner loop until the
-# file is recorded again.
-
-import json as _json  # noqa: E402
-
-from tests.cpu_ledger import plain_nodeid  # noqa: E402
-
-DURATIONS = Path(__file__).with_name("durations.json")
-FAST_S = 2.0
-SLOW_PATHS = ("tests/trainer/e2e/", "tests/bench/", "tests/test_walkthrough.py", "tests/drill/test_drill.py",
-              "tests/drill/test_pool_drill.py", "tests/drill/test_lifecycle.py", "tests/drill/test_logs_drill.py",
-              "tests/drill/test_boot_scripts.py", "tests/drill/test_chaos.py")
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--record-durations", action="store_true",
-                     help=f"write every test's seconds (setup + call + teardown) into {DURATIONS.name}")
-    parser.addoption("--cpu-ledger", metavar="FILE", default=None,
-                     help="write every test's CPU seconds, its own and its processes' (tests/cpu_ledger.py)")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"fast: the inner loop's tier (`make test-fast`): outside the "
-                                       f"end-to-end paths, under {FAST_S:g} s in tests/{DURATIONS.name}")
-    # Keep the order below: xdist would otherwise sort the groups by their count of tests.
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def _group(item: pytest.Item) -> str | None:
-    """The test's xdist group (its closest `xdist_group` marker's name), None outside any."""
-    marker = item.get_closest_marker("xdist_group")
-    if marker is None:
-        return None
-    return marker.args[0] if marker.args else marker.kwargs.get("name", "")
-
-
-def _base_id(item: pytest.Item) -> str:
-    """The node id without the `@group` suffix xdist's loadgroup appends."""
-    group = _group(item)
-    return item.nodeid if group is None else item.nodeid.removesuffix(f"@{group}")
-
-
-#: The group of the tests that start several processes each (torchrun's ranks, a pool's VMs):
-#: several of them at once would crowd the cores until their waits time out. With more than two
-#: workers its modules are dealt into lanes (``MULTI-1``, ``MULTI-2``, ...), one fewer than the
-#: workers, each a group of its own: at most that many run at once, one worker stays free of them,
-#: and no lane is a third of the suite that one worker runs alone.
-MULTI = "torchrun"
-
-
-def _workers(config: pytest.Config) -> int:
-    """How many xdist workers run the suite (0 without xdist)."""
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:
-        return int(workerinput["workercount"])
-    n = getattr(config.option, "numprocesses", None)
-    return n if isinstance(n, int) else 0
-
-
-def _deal_into_lanes(items: list[pytest.Item], known: dict[str, float], lanes: int) -> None:
-    """Put each module of the ``MULTI`` group into one of ``lanes`` groups, longest module first
-    into the lane with the fewest seconds so far (the same on every worker: the same collection
-    and durations)."""
-    seconds: dict[str, float] = {}
-    multi = [item for item in items if _group(item) == MULTI]
-    for item in multi:
-        module = _base_id(item).partition("::")[0]
-        seconds[module] = seconds.get(module, 0.0) + known.get(_base_id(item), FAST_S)
-    load = [0.0] * lanes
-    lane_of: dict[str, int] = {}
-    for module in sorted(seconds, key=lambda m: (-seconds[m], m)):
-        lane_of[module] = min(range(lanes), key=lambda i: (load[i], i))
-        load[lane_of[module]] += seconds[module]
-    for item in multi:
-        item.add_marker(pytest.mark.xdist_group(f"{MULTI}-{lane_of[_base_id(item).partition('::')[0]] + 1}"))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    known: dict[str, float] = _json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    if (lanes := _workers(config) - 1) > 1:
-        _deal_into_lanes(items, known, lanes)
-    total: dict[str, float] = {}  # a block's seconds
-    blocks = []
-    for item in items:
-        base = _base_id(item)
-        seconds = known.get(base)
-        if not base.startswith(SLOW_PATHS) and (seconds is None or seconds < FAST_S):
-            item.add_marker(pytest.mark.fast)
-        # A block: an xdist group (one worker runs it whole), else a module, kept together so that a
-        # module-scoped fixture is set up once a worker, never again for a test sorted apart.
-        group = _group(item)
-        block = f"group:{group}" if group is not None else base.partition("::")[0]
-        total[block] = total.get(block, 0.0) + (seconds if seconds is not None else FAST_S)
-        blocks.append(block)
-    # Longest block first; inside one, the collection's own order.
-    order = sorted(range(len(items)), key=lambda i: (-total[blocks[i]], blocks[i], i))
-    items[:] = [items[i] for i in order]
-
-
-_running: dict[str, float] = {}
-_recorded: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    nodeid = plain_nodeid(report.nodeid)
-    _running[nodeid] = _running.get(nodeid, 0.0) + report.duration
-    if report.when == "teardown":  # only a test that ran to its end (an interrupted run's last do not)
-        _recorded[nodeid] = _running.pop(nodeid)
-
-
-def _write_durations(session: pytest.Session) -> None:
-    if not session.config.getoption("--record-durations") or hasattr(session.config, "workerinput"):
-        return
-    known: dict[str, float] = _json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    known.update({k: round(v, 2) for k, v in _recorded.items()})
-    DURATIONS.write_text(_json.dumps(dict(sorted(known.items())), indent=0) + "\n")

@@ -7,7 +7,8 @@ time over its process tree read from /proc: every live descendant's own time plu
 (`cutime`/`cstime`), so a trainer forked by the zygote, a torchrun rank or a boot script's child all
 count to the test that ran while they did. A process reparented away from the tree before it ends (a
 double-forked daemon) is not counted; a worker's long-lived helpers (its emulator, its zygote) count
-to the tests during which they worked. The controller merges the workers' rows into FILE.
+to the tests during which they worked. Each test's teardown report carries its figure to the
+controller, which writes FILE.
 """
 
 from __future__ import annotations
@@ -53,32 +54,54 @@ def tree_cpu(root: int) -> float:
 def plain_nodeid(nodeid: str) -> str:
     """The node id without the ``@group`` suffix xdist's loadgroup appends (durations and the
     ledger are kept by the test, whichever lane ran it)."""
-    return nodeid.split("@")[0] if "@" in nodeid.rpartition("::")[2] else nodeid
+    # xdist's own test: an "@" after the last "]" (a parameter's id may hold one)
+    return nodeid.rpartition("@")[0] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
 
 
+#: Set by a plugin that needs the figures without a ledger file (`--record-durations`).
+MEASURE = pytest.StashKey[bool]()
+_USER_PROPERTY = "cpu_s"
+_started = pytest.StashKey[float]()
 _rows: dict[str, float] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-ledger", metavar="FILE", default=None,
+                     help="write every test's CPU seconds, its own and its processes' (tests/cpu_ledger.py)")
+
+
+def _measuring(config: pytest.Config) -> bool:
+    return bool(config.getoption("--cpu-ledger") or config.stash.get(MEASURE, False))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Iterator[None]:
-    if not item.config.getoption("--cpu-ledger"):
-        yield
-        return
-    before = tree_cpu(os.getpid())
+    if _measuring(item.config):
+        item.stash[_started] = tree_cpu(os.getpid())
     yield
-    _rows[plain_nodeid(item.nodeid)] = round(tree_cpu(os.getpid()) - before, 2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    # The teardown's report carries the test's figure (setup, call and teardown) to the controller,
+    # as xdist carries every report.
+    if call.when == "teardown" and _started in item.stash:
+        item.user_properties.append((_USER_PROPERTY, round(tree_cpu(os.getpid()) - item.stash[_started], 2)))
+    yield
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == _USER_PROPERTY:
+            _rows[plain_nodeid(report.nodeid)] = float(value)
+
+
+def cpu_rows() -> dict[str, float]:
+    """Node id -> CPU seconds of every test this process has seen reported (the controller: all)."""
+    return dict(_rows)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = session.config.getoption("--cpu-ledger")
-    if not path:
-        return
-    workerinput = getattr(session.config, "workerinput", None)
-    if workerinput is not None:  # a worker leaves its rows beside FILE; the controller merges them
-        Path(f"{path}.{workerinput['workerid']}").write_text(json.dumps(_rows))
-        return
-    rows = dict(_rows)
-    for part in sorted(Path(path).parent.glob(f"{Path(path).name}.*")):
-        rows.update(json.loads(part.read_text()))
-        part.unlink()
-    Path(path).write_text(json.dumps(dict(sorted(rows.items(), key=lambda kv: -kv[1])), indent=0) + "\n")
+    if path and not hasattr(session.config, "workerinput"):
+        Path(path).write_text(json.dumps(dict(sorted(_rows.items(), key=lambda kv: -kv[1])), indent=0) + "\n")
