@@ -40,6 +40,10 @@ lint: setup-dev
 ## minute would otherwise run alone on one core before the suite starts. Workers: one more than the
 ## 2-core machine's cores, since many tests wait on processes, timers and sockets (TEST_WORKERS=N).
 TEST_WORKERS ?= 3
+# Bytecode is written (an environment's PYTHONDONTWRITEBYTECODE=1 would have every fresh
+# interpreter compile the repository's modules again, and every worker rewrite the test modules'
+# asserts, about 7 CPU-seconds each); shipped archives and drill images leave __pycache__ out.
+test test-fast: export PYTHONDONTWRITEBYTECODE =
 test: setup-dev
 	$(PY) -m ruff check .
 	$(PY) -m mypy & types=$$!; \

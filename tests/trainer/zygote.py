@@ -330,6 +330,11 @@ def main() -> None:
     import trainer.tasks.gpt  # noqa: F401
     import trainer.train  # noqa: F401
 
+    # What the imports made is shared with every child, copy on write: frozen, a child's collector
+    # never walks it (a full collection would touch every page of it, costing CPU and copies).
+    import gc
+    gc.collect()
+    gc.freeze()
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # nothing a child inherits can write into the replies
