@@ -10,18 +10,18 @@ process tree's, `tests/cpu_ledger.py`) from a whole run, `[wall, cpu]` (`pytest 
   that the file does not record at FAST_S seconds or more; a new test there runs in the inner loop
   until the file is recorded again.
 - **The longest first.** The collection is ordered by blocks: an `xdist_group` by its total, any
-  other test with its module by the module's total (a module's tests stay together, in their order,
-  so that a module-scoped fixture is set up once a worker). loadgroup hands out the units in that
-  order, so a 4-minute drill never starts last while the other workers idle.
+  other test with its module by the module's total (a module's tests stay together, in their order).
+  The scheduler hands out each block whole, in that order, so a 4-minute drill never starts last
+  while the other workers idle, and a module-scoped fixture is set up once.
 - **Lanes.** The tests that start several processes each (`MULTI`) are dealt into one lane fewer
   than the workers, so that at most that many run at once.
 - **Waiting beside computing.** Many tests mostly wait (on a VM's timers, a lease's TTL, a
   retry's backoff). Three of them at once on two cores leave the cores idle, and in the order by
   length they came together (the VM tests of similar lengths, the small timer tests at the end).
-  `CpuAwareScheduling` hands a worker the next *light* block (one that kept under LIGHT of a core
-  busy in the recorded run) only while fewer than `workers - cores` other workers run one;
-  otherwise the next block that computes, so that n workers on c cores idle only when more than
-  n - c of them wait. Among the blocks it may take, the longest still comes first.
+  `CpuAwareScheduling` keeps `workers - cores` *light* blocks (under LIGHT of a core busy in the
+  recorded run) running beside the others: a worker takes the longest light block while fewer than
+  that run elsewhere, else the longest block that computes, so that the light ones are spread over
+  the run instead of filling its end. A block of LONG_S or more starts by its length whatever it is.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ MULTI = "torchrun"
 #: a VM's timers, a retry's backoff): the suite's lightest computing blocks used 0.4-0.5 of a core
 #: while three workers shared two cores, its waiting ones 0.03-0.37.
 LIGHT = 0.4
+#: A block this long (a lane, the pool drill, a module of VM drills) goes first by its length, light
+#: or not: the suite runs for about 900 s, and such a block started late would run on alone.
+LONG_S = 100.0
 
 
 # --- the recorded timings --------------------------------------------------------------------------
@@ -69,20 +72,29 @@ def block_of(nodeid: str) -> str:
     return f"group:{nodeid[len(plain) + 1:]}" if plain != nodeid else plain.partition("::")[0]
 
 
-def light_blocks(nodeids: Iterable[str], known: dict[str, tuple[float, float | None]]) -> set[str]:
-    """The blocks that mostly waited in the recorded run (CPU under LIGHT of their wall). A block
-    with a test the file does not know, or knows without CPU, counts as computing."""
-    wall: dict[str, float] = {}
-    cpu: dict[str, float] = {}
-    unknown: set[str] = set()
+def _block_seconds(nodeids: Iterable[str],
+                   known: dict[str, tuple[float, float | None]]) -> dict[str, tuple[float, float | None]]:
+    """Block -> (wall, CPU) seconds, the sums of its tests' (CPU None when a test's is not known;
+    a test the file does not know counts FAST_S of wall)."""
+    out: dict[str, tuple[float, float | None]] = {}
     for nodeid in nodeids:
         block = block_of(nodeid)
         w, c = known.get(plain_nodeid(nodeid), (FAST_S, None))
-        wall[block] = wall.get(block, 0.0) + w
-        cpu[block] = cpu.get(block, 0.0) + (c or 0.0)
-        if c is None:
-            unknown.add(block)
-    return {b for b, w in wall.items() if b not in unknown and cpu[b] < LIGHT * w}
+        wall, cpu = out.get(block, (0.0, 0.0))
+        out[block] = (wall + w, None if cpu is None or c is None else cpu + c)
+    return out
+
+
+def light_blocks(nodeids: Iterable[str], known: dict[str, tuple[float, float | None]]) -> set[str]:
+    """The blocks that mostly waited in the recorded run (CPU under LIGHT of their wall). A block
+    with a test the file does not know, or knows without CPU, counts as computing."""
+    return {b for b, (wall, cpu) in _block_seconds(nodeids, known).items() if cpu is not None and cpu < LIGHT * wall}
+
+
+def long_blocks(nodeids: Iterable[str], known: dict[str, tuple[float, float | None]]) -> set[str]:
+    """The blocks of LONG_S or more: they start in order of length, whatever their kind, so that
+    none starts late and runs on alone."""
+    return {b for b, (wall, _) in _block_seconds(nodeids, known).items() if wall >= LONG_S}
 
 
 # --- collection: the fast tier, the lanes, the longest first ---------------------------------------
@@ -166,17 +178,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # --- distribution: waiting beside computing ---------------------------------------------------------
-def next_unit(queue: list[str], running: list[str], light: set[str], light_at_once: int) -> int:
+def next_unit(queue: list[str], running: list[str], light: set[str], light_at_once: int, long: set[str]) -> int:
     """Which queued unit (by its block, longest first) a worker takes, given the blocks the other
-    workers run: the first, unless it is light while `light_at_once` light ones already run; then
-    the first that computes (the first after all, when only light ones are left)."""
-    if sum(b in light for b in running) < light_at_once:
+    workers run: the first when its block is long; else the first light one while fewer than
+    `light_at_once` light ones run, the first that computes otherwise (the first of either kind when
+    the other is used up)."""
+    if queue[0] in long:
         return 0
-    return next((i for i, block in enumerate(queue) if block not in light), 0)
+    want_light = sum(b in light for b in running) < light_at_once
+    return next((i for i, block in enumerate(queue) if (block in light) == want_light), 0)
 
 
 class CpuAwareScheduling(LoadGroupScheduling):
-    """xdist's loadgroup, choosing the next unit with `next_unit` (module docstring)."""
+    """xdist's loadgroup with two changes: a test outside any group goes with its module (one worker
+    runs the module whole, so that a module-scoped fixture, a synthesis or a deployment, is made
+    once, never again on each worker that took one of its tests), and `next_unit` chooses which unit
+    a worker takes next (module docstring)."""
 
     def __init__(self, config: pytest.Config, log: Any = None,
                  known: dict[str, tuple[float, float | None]] | None = None, cores: int | None = None) -> None:
@@ -184,6 +201,10 @@ class CpuAwareScheduling(LoadGroupScheduling):
         self.known = timings() if known is None else known
         self.cores = len(os.sched_getaffinity(0)) if cores is None else cores
         self._light: set[str] | None = None
+        self._long: set[str] = set()
+
+    def _split_scope(self, nodeid: str) -> str:
+        return block_of(nodeid)
 
     @staticmethod
     def _first_block(unit: dict[str, bool]) -> str | None:
@@ -192,11 +213,13 @@ class CpuAwareScheduling(LoadGroupScheduling):
     def _assign_work_unit(self, node: Any) -> None:
         if self._light is None:  # the collection is complete from the first assignment on
             self._light = light_blocks(self.collection or [], self.known)
+            self._long = long_blocks(self.collection or [], self.known)
         running = [b for other, units in self.assigned_work.items() if other is not node
                    for b in [next(filter(None, map(self._first_block, units.values())), None)] if b is not None]
         queued = list(self.workqueue.items())
         light_at_once = max(1, len(self.nodes) - self.cores)
-        pick = next_unit([block_of(next(iter(unit))) for _, unit in queued], running, self._light, light_at_once)
+        pick = next_unit([block_of(next(iter(unit))) for _, unit in queued], running, self._light, light_at_once,
+                         self._long)
         self.workqueue.move_to_end(queued[pick][0], last=False)
         super()._assign_work_unit(node)
 
@@ -231,5 +254,5 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                          + "\n}\n")
 
 
-__all__ = ["CpuAwareScheduling", "DURATIONS", "FAST_S", "LIGHT", "MULTI", "SLOW_PATHS", "block_of", "light_blocks",
-           "next_unit", "timings"]
+__all__ = ["CpuAwareScheduling", "DURATIONS", "FAST_S", "LIGHT", "LONG_S", "MULTI", "SLOW_PATHS", "block_of", "light_blocks",
+           "long_blocks", "next_unit", "timings"]

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from xdist.scheduler import LoadGroupScheduling
 
-from tests.scheduling import MULTI, CpuAwareScheduling, _deal_into_lanes, block_of, light_blocks, next_unit
+from tests.scheduling import (MULTI, CpuAwareScheduling, _deal_into_lanes, block_of, light_blocks, long_blocks,
+                              next_unit)
 
 
 class _Item:
@@ -51,13 +52,16 @@ def test_the_dealing_is_the_same_for_the_same_collection() -> None:
 
 
 # --- waiting beside computing -------------------------------------------------------------------
-def test_a_light_block_waits_while_another_runs_and_the_longest_computing_one_goes_instead() -> None:
+def test_one_light_block_runs_beside_the_others_and_a_long_block_goes_by_its_length() -> None:
     light = {"lease.py", "boot.py", "scale.py"}
-    queue = ["lease.py", "stacks.py", "boot.py", "gpu.py"]
-    assert next_unit(queue, ["gpu.py", "fsdp.py"], light, 1) == 0  # the others compute: the longest first
-    assert next_unit(queue, ["scale.py", "fsdp.py"], light, 1) == 1  # one waits already: the next that computes
-    assert next_unit(queue, ["scale.py", "fsdp.py"], light, 2) == 0  # two may wait at once
-    assert next_unit(["lease.py", "boot.py"], ["scale.py"], light, 1) == 0  # only light ones left
+    queue = ["stacks.py", "lease.py", "gpu.py", "boot.py"]
+    assert next_unit(queue, ["gpu.py", "fsdp.py"], light, 1, set()) == 1  # none waits: the longest light one
+    assert next_unit(queue, ["scale.py", "fsdp.py"], light, 1, set()) == 0  # one waits: the longest that computes
+    assert next_unit(queue[1:], ["scale.py", "fsdp.py"], light, 1, set()) == 1
+    assert next_unit(queue[1:], ["scale.py", "fsdp.py"], light, 2, set()) == 0  # two may wait at once
+    assert next_unit(["lease.py", "boot.py"], ["scale.py"], light, 1, set()) == 0  # only light ones left
+    assert next_unit(["gpu.py"], ["fsdp.py"], light, 1, set()) == 0  # only computing ones left
+    assert next_unit(queue, ["gpu.py"], light, 1, {"stacks.py"}) == 0  # long: by its length
 
 
 def test_a_block_is_light_by_its_recorded_cpu_over_its_wall() -> None:
@@ -100,21 +104,26 @@ def _scheduled(scheduler: Any, collection: list[str]) -> dict[str, list[str]]:
     return {n.gateway.id: [collection[i] for i in n.sent] for n in nodes}
 
 
-def test_three_workers_on_two_cores_never_start_with_three_waiting_tests() -> None:
-    # The order conftest gives them: longest block first. Three blocks mostly wait (a lease's TTL,
-    # a VM's timers), one computes.
+def test_three_workers_on_two_cores_keep_one_waiting_test_beside_two_that_compute() -> None:
+    # The order scheduling.py gives them: longest block first. The drill is long; three blocks mostly
+    # wait (a lease's TTL, a VM's timers), one computes.
     known: dict[str, tuple[float, float | None]] = {
-        "lease.py::a": (20.0, 1.0), "lease.py::b": (20.0, 1.0), "boot.py::a": (30.0, 3.0),
-        "scale.py::a": (25.0, 1.0), "stack.py::a": (5.0, 5.0), "stack.py::b": (5.0, 5.0), "stack.py::c": (5.0, 5.0)}
-    collection = ["boot.py::a", "lease.py::a", "lease.py::b", "scale.py::a", "stack.py::a", "stack.py::b", "stack.py::c"]
+        "drill.py::a": (120.0, 100.0), "boot.py::a": (30.0, 3.0), "lease.py::a": (20.0, 1.0),
+        "lease.py::b": (20.0, 1.0), "scale.py::a": (25.0, 1.0), "stack.py::a": (5.0, 5.0), "stack.py::b": (5.0, 5.0),
+        "stack.py::c": (5.0, 5.0)}
+    collection = ["drill.py::a", "lease.py::a", "lease.py::b", "boot.py::a", "scale.py::a", "stack.py::a",
+                  "stack.py::b", "stack.py::c"]
+    assert long_blocks(collection, known) == {"drill.py"}
     config = SimpleNamespace(getvalue=lambda name: ["popen"] * 3 if name == "tx" else None,
                              option=SimpleNamespace(loadscopereorder=False))
 
-    # xdist's loadgroup hands them out in order: three workers waiting on two idle cores.
+    # xdist's loadgroup hands them out in order: beside the drill, two workers waiting.
     plain = _scheduled(LoadGroupScheduling(config), collection)
-    assert [sent[0] for sent in plain.values()] == ["boot.py::a", "lease.py::a", "lease.py::b"]
+    assert [sent[0] for sent in plain.values()] == ["drill.py::a", "lease.py::a", "lease.py::b"]
 
-    # Ours: one waits beside two that compute; each worker's next test is chosen the same way.
+    # Ours: the long drill first, then one light module beside it and a module that computes, each
+    # module whole on one worker. A worker's next module is chosen the same way: beside a light one
+    # the next that computes (none is left: the first), beside none a light one.
     ours = _scheduled(CpuAwareScheduling(config, known=known, cores=2), collection)
-    assert ours == {"gw0": ["boot.py::a", "lease.py::a"], "gw1": ["stack.py::a", "stack.py::c"],
-                    "gw2": ["stack.py::b", "lease.py::b"]}
+    assert ours == {"gw0": ["drill.py::a", "boot.py::a"], "gw1": ["lease.py::a", "lease.py::b", "scale.py::a"],
+                    "gw2": ["stack.py::a", "stack.py::b", "stack.py::c"]}
