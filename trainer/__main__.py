@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import sys
 
-from trainer import startup_notice
+from trainer import collector, startup_notice
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["run"]:
+        collector.pause()  # until torch and the trainer are loaded (trainer.collector)
         # Before any heavy import: a preemption notice from here on ends in exit 75 with a line,
         # not in death by signal (the other commands keep the default: SIGTERM stops them).
         startup_notice.install()

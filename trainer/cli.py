@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, retry, startup_notice
+from trainer import EXIT_BAD_INPUT, EXIT_PREEMPTED, collector, retry, startup_notice
 from trainer.config import ConfigError, RunConfig, load_export_config, load_run_config, load_status_config
 
 
@@ -295,8 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         notice = startup_notice.pending()
         if notice is not None:  # a notice already: do not even load torch
             return _stopped_before_loading(notice[0])
+        import torch._dynamo  # noqa: F401  (every optimizer's first step imports it: loaded here, collector paused)
+
         from trainer.train import run  # torch loads only once the input is known to be good
 
+        collector.resume()
         outcome = run(cfg, process_start=started)
         if outcome.code == EXIT_BAD_INPUT:
             record_bad_input([outcome.reason])

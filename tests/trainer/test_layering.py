@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Layers, lowest first: a module may import its own layer and those below.
 LAYERS = [
-    ("foundation", ["trainer", "trainer.exit_status", "trainer.startup_notice", "trainer.distributed", "trainer.gpu",
+    ("foundation", ["trainer", "trainer.collector", "trainer.exit_status", "trainer.startup_notice", "trainer.distributed", "trainer.gpu",
                     "trainer.manifest_auth",
                     "trainer.cloud", "trainer.retry", "trainer.shutdown_window", "trainer.untrusted"]),
     ("checkpoint", ["trainer.checkpoint"]),
