@@ -3,6 +3,8 @@ other node's leader by a heartbeat at most once a minute, and a coordinator that
 rendezvous store by its own heartbeat (trainer/cloud/log_shipper.py resets the stall clock on both)."""
 from __future__ import annotations
 
+import signal
+
 import logging
 from types import SimpleNamespace
 
@@ -74,7 +76,14 @@ def test_a_coordinator_that_only_hosts_the_store_beats_until_it_stops(capfd) -> 
             pass
 
     stop = Stop()
-    assert serve("127.0.0.1", free_port(), stop=stop) == 0  # type: ignore[arg-type]
+    # serve() is a process's main: it takes SIGTERM and SIGINT for itself. Given back afterwards, so
+    # that this worker's later tests (the trainer's own handlers) find the defaults.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert serve("127.0.0.1", free_port(), stop=stop) == 0  # type: ignore[arg-type]
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     lines = [m for m in capfd.readouterr().err.splitlines() if TRAINER_LINE.match(m)]
     beats = [parse_message(m) for m in lines if "event=heartbeat" in m]
     assert len(beats) == 2 and all(b["event"] in PROGRESS_EVENTS for b in beats)
