@@ -65,11 +65,16 @@ def timings() -> dict[str, tuple[float, float | None]]:
             for k, v in raw.items()}
 
 
+def _block(plain: str, group: str | None) -> str:
+    """The block of the test `plain` (a node id without a group suffix) in `group`."""
+    return f"group:{group}" if group is not None else plain.partition("::")[0]
+
+
 def block_of(nodeid: str) -> str:
     """The block a test is ordered and scheduled with: its xdist group (the ``@group`` suffix
     loadgroup gives its node id), else its module."""
     plain = plain_nodeid(nodeid)
-    return f"group:{nodeid[len(plain) + 1:]}" if plain != nodeid else plain.partition("::")[0]
+    return _block(plain, nodeid[len(plain) + 1:] if plain != nodeid else None)
 
 
 def _block_seconds(nodeids: Iterable[str],
@@ -168,8 +173,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.fast)
         # A block: an xdist group (one worker runs it whole), else a module, kept together so that a
         # module-scoped fixture is set up once a worker, never again for a test sorted apart.
-        group = _group(item)
-        block = f"group:{group}" if group is not None else base.partition("::")[0]
+        block = _block(base, _group(item))
         total[block] = total.get(block, 0.0) + (seconds if seconds is not None else FAST_S)
         blocks.append(block)
     # Longest block first; inside one, the collection's own order.
@@ -206,21 +210,19 @@ class CpuAwareScheduling(LoadGroupScheduling):
     def _split_scope(self, nodeid: str) -> str:
         return block_of(nodeid)
 
-    @staticmethod
-    def _first_block(unit: dict[str, bool]) -> str | None:
-        return next((block_of(nodeid) for nodeid, done in unit.items() if not done), None)
+    def _running(self, node: Any) -> str | None:
+        """The block `node` runs now: its first unit with a test not yet done (a unit is a block)."""
+        return next((scope for scope, unit in self.assigned_work[node].items() if not all(unit.values())), None)
 
     def _assign_work_unit(self, node: Any) -> None:
         if self._light is None:  # the collection is complete from the first assignment on
             self._light = light_blocks(self.collection or [], self.known)
             self._long = long_blocks(self.collection or [], self.known)
-        running = [b for other, units in self.assigned_work.items() if other is not node
-                   for b in [next(filter(None, map(self._first_block, units.values())), None)] if b is not None]
-        queued = list(self.workqueue.items())
+        running = [b for other in self.assigned_work if other is not node if (b := self._running(other)) is not None]
+        queued = list(self.workqueue)
         light_at_once = max(1, len(self.nodes) - self.cores)
-        pick = next_unit([block_of(next(iter(unit))) for _, unit in queued], running, self._light, light_at_once,
-                         self._long)
-        self.workqueue.move_to_end(queued[pick][0], last=False)
+        pick = next_unit(queued, running, self._light, light_at_once, self._long)
+        self.workqueue.move_to_end(queued[pick], last=False)
         super()._assign_work_unit(node)
 
 
